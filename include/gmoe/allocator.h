@@ -1,0 +1,62 @@
+// gmoe/allocator.h — stream-ordered memory allocation, and owning buffers built on it.
+#pragma once
+
+#include <cstddef>
+#include <memory>
+
+#include "gmoe/stream.h"
+#include "gmoe/tensor.h"
+
+namespace gmoe {
+
+/// Stream-ordered allocator. allocate() returns memory usable by work enqueued on `stream` after
+/// the call; free() releases it after all work enqueued on `stream` before the call. Every scratch
+/// buffer of every op comes from here, so a framework (PyTorch) can plug in its own caching
+/// allocator and keep track of all memory. Implementations must be usable during CUDA graph
+/// capture if ops are to be captured (cudaMallocAsync is).
+class Allocator {
+ public:
+  virtual ~Allocator() = default;
+  /// Allocates `bytes` (may be 0: returns nullptr) on `stream`. Throws gmoe::Error on failure.
+  virtual void* allocate(std::size_t bytes, Stream stream) = 0;
+  /// Frees a pointer returned by allocate() on `stream` (nullptr is a no-op).
+  virtual void free(void* ptr, Stream stream) = 0;
+  /// The device the memory lives on.
+  virtual Device device() const = 0;
+};
+
+/// Process-wide host allocator (aligned malloc; stream ignored).
+Allocator& host_allocator();
+
+/// Process-wide allocator for the current CUDA device built on cudaMallocAsync/cudaFreeAsync
+/// (graph-capturable). Throws gmoe::Error if gmoe was built without CUDA.
+Allocator& cuda_allocator();
+
+/// The default allocator for a device: host_allocator() for the CPU, cuda_allocator() for CUDA.
+Allocator& default_allocator(Device device);
+
+/// An owning buffer from an Allocator, released on the stream it was made on (or on the stream
+/// given to reset()). Move-only.
+class Buffer {
+ public:
+  Buffer() = default;
+  Buffer(Allocator& alloc, std::size_t bytes, Stream stream);
+  Buffer(Buffer&& other) noexcept;
+  Buffer& operator=(Buffer&& other) noexcept;
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  ~Buffer();
+
+  void* data() const { return ptr_; }
+  std::size_t bytes() const { return bytes_; }
+  /// Frees now (stream-ordered on the stream it was made on).
+  void reset();
+
+ private:
+  Allocator* alloc_ = nullptr;
+  void* ptr_ = nullptr;
+  std::size_t bytes_ = 0;
+  Stream stream_ = nullptr;
+};
+
+}  // namespace gmoe

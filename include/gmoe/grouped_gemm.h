@@ -1,0 +1,48 @@
+// gmoe/grouped_gemm.h — grouped GEMM for the three passes of an expert linear layer.
+//
+// With X the grouped input rows [capacity, K], W_e the weight of expert e [N, K] and counts on the
+// device:
+//   fprop  Y_e  = X_e · W_eᵀ        Y  [capacity, N]
+//   dgrad  dX_e = dY_e · W_e        dX [capacity, K]
+//   wgrad  dW_e = dY_eᵀ · X_e       dW [E, N, K]   (reduction length counts[e], possibly 0)
+// Inputs bf16/f16 (f32 on the CPU backend), fp32 accumulation. All tensors of one call live on one
+// device; the op runs on that device's backend. CUDA ops never read counts on the host, never
+// synchronise, and are CUDA-graph capturable: capture once, replay under any routing.
+#pragma once
+
+#include "gmoe/allocator.h"
+#include "gmoe/grouped.h"
+#include "gmoe/stream.h"
+#include "gmoe/tensor.h"
+
+namespace gmoe {
+
+/// Options of the weight-gradient pass.
+struct WgradOptions {
+  /// D = A·B + D: accumulate into the existing contents of dW (fp32 dW only: a main_grad).
+  bool accumulate = false;
+  /// Optional [E] int32 tensor on dW's device. Experts with mask 0 are skipped: their dW is left
+  /// untouched. Experts with a non-zero mask are written (overwritten, or accumulated into when
+  /// `accumulate`). Absent: every expert is written.
+  TensorView expert_mask;
+};
+
+/// fprop: y[rows of e] = x[rows of e] · W_eᵀ for each expert; rows past the real total are zeroed.
+/// x: [capacity, K] bf16/f16; y: [capacity, N], dtype of x (or f32); counts: [E] i32/i64.
+/// `alloc` provides scratch (stream-ordered); nullptr means default_allocator(x.device).
+void grouped_gemm_fprop(const TensorView& x, const ExpertWeights& w, const TensorView& counts,
+                        const TensorView& y, Stream stream = nullptr, Allocator* alloc = nullptr);
+
+/// dgrad: dx[rows of e] = dy[rows of e] · W_e; rows past the real total are zeroed.
+/// dy: [capacity, N]; dx: [capacity, K], dtype of dy (or f32).
+void grouped_gemm_dgrad(const TensorView& dy, const ExpertWeights& w, const TensorView& counts,
+                        const TensorView& dx, Stream stream = nullptr, Allocator* alloc = nullptr);
+
+/// wgrad: dW_e = dy_eᵀ · x_e for each expert. dy: [capacity, N], x: [capacity, K], same dtype.
+/// dw: [E, N, K] stacked or E × [N, K], dtype of x or f32 (f32 required with accumulate). An expert
+/// with no rows gets an exactly-zero dW_e (left unchanged when accumulating).
+void grouped_gemm_wgrad(const TensorView& dy, const TensorView& x, const TensorView& counts,
+                        const ExpertWeights& dw, const WgradOptions& options = {},
+                        Stream stream = nullptr, Allocator* alloc = nullptr);
+
+}  // namespace gmoe

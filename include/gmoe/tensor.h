@@ -1,0 +1,71 @@
+// gmoe/tensor.h — devices and non-owning tensor views.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <initializer_list>
+#include <string>
+
+#include "gmoe/dtype.h"
+
+namespace gmoe {
+
+/// Where memory lives.
+enum class DeviceType : uint8_t { cpu, cuda };
+
+/// A device: CPU, or a CUDA device with its ordinal.
+struct Device {
+  DeviceType type = DeviceType::cpu;
+  int index = 0;  ///< CUDA device ordinal; 0 for the CPU.
+
+  static Device cpu() { return Device{DeviceType::cpu, 0}; }
+  static Device cuda(int index = 0) { return Device{DeviceType::cuda, index}; }
+  bool is_cpu() const { return type == DeviceType::cpu; }
+  bool is_cuda() const { return type == DeviceType::cuda; }
+  bool operator==(const Device& o) const { return type == o.type && index == o.index; }
+  bool operator!=(const Device& o) const { return !(*this == o); }
+  /// "cpu" or "cuda:N".
+  std::string str() const;
+};
+
+/// A non-owning view of a strided tensor: data pointer, dtype, device, and up to kMaxDims 64-bit
+/// sizes and strides (strides in elements). All indexing is 64-bit: tensors past 2^31 elements are
+/// normal in MoE. A default-constructed view is "absent" (data == nullptr, ndim == 0); optional
+/// arguments are passed that way.
+struct TensorView {
+  static constexpr int kMaxDims = 6;
+
+  void* data = nullptr;
+  DType dtype = DType::f32;
+  Device device{};
+  int ndim = 0;
+  std::array<int64_t, kMaxDims> shape{};
+  std::array<int64_t, kMaxDims> strides{};
+
+  TensorView() = default;
+  /// A contiguous (row-major) view of `shape`.
+  TensorView(void* data, DType dtype, Device device, std::initializer_list<int64_t> shape);
+  /// A view with explicit strides (elements).
+  TensorView(void* data, DType dtype, Device device, std::initializer_list<int64_t> shape,
+             std::initializer_list<int64_t> strides);
+
+  /// True when the view refers to something (data != nullptr or a zero-element tensor with a shape).
+  bool defined() const { return data != nullptr || ndim > 0; }
+  int64_t size(int dim) const { return shape[dim < 0 ? dim + ndim : dim]; }
+  int64_t stride(int dim) const { return strides[dim < 0 ? dim + ndim : dim]; }
+  int64_t numel() const;
+  int64_t nbytes() const { return numel() * static_cast<int64_t>(dtype_size(dtype)); }
+  /// Row-major contiguous (strides are the products of the trailing sizes; size-1 dims ignored).
+  bool is_contiguous() const;
+  /// Element pointer at a flat row-major position of a contiguous view.
+  template <typename T>
+  T* ptr() const { return static_cast<T*>(data); }
+  /// A view of index `i` along dimension 0 (drops that dimension).
+  TensorView select0(int64_t i) const;
+  /// "bf16[8, 4096, 7168] on cuda:0".
+  std::string str() const;
+  /// "[8, 4096, 7168]".
+  std::string shape_str() const;
+};
+
+}  // namespace gmoe

@@ -1,0 +1,89 @@
+// src/common/checks.cpp — argument checks shared by the public ops.
+#include "common/checks.h"
+
+#include "common/backend.h"
+#include "gmoe/error.h"
+
+namespace gmoe {
+
+void check_rows(const TensorView& t, const char* name) {
+  GMOE_CHECK(t.defined() && t.ndim == 2, name, ": expected a 2-D tensor [capacity, cols], got ",
+             t.str());
+  GMOE_CHECK(t.stride(1) == 1 || t.size(1) <= 1, name,
+             ": rows must be contiguous (stride(1) == 1), got strides [", t.stride(0), ", ",
+             t.stride(1), "]");
+  GMOE_CHECK(t.stride(0) >= t.size(1) || t.size(0) <= 1, name, ": row stride ", t.stride(0),
+             " is smaller than the row length ", t.size(1));
+  GMOE_CHECK(t.data != nullptr || t.numel() == 0, name, ": null data for ", t.shape_str());
+}
+
+void check_counts(const TensorView& counts, const char* name, Device device) {
+  GMOE_CHECK(counts.defined() && counts.ndim == 1, name, ": expected a 1-D tensor [E], got ",
+             counts.str());
+  GMOE_CHECK(counts.size(0) >= 1, name, ": needs at least one expert, got length 0");
+  GMOE_CHECK(counts.dtype == DType::i32 || counts.dtype == DType::i64, name,
+             ": expected dtype i32 or i64, got ", dtype_name(counts.dtype));
+  GMOE_CHECK(counts.stride(0) == 1 || counts.size(0) == 1, name,
+             ": must be contiguous, got stride ", counts.stride(0));
+  GMOE_CHECK(counts.data != nullptr, name, ": null data");
+  check_same_device(counts.device, device, name);
+}
+
+static void check_expert_matrix(const TensorView& m, const char* name, int64_t e) {
+  GMOE_CHECK(m.stride(1) == 1 || m.size(1) <= 1, name, "[", e,
+             "]: columns must be contiguous (stride 1), got strides [", m.stride(0), ", ",
+             m.stride(1), "]");
+  GMOE_CHECK(m.stride(0) >= m.size(1) || m.size(0) <= 1, name, "[", e, "]: row stride ",
+             m.stride(0), " is smaller than the row length ", m.size(1));
+  GMOE_CHECK(m.data != nullptr || m.numel() == 0, name, "[", e, "]: null data");
+}
+
+void check_expert_weights(const ExpertWeights& w, const char* name) {
+  GMOE_CHECK(w.is_stacked() != !w.list.empty(), name,
+             ": exactly one of the stacked and list layouts must be set");
+  if (w.is_stacked()) {
+    const TensorView& s = w.stacked;
+    GMOE_CHECK(s.ndim == 3, name, ": stacked layout must be [E, N, K], got ", s.str());
+    GMOE_CHECK(s.size(0) >= 1, name, ": needs at least one expert");
+    check_expert_matrix(s.select0(0), name, 0);
+    GMOE_CHECK(s.stride(0) >= s.size(1) * s.stride(1) || s.size(0) <= 1, name,
+               ": expert stride ", s.stride(0), " overlaps the experts (", s.size(1), " rows of stride ",
+               s.stride(1), ")");
+    return;
+  }
+  const TensorView& first = w.list[0];
+  for (size_t e = 0; e < w.list.size(); ++e) {
+    const TensorView& m = w.list[e];
+    GMOE_CHECK(m.ndim == 2, name, "[", e, "]: expected [N, K], got ", m.str());
+    GMOE_CHECK(m.size(0) == first.size(0) && m.size(1) == first.size(1), name, "[", e,
+               "]: every expert must have the shape of expert 0 ", first.shape_str(), ", got ",
+               m.shape_str());
+    GMOE_CHECK(m.dtype == first.dtype, name, "[", e, "]: dtype ", dtype_name(m.dtype),
+               " differs from expert 0's ", dtype_name(first.dtype));
+    GMOE_CHECK(m.device == first.device, name, "[", e, "]: on ", m.device.str(),
+               ", expert 0 is on ", first.device.str());
+    check_expert_matrix(m, name, static_cast<int64_t>(e));
+  }
+}
+
+void check_same_device(Device given, Device expected, const char* name) {
+  GMOE_CHECK(given == expected, name, ": expected a tensor on ", expected.str(), ", got one on ",
+             given.str());
+}
+
+void check_input_dtype(DType t, const char* name) {
+  GMOE_CHECK(t == DType::bf16 || t == DType::f16 || t == DType::f32, name,
+             ": dtype not supported: expected bf16, f16 or f32, got ", dtype_name(t));
+}
+
+void check_output_dtype(DType out, DType in, const char* name) {
+  GMOE_CHECK(out == in || out == DType::f32, name, ": expected dtype ", dtype_name(in),
+             " (the input's) or f32, got ", dtype_name(out));
+}
+
+void check_cuda_compiled(const char* op) {
+  GMOE_CHECK(cuda_backend::compiled(), op,
+             ": tensors are on CUDA but gmoe was built without CUDA");
+}
+
+}  // namespace gmoe

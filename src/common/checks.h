@@ -1,0 +1,26 @@
+// src/common/checks.h — argument checks shared by the public ops. Each throws gmoe::Error naming
+// the argument, what was expected and what was given.
+#pragma once
+
+#include "gmoe/grouped.h"
+#include "gmoe/tensor.h"
+
+namespace gmoe {
+
+/// A 2-D grouped-rows tensor: [capacity, cols], rows contiguous (stride(1) == 1), row stride
+/// >= cols, data present unless empty.
+void check_rows(const TensorView& t, const char* name);
+/// Counts: 1-D i32/i64, contiguous, length >= 1, on `device`.
+void check_counts(const TensorView& counts, const char* name, Device device);
+/// Expert weights: every expert [N, K] with unit column stride and row stride >= K; one dtype and
+/// device across the list; stacked row/expert strides consistent.
+void check_expert_weights(const ExpertWeights& w, const char* name);
+void check_same_device(Device given, Device expected, const char* name);
+/// bf16/f16/f32 (f32 is the CPU reference's; the CUDA backend narrows further).
+void check_input_dtype(DType t, const char* name);
+/// The input dtype or f32.
+void check_output_dtype(DType out, DType in, const char* name);
+/// Throws "<op>: tensors are on CUDA but gmoe was built without CUDA".
+void check_cuda_compiled(const char* op);
+
+}  // namespace gmoe

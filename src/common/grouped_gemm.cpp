@@ -1,0 +1,113 @@
+// src/common/grouped_gemm.cpp — the public grouped GEMM ops: check every host-visible property of
+// the arguments, then dispatch to the backend of the tensors' device.
+#include "gmoe/grouped_gemm.h"
+
+#include "common/backend.h"
+#include "common/checks.h"
+#include "gmoe/error.h"
+
+namespace gmoe {
+namespace {
+
+// What every pass checks about the weights (or the weight gradient) against the grouped rows.
+void check_weights_against(const ExpertWeights& w, const char* name, const TensorView& counts,
+                           int64_t n_expected, int64_t k_expected, Device device) {
+  check_expert_weights(w, name);
+  GMOE_CHECK(w.num_experts() == counts.size(0), name, ": ", w.num_experts(),
+             " experts, but counts has length ", counts.size(0));
+  GMOE_CHECK(w.rows() == n_expected && w.cols() == k_expected, name, ": expected experts of [",
+             n_expected, ", ", k_expected, "], got [", w.rows(), ", ", w.cols(), "]");
+  check_same_device(w.device(), device, name);
+}
+
+void after_op(Device device, Stream stream) {
+  if (device.is_cuda() && debug_sync_enabled()) check_device_errors(stream);
+}
+
+Allocator& pick_allocator(Allocator* alloc, Device device) {
+  if (alloc == nullptr) return default_allocator(device);
+  GMOE_CHECK(alloc->device().type == device.type, "alloc: allocator for ", alloc->device().str(),
+             " used with tensors on ", device.str());
+  return *alloc;
+}
+
+}  // namespace
+
+void grouped_gemm_fprop(const TensorView& x, const ExpertWeights& w, const TensorView& counts,
+                        const TensorView& y, Stream stream, Allocator* alloc) {
+  check_rows(x, "x");
+  check_counts(counts, "counts", x.device);
+  check_input_dtype(x.dtype, "x");
+  check_weights_against(w, "w", counts, w.rows(), x.size(1), x.device);
+  GMOE_CHECK(w.dtype() == x.dtype, "w: dtype must match x (", dtype_name(x.dtype), "), got ",
+             dtype_name(w.dtype()));
+  check_rows(y, "y");
+  check_same_device(y.device, x.device, "y");
+  GMOE_CHECK(y.size(0) == x.size(0) && y.size(1) == w.rows(), "y: expected [", x.size(0), ", ",
+             w.rows(), "], got ", y.shape_str());
+  check_output_dtype(y.dtype, x.dtype, "y");
+  if (x.device.is_cpu()) {
+    cpu_backend::grouped_gemm_fprop(x, w, counts, y);
+  } else {
+    check_cuda_compiled("grouped_gemm_fprop");
+    cuda_backend::grouped_gemm_fprop(x, w, counts, y, stream, pick_allocator(alloc, x.device));
+  }
+  after_op(x.device, stream);
+}
+
+void grouped_gemm_dgrad(const TensorView& dy, const ExpertWeights& w, const TensorView& counts,
+                        const TensorView& dx, Stream stream, Allocator* alloc) {
+  check_rows(dy, "dy");
+  check_counts(counts, "counts", dy.device);
+  check_input_dtype(dy.dtype, "dy");
+  check_weights_against(w, "w", counts, dy.size(1), w.cols(), dy.device);
+  GMOE_CHECK(w.dtype() == dy.dtype, "w: dtype must match dy (", dtype_name(dy.dtype), "), got ",
+             dtype_name(w.dtype()));
+  check_rows(dx, "dx");
+  check_same_device(dx.device, dy.device, "dx");
+  GMOE_CHECK(dx.size(0) == dy.size(0) && dx.size(1) == w.cols(), "dx: expected [", dy.size(0),
+             ", ", w.cols(), "], got ", dx.shape_str());
+  check_output_dtype(dx.dtype, dy.dtype, "dx");
+  if (dy.device.is_cpu()) {
+    cpu_backend::grouped_gemm_dgrad(dy, w, counts, dx);
+  } else {
+    check_cuda_compiled("grouped_gemm_dgrad");
+    cuda_backend::grouped_gemm_dgrad(dy, w, counts, dx, stream, pick_allocator(alloc, dy.device));
+  }
+  after_op(dy.device, stream);
+}
+
+void grouped_gemm_wgrad(const TensorView& dy, const TensorView& x, const TensorView& counts,
+                        const ExpertWeights& dw, const WgradOptions& options, Stream stream,
+                        Allocator* alloc) {
+  check_rows(dy, "dy");
+  check_rows(x, "x");
+  check_same_device(x.device, dy.device, "x");
+  check_counts(counts, "counts", dy.device);
+  check_input_dtype(dy.dtype, "dy");
+  GMOE_CHECK(x.dtype == dy.dtype, "x: dtype must match dy (", dtype_name(dy.dtype), "), got ",
+             dtype_name(x.dtype));
+  GMOE_CHECK(x.size(0) == dy.size(0), "x: expected ", dy.size(0), " rows (the capacity of dy), got ",
+             x.size(0));
+  check_weights_against(dw, "dw", counts, dy.size(1), x.size(1), dy.device);
+  check_output_dtype(dw.dtype(), dy.dtype, "dw");
+  GMOE_CHECK(!options.accumulate || dw.dtype() == DType::f32,
+             "dw: accumulate needs an f32 main_grad, got ", dtype_name(dw.dtype()));
+  if (options.expert_mask.defined()) {
+    const TensorView& m = options.expert_mask;
+    GMOE_CHECK(m.ndim == 1 && m.size(0) == counts.size(0) && m.dtype == DType::i32,
+               "options.expert_mask: expected i32[", counts.size(0), "], got ", m.str());
+    GMOE_CHECK(m.stride(0) == 1 || m.size(0) <= 1, "options.expert_mask: must be contiguous");
+    check_same_device(m.device, dy.device, "options.expert_mask");
+  }
+  if (dy.device.is_cpu()) {
+    cpu_backend::grouped_gemm_wgrad(dy, x, counts, dw, options);
+  } else {
+    check_cuda_compiled("grouped_gemm_wgrad");
+    cuda_backend::grouped_gemm_wgrad(dy, x, counts, dw, options, stream,
+                                     pick_allocator(alloc, dy.device));
+  }
+  after_op(dy.device, stream);
+}
+
+}  // namespace gmoe

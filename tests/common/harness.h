@@ -1,0 +1,155 @@
+// tests/common/harness.h — what every gmoe test suite shares: fresh random inputs (seed printed on
+// failure), owning host tensors, output poisoning, the named shape cases and the one tolerance rule.
+//
+// The tolerance rule (DESIGN.md, "Numerics"): a kernel's output is compared with an exact (fp64)
+// computation on the same rounded inputs. Its largest error may be at most twice the largest error
+// of a reference computed in the kernel's own precision (the CPU backend: f32 accumulation,
+// rounded to the output dtype) plus a small atol. NaN never passes. The relative Frobenius error is
+// reported beside it.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gmoe/grouped.h"
+#include "gmoe/tensor.h"
+
+namespace gmoe::test {
+
+// ---------------------------------------------------------------------------------------------
+// Randomness: a fresh seed for every test (from std::random_device), or GMOE_TEST_SEED to replay.
+
+/// Seed for this test: GMOE_TEST_SEED if set, else fresh.
+uint64_t test_seed();
+
+/// A random generator whose seed is printed with every failure in the scope it lives in.
+class Rng {
+ public:
+  Rng() : Rng(test_seed()) {}
+  explicit Rng(uint64_t seed);
+  uint64_t seed() const { return seed_; }
+  std::mt19937_64& engine() { return engine_; }
+  double uniform(double lo, double hi) { return std::uniform_real_distribution<double>(lo, hi)(engine_); }
+  int64_t integer(int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(engine_); }
+
+ private:
+  uint64_t seed_;
+  std::mt19937_64 engine_;
+  ::testing::ScopedTrace trace_;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Owning host tensors.
+
+/// A contiguous host tensor that owns its bytes; view() gives the TensorView.
+class HostTensor {
+ public:
+  HostTensor() = default;
+  HostTensor(DType dtype, std::vector<int64_t> shape);
+  TensorView view() const;
+  DType dtype() const { return dtype_; }
+  const std::vector<int64_t>& shape() const { return shape_; }
+  int64_t numel() const;
+  void* data() { return bytes_.data(); }
+  const void* data() const { return bytes_.data(); }
+  std::vector<uint8_t>& bytes() { return bytes_; }
+  const std::vector<uint8_t>& bytes() const { return bytes_; }
+  /// Element i as a double (float dtypes and integers).
+  double get(int64_t i) const;
+  void set(int64_t i, double v);
+  std::vector<double> to_double() const;
+
+ private:
+  DType dtype_ = DType::f32;
+  std::vector<int64_t> shape_;
+  std::vector<uint8_t> bytes_;
+};
+
+/// Uniform values in [lo, hi), rounded to the tensor's dtype (so exact references see the same
+/// numbers the kernel sees). Never zeros only: zeros hide unwritten outputs and wrong indexing.
+void fill_random(HostTensor& t, Rng& rng, double lo = -1.0, double hi = 1.0);
+/// Fills float tensors with NaN (integer tensors with 0x5a bytes) so unwritten elements show.
+void poison(HostTensor& t);
+/// Host counts tensor (i32 or i64) from values.
+HostTensor make_counts(const std::vector<int64_t>& counts, DType dtype = DType::i32);
+
+// ---------------------------------------------------------------------------------------------
+// Named shape cases (DESIGN.md, "Testing and measuring").
+
+/// A grouped-GEMM problem: E experts of [N, K], grouped rows [capacity, *] split by counts.
+struct ShapeCase {
+  std::string name;
+  int64_t E = 0, N = 0, K = 0, capacity = 0;
+  std::vector<int64_t> counts;
+  int64_t total() const;
+};
+
+/// Sizes: kSmall keeps fp64 references cheap on a 2-core CPU; kLarge is for GPU suites.
+enum class CaseScale { kSmall, kLarge };
+
+/// Names of the named cases, for test parameterisation: uniform, skewed (Zipf with empty experts
+/// and slack rows past the total), one_expert (every token in one expert), all_empty, zero_total,
+/// ragged (counts not multiples of 8/16/128), dim192, dim1408, dim2880, e1, e128, e256.
+const std::vector<std::string>& named_case_names();
+/// Builds a case with fresh random counts from `rng`.
+ShapeCase make_case(const std::string& name, Rng& rng, CaseScale scale = CaseScale::kSmall);
+/// Zipf(s) counts over E experts in random order, about `empty_every`-th expert empty, summing to
+/// `total` (the BENCHMARKS.md "skewed" split).
+std::vector<int64_t> zipf_counts(int64_t E, int64_t total, double s, int64_t empty_every, Rng& rng);
+
+// ---------------------------------------------------------------------------------------------
+// Tolerances and comparison.
+
+/// Unit roundoff of a dtype's storage (2^-24 f32, 2^-8 bf16, 2^-11 f16).
+double unit_roundoff(DType t);
+
+/// Result of comparing an output with the exact values.
+struct Comparison {
+  double max_abs_err = 0;   ///< max |got - exact|
+  double rel_frobenius = 0; ///< ||got - exact|| / ||exact||
+  int64_t nan_count = 0;    ///< non-finite outputs where the exact value is finite
+  int64_t worst_index = -1;
+};
+Comparison compare(const std::vector<double>& got, const std::vector<double>& exact);
+
+/// The kernel rule: got may be at most 2× as far from exact as own_ref, plus atol; no NaN.
+::testing::AssertionResult within_rule(const std::vector<double>& got,
+                                       const std::vector<double>& own_ref,
+                                       const std::vector<double>& exact, double atol,
+                                       const std::string& what);
+
+/// Bitwise equality of two buffers (for graph replay vs eager, delayed vs immediate).
+::testing::AssertionResult bitwise_equal(const HostTensor& a, const HostTensor& b,
+                                         const std::string& what);
+
+// ---------------------------------------------------------------------------------------------
+// Exact (fp64) grouped GEMM on host tensors, and per-element bounds for the CPU reference.
+
+/// Exact results and, per element, Σ|a·b| (for rounding bounds) of the three passes.
+struct ExactResult {
+  std::vector<double> value;
+  std::vector<double> abs_sum;
+  int64_t reduction = 0;  ///< longest reduction length (K, N, or the largest count)
+};
+/// y[r, n] = Σ_k x[r,k]·w_e[n,k]; rows past the total are 0.
+ExactResult exact_fprop(const HostTensor& x, const std::vector<HostTensor>& w,
+                        const std::vector<int64_t>& counts);
+/// dx[r, k] = Σ_n dy[r,n]·w_e[n,k].
+ExactResult exact_dgrad(const HostTensor& dy, const std::vector<HostTensor>& w,
+                        const std::vector<int64_t>& counts);
+/// dw[e, n, k] = Σ_r dy[r,n]·x[r,k] (+ init when accumulating; masked experts keep init).
+ExactResult exact_wgrad(const HostTensor& dy, const HostTensor& x, const std::vector<int64_t>& counts,
+                        const std::vector<double>* init, const std::vector<int32_t>* mask);
+
+/// Every element within rounding of the output dtype plus f32 accumulation over the reduction:
+/// |got - exact| <= u(out)·|exact| + L·2^-24·Σ|a·b| + half the
+/// subnormal step of the output dtype. Used to test the CPU reference itself.
+::testing::AssertionResult within_reference_bound(const std::vector<double>& got,
+                                                  const ExactResult& exact, DType out_dtype,
+                                                  const std::string& what);
+
+}  // namespace gmoe::test

@@ -1,0 +1,140 @@
+// tests/cpu/test_errors.cpp — bad input gets gmoe::Error naming the argument, what was expected
+// and what was given; and nothing is written when a call is refused.
+#include <gtest/gtest.h>
+
+#include "common/expect_error.h"
+#include "common/gemm_fixture.h"
+#include "common/harness.h"
+#include "gmoe/grouped_gemm.h"
+
+namespace gmoe::test {
+namespace {
+
+struct Small {
+  Rng rng;
+  ShapeCase c;
+  GemmProblem p;
+  HostTensor y;
+  Small() : c(make_case("uniform", rng)), p(c, DType::bf16, rng), y(DType::bf16, {c.capacity, c.N}) {
+    poison(y);
+  }
+  ExpertWeights w() const { return p.weights(Layout::kStacked); }
+};
+
+TEST(Errors, ShapeMismatch) {
+  Small s;
+  HostTensor y_bad(DType::bf16, {s.c.capacity, s.c.N + 1});
+  GMOE_EXPECT_ERROR(grouped_gemm_fprop(s.p.x.view(), s.w(), s.p.counts.view(), y_bad.view()),
+                    "y:", "expected [", "got [");
+  HostTensor x_bad(DType::bf16, {s.c.capacity, s.c.K + 8});
+  GMOE_EXPECT_ERROR(grouped_gemm_fprop(x_bad.view(), s.w(), s.p.counts.view(), s.y.view()), "w:",
+                    "expected experts of");
+  HostTensor dx_bad(DType::bf16, {s.c.capacity + 1, s.c.K});
+  GMOE_EXPECT_ERROR(grouped_gemm_dgrad(s.p.dy.view(), s.w(), s.p.counts.view(), dx_bad.view()), "dx:");
+  HostTensor x_rows(DType::bf16, {s.c.capacity + 3, s.c.K});
+  HostExpertTensor dw(Layout::kStacked, DType::f32, s.c.E, s.c.N, s.c.K);
+  GMOE_EXPECT_ERROR(grouped_gemm_wgrad(s.p.dy.view(), x_rows.view(), s.p.counts.view(), dw.view()),
+                    "x:", "rows");
+  // A list whose experts disagree in shape.
+  std::vector<TensorView> list;
+  for (const HostTensor& t : s.p.w) list.push_back(t.view());
+  HostTensor odd(DType::bf16, {s.c.N, s.c.K - 1});
+  list[3] = odd.view();
+  GMOE_EXPECT_ERROR(grouped_gemm_fprop(s.p.x.view(), ExpertWeights::from_list(list), s.p.counts.view(),
+                                       s.y.view()),
+                    "w[3]", "shape of expert 0");
+  // Nothing was written by any refused call.
+  for (int64_t i = 0; i < s.y.numel(); ++i) ASSERT_TRUE(std::isnan(s.y.get(i)));
+}
+
+TEST(Errors, DtypeNotSupported) {
+  Small s;
+  HostTensor x8(DType::e4m3, {s.c.capacity, s.c.K});
+  GMOE_EXPECT_ERROR(grouped_gemm_fprop(x8.view(), s.w(), s.p.counts.view(), s.y.view()), "x:",
+                    "dtype not supported", "e4m3");
+  HostTensor y16(DType::f16, {s.c.capacity, s.c.N});
+  GMOE_EXPECT_ERROR(grouped_gemm_fprop(s.p.x.view(), s.w(), s.p.counts.view(), y16.view()), "y:",
+                    "bf16", "f16");
+  HostTensor wf(DType::f16, {s.c.E, s.c.N, s.c.K});
+  GMOE_EXPECT_ERROR(grouped_gemm_fprop(s.p.x.view(), ExpertWeights::from_stacked(wf.view()),
+                                       s.p.counts.view(), s.y.view()),
+                    "w:", "must match x");
+  HostExpertTensor dw(Layout::kStacked, DType::bf16, s.c.E, s.c.N, s.c.K);
+  WgradOptions acc;
+  acc.accumulate = true;
+  GMOE_EXPECT_ERROR(grouped_gemm_wgrad(s.p.dy.view(), s.p.x.view(), s.p.counts.view(), dw.view(), acc),
+                    "dw:", "accumulate", "f32");
+}
+
+TEST(Errors, DeviceMismatch) {
+  Small s;
+  TensorView y_gpu = s.y.view();
+  y_gpu.device = Device::cuda(0);
+  GMOE_EXPECT_ERROR(grouped_gemm_fprop(s.p.x.view(), s.w(), s.p.counts.view(), y_gpu), "y:", "cpu",
+                    "cuda:0");
+  TensorView counts_gpu = s.p.counts.view();
+  counts_gpu.device = Device::cuda(0);
+  GMOE_EXPECT_ERROR(grouped_gemm_fprop(s.p.x.view(), s.w(), counts_gpu, s.y.view()), "counts:",
+                    "cuda:0");
+}
+
+TEST(Errors, CountsTensor) {
+  Small s;
+  HostTensor short_counts = make_counts(std::vector<int64_t>(static_cast<size_t>(s.c.E - 1), 1));
+  GMOE_EXPECT_ERROR(grouped_gemm_fprop(s.p.x.view(), s.w(), short_counts.view(), s.y.view()), "w:",
+                    "experts", "counts has length");
+  HostTensor float_counts(DType::f32, {s.c.E});
+  GMOE_EXPECT_ERROR(grouped_gemm_fprop(s.p.x.view(), s.w(), float_counts.view(), s.y.view()),
+                    "counts:", "i32 or i64", "f32");
+  HostTensor counts_2d(DType::i32, {1, s.c.E});
+  GMOE_EXPECT_ERROR(grouped_gemm_fprop(s.p.x.view(), s.w(), counts_2d.view(), s.y.view()), "counts:",
+                    "1-D");
+}
+
+TEST(Errors, CountsPastCapacityAndNegative) {
+  Small s;
+  std::vector<int64_t> over = s.c.counts;
+  over.back() += 1;
+  HostTensor over_t = make_counts(over);
+  GMOE_EXPECT_ERROR(grouped_gemm_fprop(s.p.x.view(), s.w(), over_t.view(), s.y.view()), "counts",
+                    "past the capacity");
+  std::vector<int64_t> neg = s.c.counts;
+  neg[2] = -1;
+  HostTensor neg_t = make_counts(neg, DType::i64);
+  GMOE_EXPECT_ERROR(grouped_gemm_dgrad(s.p.dy.view(), s.w(), neg_t.view(), s.p.x.view()), "counts[2]",
+                    "negative");
+  for (int64_t i = 0; i < s.y.numel(); ++i) ASSERT_TRUE(std::isnan(s.y.get(i)));
+}
+
+TEST(Errors, StridesAndMask) {
+  Small s;
+  TensorView x = s.p.x.view();
+  x.strides[1] = 2;
+  GMOE_EXPECT_ERROR(grouped_gemm_fprop(x, s.w(), s.p.counts.view(), s.y.view()), "x:", "contiguous");
+  TensorView y = s.y.view();
+  y.strides[0] = s.c.N - 1;
+  GMOE_EXPECT_ERROR(grouped_gemm_fprop(s.p.x.view(), s.w(), s.p.counts.view(), y), "y:", "row stride");
+  HostExpertTensor dw(Layout::kList, DType::f32, s.c.E, s.c.N, s.c.K);
+  HostTensor mask(DType::i64, {s.c.E});
+  WgradOptions opt;
+  opt.expert_mask = mask.view();
+  GMOE_EXPECT_ERROR(grouped_gemm_wgrad(s.p.dy.view(), s.p.x.view(), s.p.counts.view(), dw.view(), opt),
+                    "options.expert_mask", "i32[");
+}
+
+TEST(Errors, CudaTensorsWithoutCuda) {
+#ifdef GMOE_WITH_CUDA
+  GTEST_SKIP() << "built with CUDA: the CUDA suites cover CUDA tensors";
+#else
+  Small s;
+  auto on_gpu = [](TensorView v) { v.device = Device::cuda(0); return v; };
+  TensorView wg = s.p.w_stacked.view();
+  wg.device = Device::cuda(0);
+  GMOE_EXPECT_ERROR(grouped_gemm_fprop(on_gpu(s.p.x.view()), ExpertWeights::from_stacked(wg),
+                                       on_gpu(s.p.counts.view()), on_gpu(s.y.view())),
+                    "grouped_gemm_fprop", "built without CUDA");
+#endif
+}
+
+}  // namespace
+}  // namespace gmoe::test
