@@ -1,9 +1,13 @@
 // src/cpu/grouped_gemm_cpu.cpp — the reference grouped GEMM: the oracle for every kernel.
 //
-// All three passes reduce to one routine, C[i][j] = Σ_l A[i][l]·B[j][l] over f32 rows packed from
-// the inputs (inputs are exactly representable in f32), with f32 accumulation in a fixed order:
-// eight interleaved partial sums combined pairwise, so the result is deterministic and the loop
-// vectorises. Parallel over i with OpenMP where available.
+// Plain loops with f32 accumulation in a fixed order, so results are deterministic:
+//   fprop  y[r, n]  = Σ_k x[r,k]·w[n,k]   eight interleaved partial sums over k, combined pairwise;
+//   dgrad  dx[r, :] = Σ_n dy[r,n]·w[n,:]  sequential over n (a row-wise axpy);
+//   wgrad  dw[n, :] = Σ_r dy[r,n]·x[r,:]  sequential over the expert's rows (a row-wise axpy).
+// Every inner loop runs over contiguous memory and converts 16-bit inputs on the fly, so it
+// vectorises and nothing the size of the weights is ever packed or transposed: with few rows per
+// expert (the reduced benchmark suite) the cost stays proportional to the weights read once.
+// Parallel with OpenMP where available.
 #include <algorithm>
 #include <cstdint>
 #include <vector>
@@ -15,58 +19,151 @@
 namespace gmoe::cpu_backend {
 namespace {
 
-float dot(const float* a, const float* b, int64_t n) {
+// Storage types, each with an exact conversion to f32 and a rounding one back.
+struct Bf16 { uint16_t bits; };
+struct F16 { uint16_t bits; };
+inline float to_f32(float v) { return v; }
+inline float to_f32(Bf16 v) { return bits_float(static_cast<uint32_t>(v.bits) << 16); }
+inline float to_f32(F16 v) { return f16_bits_to_float(v.bits); }
+template <typename T> T from_f32(float v);
+template <> inline float from_f32<float>(float v) { return v; }
+template <> inline Bf16 from_f32<Bf16>(float v) { return Bf16{float_to_bf16_bits(v)}; }
+template <> inline F16 from_f32<F16>(float v) { return F16{float_to_f16_bits(v)}; }
+
+// Calls f(T{}) with T the storage type of `dt`.
+template <typename F>
+void with_storage(DType dt, F&& f) {
+  switch (dt) {
+    case DType::f32: f(float{}); return;
+    case DType::bf16: f(Bf16{}); return;
+    case DType::f16: f(F16{}); return;
+    default: GMOE_FAIL("CPU grouped GEMM: dtype ", dtype_name(dt), " not supported");
+  }
+}
+
+template <typename T>
+const T* row_ptr(const TensorView& t, int64_t row) {
+  return static_cast<const T*>(t.data) + row * t.stride(0);
+}
+template <typename T>
+T* row_ptr_mut(const TensorView& t, int64_t row) {
+  return static_cast<T*>(t.data) + row * t.stride(0);
+}
+
+template <typename T>
+float dot(const float* a, const T* b, int64_t n) {
   float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   int64_t l = 0;
   for (; l + 8 <= n; l += 8) {
-    for (int j = 0; j < 8; ++j) acc[j] += a[l + j] * b[l + j];
+    for (int j = 0; j < 8; ++j) acc[j] += a[l + j] * to_f32(b[l + j]);
   }
-  for (int j = 0; l < n; ++l, ++j) acc[j] += a[l] * b[l];
+  for (int j = 0; l < n; ++l, ++j) acc[j] += a[l] * to_f32(b[l]);
   return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
 }
 
-// Rows [row0, row0 + rows) of a 2-D view as packed f32 [rows, cols].
+template <typename T>
+void axpy(float* acc, float a, const T* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) acc[i] += a * to_f32(x[i]);
+}
+
+// Rows [row0, row0 + rows) of a 2-D view as packed f32 [rows, cols] (small: one expert's rows).
+template <typename T>
 std::vector<float> pack_rows(const TensorView& t, int64_t row0, int64_t rows) {
   const int64_t cols = t.size(1);
   std::vector<float> out(static_cast<size_t>(rows * cols));
   for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t c = 0; c < cols; ++c) {
-      out[r * cols + c] = load_float(t.data, t.dtype, (row0 + r) * t.stride(0) + c * t.stride(1));
-    }
+    const T* src = row_ptr<T>(t, row0 + r);
+    for (int64_t c = 0; c < cols; ++c) out[r * cols + c] = to_f32(src[c]);
   }
   return out;
 }
 
-// Rows [row0, row0 + rows) of a 2-D view, transposed: packed f32 [cols, rows].
-std::vector<float> pack_cols(const TensorView& t, int64_t row0, int64_t rows) {
-  const int64_t cols = t.size(1);
-  std::vector<float> out(static_cast<size_t>(rows * cols));
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t c = 0; c < cols; ++c) {
-      out[c * rows + r] = load_float(t.data, t.dtype, (row0 + r) * t.stride(0) + c * t.stride(1));
-    }
-  }
-  return out;
-}
-
-// out[i][j] (through a row stride, dtype-converting store) = Σ_l a[i][l]·b[j][l] (+ out when
-// accumulating).
-void gemm_nt(const std::vector<float>& a, const std::vector<float>& b, int64_t m, int64_t n,
-             int64_t l, void* out, DType out_dtype, int64_t out_row_stride, bool accumulate) {
-#pragma omp parallel for schedule(static)
-  for (int64_t i = 0; i < m; ++i) {
-    for (int64_t j = 0; j < n; ++j) {
-      float v = dot(&a[i * l], &b[j * l], l);
-      const int64_t idx = i * out_row_stride + j;
-      if (accumulate) v += load_float(out, out_dtype, idx);
-      store_float(out, out_dtype, idx, v);
-    }
+template <typename O>
+void store_row(const TensorView& out, int64_t row, const float* acc, bool accumulate) {
+  O* dst = row_ptr_mut<O>(out, row);
+  for (int64_t c = 0; c < out.size(1); ++c) {
+    dst[c] = from_f32<O>(accumulate ? acc[c] + to_f32(dst[c]) : acc[c]);
   }
 }
 
+template <typename O>
 void zero_rows(const TensorView& t, int64_t row0, int64_t row1) {
-  for (int64_t r = row0; r < row1; ++r) {
-    for (int64_t c = 0; c < t.size(1); ++c) store_float(t.data, t.dtype, r * t.stride(0) + c, 0.f);
+  for (int64_t r = row0; r < row1; ++r) std::fill_n(row_ptr_mut<O>(t, r), t.size(1), from_f32<O>(0.f));
+}
+
+template <typename T, typename O>
+void fprop(const TensorView& x, const ExpertWeights& w, const std::vector<int64_t>& off, const TensorView& y) {
+  const int64_t E = w.num_experts(), K = x.size(1), N = w.rows();
+  constexpr int64_t kBlockN = 64;
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t rows = off[e + 1] - off[e];
+    if (rows == 0) continue;
+    const std::vector<float> xe = pack_rows<T>(x, off[e], rows);
+    const TensorView we = w.expert(e);
+    // Blocks of weight rows outermost: each block of W is read from memory once for all rows.
+#pragma omp parallel for schedule(static)
+    for (int64_t n0 = 0; n0 < N; n0 += kBlockN) {
+      const int64_t n1 = std::min(N, n0 + kBlockN);
+      for (int64_t r = 0; r < rows; ++r) {
+        O* dst = row_ptr_mut<O>(y, off[e] + r);
+        for (int64_t n = n0; n < n1; ++n) dst[n] = from_f32<O>(dot(&xe[r * K], row_ptr<T>(we, n), K));
+      }
+    }
+  }
+  zero_rows<O>(y, off[E], y.size(0));
+}
+
+template <typename T, typename O>
+void dgrad(const TensorView& dy, const ExpertWeights& w, const std::vector<int64_t>& off, const TensorView& dx) {
+  const int64_t E = w.num_experts(), N = dy.size(1), K = w.cols();
+  constexpr int64_t kBlockK = 512;
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t rows = off[e + 1] - off[e];
+    if (rows == 0) continue;
+    const std::vector<float> dye = pack_rows<T>(dy, off[e], rows);
+    const TensorView we = w.expert(e);
+#pragma omp parallel for schedule(static)
+    for (int64_t k0 = 0; k0 < K; k0 += kBlockK) {
+      const int64_t kn = std::min(K, k0 + kBlockK) - k0;
+      std::vector<float> acc(static_cast<size_t>(rows * kn), 0.f);
+      for (int64_t n = 0; n < N; ++n) {
+        const T* wrow = row_ptr<T>(we, n) + k0;
+        for (int64_t r = 0; r < rows; ++r) axpy(&acc[r * kn], dye[r * N + n], wrow, kn);
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        O* dst = row_ptr_mut<O>(dx, off[e] + r) + k0;
+        for (int64_t k = 0; k < kn; ++k) dst[k] = from_f32<O>(acc[r * kn + k]);
+      }
+    }
+  }
+  zero_rows<O>(dx, off[E], dx.size(0));
+}
+
+template <typename T, typename O>
+void wgrad(const TensorView& dy, const TensorView& x, const std::vector<int64_t>& off, const ExpertWeights& dw,
+           const WgradOptions& options) {
+  const int64_t E = dw.num_experts(), N = dy.size(1), K = x.size(1);
+  const int32_t* mask = options.expert_mask.defined() ? static_cast<const int32_t*>(options.expert_mask.data) : nullptr;
+  for (int64_t e = 0; e < E; ++e) {
+    if (mask != nullptr && mask[e] == 0) continue;  // masked out: left untouched
+    const TensorView dwe = dw.expert(e);
+    const int64_t rows = off[e + 1] - off[e];
+    if (rows == 0) {
+      if (!options.accumulate) zero_rows<O>(dwe, 0, N);  // accumulating nothing leaves it as it is
+      continue;
+    }
+    const std::vector<float> xe = pack_rows<T>(x, off[e], rows);
+    const std::vector<float> dye = pack_rows<T>(dy, off[e], rows);
+#pragma omp parallel
+    {
+      std::vector<float> acc(static_cast<size_t>(K));
+#pragma omp for schedule(static)
+      for (int64_t n = 0; n < N; ++n) {
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t r = 0; r < rows; ++r) axpy(acc.data(), dye[r * N + n], &xe[r * K], K);
+        store_row<O>(dwe, n, acc.data(), options.accumulate);
+      }
+    }
   }
 }
 
@@ -75,52 +172,25 @@ void zero_rows(const TensorView& t, int64_t row0, int64_t row1) {
 void grouped_gemm_fprop(const TensorView& x, const ExpertWeights& w, const TensorView& counts,
                         const TensorView& y) {
   const std::vector<int64_t> off = host_group_offsets(counts, x.size(0));
-  const int64_t E = counts.size(0), K = x.size(1), N = w.rows();
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t rows = off[e + 1] - off[e];
-    if (rows == 0) continue;
-    const std::vector<float> xe = pack_rows(x, off[e], rows);
-    const std::vector<float> we = pack_rows(w.expert(e), 0, N);
-    void* ye = static_cast<char*>(y.data) + off[e] * y.stride(0) * int64_t(dtype_size(y.dtype));
-    gemm_nt(xe, we, rows, N, K, ye, y.dtype, y.stride(0), false);
-  }
-  zero_rows(y, off[E], y.size(0));
+  with_storage(x.dtype, [&](auto t) {
+    with_storage(y.dtype, [&](auto o) { fprop<decltype(t), decltype(o)>(x, w, off, y); });
+  });
 }
 
 void grouped_gemm_dgrad(const TensorView& dy, const ExpertWeights& w, const TensorView& counts,
                         const TensorView& dx) {
   const std::vector<int64_t> off = host_group_offsets(counts, dy.size(0));
-  const int64_t E = counts.size(0), N = dy.size(1), K = w.cols();
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t rows = off[e + 1] - off[e];
-    if (rows == 0) continue;
-    const std::vector<float> dye = pack_rows(dy, off[e], rows);
-    const std::vector<float> wt = pack_cols(w.expert(e), 0, N);  // [K, N]
-    void* dxe = static_cast<char*>(dx.data) + off[e] * dx.stride(0) * int64_t(dtype_size(dx.dtype));
-    gemm_nt(dye, wt, rows, K, N, dxe, dx.dtype, dx.stride(0), false);
-  }
-  zero_rows(dx, off[E], dx.size(0));
+  with_storage(dy.dtype, [&](auto t) {
+    with_storage(dx.dtype, [&](auto o) { dgrad<decltype(t), decltype(o)>(dy, w, off, dx); });
+  });
 }
 
 void grouped_gemm_wgrad(const TensorView& dy, const TensorView& x, const TensorView& counts,
                         const ExpertWeights& dw, const WgradOptions& options) {
   const std::vector<int64_t> off = host_group_offsets(counts, dy.size(0));
-  const int64_t E = counts.size(0), N = dy.size(1), K = x.size(1);
-  const int32_t* mask = options.expert_mask.defined()
-                            ? static_cast<const int32_t*>(options.expert_mask.data)
-                            : nullptr;
-  for (int64_t e = 0; e < E; ++e) {
-    if (mask != nullptr && mask[e] == 0) continue;
-    const TensorView dwe = dw.expert(e);
-    const int64_t rows = off[e + 1] - off[e];
-    if (rows == 0) {
-      if (!options.accumulate) zero_rows(dwe, 0, N);
-      continue;
-    }
-    const std::vector<float> dyt = pack_cols(dy, off[e], rows);  // [N, rows]
-    const std::vector<float> xt = pack_cols(x, off[e], rows);    // [K, rows]
-    gemm_nt(dyt, xt, N, K, rows, dwe.data, dwe.dtype, dwe.stride(0), options.accumulate);
-  }
+  with_storage(dy.dtype, [&](auto t) {
+    with_storage(dw.dtype(), [&](auto o) { wgrad<decltype(t), decltype(o)>(dy, x, off, dw, options); });
+  });
 }
 
 }  // namespace gmoe::cpu_backend

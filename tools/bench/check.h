@@ -1,0 +1,45 @@
+// tools/bench/check.h — correctness before timing: sampled fp64 checks of a pass's output.
+//
+// A few hundred output elements, chosen at random across every expert, are recomputed exactly
+// (fp64) and in the kernel's own precision (f32 sequential accumulation, rounded to the output
+// dtype). The pass is correct when its largest sampled error is at most twice the own-precision
+// reference's plus one rounding unit at the outputs' RMS (DESIGN.md's rule, on a sample), and when
+// no output element anywhere is non-finite (outputs are poisoned with NaN before the run).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "bench/suite.h"
+#include "gmoe/dtype.h"
+
+namespace gmoe::bench {
+
+/// Host copies of a gemm case's inputs (row-major, dtype bf16/f16).
+struct GemmHostData {
+  DType dtype = DType::bf16;
+  int64_t E = 0, rows = 0, N = 0, K = 0;
+  std::vector<int64_t> offsets;  ///< E + 1 prefix sums of the counts
+  const void* x = nullptr;       ///< [rows, K]
+  const void* w = nullptr;       ///< [E, N, K]
+  const void* dy = nullptr;      ///< [rows, N]
+};
+
+struct CheckResult {
+  bool ok = false;
+  std::string detail;
+};
+
+/// pass: "fprop" (out [rows, N]), "dgrad" (out [rows, K]) or "wgrad" (out [E, N, K]).
+CheckResult check_pass(const GemmHostData& d, const std::string& pass, const void* out, DType out_dtype,
+                       int samples, uint64_t seed);
+
+/// Fills `n` elements of a bf16/f16 buffer with uniform values in [-1, 1), reproducibly from
+/// (seed, index), in parallel.
+void fill_uniform_host(void* data, DType dtype, int64_t n, uint64_t seed);
+
+/// Offsets (E + 1) of counts.
+std::vector<int64_t> prefix_offsets(const std::vector<int64_t>& counts);
+
+}  // namespace gmoe::bench

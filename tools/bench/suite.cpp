@@ -1,0 +1,95 @@
+// tools/bench/suite.cpp — suite file loading and row scaling.
+#include "bench/suite.h"
+
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <numeric>
+
+#include <nlohmann/json.hpp>
+
+#include "gmoe/error.h"
+
+namespace gmoe::bench {
+
+Suite load_suite(const std::string& path) {
+  std::ifstream in(path);
+  GMOE_CHECK(in.good(), "suite file '", path, "' cannot be opened");
+  nlohmann::json j;
+  try {
+    in >> j;
+  } catch (const nlohmann::json::exception& e) {
+    GMOE_FAIL("suite file '", path, "' is not valid JSON: ", e.what());
+  }
+  GMOE_CHECK(j.contains("cases") && j["cases"].is_array(), "suite file '", path,
+             "' has no \"cases\" array");
+  Suite s;
+  s.name = path.substr(path.find_last_of('/') + 1);
+  s.name = s.name.substr(0, s.name.find('.'));
+  for (const auto& jc : j["cases"]) {
+    BenchCase c;
+    try {
+      c.kind = jc.at("kind").get<std::string>();
+      c.name = jc.at("name").get<std::string>();
+      c.E = jc.at("E").get<int64_t>();
+      c.rows = jc.at("rows").get<int64_t>();
+      c.counts = jc.at("counts").get<std::vector<int64_t>>();
+      if (c.kind == "gemm") {
+        c.K = jc.at("K").get<int64_t>();
+        c.N = jc.at("N").get<int64_t>();
+      } else if (c.kind == "mlp") {
+        c.hidden = jc.at("hidden").get<int64_t>();
+        c.ffn = jc.at("ffn").get<int64_t>();
+        c.activation = jc.value("activation", std::string("swiglu"));
+      }
+    } catch (const nlohmann::json::exception& e) {
+      GMOE_FAIL("suite file '", path, "': case ", s.cases.size(), ": ", e.what());
+    }
+    GMOE_CHECK(c.kind == "gemm" || c.kind == "mlp", "suite '", path, "' case '", c.name,
+               "': unknown kind '", c.kind, "'");
+    GMOE_CHECK(static_cast<int64_t>(c.counts.size()) == c.E, "suite '", path, "' case '", c.name,
+               "': ", c.counts.size(), " counts for E = ", c.E);
+    for (int64_t v : c.counts) {
+      GMOE_CHECK(v >= 0, "suite '", path, "' case '", c.name, "': negative count ", v);
+    }
+    const int64_t total = std::accumulate(c.counts.begin(), c.counts.end(), int64_t{0});
+    GMOE_CHECK(total == c.rows, "suite '", path, "' case '", c.name, "': counts sum to ", total,
+               ", rows is ", c.rows);
+    s.cases.push_back(std::move(c));
+  }
+  return s;
+}
+
+BenchCase scale_rows(const BenchCase& c, double factor) {
+  if (factor >= 1.0) return c;
+  BenchCase s = c;
+  const int64_t E = c.E;
+  std::vector<double> exact(E);
+  std::vector<int64_t> counts(E);
+  int64_t total = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    exact[e] = c.counts[e] * factor;
+    counts[e] = c.counts[e] == 0 ? 0 : std::max<int64_t>(1, static_cast<int64_t>(std::floor(exact[e])));
+    total += counts[e];
+  }
+  const int64_t target = std::max<int64_t>(total, static_cast<int64_t>(std::llround(c.rows * factor)));
+  std::vector<int64_t> order(E);
+  std::iota(order.begin(), order.end(), 0);
+  std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    return exact[a] - std::floor(exact[a]) > exact[b] - std::floor(exact[b]);
+  });
+  for (int64_t i = 0; total < target; i = (i + 1) % E) {
+    if (c.counts[order[i]] == 0) continue;
+    ++counts[order[i]];
+    ++total;
+  }
+  s.counts = counts;
+  s.rows = total;
+  return s;
+}
+
+double gemm_flops(const BenchCase& c) {
+  return 2.0 * static_cast<double>(c.rows) * static_cast<double>(c.N) * static_cast<double>(c.K);
+}
+
+}  // namespace gmoe::bench

@@ -1,0 +1,115 @@
+// tools/gmoe_bench.cpp — gmoe-bench: runs a benchmark suite, checking correctness before timing.
+//
+//   gmoe-bench [--suite bench/suites/public.json] [--backend auto|cpu|cuda] [--json F] [--markdown F]
+//
+// On a GPU (sm_90) it runs the CUDA backend on the suite as given, with the cuBLAS baselines in the
+// same run. Without one it runs the CPU reference backend on a reduced suite: the same cases with
+// rows scaled down (counts scaled keeping empty experts empty and the skew) so that the whole run
+// takes about a minute. Exits non-zero when any correctness check fails.
+#include <CLI/CLI.hpp>
+
+#include <chrono>
+#include <cstdio>
+#include <ctime>
+#include <string>
+#include <vector>
+
+#include "bench/results.h"
+#include "bench/runner.h"
+#include "bench/suite.h"
+#include "gmoe/error.h"
+
+#ifndef GMOE_WITH_CUDA
+namespace gmoe::bench {
+bool cuda_available(std::string*) { return false; }
+std::vector<ResultRow> run_gemm_case_cuda(const BenchCase&, const BenchOptions&) {
+  GMOE_FAIL("gmoe-bench was built without CUDA");
+}
+}  // namespace gmoe::bench
+#endif
+
+namespace {
+
+std::string today() {
+  const std::time_t t = std::time(nullptr);
+  char buf[16];
+  std::strftime(buf, sizeof buf, "%Y-%m-%d", std::gmtime(&t));
+  return buf;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  using namespace gmoe::bench;
+  CLI::App app{"gmoe-bench: grouped GEMM and expert-layer benchmarks (correctness first, then timing)"};
+  std::string suite_path = "bench/suites/public.json", backend = "auto", json_path, md_path, filter,
+              dtype = "bf16";
+  double cpu_gflop = 0.5;
+  BenchOptions o;
+  bool no_baselines = false;
+  app.add_option("--suite", suite_path, "suite file (format of bench/suites/public.json)");
+  app.add_option("--backend", backend, "auto (CUDA when an sm_90 GPU is present), cpu or cuda")
+      ->check(CLI::IsMember({"auto", "cpu", "cuda"}));
+  app.add_option("--dtype", dtype, "input dtype")->check(CLI::IsMember({"bf16", "f16"}));
+  app.add_option("--case", filter, "only cases whose name contains this");
+  app.add_option("--json", json_path, "write results as JSON (BENCHMARKS.md format)");
+  app.add_option("--markdown", md_path, "write the table as markdown");
+  app.add_option("--iters", o.iters, "timed runs per measurement (median reported)");
+  app.add_option("--warmup", o.warmup, "untimed runs before timing");
+  app.add_option("--samples", o.samples, "sampled elements per correctness check");
+  app.add_option("--seed", o.seed, "input seed");
+  app.add_option("--cpu-gflop", cpu_gflop, "CPU backend: GFLOP per pass the rows are scaled to");
+  app.add_flag("--no-baselines", no_baselines, "skip the cuBLAS baselines");
+  CLI11_PARSE(app, argc, argv);
+  o.baselines = !no_baselines;
+  o.dtype = gmoe::dtype_from_name(dtype);
+
+  try {
+    const Suite suite = load_suite(suite_path);
+    std::string gpu;
+    const bool have_gpu = cuda_available(&gpu);
+    GMOE_CHECK(backend != "cuda" || have_gpu, "--backend cuda: no sm_90 CUDA device is available");
+    const bool use_cuda = backend == "cuda" || (backend == "auto" && have_gpu);
+    if (!use_cuda) {
+      o.iters = std::min(o.iters, 1);
+      o.warmup = 0;
+    }
+    std::printf("gmoe-bench: suite %s (%zu cases) on %s\n", suite.name.c_str(), suite.cases.size(),
+                use_cuda ? gpu.c_str() : "the CPU reference backend (rows scaled down)");
+    std::vector<ResultRow> rows;
+    bool all_correct = true;
+    const auto t0 = std::chrono::steady_clock::now();
+    for (const BenchCase& full : suite.cases) {
+      if (!filter.empty() && full.name.find(filter) == std::string::npos) continue;
+      if (full.kind != "gemm") {
+        std::printf("  %-24s skipped: mlp cases need GroupedMLP, which is not built yet\n", full.name.c_str());
+        continue;
+      }
+      const BenchCase c = use_cuda ? full : scale_rows(full, cpu_gflop * 1e9 / gemm_flops(full));
+      const std::vector<ResultRow> r = use_cuda ? run_gemm_case_cuda(c, o) : run_gemm_case_cpu(c, o);
+      for (const ResultRow& row : r) {
+        if (row.correct && !*row.correct) {
+          all_correct = false;
+          std::printf("  INCORRECT %s %s: %s\n", row.case_name.c_str(), row.pass.c_str(), row.note.c_str());
+        }
+      }
+      std::printf("  %-24s rows %lld, E %lld, N %lld, K %lld: done\n", c.name.c_str(), (long long)c.rows,
+                  (long long)c.E, (long long)c.N, (long long)c.K);
+      std::fflush(stdout);
+      rows.insert(rows.end(), r.begin(), r.end());
+    }
+    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    std::printf("\n");
+    print_table(rows);
+    std::printf("\n%s in %.1f s; correctness: %s\n", use_cuda ? "CUDA backend" : "CPU backend", secs,
+                all_correct ? "all checks passed" : "FAILURES (see above)");
+    const char* commit = std::getenv("GMOE_COMMIT");
+    const RunInfo info{use_cuda ? gpu : "cpu", commit ? commit : "unknown", today(), suite.name};
+    if (!json_path.empty()) write_json(json_path, info, rows);
+    if (!md_path.empty()) write_markdown(md_path, info, rows);
+    return all_correct ? 0 : 1;
+  } catch (const gmoe::Error& e) {
+    std::fprintf(stderr, "gmoe-bench: %s\n", e.what());
+    return 2;
+  }
+}
