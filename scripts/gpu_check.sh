@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# scripts/gpu_check.sh — the one command run on the GPU machine (H100/H200).
+#
+#   scripts/gpu_check.sh [stage ...]     stages: build test sanitize bench (default: all four)
+#
+# build     configure with CUDA and build everything with all cores (build/gpu)
+# test      every test suite, CUDA suites included (ctest)
+# sanitize  compute-sanitizer memcheck on the CUDA test binary, racecheck on a subset
+# bench     gmoe-bench on the public suite (cuBLAS baselines in the same run), then
+#           bench/torch_baseline.py on the same cases, merged by bench/report.py into one table
+#
+# Logs and results go to $OUT (default /tmp/gmoe_out): build.log tests.log sanitizer.log bench.log
+# results.json results.md summary.txt. The machine has no package registry: carry .deps (made by
+# `scripts/setup_deps.sh --bundle`). Set GMOE_COMMIT to the commit being measured. Stages can be
+# split over several calls while the machine stays warm (the build folder is kept).
+set -uo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+OUT="${OUT:-/tmp/gmoe_out}"
+mkdir -p "$OUT"
+BUILD=build/gpu
+stages=("$@")
+[ ${#stages[@]} -eq 0 ] && stages=(build test sanitize bench)
+commit="${GMOE_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
+export GMOE_COMMIT="$commit"
+status=0
+summary() { echo "$*" | tee -a "$OUT/summary.txt"; }
+
+for stage in "${stages[@]}"; do
+  t0=$(date +%s)
+  case "$stage" in
+    build)
+      nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$OUT/summary.txt"
+      scripts/setup_deps.sh >"$OUT/build.log" 2>&1
+      if cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGMOE_WITH_CUDA=ON >>"$OUT/build.log" 2>&1 &&
+         cmake --build "$BUILD" -j "$(nproc)" >>"$OUT/build.log" 2>&1; then
+        summary "build: ok ($(( $(date +%s) - t0 )) s)"
+      else
+        summary "build: FAILED"; tail -40 "$OUT/build.log"; exit 1
+      fi ;;
+    test)
+      if ctest --test-dir "$BUILD" --output-on-failure >"$OUT/tests.log" 2>&1; then r=ok; else r=FAILED; status=1; fi
+      grep -E "tests passed|tests failed|Failed|\*\*\*" "$OUT/tests.log" | tee -a "$OUT/summary.txt"
+      "$BUILD/gmoe_tests_cuda" --gtest_brief=1 2>&1 | grep -E "^\[  (PASSED|FAILED|SKIPPED) " | tee -a "$OUT/summary.txt"
+      summary "test: $r ($(( $(date +%s) - t0 )) s)" ;;
+    sanitize)
+      : >"$OUT/sanitizer.log"
+      for tool in memcheck racecheck; do
+        filter="${GMOE_SANITIZE_FILTER:-*}"
+        [ "$tool" = racecheck ] && filter="${GMOE_RACECHECK_FILTER:-*Graph*:*uniform*}"
+        echo "== compute-sanitizer --tool $tool (filter $filter)" >>"$OUT/sanitizer.log"
+        if timeout 280 compute-sanitizer --tool "$tool" --error-exitcode 99 \
+             "$BUILD/gmoe_tests_cuda" --gtest_brief=1 --gtest_filter="$filter" >>"$OUT/sanitizer.log" 2>&1; then
+          summary "sanitize $tool: clean"
+        else
+          summary "sanitize $tool: FAILED or timed out (rc $?)"; status=1
+        fi
+        grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/sanitizer.log" | tail -1 | tee -a "$OUT/summary.txt"
+      done ;;
+    bench)
+      "$BUILD/gmoe-bench" --suite bench/suites/public.json --json "$OUT/gmoe.json" >"$OUT/bench.log" 2>&1 || status=1
+      tail -5 "$OUT/bench.log" | tee -a "$OUT/summary.txt"
+      PYTHONUNBUFFERED=1 python3 bench/torch_baseline.py --suite bench/suites/public.json \
+        --json "$OUT/torch.json" >>"$OUT/bench.log" 2>&1 || summary "torch baseline: FAILED"
+      python3 bench/report.py "$OUT/gmoe.json" "$OUT/torch.json" --out "$OUT/results.json" \
+        --markdown "$OUT/results.md" | tee -a "$OUT/bench.log"
+      rm -f "$OUT/gmoe.json" "$OUT/torch.json"
+      summary "bench: done ($(( $(date +%s) - t0 )) s)" ;;
+    *) echo "unknown stage '$stage'"; exit 2 ;;
+  esac
+done
+exit $status

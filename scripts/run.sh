@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# scripts/run.sh — the README's main job: set-up, build, and gmoe-bench on the public suite.
+# On a Hopper GPU it runs the CUDA backend with baselines; without one, the CPU reference backend
+# on a reduced suite (rows scaled down; about a minute). Extra arguments go to gmoe-bench.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+scripts/setup_deps.sh >/dev/null
+cmake --preset default >/dev/null
+cmake --build --preset default -j "$(nproc)" --target gmoe-bench
+exec build/default/gmoe-bench --suite bench/suites/public.json "$@"
