@@ -23,6 +23,9 @@ have_header /usr/include/nlohmann/json.hpp || want_pkgs+=(nlohmann-json3-dev)
 have_header /usr/include/CLI/CLI.hpp || want_pkgs+=(libcli11-dev)
 command -v ccache >/dev/null 2>&1 || want_pkgs+=(ccache)
 command -v ninja >/dev/null 2>&1 || want_pkgs+=(ninja-build)
+# clang with libFuzzer's runtime, for the bounded fuzz run of the safetensors parser.
+command -v clang++ >/dev/null 2>&1 || want_pkgs+=(clang)
+ls /usr/lib/llvm-*/lib/clang/*/lib/linux/libclang_rt.fuzzer-x86_64.a >/dev/null 2>&1 || want_pkgs+=(libclang-rt-14-dev)
 if [ ${#want_pkgs[@]} -gt 0 ]; then
   if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && [ ! -d "$deps/bundle" ]; then
     echo "setup_deps: installing ${want_pkgs[*]}"
@@ -31,6 +34,12 @@ if [ ${#want_pkgs[@]} -gt 0 ]; then
   else
     echo "setup_deps: not installing ${want_pkgs[*]} (no apt-get/root, or a bundle is present)"
   fi
+fi
+
+# Python packages of the checkpoint interop tests (files written by and for Python's safetensors).
+if [ ! -d "$deps/bundle" ] && ! python3 -c "import safetensors, numpy" >/dev/null 2>&1; then
+  echo "setup_deps: installing safetensors and numpy from PyPI"
+  python3 -m pip install --quiet safetensors==0.8.0 numpy==2.4.6
 fi
 
 stamp="$deps/cutlass/VERSION"

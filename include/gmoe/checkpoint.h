@@ -107,8 +107,9 @@ class SafetensorsFile {
   const SafetensorsEntry& entry(const std::string& name) const;
   /// First byte of a tensor's data (may be unaligned if the writer did not align; copy with memcpy).
   const uint8_t* bytes(const SafetensorsEntry& e) const;
-  /// A read-only CPU view of a tensor (do not write through it). Throws for dtypes gmoe has no
-  /// DType for and for ranks above TensorView::kMaxDims.
+  /// A read-only CPU view of a tensor (do not write through it), valid while this file or a copy
+  /// of it lives (the view does not own the mapping). Throws for dtypes gmoe has no DType for and
+  /// for ranks above TensorView::kMaxDims.
   TensorView view(const std::string& name) const;
 
  private:
@@ -156,7 +157,7 @@ class Checkpoint {
   const SafetensorsFile& file_of(const std::string& key) const;
   /// First byte of the data of `key`.
   const uint8_t* bytes(const std::string& key) const;
-  /// A read-only CPU view of `key`.
+  /// A read-only CPU view of `key`, valid while this checkpoint or a copy of it lives.
   TensorView view(const std::string& key) const;
   /// The files, in the order of the index (one for a single file).
   const std::vector<SafetensorsFile>& files() const;

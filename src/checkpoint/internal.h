@@ -1,0 +1,57 @@
+// src/checkpoint/internal.h — pieces shared by the checkpoint sources (not public).
+//
+// The writer is built around "producers": a tensor's bytes are handed to the file piece by piece,
+// so a conversion that stacks or splits experts streams one expert at a time instead of holding
+// whole checkpoints in memory.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "gmoe/checkpoint.h"
+
+namespace gmoe {
+namespace ckpt_detail {
+
+/// Receives a piece of a tensor's bytes.
+using ByteSink = std::function<void(const void* data, uint64_t size)>;
+
+/// One tensor to write, whose bytes come from `produce` (which must emit exactly nbytes).
+struct RawTensor {
+  std::string name;
+  std::string dtype_code;  ///< safetensors code ("BF16"); any valid code, gmoe dtype or not
+  std::vector<int64_t> shape;
+  std::function<void(const ByteSink&)> produce;
+};
+
+/// Writes a safetensors file from producers (see save_safetensors for the layout rules).
+void write_safetensors_raw(const std::string& path, std::vector<RawTensor> tensors,
+                           const std::map<std::string, std::string>& metadata,
+                           const ProgressFn& progress);
+
+/// Element size of a safetensors dtype code, or 0 when the code is unknown or not byte-sized.
+int64_t safetensors_code_size(const std::string& code);
+
+/// Natural order: digit runs compare as numbers ("w2" < "w10").
+bool natural_less(const std::string& a, const std::string& b);
+
+/// Emits the bytes of a CPU view of any strides, row-major, in bounded pieces.
+void emit_view_bytes(const TensorView& v, const ByteSink& sink);
+
+/// "[2, 3]".
+std::string shape_string(const std::vector<int64_t>& shape);
+
+/// Shape of a view as a vector.
+std::vector<int64_t> view_shape(const TensorView& v);
+
+/// A contiguous CPU view over `data` with a runtime shape (rank <= TensorView::kMaxDims).
+TensorView make_view(const void* data, DType dtype, const std::vector<int64_t>& shape);
+
+/// Joins strings with a separator, eliding the middle when there are more than `max_items`.
+std::string join_limited(const std::vector<std::string>& items, size_t max_items = 20);
+
+}  // namespace ckpt_detail
+}  // namespace gmoe
