@@ -42,6 +42,15 @@ for stage in "${stages[@]}"; do
       if ctest --test-dir "$BUILD" --output-on-failure >"$OUT/tests.log" 2>&1; then r=ok; else r=FAILED; status=1; fi
       grep -E "tests passed|tests failed|Failed|\*\*\*" "$OUT/tests.log" | tee -a "$OUT/summary.txt"
       "$BUILD/gmoe_tests_cuda" --gtest_brief=1 2>&1 | grep -E "^\[  (PASSED|FAILED|SKIPPED) " | tee -a "$OUT/summary.txt"
+      # The tile heuristic picks one config per shape: force each in turn so every kernel runs.
+      for tile in coop pingpong; do
+        if GMOE_CUDA_TILE=$tile "$BUILD/gmoe_tests_cuda" --gtest_brief=1 \
+             --gtest_filter='LargeCases*:*Graph*:*Tiles*:*e256:*ragged' >>"$OUT/tests.log" 2>&1; then
+          summary "test forced tile $tile: ok"
+        else
+          summary "test forced tile $tile: FAILED"; status=1
+        fi
+      done
       summary "test: $r ($(( $(date +%s) - t0 )) s)" ;;
     sanitize)
       : >"$OUT/sanitizer.log"

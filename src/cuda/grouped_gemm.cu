@@ -1,0 +1,389 @@
+// src/cuda/grouped_gemm.cu — the CUDA backend's grouped GEMM entry points (fprop, dgrad, wgrad).
+//
+// Each call: check what is CUDA-specific (dtypes the kernels take, 16-byte alignment of pointers
+// and row strides for TMA, sizes CUTLASS's 32-bit group extents hold) and throw gmoe::Error before
+// anything is launched; pick a tile configuration from host-known sizes only; take one workspace
+// from the caller's allocator on the stream; then enqueue, all on `stream` and without a sync:
+//   1. prepare (one block): counts -> clamped offsets -> per-expert shapes, pointers, strides;
+//   2. for a list of expert tensors, their pointers, passed by value in kernel parameters;
+//   3. zeros where the GEMM writes nothing: rows past the real total (fprop, dgrad), or dW of
+//      experts without rows (wgrad; not when accumulating or masked);
+//   4. the CUTLASS grouped GEMM, reading the arrays of step 1.
+// Everything is graph-capturable: the counts may change between replays of one captured graph.
+#include <cuda_runtime.h>
+
+#include <climits>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "common/backend.h"
+#include "cuda/cuda_check.h"
+#include "cuda/device_info.h"
+#include "cuda/grouped_gemm_kernels.h"
+#include "cuda/grouped_gemm_prepare.h"
+#include "gmoe/error.h"
+
+namespace gmoe::cuda_backend {
+namespace {
+
+// Average rows per expert from which f32 wgrad uses the cooperative tile (choose_wgrad_tile).
+constexpr int64_t kWgradCoopMinRows = 1024;
+
+// ---------------------------------------------------------------------------------------------
+// The compiled instantiations, and the one place that maps runtime values onto them.
+
+struct KernelEntry {
+  std::size_t (*workspace_bytes)(int sm_count) = nullptr;
+  void (*run)(const GroupedGemmLaunch&, cudaStream_t) = nullptr;
+  bool has_source = false;
+};
+
+template <DType In, DType Out, GemmPass Pass, TileConfig Tile>
+KernelEntry entry() {
+  using K = GroupedGemmKernel<In, Out, Pass, Tile>;
+  return {&K::workspace_bytes, &K::run, Pass == GemmPass::wgrad && Out == DType::f32};
+}
+
+template <DType In, DType Out, GemmPass Pass>
+KernelEntry entry_for_tile(TileConfig tile) {
+  return tile == TileConfig::coop_128x256 ? entry<In, Out, Pass, TileConfig::coop_128x256>()
+                                          : entry<In, Out, Pass, TileConfig::pingpong_128x128>();
+}
+
+template <DType In>
+KernelEntry entry_for_input(DType out, GemmPass pass, TileConfig tile) {
+  switch (pass) {
+    case GemmPass::fprop: return entry_for_tile<In, In, GemmPass::fprop>(tile);
+    case GemmPass::dgrad: return entry_for_tile<In, In, GemmPass::dgrad>(tile);
+    case GemmPass::wgrad:
+      // A 16-bit dW is written at half the bytes of an f32 one: only the cooperative tile.
+      return out == DType::f32 ? entry_for_tile<In, DType::f32, GemmPass::wgrad>(tile)
+                               : entry<In, In, GemmPass::wgrad, TileConfig::coop_128x256>();
+  }
+  GMOE_FAIL("unknown grouped GEMM pass");
+}
+
+KernelEntry find_kernel(DType in, DType out, GemmPass pass, TileConfig tile) {
+  switch (in) {
+    case DType::bf16: return entry_for_input<DType::bf16>(out, pass, tile);
+    case DType::f16: return entry_for_input<DType::f16>(out, pass, tile);
+    default: GMOE_FAIL("no CUDA grouped GEMM for input dtype ", dtype_name(in));
+  }
+}
+
+// GMOE_CUDA_TILE=coop|pingpong (read once) forces a tile wherever both exist, for benchmarking.
+int forced_tile() {
+  static const int forced = [] {
+    const char* env = std::getenv("GMOE_CUDA_TILE");
+    if (env == nullptr) return 0;
+    if (std::strcmp(env, "coop") == 0) return 1;
+    if (std::strcmp(env, "pingpong") == 0) return 2;
+    return 0;
+  }();
+  return forced;
+}
+
+// fprop/dgrad: a group's M is its row count, which only the device knows; the host knows the
+// average, capacity / E. The cooperative 128x256 tile is the fast one when groups fill it (>= 128
+// rows) and there are enough tiles to occupy every SM. Below that, a 128x256 tile computes mostly
+// out-of-range rows or leaves SMs idle; the 128x128 ping-pong tile makes twice as many tiles and
+// overlaps one warpgroup's epilogue with the other's mainloop. Measured on H100 (bf16, K=7168,
+// N=4096): 8 experts x 4096 rows, cooperative 2.51 ms (768 TFLOP/s) vs ping-pong 3.91 ms;
+// 128 x 512 rows, 5.16 vs 5.95 ms; at 128 x 128 rows and below both take ~3 ms, the time to read
+// the 7.5 GB of weights once, so the choice there matters little.
+TileConfig choose_rows_tile(int64_t capacity, int64_t num_experts, int64_t gemm_n, int sms) {
+  if (forced_tile() == 1) return TileConfig::coop_128x256;
+  if (forced_tile() == 2) return TileConfig::pingpong_128x128;
+  const int64_t avg_rows = capacity / num_experts;
+  const int64_t coop_tiles = num_experts * ((avg_rows + 127) / 128) * ((gemm_n + 255) / 256);
+  return (avg_rows >= 128 && coop_tiles >= sms) ? TileConfig::coop_128x256
+                                                : TileConfig::pingpong_128x128;
+}
+
+// wgrad to f32: each output tile costs 2·BM·BN·rows flops in the mainloop and BM·BN·4 bytes in the
+// epilogue. Per SM (~5.6 TFLOP/s, ~23 GB/s of the write bandwidth) the two take equal time near
+// rows = 500, so with fewer than ~1000 rows per expert the dW write is a large share, and the
+// ping-pong schedule hides it behind the other warpgroup's mainloop; the cooperative tile (no
+// overlap, fewer and larger tiles) wins when the reduction is long. Measured on H100 (bf16 in,
+// K=7168, N=4096): 128 experts x 512 rows, ping-pong 8.26 ms vs cooperative 9.25 ms; 8 x 4096
+// rows, cooperative 2.85 ms vs ping-pong 3.81 ms. 16-bit dW: cooperative only.
+TileConfig choose_wgrad_tile(int64_t capacity, int64_t num_experts, DType out) {
+  if (out != DType::f32) return TileConfig::coop_128x256;
+  if (forced_tile() == 1) return TileConfig::coop_128x256;
+  if (forced_tile() == 2) return TileConfig::pingpong_128x128;
+  return capacity / num_experts < kWgradCoopMinRows ? TileConfig::pingpong_128x128
+                                                    : TileConfig::coop_128x256;
+}
+
+// ---------------------------------------------------------------------------------------------
+// CUDA-specific argument checks (the public edge has checked shapes, dtypes, devices, counts).
+
+void check_input_dtype_cuda(DType t, const char* name) {
+  GMOE_CHECK(t == DType::bf16 || t == DType::f16, name,
+             ": the CUDA grouped GEMM takes bf16 or f16 inputs, got ", dtype_name(t));
+}
+
+void check_aligned(const void* p, const char* name) {
+  GMOE_CHECK(reinterpret_cast<std::uintptr_t>(p) % 16 == 0, name,
+             ": the CUDA backend needs 16-byte aligned data (TMA), got address ", p);
+}
+
+void check_stride_bytes(int64_t stride_elems, DType t, const char* name, const char* which) {
+  const int64_t bytes = stride_elems * static_cast<int64_t>(dtype_size(t));
+  GMOE_CHECK(bytes % 16 == 0, name, ": the CUDA backend needs ", which,
+             " that are a multiple of 16 bytes (TMA), got ", stride_elems, " elements = ", bytes,
+             " bytes");
+}
+
+void check_extent(int64_t v, const char* name, const char* what) {
+  GMOE_CHECK(v <= INT32_MAX, name, ": ", what, " of ", v,
+             " exceeds the 32-bit extents of the CUDA grouped GEMM");
+}
+
+void check_rows_cuda(const TensorView& t, const char* name) {
+  check_aligned(t.data, name);
+  check_stride_bytes(t.stride(0), t.dtype, name, "row strides");
+  check_extent(t.size(0), name, "capacity");
+  check_extent(t.size(1), name, "column count");
+}
+
+void check_experts_cuda(const ExpertWeights& w, const char* name) {
+  check_extent(w.rows(), name, "rows");
+  check_extent(w.cols(), name, "columns");
+  GMOE_CHECK(w.num_experts() <= kMaxExperts, name, ": ", w.num_experts(),
+             " experts, the CUDA backend takes at most ", kMaxExperts);
+  if (w.is_stacked()) {
+    check_aligned(w.stacked.data, name);
+    check_stride_bytes(w.stacked.stride(0), w.dtype(), name, "expert strides");
+    check_stride_bytes(w.stacked.stride(1), w.dtype(), name, "row strides");
+  } else {
+    for (const TensorView& t : w.list) {
+      check_aligned(t.data, name);
+      check_stride_bytes(t.stride(0), t.dtype, name, "row strides");
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// One call, planned on the host and enqueued on the stream.
+
+struct Plan {
+  GemmPass pass = GemmPass::fprop;
+  DType in = DType::bf16, out = DType::bf16;
+  PrepareParams prep;
+  const ExpertWeights* experts = nullptr;  // fprop/dgrad: weights (B); wgrad: dW (D, C)
+  bool run_gemm = false;
+  float beta = 0.0f;
+  TileConfig tile = TileConfig::coop_128x256;
+  // fprop/dgrad: the output rows past the real total (all rows when the reduction is empty).
+  void* out_base = nullptr;
+  int64_t out_ld_bytes = 0, out_row_bytes = 0;
+  bool zero_all_rows = false;
+  // wgrad: an expert's dW is [dw_rows, dw_row_bytes].
+  int64_t dw_rows = 0, dw_row_bytes = 0;
+};
+
+std::size_t round_up(std::size_t v) { return (v + 127) / 128 * 128; }
+
+void execute(const Plan& plan, Stream stream, Allocator& alloc) {
+  const int device = current_device();
+  const int sms = sm_count(device);
+  const int E = plan.prep.num_experts;
+  const KernelEntry kernel = find_kernel(plan.in, plan.out, plan.pass, plan.tile);
+  GMOE_CHECK(plan.beta == 0.0f || kernel.has_source,
+             "grouped GEMM: accumulate needs the f32 weight-gradient kernels");
+
+  // One workspace for every array and for CUTLASS (its tensor maps, one set per SM).
+  std::size_t offset = 0;
+  auto take = [&](std::size_t bytes) {
+    const std::size_t at = offset;
+    offset = round_up(offset + bytes);
+    return at;
+  };
+  const std::size_t e = static_cast<std::size_t>(E);
+  const std::size_t o_shapes = take(e * sizeof(GroupShape));
+  const std::size_t o_ptrs = take(4 * e * sizeof(void*));
+  const std::size_t o_strides = take(4 * e * sizeof(int64_t));
+  const std::size_t o_total = take(sizeof(int64_t));
+  const std::size_t o_zero = take(e * sizeof(int32_t));
+  const std::size_t cutlass_bytes = plan.run_gemm ? kernel.workspace_bytes(sms) : 0;
+  const std::size_t o_cutlass = take(cutlass_bytes);
+  Buffer workspace(alloc, offset, stream);
+  char* base = static_cast<char*>(workspace.data());
+
+  GroupedGemmArrays arrays;
+  arrays.shapes = reinterpret_cast<GroupShape*>(base + o_shapes);
+  auto** ptrs = reinterpret_cast<const void**>(base + o_ptrs);
+  arrays.ptr_a = ptrs;
+  arrays.ptr_b = ptrs + e;
+  arrays.ptr_c = ptrs + 2 * e;
+  arrays.ptr_d = const_cast<void**>(ptrs + 3 * e);
+  auto* strides = reinterpret_cast<int64_t*>(base + o_strides);
+  arrays.stride_a = strides;
+  arrays.stride_b = strides + e;
+  arrays.stride_c = strides + 2 * e;
+  arrays.stride_d = strides + 3 * e;
+  arrays.total = reinterpret_cast<int64_t*>(base + o_total);
+  arrays.zero_expert = reinterpret_cast<int32_t*>(base + o_zero);
+
+  launch_prepare(plan.prep, arrays, stream);
+
+  if (!plan.experts->is_stacked()) {
+    std::vector<const void*> host_ptrs(e);
+    std::vector<int64_t> host_lds(e);
+    for (std::size_t i = 0; i < e; ++i) {
+      host_ptrs[i] = plan.experts->list[i].data;
+      host_lds[i] = plan.experts->list[i].stride(0);
+    }
+    if (plan.pass == GemmPass::wgrad) {
+      launch_write_expert_pointers(host_ptrs.data(), host_lds.data(), E,
+                                   const_cast<const void**>(arrays.ptr_d), arrays.stride_d,
+                                   arrays.ptr_c, arrays.stride_c, stream);
+    } else {
+      launch_write_expert_pointers(host_ptrs.data(), host_lds.data(), E, arrays.ptr_b,
+                                   arrays.stride_b, nullptr, nullptr, stream);
+    }
+  }
+
+  if (plan.pass == GemmPass::wgrad) {
+    launch_zero_experts(arrays.ptr_d, arrays.stride_d, static_cast<int32_t>(dtype_size(plan.out)),
+                        plan.dw_rows, plan.dw_row_bytes, arrays.zero_expert, E, sms, stream);
+  } else {
+    launch_zero_rows(plan.out_base, plan.out_ld_bytes, plan.out_row_bytes, plan.prep.capacity,
+                     plan.zero_all_rows ? nullptr : arrays.total, sms, stream);
+  }
+
+  if (plan.run_gemm) {
+    GroupedGemmLaunch launch;
+    launch.num_groups = E;
+    launch.device = device;
+    launch.sm_count = sms;
+    launch.shapes = arrays.shapes;
+    launch.ptr_a = arrays.ptr_a;
+    launch.ptr_b = arrays.ptr_b;
+    launch.ptr_c = arrays.ptr_c;
+    launch.ptr_d = arrays.ptr_d;
+    launch.stride_a = arrays.stride_a;
+    launch.stride_b = arrays.stride_b;
+    launch.stride_c = arrays.stride_c;
+    launch.stride_d = arrays.stride_d;
+    launch.alpha = 1.0f;
+    launch.beta = plan.beta;
+    launch.workspace = base + o_cutlass;
+    launch.workspace_bytes = cutlass_bytes;
+    kernel.run(launch, stream);
+  }
+  // `workspace` is released on `stream` here, after everything above.
+}
+
+PrepareParams common_prepare(GemmPass pass, const TensorView& counts, int64_t capacity) {
+  PrepareParams p;
+  p.pass = pass;
+  p.counts = counts.data;
+  p.counts_i64 = counts.dtype == DType::i64;
+  p.num_experts = static_cast<int32_t>(counts.size(0));
+  p.capacity = capacity;
+  return p;
+}
+
+RowsOperand rows_operand(const TensorView& t) {
+  return {t.data, t.stride(0), static_cast<int32_t>(dtype_size(t.dtype))};
+}
+
+void set_expert_operand(PrepareParams& p, const ExpertWeights& w) {
+  p.expert_stacked = w.is_stacked();
+  if (w.is_stacked()) {
+    p.expert = {w.stacked.data, w.stacked.stride(0), w.stacked.stride(1),
+                static_cast<int32_t>(dtype_size(w.dtype()))};
+  }
+}
+
+// fprop and dgrad differ only in which weight extent is the GEMM's N and which is its reduction.
+void rows_pass(GemmPass pass, const TensorView& a, const ExpertWeights& w, const TensorView& counts,
+               const TensorView& d, Stream stream, Allocator& alloc, const char* a_name,
+               const char* d_name) {
+  check_input_dtype_cuda(a.dtype, a_name);
+  GMOE_CHECK(d.dtype == a.dtype, d_name, ": the CUDA grouped GEMM writes ", d_name,
+             " in the input dtype (", dtype_name(a.dtype), "); ", dtype_name(d.dtype),
+             " output is not implemented");
+  check_rows_cuda(a, a_name);
+  check_rows_cuda(d, d_name);
+  check_experts_cuda(w, "w");
+  GMOE_CHECK(counts.size(0) <= kMaxExperts, "counts: ", counts.size(0),
+             " experts, the CUDA backend takes at most ", kMaxExperts);
+
+  DeviceGuard guard(a.device.index);
+  const int64_t capacity = a.size(0);
+  const int64_t gemm_n = d.size(1);  // fprop: N; dgrad: K
+  const int64_t gemm_k = a.size(1);  // fprop: K; dgrad: N
+  Plan plan;
+  plan.pass = pass;
+  plan.in = a.dtype;
+  plan.out = d.dtype;
+  plan.prep = common_prepare(pass, counts, capacity);
+  plan.prep.gemm_n = static_cast<int32_t>(gemm_n);
+  plan.prep.gemm_k = static_cast<int32_t>(gemm_k);
+  plan.prep.rows_a = rows_operand(a);
+  plan.prep.rows_d = rows_operand(d);
+  set_expert_operand(plan.prep, w);
+  plan.experts = &w;
+  plan.run_gemm = capacity > 0 && gemm_n > 0 && gemm_k > 0;
+  plan.tile = choose_rows_tile(capacity, counts.size(0), gemm_n, sm_count(a.device.index));
+  plan.out_base = d.data;
+  plan.out_ld_bytes = d.stride(0) * static_cast<int64_t>(dtype_size(d.dtype));
+  plan.out_row_bytes = gemm_n * static_cast<int64_t>(dtype_size(d.dtype));
+  plan.zero_all_rows = gemm_k == 0;  // an empty reduction: every row is zero
+  execute(plan, stream, alloc);
+}
+
+}  // namespace
+
+void grouped_gemm_fprop(const TensorView& x, const ExpertWeights& w, const TensorView& counts,
+                        const TensorView& y, Stream stream, Allocator& alloc) {
+  rows_pass(GemmPass::fprop, x, w, counts, y, stream, alloc, "x", "y");
+}
+
+void grouped_gemm_dgrad(const TensorView& dy, const ExpertWeights& w, const TensorView& counts,
+                        const TensorView& dx, Stream stream, Allocator& alloc) {
+  rows_pass(GemmPass::dgrad, dy, w, counts, dx, stream, alloc, "dy", "dx");
+}
+
+void grouped_gemm_wgrad(const TensorView& dy, const TensorView& x, const TensorView& counts,
+                        const ExpertWeights& dw, const WgradOptions& options, Stream stream,
+                        Allocator& alloc) {
+  check_input_dtype_cuda(dy.dtype, "dy");
+  GMOE_CHECK(dw.dtype() == dy.dtype || dw.dtype() == DType::f32, "dw: the CUDA grouped GEMM "
+             "writes dW in the input dtype (", dtype_name(dy.dtype), ") or f32, got ",
+             dtype_name(dw.dtype()));
+  check_rows_cuda(dy, "dy");
+  check_rows_cuda(x, "x");
+  check_experts_cuda(dw, "dw");
+  if (options.expert_mask.defined()) check_aligned(options.expert_mask.data, "options.expert_mask");
+
+  DeviceGuard guard(dy.device.index);
+  const int64_t capacity = dy.size(0);
+  const int64_t n = dy.size(1), k = x.size(1);
+  Plan plan;
+  plan.pass = GemmPass::wgrad;
+  plan.in = dy.dtype;
+  plan.out = dw.dtype();
+  plan.prep = common_prepare(GemmPass::wgrad, counts, capacity);
+  plan.prep.gemm_m = static_cast<int32_t>(n);
+  plan.prep.gemm_n = static_cast<int32_t>(k);
+  plan.prep.rows_a = rows_operand(dy);
+  plan.prep.rows_b = rows_operand(x);
+  set_expert_operand(plan.prep, dw);
+  plan.prep.mask = static_cast<const int32_t*>(options.expert_mask.data);
+  plan.prep.accumulate = options.accumulate;
+  plan.experts = &dw;
+  plan.run_gemm = capacity > 0 && n > 0 && k > 0;
+  plan.beta = options.accumulate ? 1.0f : 0.0f;
+  plan.tile = choose_wgrad_tile(capacity, counts.size(0), dw.dtype());
+  plan.dw_rows = n;
+  plan.dw_row_bytes = k * static_cast<int64_t>(dtype_size(dw.dtype()));
+  execute(plan, stream, alloc);
+}
+
+}  // namespace gmoe::cuda_backend

@@ -1,0 +1,244 @@
+// src/cuda/grouped_gemm_prepare.cu — the device error word, check_device_errors, and the small
+// kernels that prepare and complete a grouped GEMM without the host ever seeing the counts.
+//
+// The error word lives here, beside every kernel that sets bits in it, because without relocatable
+// device code a __device__ variable is visible only inside its own translation unit.
+#include "cuda/grouped_gemm_prepare.h"
+
+#include <cub/block/block_scan.cuh>
+
+#include <algorithm>
+#include <sstream>
+
+#include "common/backend.h"
+#include "cuda/cuda_check.h"
+#include "gmoe/error.h"
+
+namespace gmoe::cuda_backend {
+namespace {
+
+/// Bits from gmoe::DeviceErrorBits, OR-ed in by kernels that clamp what only the device sees.
+__device__ uint32_t g_device_error_word = 0;
+
+constexpr int kPrepareThreads = 1024;
+
+__device__ __forceinline__ int64_t read_count(const void* counts, bool is_i64, int64_t e) {
+  return is_i64 ? static_cast<const int64_t*>(counts)[e]
+                : static_cast<int64_t>(static_cast<const int32_t*>(counts)[e]);
+}
+
+__device__ __forceinline__ const void* offset_ptr(const void* base, int64_t elems, int32_t bytes) {
+  return static_cast<const char*>(base) + elems * static_cast<int64_t>(bytes);
+}
+
+// One block: thread t owns experts [t*per, (t+1)*per). Counts are clamped to [0, capacity] before
+// the scan so the 64-bit prefix cannot overflow (E * capacity < 2^63); offsets and group sizes are
+// then clamped to capacity in closed form, min(prefix, capacity), so no thread depends on another
+// thread's clamping.
+__global__ void __launch_bounds__(kPrepareThreads)
+    prepare_grouped_gemm_kernel(PrepareParams p, GroupedGemmArrays out) {
+  using BlockScan = cub::BlockScan<int64_t, kPrepareThreads>;
+  __shared__ typename BlockScan::TempStorage scan_storage;
+
+  const int E = p.num_experts;
+  const int per = (E + kPrepareThreads - 1) / kPrepareThreads;
+  const int first = threadIdx.x * per;
+  const int last = min(first + per, E);
+
+  uint32_t errors = 0;
+  int64_t local = 0;
+  for (int e = first; e < last; ++e) {
+    int64_t c = read_count(p.counts, p.counts_i64, e);
+    if (c < 0) errors |= kDeviceErrorNegativeCount;
+    local += min(max(c, int64_t{0}), p.capacity);
+  }
+  int64_t prefix = 0;
+  int64_t sum_all = 0;
+  BlockScan(scan_storage).ExclusiveSum(local, prefix, sum_all);
+
+  for (int e = first; e < last; ++e) {
+    const int64_t c = min(max(read_count(p.counts, p.counts_i64, e), int64_t{0}), p.capacity);
+    const int64_t begin = min(prefix, p.capacity);
+    const int64_t end = min(prefix + c, p.capacity);
+    if (prefix + c > p.capacity) errors |= kDeviceErrorCountsPastCapacity;
+    prefix += c;
+    const int32_t rows = static_cast<int32_t>(end - begin);  // capacity < 2^31: host-checked
+
+    if (p.pass == GemmPass::wgrad) {
+      const bool write = p.mask == nullptr || p.mask[e] != 0;
+      const bool active = write && rows > 0;
+      // An inactive expert gets M = 0: CUTLASS schedules no tile for it (a K = 0 group would be
+      // scheduled and store uninitialised accumulators).
+      out.shapes[e] = active ? GroupShape{p.gemm_m, p.gemm_n, rows} : GroupShape{0, p.gemm_n, 0};
+      out.zero_expert[e] = (write && rows == 0 && !p.accumulate) ? 1 : 0;
+      out.ptr_a[e] = offset_ptr(p.rows_a.base, begin * p.rows_a.ld, p.rows_a.elem_bytes);
+      out.stride_a[e] = p.rows_a.ld;
+      out.ptr_b[e] = offset_ptr(p.rows_b.base, begin * p.rows_b.ld, p.rows_b.elem_bytes);
+      out.stride_b[e] = p.rows_b.ld;
+      if (p.expert_stacked) {
+        const void* d = offset_ptr(p.expert.base, e * p.expert.expert_stride, p.expert.elem_bytes);
+        out.ptr_d[e] = const_cast<void*>(d);
+        out.stride_d[e] = p.expert.ld;
+        out.ptr_c[e] = d;
+        out.stride_c[e] = p.expert.ld;
+      }
+    } else {
+      out.shapes[e] = GroupShape{rows, p.gemm_n, p.gemm_k};
+      out.ptr_a[e] = offset_ptr(p.rows_a.base, begin * p.rows_a.ld, p.rows_a.elem_bytes);
+      out.stride_a[e] = p.rows_a.ld;
+      out.ptr_d[e] =
+          const_cast<void*>(offset_ptr(p.rows_d.base, begin * p.rows_d.ld, p.rows_d.elem_bytes));
+      out.stride_d[e] = p.rows_d.ld;
+      out.ptr_c[e] = nullptr;
+      out.stride_c[e] = 0;
+      if (p.expert_stacked) {
+        out.ptr_b[e] = offset_ptr(p.expert.base, e * p.expert.expert_stride, p.expert.elem_bytes);
+        out.stride_b[e] = p.expert.ld;
+      }
+    }
+  }
+  if (threadIdx.x == 0) *out.total = min(sum_all, p.capacity);
+  if (errors != 0) atomicOr(&g_device_error_word, errors);
+}
+
+// Kernel parameters may hold 32 KB (CUDA >= 12.1); 256 experts per launch stays far below that.
+constexpr int kPointerChunk = 256;
+
+struct ExpertPointerChunk {
+  int first = 0;
+  int count = 0;
+  const void* ptr[kPointerChunk];
+  int64_t ld[kPointerChunk];
+};
+
+__global__ void write_expert_pointers_kernel(ExpertPointerChunk chunk, const void** ptr,
+                                             int64_t* ld, const void** ptr2, int64_t* ld2) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= chunk.count) return;
+  const int e = chunk.first + i;
+  ptr[e] = chunk.ptr[i];
+  ld[e] = chunk.ld[i];
+  if (ptr2 != nullptr) {
+    ptr2[e] = chunk.ptr[i];
+    ld2[e] = chunk.ld[i];
+  }
+}
+
+// Zeroes `row_bytes` bytes at `row` (16-byte aligned: pointers and row strides are checked on the
+// host) with 16-byte stores, then the (2- or 4-byte element) remainder.
+__device__ __forceinline__ void zero_row(char* row, int64_t row_bytes) {
+  const int64_t vecs = row_bytes / 16;
+  uint4* v = reinterpret_cast<uint4*>(row);
+  for (int64_t i = threadIdx.x; i < vecs; i += blockDim.x) v[i] = make_uint4(0, 0, 0, 0);
+  for (int64_t i = vecs * 16 + 2 * threadIdx.x; i < row_bytes; i += 2 * blockDim.x) {
+    *reinterpret_cast<uint16_t*>(row + i) = 0;
+  }
+}
+
+__global__ void zero_rows_kernel(char* base, int64_t ld_bytes, int64_t row_bytes,
+                                 int64_t capacity, const int64_t* start_row) {
+  const int64_t start = start_row == nullptr ? 0 : *start_row;
+  for (int64_t r = start + blockIdx.x; r < capacity; r += gridDim.x) {
+    zero_row(base + r * ld_bytes, row_bytes);
+  }
+}
+
+__global__ void zero_experts_kernel(void* const* ptr_d, const int64_t* stride_d,
+                                    int32_t elem_bytes, int64_t rows, int64_t row_bytes,
+                                    const int32_t* zero_expert) {
+  const int e = blockIdx.y;
+  if (zero_expert[e] == 0) return;
+  char* base = static_cast<char*>(ptr_d[e]);
+  const int64_t ld_bytes = stride_d[e] * elem_bytes;
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) zero_row(base + r * ld_bytes, row_bytes);
+}
+
+constexpr int kZeroThreads = 256;
+
+}  // namespace
+
+void launch_prepare(const PrepareParams& p, const GroupedGemmArrays& arrays, cudaStream_t stream) {
+  GMOE_CHECK(p.num_experts >= 1 && p.num_experts <= kMaxExperts, "prepare: ", p.num_experts,
+             " experts, supported 1..", kMaxExperts);
+  prepare_grouped_gemm_kernel<<<1, kPrepareThreads, 0, stream>>>(p, arrays);
+  GMOE_CUDA_CHECK(cudaGetLastError());
+}
+
+void launch_write_expert_pointers(const void* const* host_ptrs, const int64_t* host_lds, int count,
+                                  const void** ptr, int64_t* ld, const void** ptr2, int64_t* ld2,
+                                  cudaStream_t stream) {
+  for (int first = 0; first < count; first += kPointerChunk) {
+    ExpertPointerChunk chunk;
+    chunk.first = first;
+    chunk.count = std::min(kPointerChunk, count - first);
+    for (int i = 0; i < chunk.count; ++i) {
+      chunk.ptr[i] = host_ptrs[first + i];
+      chunk.ld[i] = host_lds[first + i];
+    }
+    write_expert_pointers_kernel<<<(chunk.count + 127) / 128, 128, 0, stream>>>(chunk, ptr, ld,
+                                                                               ptr2, ld2);
+    GMOE_CUDA_CHECK(cudaGetLastError());
+  }
+}
+
+void launch_zero_rows(void* base, int64_t ld_bytes, int64_t row_bytes, int64_t capacity,
+                      const int64_t* start_row, int sm_count, cudaStream_t stream) {
+  if (capacity <= 0 || row_bytes <= 0) return;
+  // The number of rows to zero is known only on the device: launch enough blocks for a large
+  // tail and let blocks past it exit at once.
+  const int64_t blocks = std::min<int64_t>(capacity, int64_t{4} * sm_count);
+  zero_rows_kernel<<<static_cast<unsigned>(blocks), kZeroThreads, 0, stream>>>(
+      static_cast<char*>(base), ld_bytes, row_bytes, capacity, start_row);
+  GMOE_CUDA_CHECK(cudaGetLastError());
+}
+
+void launch_zero_experts(void* const* ptr_d, const int64_t* stride_d, int32_t elem_bytes,
+                         int64_t rows, int64_t row_bytes, const int32_t* zero_expert,
+                         int num_experts, int sm_count, cudaStream_t stream) {
+  if (rows <= 0 || row_bytes <= 0 || num_experts <= 0) return;
+  GMOE_CHECK(num_experts <= kMaxExperts, "zero experts: ", num_experts, " experts, supported up to ",
+             kMaxExperts);
+  // Which experts are empty is known only on the device. Give each expert enough blocks that
+  // zeroing one large dW alone is fast, and enough in all that all experts empty fills the GPU;
+  // blocks of non-empty experts exit at once.
+  const int64_t per_expert =
+      std::min<int64_t>(rows, std::max<int64_t>(8, int64_t{4} * sm_count / num_experts));
+  const dim3 grid(static_cast<unsigned>(per_expert), static_cast<unsigned>(num_experts));
+  zero_experts_kernel<<<grid, kZeroThreads, 0, stream>>>(ptr_d, stride_d, elem_bytes, rows,
+                                                         row_bytes, zero_expert);
+  GMOE_CUDA_CHECK(cudaGetLastError());
+}
+
+void check_device_errors(Stream stream) {
+  // A deliberate sync: read the word after all work on `stream`, then clear what was read.
+  uint32_t* word = nullptr;
+  GMOE_CUDA_CHECK(cudaGetSymbolAddress(reinterpret_cast<void**>(&word), g_device_error_word));
+  uint32_t bits = 0;
+  GMOE_CUDA_CHECK(cudaMemcpyAsync(&bits, word, sizeof(bits), cudaMemcpyDeviceToHost, stream));
+  GMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  if (bits == 0) return;
+  GMOE_CUDA_CHECK(cudaMemsetAsync(word, 0, sizeof(uint32_t), stream));
+  GMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  std::ostringstream what;
+  what << "device error word 0x" << std::hex << bits << std::dec << ":";
+  if (bits & kDeviceErrorNegativeCount) what << " a count was negative (treated as 0);";
+  if (bits & kDeviceErrorCountsPastCapacity) {
+    what << " counts summed past the capacity (clamped: rows past it were not computed);";
+  }
+  const uint32_t known = kDeviceErrorNegativeCount | kDeviceErrorCountsPastCapacity;
+  if (bits & ~known) what << " unknown bits 0x" << std::hex << (bits & ~known) << ";";
+  GMOE_FAIL(what.str());
+}
+
+}  // namespace gmoe::cuda_backend
+
+namespace gmoe::cuda_backend {
+
+// For kernels in other translation units (see cuda/device_errors.h).
+uint32_t* device_error_word() {
+  uint32_t* word = nullptr;
+  GMOE_CUDA_CHECK(cudaGetSymbolAddress(reinterpret_cast<void**>(&word), g_device_error_word));
+  return word;
+}
+
+}  // namespace gmoe::cuda_backend

@@ -1,0 +1,89 @@
+// src/cuda/grouped_gemm_prepare.h — device-side argument preparation for the grouped GEMMs, and
+// the small kernels around them (zeroing rows past the real total, zeroing empty experts' dW).
+//
+// Nothing here reads the counts on the host: one single-block kernel reads them on the device,
+// clamps them (recording problems in the device error word), takes the prefix sum and writes the
+// per-expert problem shapes, pointers and strides that the CUTLASS grouped kernel reads.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda/grouped_gemm_kernels.h"
+
+namespace gmoe::cuda_backend {
+
+/// Most experts one call takes (the zeroing kernel puts experts on gridDim.y).
+constexpr int64_t kMaxExperts = 65535;
+
+/// The device arrays one grouped GEMM call fills, all carved from one workspace allocation.
+struct GroupedGemmArrays {
+  GroupShape* shapes = nullptr;       ///< [E]
+  const void** ptr_a = nullptr;       ///< [E]
+  const void** ptr_b = nullptr;       ///< [E]
+  const void** ptr_c = nullptr;       ///< [E] (wgrad: = ptr_d, read only when accumulating)
+  void** ptr_d = nullptr;             ///< [E]
+  int64_t* stride_a = nullptr;        ///< [E], elements
+  int64_t* stride_b = nullptr;
+  int64_t* stride_c = nullptr;
+  int64_t* stride_d = nullptr;
+  int64_t* total = nullptr;           ///< [1] the clamped real total of rows
+  int32_t* zero_expert = nullptr;     ///< [E] wgrad: 1 where dW_e must be written as zeros
+};
+
+/// A grouped-rows operand: group e starts at base + offset_e * ld * elem_bytes.
+struct RowsOperand {
+  const void* base = nullptr;
+  int64_t ld = 0;          ///< row stride, elements
+  int32_t elem_bytes = 0;
+};
+
+/// A stacked expert operand: expert e starts at base + e * expert_stride * elem_bytes.
+struct StackedOperand {
+  const void* base = nullptr;
+  int64_t expert_stride = 0;  ///< elements between experts
+  int64_t ld = 0;             ///< row stride inside an expert, elements
+  int32_t elem_bytes = 0;
+};
+
+/// What the preparation kernel needs. fprop/dgrad: A and D are grouped rows, B the expert weights
+/// (stacked here, or written by write_expert_pointers for a list). wgrad: A (dy) and B (x) are
+/// grouped rows, D (and C) the expert gradients.
+struct PrepareParams {
+  GemmPass pass = GemmPass::fprop;
+  const void* counts = nullptr;
+  bool counts_i64 = false;
+  int32_t num_experts = 0;
+  int64_t capacity = 0;
+  /// GEMM extents fixed on the host: fprop/dgrad use n, k (m is each group's count); wgrad uses
+  /// m, n (k is each group's count).
+  int32_t gemm_m = 0, gemm_n = 0, gemm_k = 0;
+  RowsOperand rows_a, rows_b, rows_d;
+  bool expert_stacked = true;
+  StackedOperand expert;  ///< fprop/dgrad: B; wgrad: D and C
+  const int32_t* mask = nullptr;  ///< wgrad: [E], 0 = leave dW_e untouched; nullptr = all written
+  bool accumulate = false;        ///< wgrad: D += A·B, empty experts left untouched
+};
+
+/// Launches the preparation kernel (one block) on `stream`.
+void launch_prepare(const PrepareParams& p, const GroupedGemmArrays& arrays, cudaStream_t stream);
+
+/// For the list layout: writes ptr[e] and ld[e] (and, if ptr2 is given, ptr2[e] and ld2[e]) from
+/// host values passed by value in kernel parameters (graph-safe: no host-to-device copy), in
+/// chunks of a few hundred experts per launch.
+void launch_write_expert_pointers(const void* const* host_ptrs, const int64_t* host_lds, int count,
+                                  const void** ptr, int64_t* ld, const void** ptr2, int64_t* ld2,
+                                  cudaStream_t stream);
+
+/// Zeroes rows [*start_row, capacity) of a row-major matrix (start_row == nullptr: from row 0).
+void launch_zero_rows(void* base, int64_t ld_bytes, int64_t row_bytes, int64_t capacity,
+                      const int64_t* start_row, int sm_count, cudaStream_t stream);
+
+/// Zeroes dW_e ([rows, row_bytes] at ptr_d[e] with row stride stride_d[e] * elem_bytes) for every
+/// expert with zero_expert[e] != 0.
+void launch_zero_experts(void* const* ptr_d, const int64_t* stride_d, int32_t elem_bytes,
+                         int64_t rows, int64_t row_bytes, const int32_t* zero_expert,
+                         int num_experts, int sm_count, cudaStream_t stream);
+
+}  // namespace gmoe::cuda_backend

@@ -1,0 +1,160 @@
+// tests/cuda/cuda_test_util.h — device-side helpers for the CUDA suites: a GPU check for
+// GTEST_SKIP, owning device tensors copied from/to the harness's HostTensor, and the device twins
+// of GemmProblem / HostExpertTensor.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "common/gemm_fixture.h"
+#include "common/harness.h"
+#include "gmoe/grouped.h"
+
+namespace gmoe::test {
+
+#define GMOE_TEST_CUDA(call)                                                         \
+  do {                                                                               \
+    const cudaError_t status_ = (call);                                              \
+    ASSERT_EQ(status_, cudaSuccess) << #call << ": " << cudaGetErrorString(status_); \
+  } while (0)
+
+/// Empty when an sm_90 GPU is present, else why the CUDA suites skip.
+inline std::string missing_gpu_reason() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
+    cudaGetLastError();
+    return "no CUDA device";
+  }
+  cudaDeviceProp prop{};
+  if (cudaGetDeviceProperties(&prop, 0) != cudaSuccess) return "cannot read device properties";
+  if (prop.major != 9 || prop.minor != 0) {
+    return "gmoe's kernels are built for sm_90a; device 0 is sm_" + std::to_string(prop.major) +
+           std::to_string(prop.minor);
+  }
+  return "";
+}
+
+#define GMOE_SKIP_WITHOUT_GPU()                                         \
+  do {                                                                  \
+    const std::string reason_ = ::gmoe::test::missing_gpu_reason();     \
+    if (!reason_.empty()) GTEST_SKIP() << reason_;                      \
+  } while (0)
+
+/// An owning device copy of a contiguous host tensor (cudaMalloc: test code, not the hot path).
+class DeviceTensor {
+ public:
+  DeviceTensor() = default;
+  explicit DeviceTensor(const HostTensor& h) : dtype_(h.dtype()), shape_(h.shape()) {
+    bytes_ = h.bytes().size();
+    if (bytes_ > 0) {
+      if (cudaMalloc(&data_, bytes_) != cudaSuccess) throw std::runtime_error("cudaMalloc failed");
+      upload(h);
+    }
+  }
+  /// Uninitialised device memory of a dtype and shape.
+  DeviceTensor(DType dtype, std::vector<int64_t> shape) : dtype_(dtype), shape_(std::move(shape)) {
+    int64_t n = 1;
+    for (int64_t s : shape_) n *= s;
+    bytes_ = static_cast<std::size_t>(n) * dtype_size(dtype_);
+    if (bytes_ > 0 && cudaMalloc(&data_, bytes_) != cudaSuccess) {
+      throw std::runtime_error("cudaMalloc failed");
+    }
+  }
+  DeviceTensor(DeviceTensor&& o) noexcept { *this = std::move(o); }
+  DeviceTensor& operator=(DeviceTensor&& o) noexcept {
+    std::swap(data_, o.data_);
+    std::swap(bytes_, o.bytes_);
+    std::swap(dtype_, o.dtype_);
+    std::swap(shape_, o.shape_);
+    return *this;
+  }
+  ~DeviceTensor() {
+    if (data_ != nullptr) cudaFree(data_);
+  }
+  void upload(const HostTensor& h) {
+    if (bytes_ > 0 && cudaMemcpy(data_, h.data(), bytes_, cudaMemcpyHostToDevice) != cudaSuccess) {
+      throw std::runtime_error("upload failed");
+    }
+  }
+  /// A host tensor of the same dtype/shape holding the device contents.
+  HostTensor download() const {
+    HostTensor h(dtype_, shape_);
+    if (bytes_ > 0 && cudaMemcpy(h.data(), data_, bytes_, cudaMemcpyDeviceToHost) != cudaSuccess) {
+      throw std::runtime_error("download failed");
+    }
+    return h;
+  }
+  TensorView view() const {
+    TensorView v;
+    v.data = data_;
+    v.dtype = dtype_;
+    v.ndim = static_cast<int>(shape_.size());
+    int64_t stride = 1;
+    for (int d = v.ndim - 1; d >= 0; --d) {
+      v.shape[d] = shape_[d];
+      v.strides[d] = stride;
+      stride *= shape_[d];
+    }
+    v.device = Device::cuda(0);
+    return v;
+  }
+  void* data() const { return data_; }
+
+ private:
+  void* data_ = nullptr;
+  std::size_t bytes_ = 0;
+  DType dtype_ = DType::f32;
+  std::vector<int64_t> shape_;
+};
+
+/// Expert-shaped tensors on the device, in either layout.
+struct DeviceExperts {
+  DeviceTensor stacked;
+  std::vector<DeviceTensor> list;
+  Layout layout = Layout::kStacked;
+
+  DeviceExperts() = default;
+  DeviceExperts(const HostTensor& stacked_host, const std::vector<HostTensor>& list_host, Layout l)
+      : layout(l) {
+    if (l == Layout::kStacked) {
+      stacked = DeviceTensor(stacked_host);
+    } else {
+      for (const HostTensor& t : list_host) list.emplace_back(t);
+    }
+  }
+  explicit DeviceExperts(const HostExpertTensor& h) : layout(h.layout) {
+    if (h.layout == Layout::kStacked) {
+      stacked = DeviceTensor(h.stacked);
+    } else {
+      for (const HostTensor& t : h.list) list.emplace_back(t);
+    }
+  }
+  ExpertWeights view() const {
+    if (layout == Layout::kStacked) return ExpertWeights::from_stacked(stacked.view());
+    std::vector<TensorView> v;
+    for (const DeviceTensor& t : list) v.push_back(t.view());
+    return ExpertWeights::from_list(std::move(v));
+  }
+  void upload(const HostExpertTensor& h) {
+    if (layout == Layout::kStacked) {
+      stacked.upload(h.stacked);
+    } else {
+      for (size_t e = 0; e < list.size(); ++e) list[e].upload(h.list[e]);
+    }
+  }
+  /// Expert-major values as doubles.
+  std::vector<double> to_double() const {
+    if (layout == Layout::kStacked) return stacked.download().to_double();
+    std::vector<double> out;
+    for (const DeviceTensor& t : list) {
+      const std::vector<double> v = t.download().to_double();
+      out.insert(out.end(), v.begin(), v.end());
+    }
+    return out;
+  }
+};
+
+}  // namespace gmoe::test
