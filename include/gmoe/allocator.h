@@ -51,12 +51,38 @@ class Buffer {
   std::size_t bytes() const { return bytes_; }
   /// Frees now (stream-ordered on the stream it was made on).
   void reset();
+  /// Frees now, ordered on `stream` instead: for memory last used on another stream than the one
+  /// it was made on (the caller has ordered that stream after every use).
+  void reset_on(Stream stream);
 
  private:
   Allocator* alloc_ = nullptr;
   void* ptr_ = nullptr;
   std::size_t bytes_ = 0;
   Stream stream_ = nullptr;
+};
+
+/// A tensor that may own its memory: either an allocation from an Allocator (Tensor::empty) or a
+/// non-owning wrapper of a caller's view (Tensor::wrap). Ops that can write into caller-provided
+/// outputs return one of these either way. Move-only.
+class Tensor {
+ public:
+  Tensor() = default;
+  /// A contiguous tensor of `shape` from `alloc` on `stream` (contents undefined).
+  static Tensor empty(std::initializer_list<int64_t> shape, DType dtype, Allocator& alloc, Stream stream);
+  static Tensor empty(const int64_t* shape, int ndim, DType dtype, Allocator& alloc, Stream stream);
+  /// A non-owning wrapper of `view`.
+  static Tensor wrap(const TensorView& view);
+
+  const TensorView& view() const { return view_; }
+  operator const TensorView&() const { return view_; }
+  bool owns_memory() const { return buffer_.data() != nullptr; }
+  /// Frees owned memory ordered on `stream` (see Buffer::reset_on); the view becomes absent.
+  void release_on(Stream stream);
+
+ private:
+  Buffer buffer_;
+  TensorView view_;
 };
 
 }  // namespace gmoe

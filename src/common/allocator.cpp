@@ -62,10 +62,45 @@ Buffer& Buffer::operator=(Buffer&& other) noexcept {
 
 Buffer::~Buffer() { reset(); }
 
-void Buffer::reset() {
-  if (alloc_ != nullptr && ptr_ != nullptr) alloc_->free(ptr_, stream_);
+void Buffer::reset() { reset_on(stream_); }
+
+void Buffer::reset_on(Stream stream) {
+  if (alloc_ != nullptr && ptr_ != nullptr) alloc_->free(ptr_, stream);
   ptr_ = nullptr;
   bytes_ = 0;
+}
+
+Tensor Tensor::empty(std::initializer_list<int64_t> shape, DType dtype, Allocator& alloc, Stream stream) {
+  return empty(shape.begin(), static_cast<int>(shape.size()), dtype, alloc, stream);
+}
+
+Tensor Tensor::empty(const int64_t* shape, int ndim, DType dtype, Allocator& alloc, Stream stream) {
+  GMOE_CHECK(ndim >= 0 && ndim <= TensorView::kMaxDims, "Tensor::empty: ", ndim, " dimensions");
+  Tensor t;
+  t.view_.dtype = dtype;
+  t.view_.device = alloc.device();
+  t.view_.ndim = ndim;
+  int64_t n = 1;
+  for (int d = ndim - 1; d >= 0; --d) {
+    GMOE_CHECK(shape[d] >= 0, "Tensor::empty: negative size ", shape[d]);
+    t.view_.shape[d] = shape[d];
+    t.view_.strides[d] = n;
+    n *= shape[d];
+  }
+  t.buffer_ = Buffer(alloc, static_cast<std::size_t>(n) * dtype_size(dtype), stream);
+  t.view_.data = t.buffer_.data();
+  return t;
+}
+
+Tensor Tensor::wrap(const TensorView& view) {
+  Tensor t;
+  t.view_ = view;
+  return t;
+}
+
+void Tensor::release_on(Stream stream) {
+  buffer_.reset_on(stream);
+  view_ = TensorView();
 }
 
 }  // namespace gmoe

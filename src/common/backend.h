@@ -7,6 +7,7 @@
 
 #include "gmoe/allocator.h"
 #include "gmoe/grouped.h"
+#include "gmoe/grouped_bias.h"
 #include "gmoe/grouped_gemm.h"
 #include "gmoe/tensor.h"
 
@@ -20,6 +21,10 @@ void grouped_gemm_dgrad(const TensorView& dy, const ExpertWeights& w, const Tens
                         const TensorView& dx);
 void grouped_gemm_wgrad(const TensorView& dy, const TensorView& x, const TensorView& counts,
                         const ExpertWeights& dw, const WgradOptions& options);
+void grouped_bias_add(const TensorView& y, const ExpertBias& bias, const TensorView& counts);
+void grouped_bias_grad(const TensorView& dy, const TensorView& counts, const ExpertBias& dbias);
+/// dst[r, :] = src[r, :] for 2-D views of one shape and dtype (rows contiguous).
+void copy_rows(const TensorView& dst, const TensorView& src);
 }  // namespace cpu_backend
 
 /// sm_90a kernels. Counts stay on the device. Defined only when GMOE_WITH_CUDA; otherwise the
@@ -36,6 +41,19 @@ void grouped_gemm_dgrad(const TensorView& dy, const ExpertWeights& w, const Tens
 void grouped_gemm_wgrad(const TensorView& dy, const TensorView& x, const TensorView& counts,
                         const ExpertWeights& dw, const WgradOptions& options, Stream stream,
                         Allocator& alloc);
+void grouped_bias_add(const TensorView& y, const ExpertBias& bias, const TensorView& counts,
+                      Stream stream, Allocator& alloc);
+void grouped_bias_grad(const TensorView& dy, const TensorView& counts, const ExpertBias& dbias,
+                       Stream stream, Allocator& alloc);
+/// dst[r, :] = src[r, :] (cudaMemcpy2DAsync, device to device, stream-ordered).
+void copy_rows(const TensorView& dst, const TensorView& src, Stream stream);
+/// bytes zeros at ptr (cudaMemsetAsync).
+void zero_bytes(void* ptr, std::size_t bytes, Stream stream);
+/// Events for ordering work across streams (capturable): an opaque cudaEvent_t.
+void* event_create();
+void event_destroy(void* event);
+void event_record(void* event, Stream stream);
+void stream_wait_event(Stream stream, void* event);
 }  // namespace cuda_backend
 
 }  // namespace gmoe

@@ -3,6 +3,7 @@
 #pragma once
 
 #include "gmoe/grouped.h"
+#include "gmoe/grouped_bias.h"
 #include "gmoe/tensor.h"
 
 namespace gmoe {
@@ -20,6 +21,9 @@ void check_same_device(Device given, Device expected, const char* name);
 void check_input_dtype(DType t, const char* name);
 /// The input dtype or f32.
 void check_output_dtype(DType out, DType in, const char* name);
+/// Expert biases: E vectors of N, dtype of the rows or f32, contiguous, on `device`.
+void check_expert_bias(const ExpertBias& b, const char* name, int64_t E, int64_t N, DType rows_dtype,
+                       Device device);
 /// Throws "<op>: tensors are on CUDA but gmoe was built without CUDA".
 void check_cuda_compiled(const char* op);
 

@@ -21,4 +21,17 @@ void grouped_gemm_wgrad(const TensorView&, const TensorView&, const TensorView&,
   unavailable();
 }
 
+void grouped_bias_add(const TensorView&, const ExpertBias&, const TensorView&, Stream, Allocator&) {
+  unavailable();
+}
+void grouped_bias_grad(const TensorView&, const TensorView&, const ExpertBias&, Stream, Allocator&) {
+  unavailable();
+}
+void copy_rows(const TensorView&, const TensorView&, Stream) { unavailable(); }
+void zero_bytes(void*, std::size_t, Stream) { unavailable(); }
+void* event_create() { unavailable(); }
+void event_destroy(void*) {}
+void event_record(void*, Stream) { unavailable(); }
+void stream_wait_event(Stream, void*) { unavailable(); }
+
 }  // namespace gmoe::cuda_backend

@@ -1,0 +1,120 @@
+// gmoe/grouped_linear.h — GroupedLinear: the expert linear layer of an MoE block.
+//
+// For E experts with weights W_e [N, K] (out_features × in_features) and optional biases b_e [N]:
+//   forward   y[rows of e]  = x[rows of e] · W_eᵀ + b_e        (rows past the real total: 0)
+//   backward  dx[rows of e] = dy[rows of e] · W_e
+//             dW_e = dy_eᵀ · x_e,  db_e = Σ_rows dy_e           (now, or later in backward_dw)
+// Counts stay on the device: forward, backward and backward_dw never synchronise and can be
+// captured in a CUDA graph once and replayed under any routing. Explicit forward/backward (no
+// autograd engine): what forward saves for backward lives in a GroupedLinearContext.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "gmoe/allocator.h"
+#include "gmoe/grouped.h"
+#include "gmoe/grouped_bias.h"
+#include "gmoe/stream.h"
+#include "gmoe/tensor.h"
+
+namespace gmoe {
+
+/// Weight and bias gradients of one backward. In "fresh" mode (no main_grad) the weight and bias
+/// gradients are views of ONE packed allocation made through the layer's allocator on the backward
+/// stream, kept alive by `storage`; the weight views have the layout of the weights (stacked, or a
+/// list). In main_grad mode `weight` views the caller's main_grad.
+struct GroupedLinearGrads {
+  ExpertWeights weight;             ///< dW (absent until computed, e.g. before backward_dw)
+  ExpertBias bias;                  ///< db (absent without bias)
+  std::shared_ptr<Buffer> storage;  ///< the packed allocation behind fresh gradients
+};
+
+/// Options of a GroupedLinear.
+struct GroupedLinearOptions {
+  /// backward computes dx and db only; dW is computed by backward_dw (possibly on another stream).
+  bool delay_wgrad = false;
+  /// Keep a reference to the caller's x instead of a copy. Aliasing contract: the caller must keep
+  /// x alive and unmodified until the weight gradient has been computed (backward, or backward_dw
+  /// when delayed). Without it forward copies x (stream-ordered) into memory from the allocator.
+  bool save_original_input = false;
+  /// Weight gradients into caller-provided f32 buffers (one stacked [E, N, K] or E × [N, K]),
+  /// instead of fresh gradient buffers.
+  ExpertWeights main_grad;
+  /// With main_grad: D = dW + D (true) or D = dW (false).
+  bool accumulate = true;
+  /// Optional [E] i32 on the layer's device: experts with 0 are left untouched in main_grad (and
+  /// get no fresh gradient written either: their views are left as zeros).
+  TensorView expert_mask;
+  /// Called once the weight gradients of a backward are complete (after backward, or after
+  /// backward_dw when delayed), with the gradients and the stream they were computed on: where a
+  /// data-parallel reduce-scatter is launched. Work enqueued on that stream is ordered after them.
+  std::function<void(const GroupedLinearGrads&, Stream)> wgrad_hook;
+  /// Scratch, saved inputs and fresh gradients; nullptr: the device's default allocator.
+  Allocator* allocator = nullptr;
+};
+
+/// What forward saves for backward (and backward for backward_dw). One per forward in flight.
+class GroupedLinearContext {
+ public:
+  GroupedLinearContext();
+  ~GroupedLinearContext();
+  GroupedLinearContext(GroupedLinearContext&&) noexcept;
+  GroupedLinearContext& operator=(GroupedLinearContext&&) noexcept;
+  /// True between forward and the end of the weight gradient.
+  bool active() const;
+
+ private:
+  friend class GroupedLinear;
+  struct State;
+  std::unique_ptr<State> state_;
+};
+
+/// Result of GroupedLinear::backward.
+struct GroupedLinearBackward {
+  Tensor dx;                 ///< [capacity, K]: dgrad_out when given, else owned
+  GroupedLinearGrads grads;  ///< weight (unless delayed) and bias gradients
+};
+
+class GroupedLinear {
+ public:
+  /// weight: E × [N, K] (stacked or list), bf16 or f16 (f32 on the CPU backend). bias: none, or
+  /// E × [N] (grouped [E, N] or a list), dtype of the weight or f32. All on one device.
+  GroupedLinear(ExpertWeights weight, ExpertBias bias = {}, GroupedLinearOptions options = {});
+
+  int64_t num_experts() const { return weight_.num_experts(); }
+  int64_t in_features() const { return weight_.cols(); }
+  int64_t out_features() const { return weight_.rows(); }
+  const ExpertWeights& weight() const { return weight_; }
+  const ExpertBias& bias() const { return bias_; }
+  const GroupedLinearOptions& options() const { return options_; }
+
+  /// y = x·W_eᵀ + b_e per expert. x: [capacity, K]; counts: [E] i32/i64 on the layer's device
+  /// (kept by reference in ctx: keep it alive and unchanged until backward). `out`, if given, is
+  /// [capacity, N] of x's dtype and receives y.
+  Tensor forward(const TensorView& x, const TensorView& counts, GroupedLinearContext& ctx,
+                 Stream stream = nullptr, const TensorView& out = {});
+
+  /// dx = dy·W_e per expert, db, and dW unless delay_wgrad. dy: [capacity, N]. When delayed, dy
+  /// is kept by reference until backward_dw (keep it alive and unchanged). `dgrad_out`, if given,
+  /// is [capacity, K] and receives dx.
+  GroupedLinearBackward backward(GroupedLinearContext& ctx, const TensorView& dy,
+                                 Stream stream = nullptr, const TensorView& dgrad_out = {});
+
+  /// The delayed weight gradient, on `stream` (ordered after backward through an event). Returns
+  /// the gradients (bias ones included) and calls the hook. Capturable in a CUDA graph.
+  GroupedLinearGrads backward_dw(GroupedLinearContext& ctx, Stream stream = nullptr);
+
+ private:
+  GroupedLinearGrads allocate_grads(Stream stream) const;
+  void compute_wgrad(GroupedLinearContext& ctx, GroupedLinearGrads& grads, Stream stream) const;
+  Allocator& allocator() const;
+
+  ExpertWeights weight_;
+  ExpertBias bias_;
+  GroupedLinearOptions options_;
+};
+
+}  // namespace gmoe

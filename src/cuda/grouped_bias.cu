@@ -1,0 +1,253 @@
+// src/cuda/grouped_bias.cu — grouped bias add and bias gradient on the device, and the stream
+// helpers of the layers (row copies, events).
+//
+// Both bias ops find each row's expert from offsets computed on the device (group_offsets_kernel,
+// clamped like the GEMM's preparation, problems recorded in the device error word).
+//
+// The bias gradient is a deterministic two-stage column reduction, with no atomics: each expert's
+// rows are cut into chunks of kChunkRows counted from the expert's first row (so the cut depends
+// only on that expert's count, never on the batch around it); stage 1 sums each chunk's rows in
+// order into an f32 partial, stage 2 sums an expert's partials in chunk order. A skewed expert with
+// 16k rows is spread over 128 blocks instead of one.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <vector>
+
+#include "common/backend.h"
+#include "cuda/cuda_check.h"
+#include "cuda/device_errors.h"
+#include "cuda/device_info.h"
+#include "cuda/grouped_gemm_prepare.h"
+#include "gmoe/error.h"
+#include "gmoe/grouped.h"
+
+namespace gmoe::cuda_backend {
+namespace {
+
+constexpr int kChunkRows = 128;
+constexpr int kThreads = 256;
+
+__device__ __forceinline__ float load_f(const void* p, DType t, int64_t i) {
+  switch (t) {
+    case DType::bf16: return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
+    case DType::f16: return __half2float(static_cast<const __half*>(p)[i]);
+    default: return static_cast<const float*>(p)[i];
+  }
+}
+__device__ __forceinline__ void store_f(void* p, DType t, int64_t i, float v) {
+  switch (t) {
+    case DType::bf16: static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(v); return;
+    case DType::f16: static_cast<__half*>(p)[i] = __float2half_rn(v); return;
+    default: static_cast<float*>(p)[i] = v;
+  }
+}
+
+// offsets[E + 1] (clamped to capacity) and chunk_offsets[E + 1] (prefix sums of each expert's
+// number of kChunkRows chunks). One block; a serial scan is fine for the few thousand experts a
+// layer has, and it runs once per op.
+__global__ void group_offsets_kernel(const void* counts, bool is_i64, int E, int64_t capacity, int64_t* offsets,
+                                     int64_t* chunk_offsets, uint32_t* error_word) {
+  if (threadIdx.x != 0) return;
+  int64_t total = 0, chunks = 0;
+  uint32_t errors = 0;
+  offsets[0] = 0;
+  chunk_offsets[0] = 0;
+  for (int e = 0; e < E; ++e) {
+    int64_t c = is_i64 ? static_cast<const int64_t*>(counts)[e] : static_cast<const int32_t*>(counts)[e];
+    if (c < 0) {
+      errors |= kDeviceErrorNegativeCount;
+      c = 0;
+    }
+    if (c > capacity - total) {
+      errors |= kDeviceErrorCountsPastCapacity;
+      c = capacity - total;
+    }
+    total += c;
+    chunks += (c + kChunkRows - 1) / kChunkRows;
+    offsets[e + 1] = total;
+    chunk_offsets[e + 1] = chunks;
+  }
+  if (errors != 0) atomicOr(error_word, errors);
+}
+
+// Expert owning `row` (offsets[e] <= row < offsets[e + 1]); E if none.
+__device__ __forceinline__ int find_group(const int64_t* offsets, int E, int64_t row) {
+  int lo = 0, hi = E;  // invariant: offsets[lo] <= row, answer in [lo, hi)
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    if (offsets[mid] <= row) lo = mid; else hi = mid;
+  }
+  return row < offsets[E] ? lo : E;
+}
+
+struct BiasRef {
+  const void* const* ptrs;  // list layout, or nullptr
+  const void* base;         // grouped layout
+  int64_t expert_stride;    // elements
+  DType dtype;
+  __device__ const void* expert(int e) const {
+    return ptrs ? ptrs[e]
+                : static_cast<const char*>(base) + e * expert_stride * int64_t(dtype == DType::f32 ? 4 : 2);
+  }
+};
+
+__global__ void bias_add_kernel(void* y, DType y_dtype, int64_t ld, int64_t N, int64_t capacity, const int64_t* offsets,
+                                int E, BiasRef bias) {
+  for (int64_t row = blockIdx.x; row < capacity; row += gridDim.x) {
+    const int e = find_group(offsets, E, row);
+    if (e == E) return;  // rows past the total stay as they are (zeros)
+    const void* b = bias.expert(e);
+    for (int64_t n = threadIdx.x; n < N; n += blockDim.x) {
+      const int64_t i = row * ld + n;
+      store_f(y, y_dtype, i, load_f(y, y_dtype, i) + load_f(b, bias.dtype, n));
+    }
+  }
+}
+
+// Stage 1: partial[chunk, n] = Σ rows of the chunk of dy[row, n], in row order.
+__global__ void bias_grad_partial_kernel(const void* dy, DType dt, int64_t ld, int64_t N, const int64_t* offsets,
+                                         const int64_t* chunk_offsets, int E, int64_t max_chunks, float* partial) {
+  const int64_t n = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  for (int64_t chunk = blockIdx.y; chunk < max_chunks; chunk += gridDim.y) {
+    if (chunk >= chunk_offsets[E]) return;
+    const int e = find_group(chunk_offsets, E, chunk);
+    const int64_t row0 = offsets[e] + (chunk - chunk_offsets[e]) * kChunkRows;
+    const int64_t row1 = min(row0 + kChunkRows, offsets[e + 1]);
+    if (n >= N) continue;
+    float acc = 0.f;
+#pragma unroll 8
+    for (int64_t r = row0; r < row1; ++r) acc += load_f(dy, dt, r * ld + n);
+    partial[chunk * N + n] = acc;
+  }
+}
+
+// Stage 2: db_e[n] = Σ over e's chunks, in chunk order (0 for an expert without rows).
+__global__ void bias_grad_final_kernel(const float* partial, int64_t N, const int64_t* chunk_offsets,
+                                       void* const* db_ptrs, void* db_base, int64_t db_stride, DType db_dtype) {
+  const int e = blockIdx.y;
+  const int64_t n = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (n >= N) return;
+  float acc = 0.f;
+  for (int64_t c = chunk_offsets[e]; c < chunk_offsets[e + 1]; ++c) acc += partial[c * N + n];
+  void* db = db_ptrs ? db_ptrs[e]
+                     : static_cast<char*>(db_base) + e * db_stride * int64_t(db_dtype == DType::f32 ? 4 : 2);
+  store_f(db, db_dtype, n, acc);
+}
+
+// Scratch for one op: offsets, chunk offsets and (list layout) the per-expert pointers.
+struct Scratch {
+  Buffer buffer;
+  int64_t* offsets = nullptr;
+  int64_t* chunk_offsets = nullptr;
+  const void** ptrs = nullptr;
+  int64_t* lds = nullptr;
+};
+
+Scratch make_scratch(int E, bool with_ptrs, Allocator& alloc, Stream stream) {
+  Scratch s;
+  const size_t n_off = size_t(E) + 1;
+  const size_t bytes = 2 * n_off * sizeof(int64_t) + (with_ptrs ? size_t(E) * (sizeof(void*) + sizeof(int64_t)) : 0);
+  s.buffer = Buffer(alloc, bytes, stream);
+  char* p = static_cast<char*>(s.buffer.data());
+  s.offsets = reinterpret_cast<int64_t*>(p);
+  s.chunk_offsets = s.offsets + n_off;
+  if (with_ptrs) {
+    s.ptrs = reinterpret_cast<const void**>(s.chunk_offsets + n_off);
+    s.lds = reinterpret_cast<int64_t*>(s.ptrs + E);
+  }
+  return s;
+}
+
+void launch_offsets(const TensorView& counts, int64_t capacity, const Scratch& s, cudaStream_t stream) {
+  group_offsets_kernel<<<1, 32, 0, stream>>>(counts.data, counts.dtype == DType::i64, int(counts.size(0)), capacity,
+                                              s.offsets, s.chunk_offsets, device_error_word());
+  GMOE_CUDA_CHECK(cudaGetLastError());
+}
+
+void write_list_pointers(const ExpertBias& b, const Scratch& s, cudaStream_t stream) {
+  std::vector<const void*> ptrs(b.list.size());
+  std::vector<int64_t> lds(b.list.size(), 1);
+  for (size_t e = 0; e < b.list.size(); ++e) ptrs[e] = b.list[e].data;
+  launch_write_expert_pointers(ptrs.data(), lds.data(), int(ptrs.size()), s.ptrs, s.lds, nullptr, nullptr, stream);
+}
+
+void check_cuda_args(const ExpertBias& b, const char* name) {
+  GMOE_CHECK(b.num_experts() <= kMaxExperts, name, ": at most ", kMaxExperts, " experts on CUDA, got ",
+             b.num_experts());
+}
+
+}  // namespace
+
+void grouped_bias_add(const TensorView& y, const ExpertBias& bias, const TensorView& counts, Stream stream_,
+                      Allocator& alloc) {
+  cudaStream_t stream = stream_;
+  check_cuda_args(bias, "bias");
+  const int E = int(counts.size(0));
+  if (y.size(0) == 0 || y.size(1) == 0) return;
+  Scratch s = make_scratch(E, !bias.is_grouped(), alloc, stream_);
+  launch_offsets(counts, y.size(0), s, stream);
+  if (!bias.is_grouped()) write_list_pointers(bias, s, stream);
+  const BiasRef ref{bias.is_grouped() ? nullptr : s.ptrs, bias.is_grouped() ? bias.grouped.data : nullptr,
+                    bias.is_grouped() ? bias.grouped.stride(0) : 0, bias.dtype()};
+  const int blocks = int(std::min<int64_t>(y.size(0), int64_t(sm_count(current_device())) * 16));
+  bias_add_kernel<<<blocks, kThreads, 0, stream>>>(y.data, y.dtype, y.stride(0), y.size(1), y.size(0), s.offsets, E,
+                                                    ref);
+  GMOE_CUDA_CHECK(cudaGetLastError());
+}
+
+void grouped_bias_grad(const TensorView& dy, const TensorView& counts, const ExpertBias& dbias, Stream stream_,
+                       Allocator& alloc) {
+  cudaStream_t stream = stream_;
+  check_cuda_args(dbias, "dbias");
+  const int E = int(counts.size(0));
+  const int64_t N = dy.size(1);
+  if (N == 0) return;
+  Scratch s = make_scratch(E, !dbias.is_grouped(), alloc, stream_);
+  launch_offsets(counts, dy.size(0), s, stream);
+  if (!dbias.is_grouped()) write_list_pointers(dbias, s, stream);
+  // Host-known bound on the number of chunks: every expert may end in a partial chunk.
+  const int64_t max_chunks = (dy.size(0) + kChunkRows - 1) / kChunkRows + E;
+  Buffer partial(alloc, size_t(max_chunks) * N * sizeof(float), stream_);
+  const dim3 grid1(unsigned((N + kThreads - 1) / kThreads), unsigned(std::min<int64_t>(max_chunks, 65535)));
+  bias_grad_partial_kernel<<<grid1, kThreads, 0, stream>>>(dy.data, dy.dtype, dy.stride(0), N, s.offsets,
+                                                           s.chunk_offsets, E, max_chunks,
+                                                           static_cast<float*>(partial.data()));
+  GMOE_CUDA_CHECK(cudaGetLastError());
+  const dim3 grid2(unsigned((N + kThreads - 1) / kThreads), unsigned(E));
+  bias_grad_final_kernel<<<grid2, kThreads, 0, stream>>>(
+      static_cast<const float*>(partial.data()), N, s.chunk_offsets,
+      dbias.is_grouped() ? nullptr : reinterpret_cast<void* const*>(const_cast<void**>(s.ptrs)),
+      dbias.is_grouped() ? dbias.grouped.data : nullptr, dbias.is_grouped() ? dbias.grouped.stride(0) : 0,
+      dbias.dtype());
+  GMOE_CUDA_CHECK(cudaGetLastError());
+}
+
+void copy_rows(const TensorView& dst, const TensorView& src, Stream stream) {
+  const size_t es = dtype_size(src.dtype);
+  if (src.size(0) == 0 || src.size(1) == 0) return;
+  GMOE_CUDA_CHECK(cudaMemcpy2DAsync(dst.data, dst.stride(0) * es, src.data, src.stride(0) * es, src.size(1) * es,
+                                    src.size(0), cudaMemcpyDeviceToDevice, stream));
+}
+
+void zero_bytes(void* ptr, std::size_t bytes, Stream stream) {
+  if (bytes != 0) GMOE_CUDA_CHECK(cudaMemsetAsync(ptr, 0, bytes, stream));
+}
+
+void* event_create() {
+  cudaEvent_t ev;
+  GMOE_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+  return ev;
+}
+void event_destroy(void* event) {
+  if (event) cudaEventDestroy(static_cast<cudaEvent_t>(event));
+}
+void event_record(void* event, Stream stream) {
+  GMOE_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(event), stream));
+}
+void stream_wait_event(Stream stream, void* event) {
+  GMOE_CUDA_CHECK(cudaStreamWaitEvent(stream, static_cast<cudaEvent_t>(event), 0));
+}
+
+}  // namespace gmoe::cuda_backend

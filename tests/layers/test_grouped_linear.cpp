@@ -1,0 +1,278 @@
+// tests/layers/test_grouped_linear.cpp — GroupedLinear on the CPU backend against a reference made
+// of E independent dense linear layers sharing the weights (computed exactly, in fp64): forward,
+// dx, dW, db on every named case, both weight layouts, every bias mode; fresh gradients (views of
+// one allocation), main_grad accumulate/overwrite with an expert mask; delayed and immediate weight
+// gradients bitwise equal; hooks fire once per backward; zero-token experts get exact zeros.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <tuple>
+
+#include "common/expect_error.h"
+#include "common/gemm_fixture.h"
+#include "common/harness.h"
+#include "gmoe/grouped_linear.h"
+
+namespace gmoe::test {
+namespace {
+
+enum class BiasMode { kNone, kList, kGrouped };
+const char* bias_name(BiasMode b) { return b == BiasMode::kNone ? "nobias" : b == BiasMode::kList ? "biaslist" : "biasgrouped"; }
+
+struct HostBias {
+  HostTensor grouped;             // [E, N] values (also the source of the list)
+  std::vector<HostTensor> list;
+  BiasMode mode = BiasMode::kNone;
+  HostBias(BiasMode m, DType dt, int64_t E, int64_t N, Rng& rng) : grouped(dt, {E, N}), mode(m) {
+    fill_random(grouped, rng);
+    for (int64_t e = 0; e < E; ++e) {
+      HostTensor v(dt, {N});
+      for (int64_t n = 0; n < N; ++n) v.set(n, grouped.get(e * N + n));
+      list.push_back(std::move(v));
+    }
+  }
+  ExpertBias view() const {
+    if (mode == BiasMode::kNone) return ExpertBias::none();
+    if (mode == BiasMode::kGrouped) return ExpertBias::from_grouped(grouped.view());
+    std::vector<TensorView> v;
+    for (const HostTensor& t : list) v.push_back(t.view());
+    return ExpertBias::from_list(std::move(v));
+  }
+};
+
+std::vector<double> expert_values(const ExpertWeights& w) {
+  std::vector<double> out;
+  for (int64_t e = 0; e < w.num_experts(); ++e) {
+    const TensorView v = w.expert(e);
+    HostTensor h(v.dtype, {v.size(0), v.size(1)});
+    std::memcpy(h.data(), v.data, h.bytes().size());
+    const std::vector<double> d = h.to_double();
+    out.insert(out.end(), d.begin(), d.end());
+  }
+  return out;
+}
+std::vector<double> bias_values(const ExpertBias& b) {
+  std::vector<double> out;
+  for (int64_t e = 0; e < b.num_experts(); ++e) {
+    const TensorView v = b.expert(e);
+    HostTensor h(v.dtype, {v.size(0)});
+    std::memcpy(h.data(), v.data, h.bytes().size());
+    const std::vector<double> d = h.to_double();
+    out.insert(out.end(), d.begin(), d.end());
+  }
+  return out;
+}
+HostTensor to_host(const TensorView& v) {
+  HostTensor h(v.dtype, {v.size(0), v.size(1)});
+  if (!h.bytes().empty()) std::memcpy(h.data(), v.data, h.bytes().size());
+  return h;
+}
+
+// The bias is added after the GEMM's output was rounded to the output dtype (a second rounding):
+// |got - exact| <= u·|gemm| + u·|gemm + b| + L·2^-24·Σ|a·b| (+ subnormal slack).
+::testing::AssertionResult close(const std::vector<double>& got, ExactResult exact, DType dt,
+                                 const std::vector<double>* added, const std::string& what) {
+  if (added == nullptr) return within_reference_bound(got, exact, dt, what);
+  const double u = unit_roundoff(dt), u32 = std::ldexp(1.0, -24), L = double(exact.reduction) + 2;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double with_bias = exact.value[i] + (*added)[i];
+    const double bound = u * (std::abs(exact.value[i]) + std::abs(with_bias)) + L * u32 * exact.abs_sum[i] + 1e-30;
+    if (!(std::abs(got[i] - with_bias) <= bound)) {
+      return ::testing::AssertionFailure() << what << ": element " << i << " = " << got[i] << ", exact " << with_bias
+                                           << ", bound " << bound;
+    }
+  }
+  return ::testing::AssertionSuccess();
+}
+
+using Param = std::tuple<Layout, BiasMode, std::string>;
+class CpuGroupedLinear : public ::testing::TestWithParam<Param> {
+ protected:
+  Layout layout() const { return std::get<0>(GetParam()); }
+  BiasMode bias_mode() const { return std::get<1>(GetParam()); }
+  const std::string& case_name() const { return std::get<2>(GetParam()); }
+};
+
+TEST_P(CpuGroupedLinear, ForwardBackwardDelayedBitwiseAndHooks) {
+  Rng rng;
+  const ShapeCase c = make_case(case_name(), rng);
+  const DType dt = DType::bf16;
+  const GemmProblem p(c, dt, rng);
+  const HostBias hb(bias_mode(), dt, c.E, c.N, rng);
+  const std::vector<int64_t> off = [&] {
+    std::vector<int64_t> o(c.E + 1, 0);
+    for (int64_t e = 0; e < c.E; ++e) o[e + 1] = o[e] + c.counts[e];
+    return o;
+  }();
+
+  struct Run {
+    HostTensor y, dx;
+    std::vector<double> dw, db;
+    int hooks = 0;
+  };
+  auto run = [&](bool delayed) {
+    Run r;
+    GroupedLinearOptions opt;
+    opt.delay_wgrad = delayed;
+    opt.wgrad_hook = [&r](const GroupedLinearGrads& g, Stream) {
+      ++r.hooks;
+      EXPECT_EQ(g.weight.num_experts(), g.weight.is_stacked() ? g.weight.stacked.size(0) : int64_t(g.weight.list.size()));
+    };
+    GroupedLinear layer(p.weights(layout()), hb.view(), opt);
+    GroupedLinearContext ctx;
+    Tensor y = layer.forward(p.x.view(), p.counts.view(), ctx);
+    EXPECT_TRUE(ctx.active());
+    GroupedLinearBackward b = layer.backward(ctx, p.dy.view());
+    GroupedLinearGrads g = delayed ? layer.backward_dw(ctx) : b.grads;
+    if (delayed) {
+      EXPECT_FALSE(b.grads.weight.is_stacked() || !b.grads.weight.list.empty()) << "delayed backward returned dW";
+    }
+    EXPECT_FALSE(ctx.active());
+    EXPECT_EQ(g.weight.is_stacked(), layout() == Layout::kStacked) << "fresh dW must have the weight's layout";
+    r.y = to_host(y.view());
+    r.dx = to_host(b.dx.view());
+    r.dw = expert_values(g.weight);
+    if (bias_mode() != BiasMode::kNone) r.db = bias_values(delayed ? b.grads.bias : g.bias);
+    return r;
+  };
+  const Run now = run(false), later = run(true);
+  EXPECT_EQ(now.hooks, 1);
+  EXPECT_EQ(later.hooks, 1);
+  EXPECT_TRUE(bitwise_equal(now.y, later.y, "y"));
+  EXPECT_TRUE(bitwise_equal(now.dx, later.dx, "dx"));
+  EXPECT_EQ(now.dw, later.dw) << "delayed dW differs from immediate dW";
+  EXPECT_EQ(now.db, later.db) << "db differs between delayed and immediate";
+
+  // Against the reference of E dense layers.
+  std::vector<double> row_bias;
+  if (bias_mode() != BiasMode::kNone) {
+    row_bias.assign(size_t(c.capacity * c.N), 0.0);
+    for (int64_t e = 0; e < c.E; ++e)
+      for (int64_t r = off[e]; r < off[e + 1]; ++r)
+        for (int64_t n = 0; n < c.N; ++n) row_bias[r * c.N + n] = hb.grouped.get(e * c.N + n);
+  }
+  EXPECT_TRUE(close(now.y.to_double(), exact_fprop(p.x, p.w, c.counts), dt,
+                    bias_mode() == BiasMode::kNone ? nullptr : &row_bias, "y"));
+  EXPECT_TRUE(close(now.dx.to_double(), exact_dgrad(p.dy, p.w, c.counts), dt, nullptr, "dx"));
+  EXPECT_TRUE(close(now.dw, exact_wgrad(p.dy, p.x, c.counts, nullptr, nullptr), dt, nullptr, "dW"));
+  for (int64_t e = 0; e < c.E; ++e) {
+    if (c.counts[e] != 0) continue;
+    for (int64_t i = 0; i < c.N * c.K; ++i) ASSERT_EQ(now.dw[e * c.N * c.K + i], 0.0) << "dW of empty expert " << e;
+    for (int64_t n = 0; n < c.N && !now.db.empty(); ++n) ASSERT_EQ(now.db[e * c.N + n], 0.0) << "db of empty expert " << e;
+  }
+  if (bias_mode() != BiasMode::kNone) {
+    ExactResult db;
+    db.value.assign(size_t(c.E * c.N), 0.0);
+    db.abs_sum = db.value;
+    const std::vector<double> dyd = p.dy.to_double();
+    for (int64_t e = 0; e < c.E; ++e) {
+      db.reduction = std::max(db.reduction, c.counts[e]);
+      for (int64_t r = off[e]; r < off[e + 1]; ++r)
+        for (int64_t n = 0; n < c.N; ++n) {
+          db.value[e * c.N + n] += dyd[r * c.N + n];
+          db.abs_sum[e * c.N + n] += std::abs(dyd[r * c.N + n]);
+        }
+    }
+    EXPECT_TRUE(within_reference_bound(now.db, db, dt, "db"));
+  }
+}
+
+TEST_P(CpuGroupedLinear, MainGradAccumulateOverwriteMask) {
+  Rng rng;
+  const ShapeCase c = make_case(case_name(), rng);
+  const GemmProblem p(c, DType::bf16, rng);
+  const HostBias hb(bias_mode(), DType::bf16, c.E, c.N, rng);
+  HostTensor mask(DType::i32, {c.E});
+  std::vector<int32_t> mask_v(size_t(c.E));
+  for (int64_t e = 0; e < c.E; ++e) mask.set(e, mask_v[e] = int32_t(rng.integer(0, 1)));
+  for (bool accumulate : {true, false}) {
+    for (bool delayed : {false, true}) {
+      HostExpertTensor main_grad(layout(), DType::f32, c.E, c.N, c.K);
+      HostTensor init(DType::f32, {c.E, c.N, c.K});
+      fill_random(init, rng, -2.0, 2.0);
+      const std::vector<double> init_v = init.to_double();
+      main_grad.set_all(init_v);
+      GroupedLinearOptions opt;
+      opt.main_grad = main_grad.view();
+      opt.accumulate = accumulate;
+      opt.expert_mask = mask.view();
+      opt.delay_wgrad = delayed;
+      opt.save_original_input = true;
+      int hooks = 0;
+      opt.wgrad_hook = [&](const GroupedLinearGrads&, Stream) { ++hooks; };
+      GroupedLinear layer(p.weights(layout()), hb.view(), opt);
+      GroupedLinearContext ctx;
+      layer.forward(p.x.view(), p.counts.view(), ctx);
+      layer.backward(ctx, p.dy.view());
+      if (delayed) {
+        EXPECT_EQ(hooks, 0) << "hook fired before the delayed weight gradient";
+        layer.backward_dw(ctx);
+      }
+      EXPECT_EQ(hooks, 1);
+      ExactResult exact = exact_wgrad(p.dy, p.x, c.counts, accumulate ? &init_v : nullptr, &mask_v);
+      const std::vector<double> got = main_grad.to_double();
+      for (int64_t e = 0; e < c.E; ++e) {
+        const bool untouched = mask_v[e] == 0 || (accumulate && c.counts[e] == 0);
+        for (int64_t i = 0; untouched && i < c.N * c.K; ++i) {
+          ASSERT_EQ(got[e * c.N * c.K + i], init_v[e * c.N * c.K + i]) << "expert " << e << " was written";
+          exact.value[e * c.N * c.K + i] = init_v[e * c.N * c.K + i];
+        }
+      }
+      EXPECT_TRUE(within_reference_bound(got, exact, DType::f32, accumulate ? "main_grad +=" : "main_grad ="));
+    }
+  }
+}
+
+std::string param_name(const ::testing::TestParamInfo<Param>& info) {
+  return std::string(layout_name(std::get<0>(info.param))) + "_" + bias_name(std::get<1>(info.param)) + "_" +
+         std::get<2>(info.param);
+}
+
+INSTANTIATE_TEST_SUITE_P(NamedCases, CpuGroupedLinear,
+                         ::testing::Combine(::testing::Values(Layout::kStacked, Layout::kList),
+                                            ::testing::Values(BiasMode::kNone, BiasMode::kList, BiasMode::kGrouped),
+                                            ::testing::ValuesIn(named_case_names())),
+                         param_name);
+
+TEST(CpuGroupedLinearApi, CopiedInputIsIndependentOfTheCaller) {
+  Rng rng;
+  const ShapeCase c = make_case("skewed", rng);
+  GemmProblem p(c, DType::bf16, rng);
+  auto dw_for = [&](bool save_original, bool clobber) {
+    GroupedLinearOptions opt;
+    opt.save_original_input = save_original;
+    GroupedLinear layer(p.weights(Layout::kStacked), {}, opt);
+    GroupedLinearContext ctx;
+    HostTensor x = p.x;
+    layer.forward(x.view(), p.counts.view(), ctx);
+    if (clobber) fill_random(x, rng);  // the caller reuses its buffer after forward
+    return expert_values(layer.backward(ctx, p.dy.view()).grads.weight);
+  };
+  EXPECT_EQ(dw_for(false, false), dw_for(false, true)) << "the saved copy must not alias the caller's x";
+  EXPECT_NE(dw_for(true, false), dw_for(true, true)) << "save_original_input must keep a reference";
+}
+
+TEST(CpuGroupedLinearApi, Errors) {
+  Rng rng;
+  const ShapeCase c = make_case("uniform", rng);
+  const GemmProblem p(c, DType::bf16, rng);
+  HostTensor bad_bias(DType::bf16, {c.E, c.N + 1});
+  GMOE_EXPECT_ERROR(GroupedLinear(p.weights(Layout::kStacked), ExpertBias::from_grouped(bad_bias.view())), "bias:",
+                    "expected vectors of");
+  HostExpertTensor mg(Layout::kStacked, DType::bf16, c.E, c.N, c.K);
+  GroupedLinearOptions opt;
+  opt.main_grad = mg.view();
+  GMOE_EXPECT_ERROR(GroupedLinear(p.weights(Layout::kStacked), {}, opt), "options.main_grad", "f32");
+  GroupedLinear layer(p.weights(Layout::kList));
+  GroupedLinearContext ctx;
+  GMOE_EXPECT_ERROR(layer.backward(ctx, p.dy.view()), "ctx:", "forward");
+  layer.forward(p.x.view(), p.counts.view(), ctx);
+  GMOE_EXPECT_ERROR(layer.forward(p.x.view(), p.counts.view(), ctx), "ctx:", "backward");
+  HostTensor dy_bad(DType::bf16, {c.capacity, c.N + 2});
+  GMOE_EXPECT_ERROR(layer.backward(ctx, dy_bad.view()), "dy:", "expected [");
+  GMOE_EXPECT_ERROR(layer.backward_dw(ctx), "ctx:", "delay_wgrad");
+}
+
+}  // namespace
+}  // namespace gmoe::test
