@@ -39,20 +39,24 @@ int64_t HostTensor::numel() const {
   return n;
 }
 
-TensorView HostTensor::view() const {
+TensorView contiguous_view(void* data, DType dtype, Device device, const std::vector<int64_t>& shape) {
   TensorView v;
-  v.data = const_cast<uint8_t*>(bytes_.data());
-  if (bytes_.empty()) v.data = nullptr;
-  v.dtype = dtype_;
-  v.device = Device::cpu();
-  v.ndim = static_cast<int>(shape_.size());
+  v.data = data;
+  v.dtype = dtype;
+  v.device = device;
+  v.ndim = static_cast<int>(shape.size());
   int64_t stride = 1;
   for (int d = v.ndim - 1; d >= 0; --d) {
-    v.shape[d] = shape_[d];
+    v.shape[d] = shape[d];
     v.strides[d] = stride;
-    stride *= shape_[d];
+    stride *= shape[d];
   }
   return v;
+}
+
+TensorView HostTensor::view() const {
+  void* data = bytes_.empty() ? nullptr : const_cast<uint8_t*>(bytes_.data());
+  return contiguous_view(data, dtype_, Device::cpu(), shape_);
 }
 
 double HostTensor::get(int64_t i) const {

@@ -45,6 +45,9 @@ class Rng {
 // ---------------------------------------------------------------------------------------------
 // Owning host tensors.
 
+/// A contiguous (row-major) view of `shape` at `data`.
+TensorView contiguous_view(void* data, DType dtype, Device device, const std::vector<int64_t>& shape);
+
 /// A contiguous host tensor that owns its bytes; view() gives the TensorView.
 class HostTensor {
  public:

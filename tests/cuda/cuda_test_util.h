@@ -87,20 +87,7 @@ class DeviceTensor {
     }
     return h;
   }
-  TensorView view() const {
-    TensorView v;
-    v.data = data_;
-    v.dtype = dtype_;
-    v.ndim = static_cast<int>(shape_.size());
-    int64_t stride = 1;
-    for (int d = v.ndim - 1; d >= 0; --d) {
-      v.shape[d] = shape_[d];
-      v.strides[d] = stride;
-      stride *= shape_[d];
-    }
-    v.device = Device::cuda(0);
-    return v;
-  }
+  TensorView view() const { return contiguous_view(data_, dtype_, Device::cuda(0), shape_); }
   void* data() const { return data_; }
 
  private:
