@@ -81,6 +81,13 @@ void check_output_dtype(DType out, DType in, const char* name) {
              " (the input's) or f32, got ", dtype_name(out));
 }
 
+Allocator& pick_allocator(Allocator* alloc, Device device) {
+  if (alloc == nullptr) return default_allocator(device);
+  GMOE_CHECK(alloc->device().type == device.type, "alloc: allocator for ", alloc->device().str(),
+             " used with tensors on ", device.str());
+  return *alloc;
+}
+
 void check_cuda_compiled(const char* op) {
   GMOE_CHECK(cuda_backend::compiled(), op,
              ": tensors are on CUDA but gmoe was built without CUDA");

@@ -2,6 +2,7 @@
 // the argument, what was expected and what was given.
 #pragma once
 
+#include "gmoe/allocator.h"
 #include "gmoe/grouped.h"
 #include "gmoe/grouped_bias.h"
 #include "gmoe/tensor.h"
@@ -24,6 +25,8 @@ void check_output_dtype(DType out, DType in, const char* name);
 /// Expert biases: E vectors of N, dtype of the rows or f32, contiguous, on `device`.
 void check_expert_bias(const ExpertBias& b, const char* name, int64_t E, int64_t N, DType rows_dtype,
                        Device device);
+/// `alloc`, checked to serve `device`'s type, or the device's default allocator when nullptr.
+Allocator& pick_allocator(Allocator* alloc, Device device);
 /// Throws "<op>: tensors are on CUDA but gmoe was built without CUDA".
 void check_cuda_compiled(const char* op);
 

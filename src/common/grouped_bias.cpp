@@ -62,10 +62,6 @@ void check_expert_bias(const ExpertBias& b, const char* name, int64_t E, int64_t
   check_same_device(b.device(), device, name);
 }
 
-namespace {
-Allocator& pick(Allocator* alloc, Device device) { return alloc ? *alloc : default_allocator(device); }
-}  // namespace
-
 void grouped_bias_add(const TensorView& y, const ExpertBias& bias, const TensorView& counts, Stream stream,
                       Allocator* alloc) {
   check_rows(y, "y");
@@ -76,7 +72,7 @@ void grouped_bias_add(const TensorView& y, const ExpertBias& bias, const TensorV
     cpu_backend::grouped_bias_add(y, bias, counts);
   } else {
     check_cuda_compiled("grouped_bias_add");
-    cuda_backend::grouped_bias_add(y, bias, counts, stream, pick(alloc, y.device));
+    cuda_backend::grouped_bias_add(y, bias, counts, stream, pick_allocator(alloc, y.device));
   }
 }
 
@@ -90,7 +86,7 @@ void grouped_bias_grad(const TensorView& dy, const TensorView& counts, const Exp
     cpu_backend::grouped_bias_grad(dy, counts, dbias);
   } else {
     check_cuda_compiled("grouped_bias_grad");
-    cuda_backend::grouped_bias_grad(dy, counts, dbias, stream, pick(alloc, dy.device));
+    cuda_backend::grouped_bias_grad(dy, counts, dbias, stream, pick_allocator(alloc, dy.device));
   }
 }
 

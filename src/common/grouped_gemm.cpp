@@ -24,13 +24,6 @@ void after_op(Device device, Stream stream) {
   if (device.is_cuda() && debug_sync_enabled()) check_device_errors(stream);
 }
 
-Allocator& pick_allocator(Allocator* alloc, Device device) {
-  if (alloc == nullptr) return default_allocator(device);
-  GMOE_CHECK(alloc->device().type == device.type, "alloc: allocator for ", alloc->device().str(),
-             " used with tensors on ", device.str());
-  return *alloc;
-}
-
 }  // namespace
 
 void grouped_gemm_fprop(const TensorView& x, const ExpertWeights& w, const TensorView& counts,
