@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """bench/report.py — merges result files of one GPU session (gmoe-bench --json, torch_baseline.py
 --json) into one results file in the BENCHMARKS.md format, and prints one table: TFLOP/s of every
-implementation per case and pass, gmoe's ratio to each baseline, and the geometric means.
+implementation per case and pass, gmoe's ratio to each baseline, and the geometric means. Layer
+rows (impl gmoe_linear, from gmoe-bench's layer mode) get a second table: the layer's time beside
+its bare GEMMs measured in the same run, the overhead, and the kernel launches per call.
 
     report.py gmoe.json torch.json --out results.json --markdown results.md
 """
@@ -10,37 +12,113 @@ import json
 import math
 
 
-def table(rows):
-    keys, cells, impls = [], {}, []
+LAYER_IMPL = "gmoe_linear"
+
+
+# The comparison tables: which of our implementations are compared with which baselines.
+# Each row of a table is a (case, pass); a section is printed only when it has rows.
+GEMM_SECTION = ("bf16 grouped GEMM", ["gmoe"], ["cublas_dense", "cublas_loop", "torch"])
+FP8_IMPLS = ["gmoe_fp8_blockwise", "gmoe_fp8_tensorwise", "gmoe_mxfp8"]
+FP8_SECTION = ("FP8 grouped GEMM (GEMM alone; _with_quant: the quantization of the pass's activations included)",
+               FP8_IMPLS + [i + "_with_quant" for i in FP8_IMPLS], ["gmoe", "torch_fp8_rowwise"])
+MLP_SECTION = ("expert MLP", ["gmoe", "gmoe_unfused"], ["torch", "torch_compile"])
+
+
+def table(rows, ours, baselines, passes=None):
+    """TFLOP/s of every implementation present, and the ratio of each of ours to each baseline, per
+    (case, pass); geometric mean of every ratio column. `passes` limits the passes taken."""
+    wanted = set(ours) | set(baselines)
+    keys, cells, present = [], {}, []
     for r in rows:
+        if r["impl"] not in wanted or (passes and r["pass"] not in passes):
+            continue
         k = (r["case"], r["pass"])
         if k not in cells:
             keys.append(k)
             cells[k] = {}
         cells[k][r["impl"]] = r
-        if r["impl"] not in impls:
-            impls.append(r["impl"])
-    baselines = [i for i in impls if i != "gmoe"]
-    head = ["case", "pass"] + [f"{i} TFLOP/s" for i in impls] + [f"gmoe/{b}" for b in baselines] + ["correct"]
+        if r["impl"] not in present:
+            present.append(r["impl"])
+    keys = [k for k in keys if any(o in cells[k] for o in ours)]  # rows without any of ours: none
+    if not keys:
+        return []
+    impls = [i for i in list(ours) + list(baselines) if i in present]
+    pairs = [(o, b) for o in ours if o in present for b in baselines if b in present and b != o]
+    head = ["case", "pass"] + [f"{i} TFLOP/s" for i in impls] + [f"{o}/{b}" for o, b in pairs] + ["correct"]
     lines = [head]
-    logs = {b: [] for b in baselines}
+    logs = {p: [] for p in pairs}
     for k in keys:
         c = cells[k]
         line = list(k) + [f"{c[i]['tflops']:.1f}" if i in c else "-" for i in impls]
-        g = c.get("gmoe")
-        for b in baselines:
-            if g and b in c and c[b]["tflops"] > 0:
-                ratio = g["tflops"] / c[b]["tflops"]
-                logs[b].append(math.log(ratio))
+        for o, b in pairs:
+            if o in c and b in c and c[b]["tflops"] > 0 and c[o]["tflops"] > 0:
+                ratio = c[o]["tflops"] / c[b]["tflops"]
+                logs[(o, b)].append(math.log(ratio))
                 line.append(f"{ratio:.2f}x")
             else:
                 line.append("-")
-        line.append("-" if not g or g.get("correct") is None else ("yes" if g["correct"] else "NO"))
+        checked = [c[o].get("correct") for o in ours if o in c and c[o].get("correct") is not None]
+        line.append("-" if not checked else ("yes" if all(checked) else "NO"))
         lines.append(line)
     geo = ["geomean", ""] + [""] * len(impls)
     geo += [f"{math.exp(sum(v) / len(v)):.2f}x" if v else "-" for v in logs.values()] + [""]
     lines.append(geo)
     return lines
+
+
+def sections(rows):
+    """(title, lines) of every comparison table that has rows."""
+    out = []
+    gemm_passes = {"fprop", "dgrad", "wgrad"}
+    for title, ours, baselines in (GEMM_SECTION, FP8_SECTION):
+        lines = table(rows, ours, baselines, gemm_passes)
+        if lines:
+            out.append((title, lines))
+    lines = table(rows, *MLP_SECTION[1:], passes={"forward", "forward_backward"})
+    if lines:
+        out.append((MLP_SECTION[0], lines))
+    return out
+
+
+def layer_table(rows):
+    """GroupedLinear rows: time, bare GEMMs of the same work, overhead, launches; geomean per pass."""
+    head = ["case", "pass", f"{LAYER_IMPL} TFLOP/s", "ms", "bare GEMMs ms", "overhead", "kernels", "memsets",
+            "memcpys", "correct"]
+    lines, logs = [head], {}
+    for r in rows:
+        if r["impl"] != LAYER_IMPL:
+            continue
+        line = [r["case"], r["pass"], f"{r['tflops']:.1f}", f"{r['ms']:.3f}"]
+        bare = r.get("bare_ms")
+        if bare:
+            line += [f"{bare:.3f}", f"{100 * (r['ms'] / bare - 1):.1f}%"]
+            logs.setdefault(r["pass"], []).append(math.log(r["ms"] / bare))
+        else:
+            line += ["-", "-"]
+        nodes = r.get("graph_nodes") or {}
+        line += [str(nodes.get(k, "-")) for k in ("kernel", "memset", "memcpy")]
+        line.append("-" if r.get("correct") is None else ("yes" if r["correct"] else "NO"))
+        lines.append(line)
+    if len(lines) == 1:
+        return []
+    for p, v in logs.items():
+        lines.append(["geomean", p, "", "", "", f"{100 * (math.exp(sum(v) / len(v)) - 1):.1f}%", "", "", "", ""])
+    return lines
+
+
+def print_table(lines):
+    widths = [max(len(l[i]) for l in lines) for i in range(len(lines[0]))]
+    for n, l in enumerate(lines):
+        print("  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(l, widths))))
+        if n == 0:
+            print("-" * (sum(widths) + 2 * len(widths)))
+
+
+def write_markdown_table(f, lines):
+    for n, l in enumerate(lines):
+        f.write("| " + " | ".join(l) + " |\n")
+        if n == 0:
+            f.write("|" + "---|" * 2 + "---:|" * (len(l) - 2) + "\n")
 
 
 def main():
@@ -61,23 +139,40 @@ def main():
             merged["rows"] = []
         if "torch" in d:
             merged["torch"] = d["torch"]
+        if d.get("errors"):
+            merged.setdefault("errors", []).extend(d["errors"])
         merged["rows"] += d["rows"]
+    if merged is None:
+        raise SystemExit("report: no readable input")
     json.dump(merged, open(args.out, "w"), indent=1)
-    lines = table(merged["rows"])
-    widths = [max(len(l[i]) for l in lines) for i in range(len(lines[0]))]
-    for n, l in enumerate(lines):
-        print("  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(l, widths))))
-        if n == 0:
-            print("-" * (sum(widths) + 2 * len(widths)))
+    tables = sections(merged["rows"])
+    layer = layer_table(merged["rows"])
+    for title, lines in tables:
+        print(f"\n{title}:")
+        print_table(lines)
+    if layer:
+        print("\nGroupedLinear (grouped bias, f32 main_grad accumulated) vs its bare GEMMs, same run:")
+        print_table(layer)
+    for e in merged.get("errors", []):
+        print(f"error: {e.get('impl')} {e.get('case')} {e.get('pass', '')}: {e.get('error', '')[:300]}")
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(f"# gmoe benchmark: suite {merged.get('suite')} on {merged.get('gpu')}\n\n")
             f.write(f"commit {merged.get('commit')}, {merged.get('date')}, torch {merged.get('torch')}. "
                     "TFLOP/s (median of CUDA-event timings); every baseline measured in the same run.\n\n")
-            for n, l in enumerate(lines):
-                f.write("| " + " | ".join(l) + " |\n")
-                if n == 0:
-                    f.write("|" + "---|" * 2 + "---:|" * (len(l) - 2) + "\n")
+            for title, lines in tables:
+                f.write(f"\n## {title}\n\n")
+                write_markdown_table(f, lines)
+            if layer:
+                f.write("\nGroupedLinear (grouped bias, f32 main_grad accumulated): its time beside the bare GEMMs "
+                        "of the same work in the same run, the overhead, and the kernel launches per call (CUDA "
+                        "graph capture).\n\n")
+                write_markdown_table(f, layer)
+            if merged.get("errors"):
+                f.write("\nErrors:\n\n")
+                for e in merged["errors"]:
+                    f.write(f"- {e.get('impl')} {e.get('case')} {e.get('pass', '')}: "
+                            f"{e.get('error', '')[:300]}\n")
 
 
 if __name__ == "__main__":

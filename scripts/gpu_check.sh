@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # scripts/gpu_check.sh — the one command run on the GPU machine (H100/H200).
 #
-#   scripts/gpu_check.sh [stage ...]     stages: build test sanitize bench (default: all four)
+#   scripts/gpu_check.sh [stage ...]     stages: build test sanitize bench tiles (default: the first four)
 #
 # build     configure with CUDA and build everything with all cores (build/gpu)
 # test      every test suite, CUDA suites included (ctest)
 # sanitize  compute-sanitizer memcheck on the CUDA test binary, racecheck on a subset
-# bench     gmoe-bench on the public suite (cuBLAS baselines in the same run), then
-#           bench/torch_baseline.py on the same cases, merged by bench/report.py into one table
+# bench     gmoe-bench on the public suite (gemm and layer modes, cuBLAS baselines in the same run),
+#           then bench/torch_baseline.py on the same cases (gemm, and the mlp composition eager and
+#           compiled), merged by bench/report.py into one table (and the layer table)
+# tiles     gmoe-bench's gemm mode once per forced tile configuration (GMOE_CUDA_TILE), no baselines,
+#           beside the heuristic's choice from the bench stage: the data the tile heuristic is tuned on
 #
 # Logs and results go to $OUT (default /tmp/gmoe_out): build.log tests.log sanitizer.log bench.log
 # results.json results.md summary.txt. The machine has no package registry: carry .deps (made by
@@ -43,7 +46,7 @@ for stage in "${stages[@]}"; do
       grep -E "tests passed|tests failed|Failed|\*\*\*" "$OUT/tests.log" | tee -a "$OUT/summary.txt"
       "$BUILD/gmoe_tests_cuda" --gtest_brief=1 2>&1 | grep -E "^\[  (PASSED|FAILED|SKIPPED) " | tee -a "$OUT/summary.txt"
       # The tile heuristic picks one config per shape: force each in turn so every kernel runs.
-      for tile in coop pingpong; do
+      for tile in coop pingpong coop_c1x2 coop_c2x1; do
         if GMOE_CUDA_TILE=$tile "$BUILD/gmoe_tests_cuda" --gtest_brief=1 \
              --gtest_filter='LargeCases*:*Graph*:*Tiles*:*e256:*ragged' >>"$OUT/tests.log" 2>&1; then
           summary "test forced tile $tile: ok"
@@ -67,14 +70,46 @@ for stage in "${stages[@]}"; do
         grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/sanitizer.log" | tail -1 | tee -a "$OUT/summary.txt"
       done ;;
     bench)
-      "$BUILD/gmoe-bench" --suite bench/suites/public.json --json "$OUT/gmoe.json" >"$OUT/bench.log" 2>&1 || status=1
+      "$BUILD/gmoe-bench" --suite bench/suites/public.json --mode all --iters 20 \
+        --fp8 blockwise,tensorwise,mxfp8 --json "$OUT/gmoe.json" \
+        >"$OUT/bench.log" 2>&1 || status=1
+      grep -E "^  E = |the same for E = 8 and E = 256" "$OUT/bench.log" | tee -a "$OUT/summary.txt"
       tail -5 "$OUT/bench.log" | tee -a "$OUT/summary.txt"
-      PYTHONUNBUFFERED=1 python3 bench/torch_baseline.py --suite bench/suites/public.json \
+      PYTHONUNBUFFERED=1 python3 bench/torch_baseline.py --suite bench/suites/public.json --iters 20 \
         --json "$OUT/torch.json" >>"$OUT/bench.log" 2>&1 || summary "torch baseline: FAILED"
       python3 bench/report.py "$OUT/gmoe.json" "$OUT/torch.json" --out "$OUT/results.json" \
         --markdown "$OUT/results.md" | tee -a "$OUT/bench.log"
       rm -f "$OUT/gmoe.json" "$OUT/torch.json"
       summary "bench: done ($(( $(date +%s) - t0 )) s)" ;;
+    tiles)
+      for tile in coop pingpong coop_c1x2 coop_c2x1; do
+        GMOE_CUDA_TILE=$tile "$BUILD/gmoe-bench" --suite bench/suites/public.json --mode gemm --iters 20 \
+          --no-baselines --json "/tmp/gmoe_tile_$tile.json" >>"$OUT/bench.log" 2>&1 || status=1
+      done
+      python3 - "$OUT/results.json" /tmp/gmoe_tile_*.json >"$OUT/tiles.md" <<'PY' || status=1
+import json, sys
+sys.path.insert(0, "bench")
+import report
+rows, tiles = [], []
+for path in sys.argv[1:]:
+    try:
+        d = json.load(open(path))
+    except (OSError, ValueError):
+        continue
+    tile = path.rsplit("gmoe_tile_", 1)[1][:-5] if "gmoe_tile_" in path else None
+    for r in d["rows"]:
+        if r["impl"] == "gmoe":
+            if tile:
+                r = dict(r, impl="gmoe_" + tile)
+            rows.append(r)
+    if tile:
+        tiles.append("gmoe_" + tile)
+lines = report.table(rows, ["gmoe"], tiles, {"fprop", "dgrad", "wgrad"})
+print("# Forced tiles (gmoe: the heuristic's choice, from the bench stage)\n")
+report.write_markdown_table(sys.stdout, lines)
+PY
+      cat "$OUT/tiles.md"
+      summary "tiles: done ($(( $(date +%s) - t0 )) s)" ;;
     *) echo "unknown stage '$stage'"; exit 2 ;;
   esac
 done

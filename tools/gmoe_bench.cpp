@@ -1,11 +1,15 @@
 // tools/gmoe_bench.cpp — gmoe-bench: runs a benchmark suite, checking correctness before timing.
 //
-//   gmoe-bench [--suite bench/suites/public.json] [--backend auto|cpu|cuda] [--json F] [--markdown F]
+//   gmoe-bench [--suite bench/suites/public.json] [--backend auto|cpu|cuda] [--mode gemm|layer|all]
+//              [--json F] [--markdown F]
 //
 // On a GPU (sm_90) it runs the CUDA backend on the suite as given, with the cuBLAS baselines in the
 // same run. Without one it runs the CPU reference backend on a reduced suite: the same cases with
 // rows scaled down (counts scaled keeping empty experts empty and the skew) so that the whole run
-// takes about a minute. Exits non-zero when any correctness check fails.
+// takes about a minute. Modes: `gemm` times the three grouped GEMM passes of each gemm case; `layer`
+// times GroupedLinear forward and forward+backward on the same cases beside its bare GEMMs, with the
+// kernel launches per call (CUDA graph capture) and a check that they do not grow with E; `all`
+// (default) runs both. Exits non-zero when any correctness check fails.
 #include <CLI/CLI.hpp>
 
 #include <chrono>
@@ -14,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/fp8_runner.h"
 #include "bench/results.h"
 #include "bench/runner.h"
 #include "bench/suite.h"
@@ -25,6 +30,14 @@ bool cuda_available(std::string*) { return false; }
 std::vector<ResultRow> run_gemm_case_cuda(const BenchCase&, const BenchOptions&) {
   GMOE_FAIL("gmoe-bench was built without CUDA");
 }
+std::vector<ResultRow> run_layer_case_cuda(const BenchCase&, const BenchOptions&) {
+  GMOE_FAIL("gmoe-bench was built without CUDA");
+}
+bool check_layer_launches_cuda(const BenchOptions&) { GMOE_FAIL("gmoe-bench was built without CUDA"); }
+std::vector<ResultRow> run_fp8_gemm_case_cuda(const BenchCase&, const BenchOptions&, gmoe::Fp8Recipe) {
+  GMOE_FAIL("gmoe-bench was built without CUDA");
+}
+Fp8Recipe fp8_recipe_from_name(const std::string&) { GMOE_FAIL("gmoe-bench was built without CUDA"); }
 }  // namespace gmoe::bench
 #endif
 
@@ -43,23 +56,34 @@ int main(int argc, char** argv) {
   using namespace gmoe::bench;
   CLI::App app{"gmoe-bench: grouped GEMM and expert-layer benchmarks (correctness first, then timing)"};
   std::string suite_path = "bench/suites/public.json", backend = "auto", json_path, md_path, filter,
-              dtype = "bf16";
-  double cpu_gflop = 0.5;
+              dtype = "bf16", mode = "all";
+  double cpu_gflop = 0.5, cpu_layer_gflop = 0.125;
   BenchOptions o;
   bool no_baselines = false;
   app.add_option("--suite", suite_path, "suite file (format of bench/suites/public.json)");
   app.add_option("--backend", backend, "auto (CUDA when an sm_90 GPU is present), cpu or cuda")
       ->check(CLI::IsMember({"auto", "cpu", "cuda"}));
   app.add_option("--dtype", dtype, "input dtype")->check(CLI::IsMember({"bf16", "f16"}));
+  app.add_option("--mode", mode, "gemm: the GEMM passes; layer: GroupedLinear beside its bare GEMMs; all: both")
+      ->check(CLI::IsMember({"gemm", "layer", "all"}));
   app.add_option("--case", filter, "only cases whose name contains this");
   app.add_option("--json", json_path, "write results as JSON (BENCHMARKS.md format)");
   app.add_option("--markdown", md_path, "write the table as markdown");
-  app.add_option("--iters", o.iters, "timed runs per measurement (median reported)");
+  app.add_option("--iters", o.iters, "timed runs per measurement (median reported)")->check(CLI::PositiveNumber);
   app.add_option("--warmup", o.warmup, "untimed runs before timing");
   app.add_option("--samples", o.samples, "sampled elements per correctness check");
   app.add_option("--seed", o.seed, "input seed");
   app.add_option("--cpu-gflop", cpu_gflop, "CPU backend: GFLOP per pass the rows are scaled to");
+  app.add_option("--cpu-layer-gflop", cpu_layer_gflop, "CPU backend, layer mode: GFLOP per GEMM the rows are scaled to");
+  app.add_flag("--layer-copy-input", o.layer_copy_input,
+               "layer mode: GroupedLinear copies x in forward (its default) instead of keeping a reference");
   app.add_flag("--no-baselines", no_baselines, "skip the cuBLAS baselines");
+  std::vector<std::string> fp8_recipes;
+  app.add_option("--fp8", fp8_recipes,
+                 "gemm mode on CUDA: also the FP8 grouped GEMM with these recipes (blockwise, "
+                 "tensorwise, mxfp8), rows gmoe_fp8_<recipe> / gmoe_mxfp8, dtype fp8")
+      ->delimiter(',')
+      ->check(CLI::IsMember({"blockwise", "tensorwise", "mxfp8"}));
   CLI11_PARSE(app, argc, argv);
   o.baselines = !no_baselines;
   o.dtype = gmoe::dtype_from_name(dtype);
@@ -76,9 +100,11 @@ int main(int argc, char** argv) {
     }
     std::printf("gmoe-bench: suite %s (%zu cases) on %s\n", suite.name.c_str(), suite.cases.size(),
                 use_cuda ? gpu.c_str() : "the CPU reference backend (rows scaled down)");
+    const bool run_gemm = mode != "layer", run_layer = mode != "gemm";
     std::vector<ResultRow> rows;
     bool all_correct = true;
     const auto t0 = std::chrono::steady_clock::now();
+    if (run_layer && use_cuda && !check_layer_launches_cuda(o)) all_correct = false;
     for (const BenchCase& full : suite.cases) {
       if (!filter.empty() && full.name.find(filter) == std::string::npos) continue;
       if (full.kind != "gemm") {
@@ -86,7 +112,19 @@ int main(int argc, char** argv) {
         continue;
       }
       const BenchCase c = use_cuda ? full : scale_rows(full, cpu_gflop * 1e9 / gemm_flops(full));
-      const std::vector<ResultRow> r = use_cuda ? run_gemm_case_cuda(c, o) : run_gemm_case_cpu(c, o);
+      std::vector<ResultRow> r;
+      if (run_gemm) r = use_cuda ? run_gemm_case_cuda(c, o) : run_gemm_case_cpu(c, o);
+      if (run_gemm && use_cuda) {
+        for (const std::string& recipe : fp8_recipes) {
+          const std::vector<ResultRow> f = run_fp8_gemm_case_cuda(c, o, fp8_recipe_from_name(recipe));
+          r.insert(r.end(), f.begin(), f.end());
+        }
+      }
+      if (run_layer) {
+        const BenchCase cl = use_cuda ? full : scale_rows(full, cpu_layer_gflop * 1e9 / gemm_flops(full));
+        const std::vector<ResultRow> l = use_cuda ? run_layer_case_cuda(cl, o) : run_layer_case_cpu(cl, o);
+        r.insert(r.end(), l.begin(), l.end());
+      }
       for (const ResultRow& row : r) {
         if (row.correct && !*row.correct) {
           all_correct = false;

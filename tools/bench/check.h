@@ -3,8 +3,10 @@
 // A few hundred output elements, chosen at random across every expert, are recomputed exactly
 // (fp64) and in the kernel's own precision (f32 sequential accumulation, rounded to the output
 // dtype). The pass is correct when its largest sampled error is at most twice the own-precision
-// reference's plus one rounding unit at the outputs' RMS (DESIGN.md's rule, on a sample), and when
-// no output element anywhere is non-finite (outputs are poisoned with NaN before the run).
+// reference's plus one rounding unit at the outputs' RMS (DESIGN.md's rule, on a sample; f32
+// outputs also get the CUDA tests' allowance for the accumulation order, 4·√L·2⁻²⁴·max|exact| over
+// the longest reduction L), and when no output element anywhere is non-finite (outputs are
+// poisoned with NaN before the run).
 #pragma once
 
 #include <cstdint>
@@ -24,6 +26,10 @@ struct GemmHostData {
   const void* x = nullptr;       ///< [rows, K]
   const void* w = nullptr;       ///< [E, N, K]
   const void* dy = nullptr;      ///< [rows, N]
+  /// Optional [E, N] bias of a layer (dtype bias_dtype): fprop then checks y = x·W_eᵀ + b_e as
+  /// a layer computes it (the GEMM's output rounded to the output dtype, then b_e added in f32).
+  const void* bias = nullptr;
+  DType bias_dtype = DType::bf16;
 };
 
 struct CheckResult {
@@ -31,7 +37,8 @@ struct CheckResult {
   std::string detail;
 };
 
-/// pass: "fprop" (out [rows, N]), "dgrad" (out [rows, K]) or "wgrad" (out [E, N, K]).
+/// pass: "fprop" (out [rows, N]), "dgrad" (out [rows, K]), "wgrad" (out [E, N, K]) or
+/// "bias_grad" (out [E, N]: db_e = Σ over the rows of e of dy).
 CheckResult check_pass(const GemmHostData& d, const std::string& pass, const void* out, DType out_dtype,
                        int samples, uint64_t seed);
 

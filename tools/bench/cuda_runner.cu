@@ -14,15 +14,11 @@
 #include <vector>
 
 #include "bench/check.h"
+#include "bench/cuda_util.h"
 #include "bench/runner.h"
 #include "gmoe/error.h"
 #include "gmoe/grouped_gemm.h"
 
-#define BENCH_CUDA(call)                                                                       \
-  do {                                                                                         \
-    cudaError_t err_ = (call);                                                                 \
-    GMOE_CHECK(err_ == cudaSuccess, #call " failed: ", cudaGetErrorString(err_));              \
-  } while (0)
 #define BENCH_CUBLAS(call)                                                                     \
   do {                                                                                         \
     cublasStatus_t st_ = (call);                                                               \
@@ -31,58 +27,6 @@
 
 namespace gmoe::bench {
 namespace {
-
-__device__ uint64_t splitmix_d(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
-
-template <typename T>
-__global__ void fill_uniform_kernel(T* p, int64_t n, uint64_t seed) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-    const double u = double(splitmix_d(seed * 0x100000001b3ull + uint64_t(i)) >> 11) * (1.0 / 9007199254740992.0);
-    p[i] = T(float(2.0 * u - 1.0));
-  }
-}
-
-struct DeviceBuffer {
-  void* ptr = nullptr;
-  size_t bytes = 0;
-  explicit DeviceBuffer(size_t n) : bytes(n) { BENCH_CUDA(cudaMalloc(&ptr, std::max<size_t>(n, 1))); }
-  ~DeviceBuffer() { cudaFree(ptr); }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-};
-
-void fill_uniform(void* p, DType dt, int64_t n, uint64_t seed) {
-  if (n == 0) return;
-  if (dt == DType::bf16) {
-    fill_uniform_kernel<<<1024, 256>>>(static_cast<__nv_bfloat16*>(p), n, seed);
-  } else {
-    fill_uniform_kernel<<<1024, 256>>>(static_cast<__half*>(p), n, seed);
-  }
-  BENCH_CUDA(cudaGetLastError());
-}
-
-// Median over `iters` timed runs (after `warmup`), each bracketed by its own events.
-double time_ms(const std::function<void(int)>& run, int warmup, int iters, cudaStream_t stream) {
-  for (int i = 0; i < warmup; ++i) run(i);
-  std::vector<cudaEvent_t> ev(2 * iters);
-  for (auto& e : ev) BENCH_CUDA(cudaEventCreate(&e));
-  for (int i = 0; i < iters; ++i) {
-    BENCH_CUDA(cudaEventRecord(ev[2 * i], stream));
-    run(i);
-    BENCH_CUDA(cudaEventRecord(ev[2 * i + 1], stream));
-  }
-  BENCH_CUDA(cudaStreamSynchronize(stream));
-  std::vector<float> ms(iters);
-  for (int i = 0; i < iters; ++i) BENCH_CUDA(cudaEventElapsedTime(&ms[i], ev[2 * i], ev[2 * i + 1]));
-  for (auto& e : ev) cudaEventDestroy(e);
-  std::sort(ms.begin(), ms.end());
-  return ms[iters / 2];
-}
 
 cudaDataType_t cuda_type(DType dt) { return dt == DType::bf16 ? CUDA_R_16BF : CUDA_R_16F; }
 
@@ -131,13 +75,11 @@ std::vector<ResultRow> run_gemm_case_cuda(const BenchCase& c, const BenchOptions
   const size_t es = dtype_size(dt);
   cudaStream_t stream;
   BENCH_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  int l2 = 0;
-  BENCH_CUDA(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, 0));
 
   const int64_t nx = c.rows * c.K, ndy = c.rows * c.N, nw = c.E * c.N * c.K;
   // Copies of the inputs to rotate through so that no timed run finds them in L2.
   const size_t set_bytes = (nx + ndy + nw) * es;
-  const int sets = static_cast<int>(std::clamp<size_t>((3 * size_t(l2)) / std::max<size_t>(set_bytes, 1) + 1, 1, 8));
+  const int sets = rotation_sets(set_bytes);
   std::vector<std::unique_ptr<DeviceBuffer>> xs, dys, ws;
   for (int s = 0; s < sets; ++s) {
     xs.push_back(std::make_unique<DeviceBuffer>(nx * es));

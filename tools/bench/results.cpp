@@ -40,8 +40,16 @@ std::string fmt(double v, int prec = 1) {
   return buf;
 }
 
+bool is_layer_row(const ResultRow& r) { return r.impl == "gmoe_linear"; }
+
 // The table as text lines: header, one line per case/pass, then geometric means of gmoe's ratios.
-std::vector<std::vector<std::string>> table(const std::vector<ResultRow>& rows) {
+// Layer rows are left to layer_table.
+std::vector<std::vector<std::string>> table(const std::vector<ResultRow>& all_rows) {
+  std::vector<ResultRow> rows;
+  for (const ResultRow& r : all_rows) {
+    if (!is_layer_row(r)) rows.push_back(r);
+  }
+  if (rows.empty()) return {};
   const Grouped g = group(rows);
   std::vector<std::string> baselines;
   for (const auto& i : g.impls) {
@@ -90,10 +98,47 @@ std::vector<std::vector<std::string>> table(const std::vector<ResultRow>& rows) 
   return out;
 }
 
-}  // namespace
+double overhead(const ResultRow& r) { return r.bare_ms && *r.bare_ms > 0 ? r.ms / *r.bare_ms - 1 : 0; }
 
-void print_table(const std::vector<ResultRow>& rows) {
-  const auto t = table(rows);
+// The layer rows: the layer's time beside the bare GEMMs of the same work measured in the same run,
+// the overhead (layer / bare - 1), and what one call launches; then the geometric-mean overhead of
+// each pass.
+std::vector<std::vector<std::string>> layer_table(const std::vector<ResultRow>& all_rows) {
+  std::vector<std::vector<std::string>> out;
+  out.push_back({"case", "pass", "gmoe_linear TFLOP/s", "ms", "bare GEMMs ms", "overhead", "kernels", "memsets",
+                 "memcpys", "correct"});
+  std::vector<std::string> passes;                        // first-seen order
+  std::map<std::string, std::pair<double, int>> log_sum;  // per pass: Σ log(layer / bare), count
+  for (const ResultRow& r : all_rows) {
+    if (!is_layer_row(r)) continue;
+    std::vector<std::string> line = {r.case_name, r.pass, fmt(r.tflops, r.tflops < 10 ? 3 : 1), fmt(r.ms, 3)};
+    if (r.bare_ms && *r.bare_ms > 0) {
+      line.push_back(fmt(*r.bare_ms, 3));
+      line.push_back(fmt(100 * overhead(r), 1) + "%");
+      if (log_sum.find(r.pass) == log_sum.end()) passes.push_back(r.pass);
+      log_sum[r.pass].first += std::log(r.ms / *r.bare_ms);
+      log_sum[r.pass].second += 1;
+    } else {
+      line.insert(line.end(), {"-", "-"});
+    }
+    if (r.launches) {
+      line.insert(line.end(), {std::to_string(r.launches->kernels), std::to_string(r.launches->memsets),
+                               std::to_string(r.launches->memcpys)});
+    } else {
+      line.insert(line.end(), {"-", "-", "-"});
+    }
+    line.push_back(!r.correct ? "-" : (*r.correct ? "yes" : "NO"));
+    out.push_back(line);
+  }
+  if (out.size() == 1) return {};
+  for (const std::string& p : passes) {
+    const auto& [sum, n] = log_sum.at(p);
+    out.push_back({"geomean", p, "", "", "", fmt(100 * (std::exp(sum / n) - 1), 1) + "%", "", "", "", ""});
+  }
+  return out;
+}
+
+void print_text(const std::vector<std::vector<std::string>>& t) {
   if (t.empty()) return;
   std::vector<size_t> width(t[0].size(), 0);
   for (const auto& line : t) {
@@ -112,6 +157,39 @@ void print_table(const std::vector<ResultRow>& rows) {
   std::fflush(stdout);
 }
 
+void write_markdown_table(std::ofstream& out, const std::vector<std::vector<std::string>>& t) {
+  for (size_t r = 0; r < t.size(); ++r) {
+    out << "|";
+    for (const auto& cell : t[r]) out << " " << cell << " |";
+    out << "\n";
+    if (r == 0) {
+      out << "|";
+      for (size_t c = 0; c < t[r].size(); ++c) out << (c < 2 ? "---|" : "---:|");
+      out << "\n";
+    }
+  }
+}
+
+}  // namespace
+
+std::string GraphNodeCounts::str() const {
+  std::ostringstream os;
+  os << kernels << " kernels, " << memsets << " memsets, " << memcpys << " memcpys, " << allocs << " allocs, "
+     << frees << " frees";
+  if (other) os << ", " << other << " other nodes";
+  return os.str();
+}
+
+void print_table(const std::vector<ResultRow>& rows) {
+  const auto main = table(rows), layer = layer_table(rows);
+  print_text(main);
+  if (!main.empty() && !layer.empty()) std::printf("\n");
+  if (!layer.empty()) {
+    std::printf("GroupedLinear (grouped bias, f32 main_grad accumulated) vs its bare GEMMs, same run:\n");
+    print_text(layer);
+  }
+}
+
 void write_json(const std::string& path, const RunInfo& info, const std::vector<ResultRow>& rows) {
   nlohmann::json j;
   j["gpu"] = info.gpu;
@@ -124,6 +202,16 @@ void write_json(const std::string& path, const RunInfo& info, const std::vector<
                          {"dtype", r.dtype},    {"ms", r.ms},     {"tflops", r.tflops}};
     jr["correct"] = r.correct ? nlohmann::json(*r.correct) : nlohmann::json(nullptr);
     if (!r.note.empty()) jr["note"] = r.note;
+    if (r.bare_ms) {
+      jr["bare_ms"] = *r.bare_ms;
+      jr["overhead"] = overhead(r);
+    }
+    if (r.launches) {
+      jr["launches"] = r.launches->kernels;
+      jr["graph_nodes"] = {{"kernel", r.launches->kernels}, {"memset", r.launches->memsets},
+                           {"memcpy", r.launches->memcpys}, {"mem_alloc", r.launches->allocs},
+                           {"mem_free", r.launches->frees}, {"other", r.launches->other}};
+    }
     j["rows"].push_back(jr);
   }
   std::ofstream out(path);
@@ -137,16 +225,12 @@ void write_markdown(const std::string& path, const RunInfo& info, const std::vec
   out << "# gmoe-bench: suite " << info.suite << " on " << info.gpu << "\n\n"
       << "commit " << info.commit << ", " << info.date << ". TFLOP/s (median), and gmoe's ratio to "
       << "each baseline measured in the same run.\n\n";
-  const auto t = table(rows);
-  for (size_t r = 0; r < t.size(); ++r) {
-    out << "|";
-    for (const auto& cell : t[r]) out << " " << cell << " |";
-    out << "\n";
-    if (r == 0) {
-      out << "|";
-      for (size_t c = 0; c < t[r].size(); ++c) out << (c < 2 ? "---|" : "---:|");
-      out << "\n";
-    }
+  write_markdown_table(out, table(rows));
+  const auto layer = layer_table(rows);
+  if (!layer.empty()) {
+    out << "\nGroupedLinear (grouped bias, f32 main_grad accumulated): its time beside the bare GEMMs of the "
+        << "same work in the same run, the overhead, and what one call launches (CUDA graph capture).\n\n";
+    write_markdown_table(out, layer);
   }
 }
 

@@ -8,6 +8,23 @@
 
 namespace gmoe::bench {
 
+/// Nodes of one captured call, by type (cudaGraphNodeGetType): what one call launches.
+struct GraphNodeCounts {
+  int kernels = 0;
+  int memsets = 0;
+  int memcpys = 0;
+  int allocs = 0;  ///< stream-ordered allocations (cudaMallocAsync)
+  int frees = 0;
+  int other = 0;
+  bool operator==(const GraphNodeCounts& o) const {
+    return kernels == o.kernels && memsets == o.memsets && memcpys == o.memcpys && allocs == o.allocs &&
+           frees == o.frees && other == o.other;
+  }
+  bool operator!=(const GraphNodeCounts& o) const { return !(*this == o); }
+  /// "5 kernels, 0 memsets, 0 memcpys, 3 allocs, 3 frees"
+  std::string str() const;
+};
+
 struct ResultRow {
   std::string case_name;
   std::string pass;   ///< fprop, dgrad, wgrad, forward, forward_backward
@@ -17,6 +34,9 @@ struct ResultRow {
   double tflops = 0;
   std::optional<bool> correct;  ///< checked against the reference in this run (baselines: none)
   std::string note;             ///< e.g. the correctness detail
+  // Layer rows (impl gmoe_linear) only:
+  std::optional<double> bare_ms;            ///< the bare GEMMs of the same work, timed in the same run
+  std::optional<GraphNodeCounts> launches;  ///< what one call launches (CUDA graph capture)
 };
 
 struct RunInfo {
@@ -26,7 +46,8 @@ struct RunInfo {
   std::string suite;
 };
 
-/// One line per case and pass: TFLOP/s of every impl and gmoe's ratio to each baseline.
+/// One line per case and pass: TFLOP/s of every impl and gmoe's ratio to each baseline. Layer rows
+/// (impl gmoe_linear) go to a second table: time, bare GEMM time, overhead, launches.
 void print_table(const std::vector<ResultRow>& rows);
 void write_json(const std::string& path, const RunInfo& info, const std::vector<ResultRow>& rows);
 void write_markdown(const std::string& path, const RunInfo& info, const std::vector<ResultRow>& rows);

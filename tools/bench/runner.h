@@ -18,6 +18,8 @@ struct BenchOptions {
   int samples = 256;     ///< sampled elements per correctness check
   uint64_t seed = 1;
   bool baselines = true; ///< also time cuBLAS dense and the per-expert cuBLAS loop (GPU)
+  bool layer_copy_input = false;  ///< layer mode: GroupedLinear copies x (its default) instead of
+                                  ///< keeping a reference (save_original_input)
 };
 
 /// CPU reference backend on the case as given (the caller scales rows down first). Wall-clock
@@ -28,5 +30,15 @@ std::vector<ResultRow> run_gemm_case_cpu(const BenchCase& c, const BenchOptions&
 bool cuda_available(std::string* name);
 /// CUDA backend with CUDA-event timing, and in the same run the cuBLAS baselines.
 std::vector<ResultRow> run_gemm_case_cuda(const BenchCase& c, const BenchOptions& o);
+
+/// Layer mode (bench/layer_common.h): GroupedLinear forward and forward+backward on a gemm case,
+/// beside the bare GEMMs of the same work. CPU: wall-clock, no launch counts.
+std::vector<ResultRow> run_layer_case_cpu(const BenchCase& c, const BenchOptions& o);
+/// CUDA: CUDA-event timing (layer and bare GEMMs interleaved), and what one forward and one
+/// forward+backward launch, counted on a CUDA graph capture of each.
+std::vector<ResultRow> run_layer_case_cuda(const BenchCase& c, const BenchOptions& o);
+/// Captures one GroupedLinear forward and one forward+backward for E = 8 and E = 256 on a small
+/// shape, prints what each launches, and returns whether the counts are the same for both E.
+bool check_layer_launches_cuda(const BenchOptions& o);
 
 }  // namespace gmoe::bench

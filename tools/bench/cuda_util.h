@@ -1,0 +1,52 @@
+// tools/bench/cuda_util.h — what the CUDA runners of gmoe-bench share: checked CUDA calls, device
+// buffers, reproducible device-side input fills, the L2 rotation count, and CUDA-event timing
+// (warm-up, then the median of runs each bracketed by its own events). Included by .cu files only.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include "gmoe/dtype.h"
+#include "gmoe/error.h"
+
+#define BENCH_CUDA(call)                                                                       \
+  do {                                                                                         \
+    cudaError_t err_ = (call);                                                                 \
+    GMOE_CHECK(err_ == cudaSuccess, #call " failed: ", cudaGetErrorString(err_));              \
+  } while (0)
+
+namespace gmoe::bench {
+
+/// cudaMalloc'd memory, freed on destruction.
+struct DeviceBuffer {
+  void* ptr = nullptr;
+  size_t bytes = 0;
+  explicit DeviceBuffer(size_t n) : bytes(n) { BENCH_CUDA(cudaMalloc(&ptr, n > 0 ? n : 1)); }
+  ~DeviceBuffer() { cudaFree(ptr); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+};
+
+/// Fills `n` bf16/f16 elements with uniform values in [-1, 1), reproducibly from (seed, index), on
+/// the legacy default stream.
+void fill_uniform(void* p, DType dt, int64_t n, uint64_t seed);
+
+/// How many copies of a set of inputs of `set_bytes` to rotate through so that no timed run finds
+/// its inputs in L2 (1 to 8, from the device's L2 size).
+int rotation_sets(size_t set_bytes);
+
+/// Median over `iters` timed runs (after `warmup`), each bracketed by its own events. run(i) gets
+/// the run's index (to rotate inputs).
+double time_ms(const std::function<void(int)>& run, int warmup, int iters, cudaStream_t stream);
+
+/// The same for several functions timed in turn within each iteration (run 0, run 1, ..., run 0,
+/// ...), so that clock and thermal drift during the measurement affect them alike: for ratios of
+/// things measured in the same run. Returns each one's median.
+std::vector<double> time_interleaved_ms(const std::vector<std::function<void(int)>>& runs, int warmup, int iters,
+                                        cudaStream_t stream);
+
+}  // namespace gmoe::bench

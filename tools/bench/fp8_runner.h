@@ -1,0 +1,28 @@
+// tools/bench/fp8_runner.h — gmoe-bench's FP8 grouped GEMM rows (--fp8): the three passes of a
+// gemm case with FP8 operands, one recipe at a time.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "bench/results.h"
+#include "bench/runner.h"
+#include "bench/suite.h"
+#include "gmoe/fp8.h"
+
+namespace gmoe::bench {
+
+/// Parses "blockwise", "tensorwise", "mxfp8" (throws gmoe::Error otherwise).
+Fp8Recipe fp8_recipe_from_name(const std::string& name);
+
+/// FP8 grouped GEMM on the CUDA backend: the bf16 inputs of the case are quantized once by the
+/// CUDA quantizer (e4m3, rowwise and columnwise copies), outside the timing; each pass is checked
+/// first (sampled elements against the fp64 GEMM of the operands decoded on the host, and a scan
+/// for non-finite outputs), then timed alone (impl gmoe_fp8_<recipe>, gmoe_mxfp8 for mxfp8) and
+/// with the quantization of its activation operands in front (impl ..._with_quant: fprop
+/// quantizes x, dgrad dy, wgrad dy and x columnwise; the weights stay quantized, as a training
+/// step caches them). dtype "fp8".
+std::vector<ResultRow> run_fp8_gemm_case_cuda(const BenchCase& c, const BenchOptions& o,
+                                              Fp8Recipe recipe);
+
+}  // namespace gmoe::bench

@@ -1,0 +1,56 @@
+// tools/bench/layer_common.h — what the layer mode's CPU and CUDA runners share: the layer's
+// configuration, the correctness checks of one forward + backward, and the result rows.
+//
+// A layer run times GroupedLinear as Megatron-style training uses it: stacked weights, a grouped
+// [E, N] bias of the weights' dtype, and the weight gradients accumulated in f32 into one stacked
+// main_grad [E, N, K]. Two passes: `forward`, and `forward_backward` (forward, then backward with
+// dx, db and dW). Beside each, the bare GEMMs of the same work are timed in the same run (fprop;
+// fprop + dgrad + wgrad accumulated into main_grad): the difference is the layer's overhead (the
+// bias kernels, the input copy when asked for, allocations, host work).
+#pragma once
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "bench/check.h"
+#include "bench/results.h"
+#include "bench/runner.h"
+#include "gmoe/grouped_linear.h"
+
+namespace gmoe::bench {
+
+/// The layer of a layer run. w: [E, N, K]; bias: [E, N] of w's dtype; main_grad: f32 [E, N, K]
+/// (accumulated into). The input is kept by reference (save_original_input), as an autograd
+/// framework keeps a saved tensor, unless o.layer_copy_input.
+GroupedLinear make_bench_layer(const TensorView& w, const TensorView& bias, const TensorView& main_grad,
+                               const BenchOptions& o);
+
+/// Host copies of the outputs of one forward + backward, main_grad accumulated from zero.
+struct LayerOutputs {
+  const void* y = nullptr;          ///< [rows, N], input dtype
+  const void* dx = nullptr;         ///< [rows, K], input dtype
+  const void* main_grad = nullptr;  ///< [E, N, K] f32
+  const void* db = nullptr;         ///< [E, N], bias dtype
+};
+
+struct LayerCheck {
+  CheckResult forward;   ///< y = x·W_eᵀ + b_e
+  CheckResult backward;  ///< y, dx, dW (main_grad) and db all correct
+};
+
+/// Sampled checks of a layer's outputs against the fp64 reference (d.bias set: y includes it).
+LayerCheck check_layer(const GemmHostData& d, const LayerOutputs& out, const BenchOptions& o);
+
+/// Times and launches of one case's layer run.
+struct LayerTimes {
+  double forward_ms = 0, forward_bare_ms = 0;
+  double forward_backward_ms = 0, forward_backward_bare_ms = 0;
+  std::optional<GraphNodeCounts> forward_nodes, forward_backward_nodes;
+};
+
+/// The rows of a case: `forward` (FLOPs 2·rows·N·K) and `forward_backward` (3× that), impl
+/// gmoe_linear.
+std::vector<ResultRow> layer_rows(const BenchCase& c, DType dt, const LayerTimes& t, const LayerCheck& chk);
+
+}  // namespace gmoe::bench
