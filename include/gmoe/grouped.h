@@ -61,6 +61,7 @@ std::vector<int64_t> host_group_offsets(const TensorView& counts, int64_t capaci
 enum DeviceErrorBits : uint32_t {
   kDeviceErrorNegativeCount = 1u << 0,   ///< a count was negative (treated as 0)
   kDeviceErrorCountsPastCapacity = 1u << 1,  ///< counts summed past capacity (clamped)
+  kDeviceErrorPaddedOffsets = 1u << 2,  ///< FP8 columnwise padded_offsets inconsistent (clamped)
 };
 
 /// Reads and clears the device error word of the current CUDA device. This is a deliberate sync

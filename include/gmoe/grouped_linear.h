@@ -107,6 +107,13 @@ class GroupedLinear {
   /// the gradients (bias ones included) and calls the hook. Capturable in a CUDA graph.
   GroupedLinearGrads backward_dw(GroupedLinearContext& ctx, Stream stream = nullptr);
 
+  /// For layers built on GroupedLinear that rebuild a saved input instead of keeping it
+  /// (GroupedMLP with recompute_activation): with save_original_input, replaces the input that
+  /// forward kept by reference with `x` (same shape and dtype, the same values), before the weight
+  /// gradient is computed (backward, or backward_dw when delayed). The same aliasing contract holds
+  /// for the new `x`.
+  void set_saved_input(GroupedLinearContext& ctx, const TensorView& x) const;
+
  private:
   GroupedLinearGrads allocate_grads(Stream stream) const;
   void compute_wgrad(GroupedLinearContext& ctx, GroupedLinearGrads& grads, Stream stream) const;

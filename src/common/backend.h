@@ -5,7 +5,10 @@
 // nothing the edge checked, and check only what is specific to them (alignment for CUDA, say).
 #pragma once
 
+#include "gmoe/activation.h"
 #include "gmoe/allocator.h"
+#include "gmoe/fp8.h"
+#include "gmoe/fp8_gemm.h"
 #include "gmoe/grouped.h"
 #include "gmoe/grouped_bias.h"
 #include "gmoe/grouped_gemm.h"
@@ -25,6 +28,25 @@ void grouped_bias_add(const TensorView& y, const ExpertBias& bias, const TensorV
 void grouped_bias_grad(const TensorView& dy, const TensorView& counts, const ExpertBias& dbias);
 /// dst[r, :] = src[r, :] for 2-D views of one shape and dtype (rows contiguous).
 void copy_rows(const TensorView& dst, const TensorView& src);
+/// Grouped activations (gmoe/activation.h).
+void grouped_activation_forward(const TensorView& h, const TensorView& counts, const TensorView& z,
+                                const ActivationOptions& options, const TensorView& probs);
+void grouped_activation_backward(const TensorView& h, const TensorView& dz, const TensorView& counts,
+                                 const TensorView& dh, const ActivationOptions& options, const TensorView& probs,
+                                 const TensorView& dprobs, const TensorView& z_out);
+/// FP8 quantization: `q` holds every output view to write (checked, allocated by the caller).
+void quantize_grouped(const GroupedRows& x, const Fp8QuantizeOptions& options, const Fp8Grouped& q);
+void quantize_weights(const ExpertWeights& w, const Fp8QuantizeOptions& options, const Fp8Weights& q);
+void dequantize_grouped(const Fp8Grouped& q, const TensorView& counts, const TensorView& out,
+                        Fp8Copy which);
+void dequantize_weights(const Fp8Weights& q, const ExpertWeights& out, Fp8Copy which);
+/// FP8 grouped GEMM reference: dequantize to f32, then the grouped GEMM above.
+void fp8_grouped_gemm_fprop(const Fp8Grouped& x, const Fp8Weights& w, const TensorView& counts,
+                            const TensorView& y);
+void fp8_grouped_gemm_dgrad(const Fp8Grouped& dy, const Fp8Weights& w, const TensorView& counts,
+                            const TensorView& dx);
+void fp8_grouped_gemm_wgrad(const Fp8Grouped& dy, const Fp8Grouped& x, const TensorView& counts,
+                            const ExpertWeights& dw, const WgradOptions& options);
 }  // namespace cpu_backend
 
 /// sm_90a kernels. Counts stay on the device. Defined only when GMOE_WITH_CUDA; otherwise the
@@ -54,6 +76,34 @@ void* event_create();
 void event_destroy(void* event);
 void event_record(void* event, Stream stream);
 void stream_wait_event(Stream stream, void* event);
+/// Grouped activations (gmoe/activation.h); counts stay on the device.
+void grouped_activation_forward(const TensorView& h, const TensorView& counts, const TensorView& z,
+                                const ActivationOptions& options, const TensorView& probs, Stream stream,
+                                Allocator& alloc);
+void grouped_activation_backward(const TensorView& h, const TensorView& dz, const TensorView& counts,
+                                 const TensorView& dh, const ActivationOptions& options, const TensorView& probs,
+                                 const TensorView& dprobs, const TensorView& z_out, Stream stream, Allocator& alloc);
+/// dst = src with the 2F rows of dimension 1 re-ordered from gate/up layout `from` to `to`; src and
+/// dst are [outer, 2F, inner] views with unit inner stride, not overlapping (FC1 weights, biases).
+void permute_glu_rows(const TensorView& src, const TensorView& dst, const GluFormat& from, const GluFormat& to,
+                      Stream stream);
+/// FP8 quantization (see the cpu_backend twins); counts stay on the device.
+void quantize_grouped(const GroupedRows& x, const Fp8QuantizeOptions& options, const Fp8Grouped& q,
+                      Stream stream, Allocator& alloc);
+void quantize_weights(const ExpertWeights& w, const Fp8QuantizeOptions& options, const Fp8Weights& q,
+                      Stream stream, Allocator& alloc);
+void dequantize_grouped(const Fp8Grouped& q, const TensorView& counts, const TensorView& out,
+                        Fp8Copy which, Stream stream, Allocator& alloc);
+void dequantize_weights(const Fp8Weights& q, const ExpertWeights& out, Fp8Copy which,
+                        Stream stream, Allocator& alloc);
+/// FP8 grouped GEMM (see the cpu_backend twins); counts stay on the device.
+void fp8_grouped_gemm_fprop(const Fp8Grouped& x, const Fp8Weights& w, const TensorView& counts,
+                            const TensorView& y, Stream stream, Allocator& alloc);
+void fp8_grouped_gemm_dgrad(const Fp8Grouped& dy, const Fp8Weights& w, const TensorView& counts,
+                            const TensorView& dx, Stream stream, Allocator& alloc);
+void fp8_grouped_gemm_wgrad(const Fp8Grouped& dy, const Fp8Grouped& x, const TensorView& counts,
+                            const ExpertWeights& dw, const WgradOptions& options, Stream stream,
+                            Allocator& alloc);
 }  // namespace cuda_backend
 
 }  // namespace gmoe

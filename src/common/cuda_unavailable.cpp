@@ -33,5 +33,44 @@ void* event_create() { unavailable(); }
 void event_destroy(void*) {}
 void event_record(void*, Stream) { unavailable(); }
 void stream_wait_event(Stream, void*) { unavailable(); }
+void grouped_activation_forward(const TensorView&, const TensorView&, const TensorView&, const ActivationOptions&,
+                                const TensorView&, Stream, Allocator&) {
+  unavailable();
+}
+void grouped_activation_backward(const TensorView&, const TensorView&, const TensorView&, const TensorView&,
+                                 const ActivationOptions&, const TensorView&, const TensorView&, const TensorView&,
+                                 Stream, Allocator&) {
+  unavailable();
+}
+void permute_glu_rows(const TensorView&, const TensorView&, const GluFormat&, const GluFormat&, Stream) {
+  unavailable();
+}
+void quantize_grouped(const GroupedRows&, const Fp8QuantizeOptions&, const Fp8Grouped&, Stream,
+                      Allocator&) {
+  unavailable();
+}
+void quantize_weights(const ExpertWeights&, const Fp8QuantizeOptions&, const Fp8Weights&, Stream,
+                      Allocator&) {
+  unavailable();
+}
+void dequantize_grouped(const Fp8Grouped&, const TensorView&, const TensorView&, Fp8Copy, Stream,
+                        Allocator&) {
+  unavailable();
+}
+void dequantize_weights(const Fp8Weights&, const ExpertWeights&, Fp8Copy, Stream, Allocator&) {
+  unavailable();
+}
+void fp8_grouped_gemm_fprop(const Fp8Grouped&, const Fp8Weights&, const TensorView&,
+                            const TensorView&, Stream, Allocator&) {
+  unavailable();
+}
+void fp8_grouped_gemm_dgrad(const Fp8Grouped&, const Fp8Weights&, const TensorView&,
+                            const TensorView&, Stream, Allocator&) {
+  unavailable();
+}
+void fp8_grouped_gemm_wgrad(const Fp8Grouped&, const Fp8Grouped&, const TensorView&,
+                            const ExpertWeights&, const WgradOptions&, Stream, Allocator&) {
+  unavailable();
+}
 
 }  // namespace gmoe::cuda_backend

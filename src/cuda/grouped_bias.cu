@@ -1,7 +1,7 @@
 // src/cuda/grouped_bias.cu — grouped bias add and bias gradient on the device, and the stream
 // helpers of the layers (row copies, events).
 //
-// Both bias ops find each row's expert from offsets computed on the device (group_offsets_kernel,
+// Both bias ops find each row's expert from offsets computed on the device (launch_group_offsets,
 // clamped like the GEMM's preparation, problems recorded in the device error word).
 //
 // The bias gradient is a deterministic two-stage column reduction, with no atomics: each expert's
@@ -17,8 +17,8 @@
 
 #include "common/backend.h"
 #include "cuda/cuda_check.h"
-#include "cuda/device_errors.h"
 #include "cuda/device_info.h"
+#include "cuda/group_offsets.cuh"
 #include "cuda/grouped_gemm_prepare.h"
 #include "gmoe/error.h"
 #include "gmoe/grouped.h"
@@ -42,44 +42,6 @@ __device__ __forceinline__ void store_f(void* p, DType t, int64_t i, float v) {
     case DType::f16: static_cast<__half*>(p)[i] = __float2half_rn(v); return;
     default: static_cast<float*>(p)[i] = v;
   }
-}
-
-// offsets[E + 1] (clamped to capacity) and chunk_offsets[E + 1] (prefix sums of each expert's
-// number of kChunkRows chunks). One block; a serial scan is fine for the few thousand experts a
-// layer has, and it runs once per op.
-__global__ void group_offsets_kernel(const void* counts, bool is_i64, int E, int64_t capacity, int64_t* offsets,
-                                     int64_t* chunk_offsets, uint32_t* error_word) {
-  if (threadIdx.x != 0) return;
-  int64_t total = 0, chunks = 0;
-  uint32_t errors = 0;
-  offsets[0] = 0;
-  chunk_offsets[0] = 0;
-  for (int e = 0; e < E; ++e) {
-    int64_t c = is_i64 ? static_cast<const int64_t*>(counts)[e] : static_cast<const int32_t*>(counts)[e];
-    if (c < 0) {
-      errors |= kDeviceErrorNegativeCount;
-      c = 0;
-    }
-    if (c > capacity - total) {
-      errors |= kDeviceErrorCountsPastCapacity;
-      c = capacity - total;
-    }
-    total += c;
-    chunks += (c + kChunkRows - 1) / kChunkRows;
-    offsets[e + 1] = total;
-    chunk_offsets[e + 1] = chunks;
-  }
-  if (errors != 0) atomicOr(error_word, errors);
-}
-
-// Expert owning `row` (offsets[e] <= row < offsets[e + 1]); E if none.
-__device__ __forceinline__ int find_group(const int64_t* offsets, int E, int64_t row) {
-  int lo = 0, hi = E;  // invariant: offsets[lo] <= row, answer in [lo, hi)
-  while (hi - lo > 1) {
-    const int mid = (lo + hi) / 2;
-    if (offsets[mid] <= row) lo = mid; else hi = mid;
-  }
-  return row < offsets[E] ? lo : E;
 }
 
 struct BiasRef {
@@ -160,10 +122,10 @@ Scratch make_scratch(int E, bool with_ptrs, Allocator& alloc, Stream stream) {
   return s;
 }
 
+// offsets[E + 1] (clamped to capacity) and chunk_offsets[E + 1] (prefix sums of each expert's
+// number of kChunkRows chunks).
 void launch_offsets(const TensorView& counts, int64_t capacity, const Scratch& s, cudaStream_t stream) {
-  group_offsets_kernel<<<1, 32, 0, stream>>>(counts.data, counts.dtype == DType::i64, int(counts.size(0)), capacity,
-                                              s.offsets, s.chunk_offsets, device_error_word());
-  GMOE_CUDA_CHECK(cudaGetLastError());
+  launch_group_offsets(counts, capacity, s.offsets, s.chunk_offsets, kChunkRows, 1, stream);
 }
 
 void write_list_pointers(const ExpertBias& b, const Scratch& s, cudaStream_t stream) {

@@ -46,10 +46,52 @@ KernelEntry entry() {
   return {&K::workspace_bytes, &K::run, Pass == GemmPass::wgrad && Out == DType::f32};
 }
 
+// The instantiations that exist (one sm90_*.cu file each). The clustered tiles and the 16-bit
+// ping-pong wgrad are compiled for bf16 only.
+constexpr bool compiled(DType in, DType out, GemmPass pass, TileConfig tile) {
+  switch (tile) {
+    case TileConfig::coop_128x256: return true;
+    case TileConfig::pingpong_128x128:
+      return pass != GemmPass::wgrad || out == DType::f32 || in == DType::bf16;
+    case TileConfig::coop_128x256_c1x2: return pass != GemmPass::wgrad && in == DType::bf16;
+    case TileConfig::coop_128x256_c2x1: return pass == GemmPass::wgrad && in == DType::bf16;
+  }
+  return false;
+}
+
+const char* tile_name(TileConfig tile) {
+  switch (tile) {
+    case TileConfig::coop_128x256: return "coop";
+    case TileConfig::pingpong_128x128: return "pingpong";
+    case TileConfig::coop_128x256_c1x2: return "coop_c1x2";
+    case TileConfig::coop_128x256_c2x1: return "coop_c2x1";
+  }
+  return "?";
+}
+
+template <DType In, DType Out, GemmPass Pass, TileConfig Tile>
+KernelEntry entry_if_compiled() {
+  if constexpr (compiled(In, Out, Pass, Tile)) {
+    return entry<In, Out, Pass, Tile>();
+  } else {
+    GMOE_FAIL("grouped GEMM: no ", tile_name(Tile), " kernel for ", dtype_name(In), " -> ",
+              dtype_name(Out));
+  }
+}
+
 template <DType In, DType Out, GemmPass Pass>
 KernelEntry entry_for_tile(TileConfig tile) {
-  return tile == TileConfig::coop_128x256 ? entry<In, Out, Pass, TileConfig::coop_128x256>()
-                                          : entry<In, Out, Pass, TileConfig::pingpong_128x128>();
+  switch (tile) {
+    case TileConfig::coop_128x256:
+      return entry_if_compiled<In, Out, Pass, TileConfig::coop_128x256>();
+    case TileConfig::pingpong_128x128:
+      return entry_if_compiled<In, Out, Pass, TileConfig::pingpong_128x128>();
+    case TileConfig::coop_128x256_c1x2:
+      return entry_if_compiled<In, Out, Pass, TileConfig::coop_128x256_c1x2>();
+    case TileConfig::coop_128x256_c2x1:
+      return entry_if_compiled<In, Out, Pass, TileConfig::coop_128x256_c2x1>();
+  }
+  GMOE_FAIL("unknown tile configuration");
 }
 
 template <DType In>
@@ -58,9 +100,8 @@ KernelEntry entry_for_input(DType out, GemmPass pass, TileConfig tile) {
     case GemmPass::fprop: return entry_for_tile<In, In, GemmPass::fprop>(tile);
     case GemmPass::dgrad: return entry_for_tile<In, In, GemmPass::dgrad>(tile);
     case GemmPass::wgrad:
-      // A 16-bit dW is written at half the bytes of an f32 one: only the cooperative tile.
       return out == DType::f32 ? entry_for_tile<In, DType::f32, GemmPass::wgrad>(tile)
-                               : entry<In, In, GemmPass::wgrad, TileConfig::coop_128x256>();
+                               : entry_for_tile<In, In, GemmPass::wgrad>(tile);
   }
   GMOE_FAIL("unknown grouped GEMM pass");
 }
@@ -73,16 +114,21 @@ KernelEntry find_kernel(DType in, DType out, GemmPass pass, TileConfig tile) {
   }
 }
 
-// GMOE_CUDA_TILE=coop|pingpong (read once) forces a tile wherever both exist, for benchmarking.
-int forced_tile() {
+// GMOE_CUDA_TILE=coop|pingpong|coop_c1x2|coop_c2x1 (read once) forces a tile wherever that tile
+// is compiled for the call, for benchmarking and for tests that must run every kernel.
+bool forced_tile(DType in, DType out, GemmPass pass, TileConfig* tile) {
   static const int forced = [] {
     const char* env = std::getenv("GMOE_CUDA_TILE");
-    if (env == nullptr) return 0;
-    if (std::strcmp(env, "coop") == 0) return 1;
-    if (std::strcmp(env, "pingpong") == 0) return 2;
-    return 0;
+    if (env == nullptr) return -1;
+    for (TileConfig t : {TileConfig::coop_128x256, TileConfig::pingpong_128x128,
+                         TileConfig::coop_128x256_c1x2, TileConfig::coop_128x256_c2x1}) {
+      if (std::strcmp(env, tile_name(t)) == 0) return static_cast<int>(t);
+    }
+    return -1;
   }();
-  return forced;
+  if (forced < 0 || !compiled(in, out, pass, static_cast<TileConfig>(forced))) return false;
+  *tile = static_cast<TileConfig>(forced);
+  return true;
 }
 
 // fprop/dgrad: a group's M is its row count, which only the device knows; the host knows the
@@ -93,9 +139,10 @@ int forced_tile() {
 // N=4096): 8 experts x 4096 rows, cooperative 2.51 ms (768 TFLOP/s) vs ping-pong 3.91 ms;
 // 128 x 512 rows, 5.16 vs 5.95 ms; at 128 x 128 rows and below both take ~3 ms, the time to read
 // the 7.5 GB of weights once, so the choice there matters little.
-TileConfig choose_rows_tile(int64_t capacity, int64_t num_experts, int64_t gemm_n, int sms) {
-  if (forced_tile() == 1) return TileConfig::coop_128x256;
-  if (forced_tile() == 2) return TileConfig::pingpong_128x128;
+TileConfig choose_rows_tile(DType in, GemmPass pass, int64_t capacity, int64_t num_experts,
+                            int64_t gemm_n, int sms) {
+  TileConfig forced;
+  if (forced_tile(in, in, pass, &forced)) return forced;
   const int64_t avg_rows = capacity / num_experts;
   const int64_t coop_tiles = num_experts * ((avg_rows + 127) / 128) * ((gemm_n + 255) / 256);
   return (avg_rows >= 128 && coop_tiles >= sms) ? TileConfig::coop_128x256
@@ -109,10 +156,10 @@ TileConfig choose_rows_tile(int64_t capacity, int64_t num_experts, int64_t gemm_
 // overlap, fewer and larger tiles) wins when the reduction is long. Measured on H100 (bf16 in,
 // K=7168, N=4096): 128 experts x 512 rows, ping-pong 8.26 ms vs cooperative 9.25 ms; 8 x 4096
 // rows, cooperative 2.85 ms vs ping-pong 3.81 ms. 16-bit dW: cooperative only.
-TileConfig choose_wgrad_tile(int64_t capacity, int64_t num_experts, DType out) {
+TileConfig choose_wgrad_tile(DType in, DType out, int64_t capacity, int64_t num_experts) {
+  TileConfig forced;
+  if (forced_tile(in, out, GemmPass::wgrad, &forced)) return forced;
   if (out != DType::f32) return TileConfig::coop_128x256;
-  if (forced_tile() == 1) return TileConfig::coop_128x256;
-  if (forced_tile() == 2) return TileConfig::pingpong_128x128;
   return capacity / num_experts < kWgradCoopMinRows ? TileConfig::pingpong_128x128
                                                     : TileConfig::coop_128x256;
 }
@@ -330,7 +377,8 @@ void rows_pass(GemmPass pass, const TensorView& a, const ExpertWeights& w, const
   set_expert_operand(plan.prep, w);
   plan.experts = &w;
   plan.run_gemm = capacity > 0 && gemm_n > 0 && gemm_k > 0;
-  plan.tile = choose_rows_tile(capacity, counts.size(0), gemm_n, sm_count(a.device.index));
+  plan.tile = choose_rows_tile(a.dtype, pass, capacity, counts.size(0), gemm_n,
+                               sm_count(a.device.index));
   plan.out_base = d.data;
   plan.out_ld_bytes = d.stride(0) * static_cast<int64_t>(dtype_size(d.dtype));
   plan.out_row_bytes = gemm_n * static_cast<int64_t>(dtype_size(d.dtype));
@@ -380,7 +428,7 @@ void grouped_gemm_wgrad(const TensorView& dy, const TensorView& x, const TensorV
   plan.experts = &dw;
   plan.run_gemm = capacity > 0 && n > 0 && k > 0;
   plan.beta = options.accumulate ? 1.0f : 0.0f;
-  plan.tile = choose_wgrad_tile(capacity, counts.size(0), dw.dtype());
+  plan.tile = choose_wgrad_tile(dy.dtype, dw.dtype(), capacity, counts.size(0));
   plan.dw_rows = n;
   plan.dw_row_bytes = k * static_cast<int64_t>(dtype_size(dw.dtype()));
   execute(plan, stream, alloc);

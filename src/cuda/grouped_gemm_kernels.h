@@ -26,9 +26,13 @@ enum class GemmPass { fprop, dgrad, wgrad };
 /// Tile configurations (choose_rows_tile / choose_wgrad_tile in grouped_gemm.cu say when each is
 /// used).
 enum class TileConfig {
-  coop_128x256,    ///< cooperative: 2 consumer warpgroups share one 128x256x64 tile; large groups
-  pingpong_128x128  ///< ping-pong: 2 consumer warpgroups alternate 128x128x64 tiles, one's
-                    ///< epilogue overlapping the other's mainloop; small groups, f32 wgrad
+  coop_128x256,      ///< cooperative: 2 consumer warpgroups share one 128x256x64 tile; large groups
+  pingpong_128x128,  ///< ping-pong: 2 consumer warpgroups alternate 128x128x64 tiles, one's
+                     ///< epilogue overlapping the other's mainloop; small groups, wgrad
+  coop_128x256_c1x2, ///< cooperative 128x256x64 in 1x2 clusters: the two CTAs of a cluster share
+                     ///< one A tile (TMA multicast) and take neighbouring N tiles; fprop/dgrad
+  coop_128x256_c2x1  ///< cooperative 128x256x64 in 2x1 clusters sharing the B tile; wgrad (whose
+                     ///< M = N of the layer is host-known, so no cluster half is ever idle)
 };
 
 /// One group's GEMM extent as CUTLASS's grouped problem shape stores it (cute::Shape<int,int,int>;

@@ -31,6 +31,34 @@ __device__ __forceinline__ const void* offset_ptr(const void* base, int64_t elem
   return static_cast<const char*>(base) + elems * static_cast<int64_t>(bytes);
 }
 
+// FP8 wgrad: group e of a columnwise operand starts at column padded_offsets[e], which must be a
+// multiple of 128 with the group's `rows` tokens fitting below padded_offsets[e + 1] and the
+// operand's padded_capacity. Anything else is recorded and clamped so that no read leaves the
+// operand: the start is floored to a multiple of 128 inside [0, padded_capacity] and *fit gets
+// the number of tokens that stay inside.
+__device__ __forceinline__ int64_t columnwise_start(const RowsOperand& op, int e, int64_t rows,
+                                                   int64_t* fit, uint32_t* errors) {
+  const int64_t start = op.padded_offsets[e];
+  const int64_t next = op.padded_offsets[e + 1];
+  const int64_t pc = op.padded_capacity;
+  if (start < 0 || start % 128 != 0 || next < start + rows || start + rows > pc) {
+    *errors |= kDeviceErrorPaddedOffsets;
+  }
+  const int64_t clamped = min(max(start, int64_t{0}), pc) / 128 * 128;
+  *fit = min(rows, pc - clamped);
+  return clamped;
+}
+
+// FP8 blockwise: group e's first scale; `begin` is its first row (rows) or column (columns).
+__device__ __forceinline__ const float* scale_start(const ScaleOperand& s, int e, int64_t begin) {
+  switch (s.start) {
+    case ScaleStart::rows: return s.base + begin * s.ld;
+    case ScaleStart::columns: return s.base + begin / 128;
+    case ScaleStart::expert: return s.base + e * s.expert_stride;
+    default: return nullptr;
+  }
+}
+
 // One block: thread t owns experts [t*per, (t+1)*per). Counts are clamped to [0, capacity] before
 // the scan so the 64-bit prefix cannot overflow (E * capacity < 2^63); offsets and group sizes are
 // then clamped to capacity in closed form, min(prefix, capacity), so no thread depends on another
@@ -64,17 +92,38 @@ __global__ void __launch_bounds__(kPrepareThreads)
     prefix += c;
     const int32_t rows = static_cast<int32_t>(end - begin);  // capacity < 2^31: host-checked
 
+    if (p.alpha_a != nullptr) {  // FP8 tensorwise
+      out.alpha[e] = p.alpha_a[e] * p.alpha_b[e];
+      out.alpha_ptr[e] = out.alpha + e;
+    }
     if (p.pass == GemmPass::wgrad) {
+      // Where group e's tokens start in A and B: row `begin` of grouped rows, or (FP8) a column
+      // of a columnwise operand, clamped so the reduction never leaves it.
+      int64_t a_start = begin * p.rows_a.ld, b_start = begin * p.rows_b.ld;
+      int64_t a_col = begin, b_col = begin;
+      int32_t k = rows;
+      if (p.rows_a.padded_offsets != nullptr) {
+        int64_t fit_a = rows, fit_b = rows;
+        a_col = columnwise_start(p.rows_a, e, rows, &fit_a, &errors);
+        b_col = columnwise_start(p.rows_b, e, rows, &fit_b, &errors);
+        a_start = a_col;
+        b_start = b_col;
+        k = static_cast<int32_t>(min(fit_a, fit_b));
+      }
       const bool write = p.mask == nullptr || p.mask[e] != 0;
-      const bool active = write && rows > 0;
+      const bool active = write && k > 0;
       // An inactive expert gets M = 0: CUTLASS schedules no tile for it (a K = 0 group would be
       // scheduled and store uninitialised accumulators).
-      out.shapes[e] = active ? GroupShape{p.gemm_m, p.gemm_n, rows} : GroupShape{0, p.gemm_n, 0};
-      out.zero_expert[e] = (write && rows == 0 && !p.accumulate) ? 1 : 0;
-      out.ptr_a[e] = offset_ptr(p.rows_a.base, begin * p.rows_a.ld, p.rows_a.elem_bytes);
+      out.shapes[e] = active ? GroupShape{p.gemm_m, p.gemm_n, k} : GroupShape{0, p.gemm_n, 0};
+      out.zero_expert[e] = (write && k == 0 && !p.accumulate) ? 1 : 0;
+      out.ptr_a[e] = offset_ptr(p.rows_a.base, a_start, p.rows_a.elem_bytes);
       out.stride_a[e] = p.rows_a.ld;
-      out.ptr_b[e] = offset_ptr(p.rows_b.base, begin * p.rows_b.ld, p.rows_b.elem_bytes);
+      out.ptr_b[e] = offset_ptr(p.rows_b.base, b_start, p.rows_b.elem_bytes);
       out.stride_b[e] = p.rows_b.ld;
+      if (out.ptr_sfa != nullptr) {
+        out.ptr_sfa[e] = scale_start(p.scale_a, e, a_col);
+        out.ptr_sfb[e] = scale_start(p.scale_b, e, b_col);
+      }
       if (p.expert_stacked) {
         const void* d = offset_ptr(p.expert.base, e * p.expert.expert_stride, p.expert.elem_bytes);
         out.ptr_d[e] = const_cast<void*>(d);
@@ -94,6 +143,10 @@ __global__ void __launch_bounds__(kPrepareThreads)
       if (p.expert_stacked) {
         out.ptr_b[e] = offset_ptr(p.expert.base, e * p.expert.expert_stride, p.expert.elem_bytes);
         out.stride_b[e] = p.expert.ld;
+      }
+      if (out.ptr_sfa != nullptr) {
+        out.ptr_sfa[e] = scale_start(p.scale_a, e, begin);
+        out.ptr_sfb[e] = scale_start(p.scale_b, e, begin);
       }
     }
   }
@@ -225,7 +278,11 @@ void check_device_errors(Stream stream) {
   if (bits & kDeviceErrorCountsPastCapacity) {
     what << " counts summed past the capacity (clamped: rows past it were not computed);";
   }
-  const uint32_t known = kDeviceErrorNegativeCount | kDeviceErrorCountsPastCapacity;
+  if (bits & kDeviceErrorPaddedOffsets) {
+    what << " FP8 padded_offsets did not match the counts or the padded capacity (clamped);";
+  }
+  const uint32_t known =
+      kDeviceErrorNegativeCount | kDeviceErrorCountsPastCapacity | kDeviceErrorPaddedOffsets;
   if (bits & ~known) what << " unknown bits 0x" << std::hex << (bits & ~known) << ";";
   GMOE_FAIL(what.str());
 }

@@ -30,6 +30,11 @@ struct GroupedGemmArrays {
   int64_t* stride_d = nullptr;
   int64_t* total = nullptr;           ///< [1] the clamped real total of rows
   int32_t* zero_expert = nullptr;     ///< [E] wgrad: 1 where dW_e must be written as zeros
+  // FP8 only (fp8_grouped_gemm.cu); absent (nullptr) for the 16-bit GEMMs.
+  const float** ptr_sfa = nullptr;    ///< [E] blockwise: group e's first scale of A
+  const float** ptr_sfb = nullptr;    ///< [E] blockwise: group e's first scale of B
+  float* alpha = nullptr;             ///< [E] tensorwise: alpha_e = alpha_a[e] * alpha_b[e]
+  const float** alpha_ptr = nullptr;  ///< [E] tensorwise: &alpha[e], for CUTLASS's epilogue
 };
 
 /// A grouped-rows operand: group e starts at base + offset_e * ld * elem_bytes.
@@ -37,6 +42,26 @@ struct RowsOperand {
   const void* base = nullptr;
   int64_t ld = 0;          ///< row stride, elements
   int32_t elem_bytes = 0;
+  /// FP8 wgrad's columnwise (transposed) operands [cols, padded_capacity]: group e starts at
+  /// column padded_offsets[e] (device, i64 [E + 1], multiples of 128) instead of at row offset_e.
+  /// nullptr for row operands.
+  const int64_t* padded_offsets = nullptr;
+  int64_t padded_capacity = 0;  ///< columns of the columnwise operand
+};
+
+/// Where group e's FP8 block scales start (f32 scale matrices, K-major).
+enum class ScaleStart : int32_t {
+  none,     ///< no block scales
+  rows,     ///< scales of grouped rows [capacity, kb]: base + offset_e * ld
+  columns,  ///< token-block scales of a columnwise operand [cols, padded/128]:
+            ///< base + padded_offsets[e] / 128 (the operand's padded_offsets)
+  expert    ///< expert weights' scales [E, nb, kb]: base + e * expert_stride
+};
+struct ScaleOperand {
+  const float* base = nullptr;
+  ScaleStart start = ScaleStart::none;
+  int64_t ld = 0;             ///< rows: elements between the scales of consecutive rows
+  int64_t expert_stride = 0;  ///< expert: elements between experts
 };
 
 /// A stacked expert operand: expert e starts at base + e * expert_stride * elem_bytes.
@@ -64,6 +89,10 @@ struct PrepareParams {
   StackedOperand expert;  ///< fprop/dgrad: B; wgrad: D and C
   const int32_t* mask = nullptr;  ///< wgrad: [E], 0 = leave dW_e untouched; nullptr = all written
   bool accumulate = false;        ///< wgrad: D += A·B, empty experts left untouched
+  // FP8 only (fp8_grouped_gemm.cu):
+  ScaleOperand scale_a, scale_b;   ///< blockwise: where group e's scales of A and B start
+  const float* alpha_a = nullptr;  ///< tensorwise: [E] per-expert scale_inv of A (device)
+  const float* alpha_b = nullptr;  ///< tensorwise: [E] per-expert scale_inv of B (device)
 };
 
 /// Launches the preparation kernel (one block) on `stream`.

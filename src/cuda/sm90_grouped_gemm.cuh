@@ -54,12 +54,25 @@ template <> struct PassLayouts<GemmPass::wgrad> {
   using B = cutlass::layout::RowMajor;     // x_e [rows, K] read as B[k=row, n=K]: N-major
 };
 
-// Tile shapes and schedules. Cluster 1x1: a group with a single M tile (common in MoE) would leave
-// the second CTA of a 2x1 cluster computing an all-out-of-bounds tile.
+// Tile shapes and schedules. fprop/dgrad never cluster along M: a group with a single M tile
+// (common in MoE) would leave the second CTA of a 2x1 cluster computing an all-out-of-bounds tile.
+// Clusters along a host-known extent (N for fprop/dgrad, M = the layer's N for wgrad) are safe.
 template <TileConfig T> struct TileTraits;
 template <> struct TileTraits<TileConfig::coop_128x256> {
   using TileShape = cute::Shape<cute::_128, cute::_256, cute::_64>;  // BLOCK_M, BLOCK_N, BLOCK_K
   using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
+  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
+  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+};
+template <> struct TileTraits<TileConfig::coop_128x256_c1x2> {
+  using TileShape = cute::Shape<cute::_128, cute::_256, cute::_64>;
+  using ClusterShape = cute::Shape<cute::_1, cute::_2, cute::_1>;
+  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
+  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+};
+template <> struct TileTraits<TileConfig::coop_128x256_c2x1> {
+  using TileShape = cute::Shape<cute::_128, cute::_256, cute::_64>;
+  using ClusterShape = cute::Shape<cute::_2, cute::_1, cute::_1>;
   using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
   using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 };

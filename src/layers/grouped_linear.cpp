@@ -206,6 +206,19 @@ GroupedLinearBackward GroupedLinear::backward(GroupedLinearContext& ctx, const T
   return result;
 }
 
+void GroupedLinear::set_saved_input(GroupedLinearContext& ctx, const TensorView& x) const {
+  GroupedLinearContext::State& st = *ctx.state_;
+  GMOE_CHECK(st.active, "ctx: set_saved_input needs a context filled by forward whose weight gradient is pending");
+  GMOE_CHECK(options_.save_original_input, "set_saved_input: only with options.save_original_input (the layer ",
+             "keeps a reference to its input, not a copy)");
+  check_rows(x, "x");
+  GMOE_CHECK(x.dtype == st.x.dtype && x.size(0) == st.x.size(0) && x.size(1) == st.x.size(1) &&
+                 x.device == st.x.device,
+             "x: expected ", dtype_name(st.x.dtype), "[", st.x.size(0), ", ", st.x.size(1), "] on ",
+             st.x.device.str(), " (the input saved by forward), got ", x.str());
+  st.x = x;
+}
+
 GroupedLinearGrads GroupedLinear::backward_dw(GroupedLinearContext& ctx, Stream stream) {
   GroupedLinearContext::State& st = *ctx.state_;
   GMOE_CHECK(st.wgrad_pending, "ctx: backward_dw needs a context after a backward with delay_wgrad");

@@ -1,0 +1,175 @@
+// gmoe/grouped_mlp.h — GroupedMLP: the expert MLP of an MoE block, FC1 → activation → FC2.
+//
+// For E experts with FC1 weights W1_e [2F, H] (gated activations; [F, H] for squared ReLU), FC2
+// weights W2_e [H, F], optional biases b1_e [2F], b2_e [H], and optional router probabilities
+// p [capacity] (f32, one per row):
+//   forward   h = x·W1_eᵀ + b1_e                [capacity, 2F]   (FC1, a GroupedLinear)
+//             z = act(h) · p                    [capacity, F]    (gmoe/activation.h)
+//             y = z·W2_eᵀ + b2_e                [capacity, H]    (FC2, a GroupedLinear)
+//   backward  dz = dy·W2_e,  dW2_e = dyᵀ·z,  db2_e = Σ dy
+//             dh = act'(h)·dz·p,  dp = Σ_j dz·act(h)
+//             dx = dh·W1_e,  dW1_e = dhᵀ·x,  db1_e = Σ dh
+// Counts stay on the device: forward, backward and backward_dw never synchronise and can be
+// captured in a CUDA graph once and replayed under any routing. Rows past the real total of the
+// counts give y = 0, dx = 0, dp = 0.
+//
+// The gate/up layout of FC1's 2F output rows (its weight rows and bias entries) is
+// options.activation.glu: concatenated ([gate; up]) or interleaved in blocks (convert weights,
+// biases and checkpoints with convert_fc1_glu / fc1_to_interleaved / fc1_to_concatenated, or with
+// the checkpoint loader's GLU conversion).
+//
+// What lives between forward and backward (per layer, es = bytes per element):
+//   x           capacity·H·es     a copy (none with fc1.save_original_input: a reference)
+//   h           capacity·2F·es    FC1's output, the activation's input (backward writes dh over it)
+//   z           capacity·F·es     FC2's input, for dW2 — not kept with recompute_activation, which
+//                                  recomputes it in backward in the same pass as dh (no extra read
+//                                  of h), saving capacity·F·es per layer for a little arithmetic
+//   probs, counts                  references to the caller's tensors (keep them alive, unchanged)
+// Backward additionally holds dz (capacity·F·es) while the activation's backward runs, and dprobs.
+//
+// This is the unfused composition (two grouped GEMM passes with the activation as its own
+// memory-bound kernel between them); the options and the context are shaped so that a fused
+// activation epilogue can replace the middle step without changing the API. FP8 recipes are a slot
+// for now (options.recipe); only the inputs' own precision is implemented.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include "gmoe/activation.h"
+#include "gmoe/allocator.h"
+#include "gmoe/checkpoint.h"
+#include "gmoe/grouped.h"
+#include "gmoe/grouped_bias.h"
+#include "gmoe/grouped_linear.h"
+#include "gmoe/stream.h"
+#include "gmoe/tensor.h"
+
+namespace gmoe {
+
+/// Precision of the GEMMs. `native`: the inputs' dtype (bf16/f16; f32 on the CPU backend), f32
+/// accumulation. The FP8 recipes of gmoe/fp8.h are reserved here and refused until implemented.
+enum class MlpRecipe : uint8_t { native, fp8_tensorwise, fp8_blockwise, mxfp8 };
+
+/// Options of a GroupedMLP.
+struct GroupedMLPOptions {
+  /// The activation (kind, alpha, limit, GELU form) and FC1's gate/up layout.
+  ActivationOptions activation;
+  /// Per-FC settings, as for a GroupedLinear: delay_wgrad (each FC separately; backward_dw computes
+  /// the delayed ones), main_grad + accumulate + expert_mask, and one wgrad_hook per FC, called as
+  /// soon as that FC's weight gradients are complete — FC2's before FC1's, so a data-parallel
+  /// reduce-scatter of FC2's gradients overlaps FC1's backward. fc1.save_original_input keeps a
+  /// reference to x instead of a copy (same aliasing contract as GroupedLinear).
+  /// fc2.save_original_input is ignored: FC2's input is the layer's own z. fc1/fc2.allocator
+  /// default to `allocator` below.
+  GroupedLinearOptions fc1;
+  GroupedLinearOptions fc2;
+  /// Do not keep z = act(h)·p from forward to backward; backward recomputes it (see above).
+  bool recompute_activation = false;
+  /// The GEMMs' precision recipe (only `native` for now).
+  MlpRecipe recipe = MlpRecipe::native;
+  /// Scratch, saved tensors and fresh gradients; nullptr: the device's default allocator.
+  Allocator* allocator = nullptr;
+};
+
+/// Weight and bias gradients of both FCs (see GroupedLinearGrads: fresh gradients are views of one
+/// packed allocation per FC, or the caller's main_grad).
+struct GroupedMLPGrads {
+  GroupedLinearGrads fc1;
+  GroupedLinearGrads fc2;
+};
+
+/// Result of GroupedMLP::backward.
+struct GroupedMLPBackward {
+  Tensor dx;              ///< [capacity, H]: dgrad_out when given, else owned
+  Tensor dprobs;          ///< f32 [capacity] when forward had probs, else absent
+  GroupedMLPGrads grads;  ///< weight gradients unless delayed (bias gradients always)
+};
+
+/// What forward saves for backward (and backward for backward_dw). One per forward in flight.
+class GroupedMLPContext {
+ public:
+  GroupedMLPContext();
+  ~GroupedMLPContext();
+  GroupedMLPContext(GroupedMLPContext&&) noexcept;
+  GroupedMLPContext& operator=(GroupedMLPContext&&) noexcept;
+  /// True between forward and the end of the last weight gradient.
+  bool active() const;
+
+ private:
+  friend class GroupedMLP;
+  struct State;
+  std::unique_ptr<State> state_;
+};
+
+class GroupedMLP {
+ public:
+  /// fc1_weight: E × [2F, H] (gated; E × [F, H] for squared_relu), fc2_weight: E × [H, F], each
+  /// stacked or a list; bf16 or f16 (f32 on the CPU backend), one dtype and device. Biases: none,
+  /// or E × [2F] (in FC1's gate/up layout) and E × [H], grouped or lists, dtype of the weights or
+  /// f32. Throws gmoe::Error naming the argument on any mismatch.
+  GroupedMLP(ExpertWeights fc1_weight, ExpertWeights fc2_weight, ExpertBias fc1_bias = {},
+             ExpertBias fc2_bias = {}, GroupedMLPOptions options = {});
+
+  int64_t num_experts() const { return fc1_.num_experts(); }
+  int64_t hidden() const { return fc1_.in_features(); }
+  int64_t ffn() const { return fc2_.in_features(); }
+  const GroupedLinear& fc1() const { return fc1_; }
+  const GroupedLinear& fc2() const { return fc2_; }
+  const GroupedMLPOptions& options() const { return options_; }
+
+  /// y for x: [capacity, H] of the weights' dtype; counts: [E] i32/i64; probs: absent or f32
+  /// [capacity]. counts, probs (and x with fc1.save_original_input) are kept by reference until
+  /// backward (backward_dw for a delayed FC1): keep them alive and unchanged. `out`, if given, is
+  /// [capacity, H] of x's dtype and receives y.
+  Tensor forward(const TensorView& x, const TensorView& counts, const TensorView& probs,
+                 GroupedMLPContext& ctx, Stream stream = nullptr, const TensorView& out = {});
+
+  /// dx, dprobs (when forward had probs), bias gradients, and the weight gradients of the FCs that
+  /// are not delayed (their hooks fire here). dy: [capacity, H]; with a delayed FC2 it is kept by
+  /// reference until backward_dw. `dgrad_out`, if given, is [capacity, H] and receives dx.
+  GroupedMLPBackward backward(GroupedMLPContext& ctx, const TensorView& dy, Stream stream = nullptr,
+                              const TensorView& dgrad_out = {});
+
+  /// The delayed weight gradients (FC2's, then FC1's), on `stream`, ordered after backward through
+  /// an event; calls their hooks and releases what was saved. Capturable in a CUDA graph.
+  GroupedMLPGrads backward_dw(GroupedMLPContext& ctx, Stream stream = nullptr);
+
+ private:
+  Allocator& allocator() const;
+
+  GroupedMLPOptions options_;
+  GroupedLinear fc1_;
+  GroupedLinear fc2_;
+};
+
+/// Copies FC1 weights `src` into `dst` (same number of experts and shapes, dtype and device; either
+/// layout each; not overlapping) re-ordering every expert's 2F rows from gate/up layout `from` to
+/// `to`. CUDA tensors: stream-ordered kernels on `stream`; CPU tensors: the checkpoint module's
+/// convert_glu (contiguous experts).
+void convert_fc1_glu(const ExpertWeights& src, const GluFormat& from, const ExpertWeights& dst,
+                     const GluFormat& to, Stream stream = nullptr);
+/// The same for FC1 biases (E × [2F]).
+void convert_fc1_glu(const ExpertBias& src, const GluFormat& from, const ExpertBias& dst,
+                     const GluFormat& to, Stream stream = nullptr);
+
+/// Concatenated [gate; up] → interleaved in blocks of `block` rows.
+inline void fc1_to_interleaved(const ExpertWeights& src, const ExpertWeights& dst, int64_t block,
+                               Stream stream = nullptr) {
+  convert_fc1_glu(src, {GluLayout::concatenated, 1}, dst, {GluLayout::interleaved, block}, stream);
+}
+/// Interleaved in blocks of `block` rows → concatenated [gate; up].
+inline void fc1_to_concatenated(const ExpertWeights& src, const ExpertWeights& dst, int64_t block,
+                                Stream stream = nullptr) {
+  convert_fc1_glu(src, {GluLayout::interleaved, block}, dst, {GluLayout::concatenated, 1}, stream);
+}
+inline void fc1_to_interleaved(const ExpertBias& src, const ExpertBias& dst, int64_t block,
+                               Stream stream = nullptr) {
+  convert_fc1_glu(src, {GluLayout::concatenated, 1}, dst, {GluLayout::interleaved, block}, stream);
+}
+inline void fc1_to_concatenated(const ExpertBias& src, const ExpertBias& dst, int64_t block,
+                                Stream stream = nullptr) {
+  convert_fc1_glu(src, {GluLayout::interleaved, block}, dst, {GluLayout::concatenated, 1}, stream);
+}
+
+}  // namespace gmoe

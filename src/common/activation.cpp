@@ -1,0 +1,172 @@
+// src/common/activation.cpp — the public grouped activation ops: check every host-visible property
+// of the arguments, then dispatch to the backend of the tensors' device.
+#include "gmoe/activation.h"
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <utility>
+
+#include "common/activation_internal.h"
+#include "common/backend.h"
+#include "common/checks.h"
+#include "gmoe/error.h"
+
+namespace gmoe {
+
+const char* activation_name(ActivationKind kind) {
+  switch (kind) {
+    case ActivationKind::swiglu: return "swiglu";
+    case ActivationKind::geglu: return "geglu";
+    case ActivationKind::clamped_swiglu: return "clamped_swiglu";
+    case ActivationKind::squared_relu: return "squared_relu";
+  }
+  return "unknown";
+}
+
+ActivationKind activation_from_name(const std::string& name) {
+  for (ActivationKind k : {ActivationKind::swiglu, ActivationKind::geglu, ActivationKind::clamped_swiglu,
+                           ActivationKind::squared_relu}) {
+    if (name == activation_name(k)) return k;
+  }
+  GMOE_FAIL("unknown activation '", name, "': expected swiglu, geglu, clamped_swiglu or squared_relu");
+}
+
+void check_activation_options(const ActivationOptions& o, int64_t F, const char* name) {
+  const int k = static_cast<int>(o.kind);
+  GMOE_CHECK(k >= 0 && k <= static_cast<int>(ActivationKind::squared_relu), name, ".kind: unknown activation ", k);
+  if (o.kind == ActivationKind::clamped_swiglu) {
+    GMOE_CHECK(std::isfinite(o.alpha), name, ".alpha: expected a finite value, got ", o.alpha);
+    GMOE_CHECK(std::isfinite(o.limit) && o.limit > 0, name, ".limit: expected a finite value > 0, got ", o.limit);
+  }
+  if (is_gated(o.kind) && o.glu.layout == GluLayout::interleaved) {
+    GMOE_CHECK(o.glu.block >= 1 && o.glu.block <= (int64_t{1} << 30), name, ".glu.block: expected a block of ",
+               "at least 1 column, got ", o.glu.block);
+    GMOE_CHECK(F % o.glu.block == 0, name, ".glu.block: the interleave block ", o.glu.block,
+               " must divide the ", F, " columns of each half (gate, up)");
+  }
+}
+
+namespace {
+
+// Bytes [first, last) that the rows of a 2-D view touch (empty views touch nothing).
+struct ByteRange {
+  const char* first = nullptr;
+  const char* last = nullptr;
+};
+ByteRange byte_range(const TensorView& t) {
+  if (!t.defined() || t.numel() == 0) return {};
+  const int64_t es = static_cast<int64_t>(dtype_size(t.dtype));
+  const char* p = static_cast<const char*>(t.data);
+  int64_t last_elem = 0;
+  for (int d = 0; d < t.ndim; ++d) last_elem += (t.size(d) - 1) * t.stride(d);
+  return {p, p + (last_elem + 1) * es};
+}
+
+}  // namespace
+
+void check_disjoint(const TensorView& a, const char* a_name, const TensorView& b, const char* b_name) {
+  const ByteRange ra = byte_range(a), rb = byte_range(b);
+  if (ra.first == nullptr || rb.first == nullptr) return;
+  GMOE_CHECK(ra.last <= rb.first || rb.last <= ra.first, a_name, " and ", b_name,
+             " overlap in memory (", a.str(), " at ", a.data, ", ", b.str(), " at ", b.data, ")");
+}
+
+namespace {
+
+void check_row_vector(const TensorView& v, const char* name, int64_t capacity, Device device) {
+  GMOE_CHECK(v.ndim == 1 && v.size(0) == capacity && v.dtype == DType::f32, name, ": expected f32[", capacity,
+             "] (one value per row), got ", v.str());
+  GMOE_CHECK(v.stride(0) == 1 || capacity <= 1, name, ": must be contiguous, got stride ", v.stride(0));
+  GMOE_CHECK(v.data != nullptr || capacity == 0, name, ": null data");
+  check_same_device(v.device, device, name);
+}
+
+// h [capacity, in_cols] against F output columns, and the options.
+void check_h(const TensorView& h, const ActivationOptions& o, int64_t F) {
+  check_rows(h, "h");
+  check_input_dtype(h.dtype, "h");
+  check_activation_options(o, F, "options");
+  const int64_t in_cols = activation_input_cols(o.kind, F);
+  GMOE_CHECK(h.size(1) == in_cols, "h: ", activation_name(o.kind), " with ", F, " output columns takes ",
+             in_cols, " input columns, got ", h.shape_str());
+}
+
+void check_like(const TensorView& t, const char* name, const TensorView& h, int64_t cols) {
+  check_rows(t, name);
+  check_same_device(t.device, h.device, name);
+  GMOE_CHECK(t.size(0) == h.size(0) && t.size(1) == cols, name, ": expected [", h.size(0), ", ", cols, "], got ",
+             t.shape_str());
+  GMOE_CHECK(t.dtype == h.dtype, name, ": expected dtype ", dtype_name(h.dtype), " (h's), got ", dtype_name(t.dtype));
+}
+
+void after_op(Device device, Stream stream) {
+  if (device.is_cuda() && debug_sync_enabled()) check_device_errors(stream);
+}
+
+}  // namespace
+
+void grouped_activation_forward(const TensorView& h, const TensorView& counts, const TensorView& z,
+                                const ActivationOptions& options, const TensorView& probs, Stream stream,
+                                Allocator* alloc) {
+  GMOE_CHECK(z.defined() && z.ndim == 2, "z: expected a 2-D tensor [capacity, F], got ", z.str());
+  const int64_t F = z.size(1);
+  check_h(h, options, F);
+  check_counts(counts, "counts", h.device);
+  check_like(z, "z", h, F);
+  check_disjoint(z, "z", h, "h");
+  if (probs.defined()) {
+    check_row_vector(probs, "probs", h.size(0), h.device);
+    check_disjoint(z, "z", probs, "probs");
+  }
+  if (h.device.is_cpu()) {
+    cpu_backend::grouped_activation_forward(h, counts, z, options, probs);
+  } else {
+    check_cuda_compiled("grouped_activation_forward");
+    cuda_backend::grouped_activation_forward(h, counts, z, options, probs, stream, pick_allocator(alloc, h.device));
+  }
+  after_op(h.device, stream);
+}
+
+void grouped_activation_backward(const TensorView& h, const TensorView& dz, const TensorView& counts,
+                                 const TensorView& dh, const ActivationOptions& options, const TensorView& probs,
+                                 const TensorView& dprobs, const TensorView& z_out, Stream stream, Allocator* alloc) {
+  GMOE_CHECK(dz.defined() && dz.ndim == 2, "dz: expected a 2-D tensor [capacity, F], got ", dz.str());
+  const int64_t F = dz.size(1);
+  check_h(h, options, F);
+  check_counts(counts, "counts", h.device);
+  check_like(dz, "dz", h, F);
+  check_like(dh, "dh", h, h.size(1));
+  // dh may be h itself (each element is read, then written, by the same thread), nothing else.
+  const bool dh_is_h = dh.data == h.data && dh.stride(0) == h.stride(0);
+  if (!dh_is_h) check_disjoint(dh, "dh", h, "h");
+  check_disjoint(dh, "dh", dz, "dz");
+  if (probs.defined()) {
+    check_row_vector(probs, "probs", h.size(0), h.device);
+    check_disjoint(dh, "dh", probs, "probs");
+  }
+  if (dprobs.defined()) {
+    check_row_vector(dprobs, "dprobs", h.size(0), h.device);
+    for (const auto& [t, n] : {std::pair<const TensorView*, const char*>{&h, "h"}, {&dz, "dz"}, {&dh, "dh"},
+                               {&probs, "probs"}}) {
+      check_disjoint(dprobs, "dprobs", *t, n);
+    }
+  }
+  if (z_out.defined()) {
+    check_like(z_out, "z_out", h, F);
+    for (const auto& [t, n] : {std::pair<const TensorView*, const char*>{&h, "h"}, {&dz, "dz"}, {&dh, "dh"},
+                               {&probs, "probs"}, {&dprobs, "dprobs"}}) {
+      check_disjoint(z_out, "z_out", *t, n);
+    }
+  }
+  if (h.device.is_cpu()) {
+    cpu_backend::grouped_activation_backward(h, dz, counts, dh, options, probs, dprobs, z_out);
+  } else {
+    check_cuda_compiled("grouped_activation_backward");
+    cuda_backend::grouped_activation_backward(h, dz, counts, dh, options, probs, dprobs, z_out, stream,
+                                              pick_allocator(alloc, h.device));
+  }
+  after_op(h.device, stream);
+}
+
+}  // namespace gmoe

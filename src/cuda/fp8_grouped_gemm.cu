@@ -1,0 +1,594 @@
+// src/cuda/fp8_grouped_gemm.cu — the CUDA backend's FP8 grouped GEMM entry points (fprop, dgrad,
+// wgrad) for the blockwise, tensorwise and MXFP8 recipes of gmoe/fp8.h.
+//
+// blockwise / tensorwise: the same life cycle as the 16-bit grouped GEMM (grouped_gemm.cu): check
+// what is CUDA-specific and throw before any launch; take one workspace from the caller's
+// allocator on the stream; then enqueue, without a sync:
+//   1. prepare (grouped_gemm_prepare.cu, one block): counts -> clamped offsets -> per-expert
+//      shapes, operand pointers and strides, and for FP8 the per-expert scale pointers (blockwise)
+//      or alpha_e = s_a[e]·s_b[e] (tensorwise); wgrad locates each expert's tokens in the
+//      columnwise copies through their padded_offsets;
+//   2. for a list of dW tensors, their pointers, passed by value in kernel parameters;
+//   3. zeros where the GEMM writes nothing (rows past the total; dW of empty experts);
+//   4. the CUTLASS FP8 grouped GEMM (sm90_fp8_grouped_gemm.cuh).
+// All three passes are one "TN" GEMM with K-major FP8 operands (see fp8_grouped_gemm_kernels.h).
+//
+// mxfp8: Hopper cannot scale 32-wide blocks inside its FP8 tensor-core path, so every operand is
+// dequantized to bf16 (exactly: an e4m3/e5m2 value times a power of two fits bf16) by the kernels
+// below, and the bf16 grouped GEMM runs on the result:
+//   fprop  dequant(x.data), dequant(w.data) [E, N, K]      -> bf16 fprop
+//   dgrad  dequant(dy.data), dequant(w.data_t) [E, K, N]  -> bf16 fprop with W'_e = W_eᵀ
+//   wgrad  dequant(dy.data_t)ᵀ [padded, N], dequant(x.data_t)ᵀ [padded, K] -> bf16 wgrad whose
+//          counts are the padded per-expert token counts (the padding is zero, so the extra terms
+//          are exact zeros)
+// This costs the dequantization traffic (the weights on every call) on top of a bf16 GEMM.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+#include <vector>
+
+#include "common/backend.h"
+#include "common/fp8_rules.h"
+#include "cuda/cuda_check.h"
+#include "cuda/device_info.h"
+#include "cuda/fp8_grouped_gemm_kernels.h"
+#include "cuda/grouped_gemm_prepare.h"
+#include "gmoe/error.h"
+
+namespace gmoe::cuda_backend {
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// The compiled instantiations, and the one place that maps runtime values onto them.
+
+struct Fp8KernelEntry {
+  std::size_t (*workspace_bytes)(int sm_count) = nullptr;
+  void (*run)(const Fp8GemmLaunch&, cudaStream_t) = nullptr;
+};
+
+template <Fp8Scaling S, Fp8Operands Ops, DType Out>
+Fp8KernelEntry entry() {
+  using K = Fp8GroupedGemmKernel<S, Ops, Out>;
+  return {&K::workspace_bytes, &K::run};
+}
+
+Fp8KernelEntry find_kernel(Fp8Scaling scaling, Fp8Operands ops, DType out) {
+  if (scaling == Fp8Scaling::blockwise) {
+    if (ops == Fp8Operands::rows) {
+      return entry<Fp8Scaling::blockwise, Fp8Operands::rows, DType::bf16>();
+    }
+    return out == DType::f32 ? entry<Fp8Scaling::blockwise, Fp8Operands::wgrad, DType::f32>()
+                             : entry<Fp8Scaling::blockwise, Fp8Operands::wgrad, DType::bf16>();
+  }
+  if (ops == Fp8Operands::wgrad && out == DType::f32) {
+    return entry<Fp8Scaling::tensorwise, Fp8Operands::wgrad, DType::f32>();
+  }
+  // fprop, dgrad and the bf16 weight gradient are the same tensorwise GEMM: TN, bf16 out, no
+  // source operand; only the arrays that prepare writes differ.
+  return entry<Fp8Scaling::tensorwise, Fp8Operands::rows, DType::bf16>();
+}
+
+// ---------------------------------------------------------------------------------------------
+// CUDA-specific argument checks (the public edge has checked the layouts, shapes and devices).
+
+void check_aligned(const void* p, std::size_t bytes, const char* name) {
+  GMOE_CHECK(reinterpret_cast<std::uintptr_t>(p) % bytes == 0, name, ": the CUDA backend needs ",
+             bytes, "-byte aligned data, got address ", p);
+}
+
+void check_extent(int64_t v, const char* name, const char* what) {
+  GMOE_CHECK(v <= INT32_MAX, name, ": ", what, " of ", v,
+             " exceeds the 32-bit extents of the CUDA grouped GEMM");
+}
+
+// FP8 rows are read by TMA in 16-byte units: both GEMM extents of the layer (its K and N) must be
+// multiples of 16 elements. (y/dx rows of N or K bf16 are then 16-byte multiples too.)
+void check_dim16(int64_t v, const char* name, const char* what) {
+  GMOE_CHECK(v % 16 == 0, name, ": ", what, " = ", v,
+             " is not a multiple of 16; the CUDA FP8 GEMM reads FP8 rows with TMA in 16-byte "
+             "units (pad the layer's dimensions to multiples of 16)");
+}
+
+void check_format_cuda(Fp8Recipe recipe, DType format, const char* name) {
+  GMOE_CHECK(recipe == Fp8Recipe::mxfp8 || format == DType::e4m3, name, ".format: the CUDA ",
+             fp8_recipe_name(recipe), " FP8 GEMM is compiled for e4m3 operands, got ",
+             dtype_name(format), " (mxfp8 takes e4m3 and e5m2)");
+}
+
+void check_grouped_cuda(const Fp8Grouped& q, bool columnwise, const char* name) {
+  check_format_cuda(q.recipe, q.format, name);
+  check_extent(q.capacity, name, "capacity");
+  check_extent(q.cols, name, "column count");
+  if (columnwise) {
+    check_extent(q.padded_capacity, name, "padded capacity");
+    check_aligned(q.data_t.data, 16, name);
+    check_aligned(q.scale_inv_t.data, 4, name);
+    check_aligned(q.padded_offsets.data, 8, name);
+  } else {
+    check_aligned(q.data.data, 16, name);
+    check_aligned(q.scale_inv.data, 4, name);
+  }
+}
+
+void check_weights_cuda(const Fp8Weights& q, bool transposed, const char* name) {
+  check_format_cuda(q.recipe, q.format, name);
+  check_extent(q.rows, name, "rows (N)");
+  check_extent(q.cols, name, "columns (K)");
+  check_aligned(transposed ? q.data_t.data : q.data.data, 16, name);
+  check_aligned(transposed ? q.scale_inv_t.data : q.scale_inv.data, 4, name);
+}
+
+void check_out_rows_cuda(const TensorView& t, const char* name) {
+  GMOE_CHECK(t.dtype == DType::bf16, name, ": the CUDA FP8 GEMM writes bf16, got ",
+             dtype_name(t.dtype));
+  check_aligned(t.data, 16, name);
+  GMOE_CHECK(t.stride(0) * 2 % 16 == 0, name, ": the row stride must be a multiple of 16 bytes "
+             "(TMA), got ", t.stride(0), " elements");
+}
+
+void check_dw_cuda(const ExpertWeights& dw, const char* name) {
+  const int64_t es = static_cast<int64_t>(dtype_size(dw.dtype()));
+  auto check_stride = [&](int64_t elems, const char* which) {
+    GMOE_CHECK(elems * es % 16 == 0, name, ": the CUDA backend needs ", which,
+               " that are a multiple of 16 bytes (TMA), got ", elems, " elements");
+  };
+  if (dw.is_stacked()) {
+    check_aligned(dw.stacked.data, 16, name);
+    check_stride(dw.stacked.stride(0), "expert strides");
+    check_stride(dw.stacked.stride(1), "row strides");
+  } else {
+    for (const TensorView& t : dw.list) {
+      check_aligned(t.data, 16, name);
+      check_stride(t.stride(0), "row strides");
+    }
+  }
+}
+
+void check_experts_count(int64_t E) {
+  GMOE_CHECK(E <= kMaxExperts, "counts: ", E, " experts, the CUDA backend takes at most ",
+             kMaxExperts);
+}
+
+// ---------------------------------------------------------------------------------------------
+// One blockwise/tensorwise call, planned on the host and enqueued on the stream.
+
+struct Fp8Plan {
+  Fp8Scaling scaling = Fp8Scaling::blockwise;
+  Fp8Operands ops = Fp8Operands::rows;
+  DType out = DType::bf16;
+  PrepareParams prep;
+  int32_t sfa_ld = 0, sfb_ld = 0;  // blockwise: the scale matrices' row strides
+  bool run_gemm = false;
+  float beta = 0.0f;
+  // fprop/dgrad: the output rows past the real total (all rows when the reduction is empty).
+  void* out_base = nullptr;
+  int64_t out_ld_bytes = 0, out_row_bytes = 0;
+  bool zero_all_rows = false;
+  // wgrad: dW (a list's pointers are written on the device), each expert [dw_rows, dw_row_bytes].
+  const ExpertWeights* dw = nullptr;
+  int64_t dw_rows = 0, dw_row_bytes = 0;
+};
+
+std::size_t round_up(std::size_t v) { return (v + 127) / 128 * 128; }
+
+void execute(const Fp8Plan& plan, Stream stream, Allocator& alloc) {
+  const int device = current_device();
+  const int sms = sm_count(device);
+  const int E = plan.prep.num_experts;
+  const Fp8KernelEntry kernel = find_kernel(plan.scaling, plan.ops, plan.out);
+  const bool blockwise = plan.scaling == Fp8Scaling::blockwise;
+
+  // One workspace for every array and for CUTLASS (its tensor maps, one set per SM).
+  std::size_t offset = 0;
+  auto take = [&](std::size_t bytes) {
+    const std::size_t at = offset;
+    offset = round_up(offset + bytes);
+    return at;
+  };
+  const std::size_t e = static_cast<std::size_t>(E);
+  const std::size_t o_shapes = take(e * sizeof(GroupShape));
+  const std::size_t o_ptrs = take(4 * e * sizeof(void*));
+  const std::size_t o_strides = take(4 * e * sizeof(int64_t));
+  const std::size_t o_total = take(sizeof(int64_t));
+  const std::size_t o_zero = take(e * sizeof(int32_t));
+  const std::size_t o_scale_ptrs = take(blockwise ? 2 * e * sizeof(float*) : 0);
+  const std::size_t o_alpha = take(blockwise ? 0 : e * sizeof(float));
+  const std::size_t o_alpha_ptrs = take(blockwise ? 0 : e * sizeof(float*));
+  const std::size_t cutlass_bytes = plan.run_gemm ? kernel.workspace_bytes(sms) : 0;
+  const std::size_t o_cutlass = take(cutlass_bytes);
+  Buffer workspace(alloc, offset, stream);
+  char* base = static_cast<char*>(workspace.data());
+
+  GroupedGemmArrays arrays;
+  arrays.shapes = reinterpret_cast<GroupShape*>(base + o_shapes);
+  auto** ptrs = reinterpret_cast<const void**>(base + o_ptrs);
+  arrays.ptr_a = ptrs;
+  arrays.ptr_b = ptrs + e;
+  arrays.ptr_c = ptrs + 2 * e;
+  arrays.ptr_d = const_cast<void**>(ptrs + 3 * e);
+  auto* strides = reinterpret_cast<int64_t*>(base + o_strides);
+  arrays.stride_a = strides;
+  arrays.stride_b = strides + e;
+  arrays.stride_c = strides + 2 * e;
+  arrays.stride_d = strides + 3 * e;
+  arrays.total = reinterpret_cast<int64_t*>(base + o_total);
+  arrays.zero_expert = reinterpret_cast<int32_t*>(base + o_zero);
+  if (blockwise) {
+    auto** sf = reinterpret_cast<const float**>(base + o_scale_ptrs);
+    arrays.ptr_sfa = sf;
+    arrays.ptr_sfb = sf + e;
+  } else {
+    arrays.alpha = reinterpret_cast<float*>(base + o_alpha);
+    arrays.alpha_ptr = reinterpret_cast<const float**>(base + o_alpha_ptrs);
+  }
+
+  launch_prepare(plan.prep, arrays, stream);
+
+  if (plan.ops == Fp8Operands::wgrad && !plan.dw->is_stacked()) {
+    std::vector<const void*> host_ptrs(e);
+    std::vector<int64_t> host_lds(e);
+    for (std::size_t i = 0; i < e; ++i) {
+      host_ptrs[i] = plan.dw->list[i].data;
+      host_lds[i] = plan.dw->list[i].stride(0);
+    }
+    launch_write_expert_pointers(host_ptrs.data(), host_lds.data(), E,
+                                 const_cast<const void**>(arrays.ptr_d), arrays.stride_d,
+                                 arrays.ptr_c, arrays.stride_c, stream);
+  }
+
+  if (plan.ops == Fp8Operands::wgrad) {
+    launch_zero_experts(arrays.ptr_d, arrays.stride_d, static_cast<int32_t>(dtype_size(plan.out)),
+                        plan.dw_rows, plan.dw_row_bytes, arrays.zero_expert, E, sms, stream);
+  } else {
+    launch_zero_rows(plan.out_base, plan.out_ld_bytes, plan.out_row_bytes, plan.prep.capacity,
+                     plan.zero_all_rows ? nullptr : arrays.total, sms, stream);
+  }
+
+  if (plan.run_gemm) {
+    Fp8GemmLaunch launch;
+    GroupedGemmLaunch& g = launch.gemm;
+    g.num_groups = E;
+    g.device = device;
+    g.sm_count = sms;
+    g.shapes = arrays.shapes;
+    g.ptr_a = arrays.ptr_a;
+    g.ptr_b = arrays.ptr_b;
+    g.ptr_c = arrays.ptr_c;
+    g.ptr_d = arrays.ptr_d;
+    g.stride_a = arrays.stride_a;
+    g.stride_b = arrays.stride_b;
+    g.stride_c = arrays.stride_c;
+    g.stride_d = arrays.stride_d;
+    g.beta = plan.beta;
+    g.workspace = base + o_cutlass;
+    g.workspace_bytes = cutlass_bytes;
+    launch.ptr_sfa = arrays.ptr_sfa;
+    launch.ptr_sfb = arrays.ptr_sfb;
+    launch.sfa_ld = plan.sfa_ld;
+    launch.sfb_ld = plan.sfb_ld;
+    launch.alpha_ptrs = arrays.alpha_ptr;
+    kernel.run(launch, stream);
+  }
+  // `workspace` is released on `stream` here, after everything above.
+}
+
+Fp8Scaling scaling_of(Fp8Recipe r) {
+  return r == Fp8Recipe::blockwise ? Fp8Scaling::blockwise : Fp8Scaling::tensorwise;
+}
+
+PrepareParams common_prepare(GemmPass pass, const TensorView& counts, int64_t capacity) {
+  PrepareParams p;
+  p.pass = pass;
+  p.counts = counts.data;
+  p.counts_i64 = counts.dtype == DType::i64;
+  p.num_experts = static_cast<int32_t>(counts.size(0));
+  p.capacity = capacity;
+  return p;
+}
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// fprop and dgrad: A = grouped rows (rowwise copy), B = one copy of the weights, D = rows.
+// `b_data` [E, n, k] and its scales `b_scale` (blockwise [E, ceil(n/128), ceil(k/128)] or
+// tensorwise [E]), where n is the GEMM's N (y's columns) and k its reduction.
+void rows_pass(GemmPass pass, const Fp8Grouped& a, const TensorView& b_data,
+               const TensorView& b_scale, const TensorView& counts, const TensorView& d,
+               Stream stream, Allocator& alloc) {
+  const int64_t capacity = a.capacity;
+  const int64_t gemm_n = d.size(1);
+  const int64_t gemm_k = a.cols;
+  DeviceGuard guard(a.data.device.index);
+  Fp8Plan plan;
+  plan.scaling = scaling_of(a.recipe);
+  plan.ops = Fp8Operands::rows;
+  plan.out = DType::bf16;
+  plan.prep = common_prepare(pass, counts, capacity);
+  plan.prep.gemm_n = static_cast<int32_t>(gemm_n);
+  plan.prep.gemm_k = static_cast<int32_t>(gemm_k);
+  plan.prep.rows_a = {a.data.data, a.data.stride(0), 1};
+  plan.prep.rows_d = {d.data, d.stride(0), static_cast<int32_t>(dtype_size(d.dtype))};
+  plan.prep.expert_stacked = true;
+  plan.prep.expert = {b_data.data, b_data.stride(0), b_data.stride(1), 1};
+  if (plan.scaling == Fp8Scaling::blockwise) {
+    const int64_t kb = ceil_div(gemm_k, kFp8Block);
+    plan.prep.scale_a = {static_cast<const float*>(a.scale_inv.data), ScaleStart::rows, kb, 0};
+    plan.prep.scale_b = {static_cast<const float*>(b_scale.data), ScaleStart::expert, 0,
+                         b_scale.stride(0)};
+    plan.sfa_ld = static_cast<int32_t>(kb);
+    plan.sfb_ld = static_cast<int32_t>(b_scale.stride(1));
+  } else {
+    plan.prep.alpha_a = static_cast<const float*>(a.scale_inv.data);
+    plan.prep.alpha_b = static_cast<const float*>(b_scale.data);
+  }
+  plan.run_gemm = capacity > 0 && gemm_n > 0 && gemm_k > 0;
+  plan.out_base = d.data;
+  plan.out_ld_bytes = d.stride(0) * static_cast<int64_t>(dtype_size(d.dtype));
+  plan.out_row_bytes = gemm_n * static_cast<int64_t>(dtype_size(d.dtype));
+  plan.zero_all_rows = gemm_k == 0;  // an empty reduction: every row is zero
+  execute(plan, stream, alloc);
+}
+
+// ---------------------------------------------------------------------------------------------
+// MXFP8: dequantization to bf16, then the bf16 grouped GEMM.
+
+constexpr int kDequantThreads = 256;
+
+__device__ __forceinline__ float2 fp8x2_to_float2(uint16_t v, bool e5m2) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(v),
+                                                   e5m2 ? __NV_E5M2 : __NV_E4M3);
+  return __half22float2(__half2(h));
+}
+
+// out[r, c] = data[r, c] * 2^(scale[r, c / 32] - 127) for a row-major [rows, cols] operand with
+// cols % 16 == 0: each thread converts 16 elements (one 16-byte load, two 16-byte stores; the 16
+// share one scale).
+__global__ void mx_dequant_rows_kernel(const uint8_t* __restrict__ data,
+                                       const uint8_t* __restrict__ scale, int64_t rows,
+                                       int64_t cols, int64_t scale_cols, bool e5m2,
+                                       __nv_bfloat16* __restrict__ out) {
+  const int64_t per_row = cols / 16;
+  const int64_t total = rows * per_row;
+  for (int64_t v = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; v < total;
+       v += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t r = v / per_row;
+    const int64_t c = (v - r * per_row) * 16;
+    const uint4 d = *reinterpret_cast<const uint4*>(data + r * cols + c);
+    const float s = fp8_rules::e8m0_to_float(scale[r * scale_cols + c / kMxBlock]);
+    const uint32_t words[4] = {d.x, d.y, d.z, d.w};
+    uint32_t packed[8];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 lo = fp8x2_to_float2(static_cast<uint16_t>(words[i] & 0xffffu), e5m2);
+      const float2 hi = fp8x2_to_float2(static_cast<uint16_t>(words[i] >> 16), e5m2);
+      const __nv_bfloat162 blo = __floats2bfloat162_rn(lo.x * s, lo.y * s);
+      const __nv_bfloat162 bhi = __floats2bfloat162_rn(hi.x * s, hi.y * s);
+      packed[2 * i] = *reinterpret_cast<const uint32_t*>(&blo);
+      packed[2 * i + 1] = *reinterpret_cast<const uint32_t*>(&bhi);
+    }
+    uint4* o = reinterpret_cast<uint4*>(out + r * cols + c);
+    o[0] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+    o[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
+  }
+}
+
+// The columnwise copy transposed back: out[p, c] = data_t[c, p] * 2^(scale_t[c, p / 32] - 127),
+// data_t [cols, padded] with padded % 128 == 0, out [padded, cols] with cols % 16 == 0. 64x64
+// tiles through shared memory: 4-byte loads along p, 8-byte stores along c.
+constexpr int kTile = 64;
+__global__ void __launch_bounds__(256)
+    mx_dequant_transpose_kernel(const uint8_t* __restrict__ data, const uint8_t* __restrict__ scale,
+                                int64_t cols, int64_t padded, bool e5m2,
+                                __nv_bfloat16* __restrict__ out) {
+  __shared__ float tile[kTile][kTile + 1];
+  const int64_t p0 = int64_t{blockIdx.x} * kTile;
+  const int64_t c0 = int64_t{blockIdx.y} * kTile;
+  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;  // 16 x 16 threads
+  const int64_t scale_cols = padded / kMxBlock;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int cl = ty + 16 * i;
+    const int64_t c = c0 + cl;
+    const int64_t p = p0 + 4 * tx;
+    if (c < cols) {  // p + 3 < padded: padded is a multiple of 64
+      const uint32_t w = *reinterpret_cast<const uint32_t*>(data + c * padded + p);
+      const float s = fp8_rules::e8m0_to_float(scale[c * scale_cols + p / kMxBlock]);
+      const float2 lo = fp8x2_to_float2(static_cast<uint16_t>(w & 0xffffu), e5m2);
+      const float2 hi = fp8x2_to_float2(static_cast<uint16_t>(w >> 16), e5m2);
+      tile[cl][4 * tx] = lo.x * s;
+      tile[cl][4 * tx + 1] = lo.y * s;
+      tile[cl][4 * tx + 2] = hi.x * s;
+      tile[cl][4 * tx + 3] = hi.y * s;
+    }
+  }
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int pl = ty + 16 * i;
+    const int64_t p = p0 + pl;
+    const int64_t c = c0 + 4 * tx;
+    if (c < cols) {  // c + 3 < cols: cols is a multiple of 16
+      const __nv_bfloat162 a = __floats2bfloat162_rn(tile[4 * tx][pl], tile[4 * tx + 1][pl]);
+      const __nv_bfloat162 b = __floats2bfloat162_rn(tile[4 * tx + 2][pl], tile[4 * tx + 3][pl]);
+      uint2 v;
+      v.x = *reinterpret_cast<const uint32_t*>(&a);
+      v.y = *reinterpret_cast<const uint32_t*>(&b);
+      *reinterpret_cast<uint2*>(out + p * cols + c) = v;
+    }
+  }
+}
+
+// counts[e] = padded_offsets[e + 1] - padded_offsets[e]: the bf16 weight gradient over the padded
+// token layout of the columnwise copies.
+__global__ void padded_counts_kernel(const int64_t* __restrict__ padded_offsets, int E,
+                                     int64_t* __restrict__ counts) {
+  const int e = blockIdx.x * blockDim.x + threadIdx.x;
+  if (e < E) counts[e] = padded_offsets[e + 1] - padded_offsets[e];
+}
+
+void launch_mx_dequant_rows(const TensorView& data, const TensorView& scale, int64_t rows,
+                            int64_t cols, bool e5m2, void* out, int sms, cudaStream_t stream) {
+  const int64_t total = rows * (cols / 16);
+  if (total == 0) return;
+  const int64_t blocks = std::min<int64_t>((total + kDequantThreads - 1) / kDequantThreads,
+                                           int64_t{16} * sms);
+  mx_dequant_rows_kernel<<<static_cast<unsigned>(blocks), kDequantThreads, 0, stream>>>(
+      static_cast<const uint8_t*>(data.data), static_cast<const uint8_t*>(scale.data), rows, cols,
+      ceil_div(cols, kMxBlock), e5m2, static_cast<__nv_bfloat16*>(out));
+  GMOE_CUDA_CHECK(cudaGetLastError());
+}
+
+void launch_mx_dequant_transpose(const TensorView& data_t, const TensorView& scale_t, int64_t cols,
+                                 int64_t padded, bool e5m2, void* out, cudaStream_t stream) {
+  if (cols == 0 || padded == 0) return;
+  GMOE_CHECK(ceil_div(cols, kTile) <= 65535, "mxfp8 dequantization: ", cols,
+             " columns exceed the grid's y extent");
+  const dim3 grid(static_cast<unsigned>(padded / kTile),
+                  static_cast<unsigned>(ceil_div(cols, kTile)));
+  mx_dequant_transpose_kernel<<<grid, 256, 0, stream>>>(
+      static_cast<const uint8_t*>(data_t.data), static_cast<const uint8_t*>(scale_t.data), cols,
+      padded, e5m2, static_cast<__nv_bfloat16*>(out));
+  GMOE_CUDA_CHECK(cudaGetLastError());
+}
+
+// A bf16 buffer of `shape` from the allocator, and its view.
+struct Bf16Scratch {
+  Buffer buffer;
+  TensorView view;
+  Bf16Scratch(Allocator& alloc, Stream stream, Device device,
+              std::initializer_list<int64_t> shape) {
+    int64_t n = 1;
+    for (int64_t s : shape) n *= s;
+    buffer = Buffer(alloc, static_cast<std::size_t>(n) * 2, stream);
+    view = TensorView(buffer.data(), DType::bf16, device, shape);
+  }
+};
+
+}  // namespace
+
+void fp8_grouped_gemm_fprop(const Fp8Grouped& x, const Fp8Weights& w, const TensorView& counts,
+                            const TensorView& y, Stream stream, Allocator& alloc) {
+  check_grouped_cuda(x, false, "x");
+  check_weights_cuda(w, false, "w");
+  check_dim16(x.cols, "x", "K (columns)");
+  check_dim16(w.rows, "w", "N (rows)");
+  check_out_rows_cuda(y, "y");
+  check_experts_count(counts.size(0));
+  if (x.recipe != Fp8Recipe::mxfp8) {
+    rows_pass(GemmPass::fprop, x, w.data, w.scale_inv, counts, y, stream, alloc);
+    return;
+  }
+  DeviceGuard guard(x.data.device.index);
+  const int sms = sm_count(x.data.device.index);
+  const Device dev = x.data.device;
+  Bf16Scratch xb(alloc, stream, dev, {x.capacity, x.cols});
+  Bf16Scratch wb(alloc, stream, dev, {w.experts, w.rows, w.cols});
+  launch_mx_dequant_rows(x.data, x.scale_inv, x.capacity, x.cols, x.format == DType::e5m2,
+                         xb.buffer.data(), sms, stream);
+  launch_mx_dequant_rows(w.data, w.scale_inv, w.experts * w.rows, w.cols,
+                         w.format == DType::e5m2, wb.buffer.data(), sms, stream);
+  cuda_backend::grouped_gemm_fprop(xb.view, ExpertWeights::from_stacked(wb.view), counts, y,
+                                   stream, alloc);
+}
+
+void fp8_grouped_gemm_dgrad(const Fp8Grouped& dy, const Fp8Weights& w, const TensorView& counts,
+                            const TensorView& dx, Stream stream, Allocator& alloc) {
+  check_grouped_cuda(dy, false, "dy");
+  check_weights_cuda(w, true, "w");
+  check_dim16(dy.cols, "dy", "N (columns)");
+  check_dim16(w.cols, "w", "K (columns)");
+  check_out_rows_cuda(dx, "dx");
+  check_experts_count(counts.size(0));
+  if (dy.recipe != Fp8Recipe::mxfp8) {
+    // dx = dy · W_e = dy · (W_eᵀ)ᵀ: the fprop GEMM with B = data_t [E, K, N].
+    rows_pass(GemmPass::dgrad, dy, w.data_t, w.scale_inv_t, counts, dx, stream, alloc);
+    return;
+  }
+  DeviceGuard guard(dy.data.device.index);
+  const int sms = sm_count(dy.data.device.index);
+  const Device dev = dy.data.device;
+  Bf16Scratch dyb(alloc, stream, dev, {dy.capacity, dy.cols});
+  Bf16Scratch wtb(alloc, stream, dev, {w.experts, w.cols, w.rows});  // W_eᵀ [K, N]
+  launch_mx_dequant_rows(dy.data, dy.scale_inv, dy.capacity, dy.cols, dy.format == DType::e5m2,
+                         dyb.buffer.data(), sms, stream);
+  launch_mx_dequant_rows(w.data_t, w.scale_inv_t, w.experts * w.cols, w.rows,
+                         w.format == DType::e5m2, wtb.buffer.data(), sms, stream);
+  cuda_backend::grouped_gemm_fprop(dyb.view, ExpertWeights::from_stacked(wtb.view), counts, dx,
+                                   stream, alloc);
+}
+
+void fp8_grouped_gemm_wgrad(const Fp8Grouped& dy, const Fp8Grouped& x, const TensorView& counts,
+                            const ExpertWeights& dw, const WgradOptions& options, Stream stream,
+                            Allocator& alloc) {
+  check_grouped_cuda(dy, true, "dy");
+  check_grouped_cuda(x, true, "x");
+  check_dim16(dy.cols, "dy", "N (columns)");
+  check_dim16(x.cols, "x", "K (columns)");
+  check_dw_cuda(dw, "dw");
+  check_experts_count(counts.size(0));
+  if (options.expert_mask.defined()) {
+    check_aligned(options.expert_mask.data, 4, "options.expert_mask");
+  }
+  const int64_t E = counts.size(0);
+  const int64_t pc = dy.padded_capacity;
+  DeviceGuard guard(dy.data_t.device.index);
+
+  if (dy.recipe == Fp8Recipe::mxfp8) {
+    const Device dev = dy.data_t.device;
+    Bf16Scratch dyb(alloc, stream, dev, {pc, dy.cols});
+    Bf16Scratch xb(alloc, stream, dev, {pc, x.cols});
+    Buffer padded_counts(alloc, static_cast<std::size_t>(E) * sizeof(int64_t), stream);
+    launch_mx_dequant_transpose(dy.data_t, dy.scale_inv_t, dy.cols, pc, dy.format == DType::e5m2,
+                                dyb.buffer.data(), stream);
+    launch_mx_dequant_transpose(x.data_t, x.scale_inv_t, x.cols, pc, x.format == DType::e5m2,
+                                xb.buffer.data(), stream);
+    // dy's padded offsets locate the tokens of both copies (the edge checked equal capacities;
+    // both were quantized with the same counts).
+    padded_counts_kernel<<<static_cast<unsigned>(ceil_div(E, 256)), 256, 0, stream>>>(
+        static_cast<const int64_t*>(dy.padded_offsets.data), static_cast<int>(E),
+        static_cast<int64_t*>(padded_counts.data()));
+    GMOE_CUDA_CHECK(cudaGetLastError());
+    const TensorView pcounts(padded_counts.data(), DType::i64, dev, {E});
+    cuda_backend::grouped_gemm_wgrad(dyb.view, xb.view, pcounts, dw, options, stream, alloc);
+    return;
+  }
+
+  Fp8Plan plan;
+  plan.scaling = scaling_of(dy.recipe);
+  plan.ops = Fp8Operands::wgrad;
+  plan.out = dw.dtype();
+  plan.prep = common_prepare(GemmPass::wgrad, counts, dy.capacity);
+  plan.prep.gemm_m = static_cast<int32_t>(dy.cols);  // N
+  plan.prep.gemm_n = static_cast<int32_t>(x.cols);   // K
+  plan.prep.rows_a = {dy.data_t.data, pc, 1, static_cast<const int64_t*>(dy.padded_offsets.data),
+                      pc};
+  plan.prep.rows_b = {x.data_t.data, pc, 1, static_cast<const int64_t*>(x.padded_offsets.data), pc};
+  plan.prep.expert_stacked = dw.is_stacked();
+  if (dw.is_stacked()) {
+    plan.prep.expert = {dw.stacked.data, dw.stacked.stride(0), dw.stacked.stride(1),
+                        static_cast<int32_t>(dtype_size(dw.dtype()))};
+  }
+  plan.prep.mask = static_cast<const int32_t*>(options.expert_mask.data);
+  plan.prep.accumulate = options.accumulate;
+  if (plan.scaling == Fp8Scaling::blockwise) {
+    plan.prep.scale_a = {static_cast<const float*>(dy.scale_inv_t.data), ScaleStart::columns, 0, 0};
+    plan.prep.scale_b = {static_cast<const float*>(x.scale_inv_t.data), ScaleStart::columns, 0, 0};
+    plan.sfa_ld = static_cast<int32_t>(pc / kFp8Block);
+    plan.sfb_ld = static_cast<int32_t>(pc / kFp8Block);
+  } else {
+    plan.prep.alpha_a = static_cast<const float*>(dy.scale_inv_t.data);
+    plan.prep.alpha_b = static_cast<const float*>(x.scale_inv_t.data);
+  }
+  plan.run_gemm = dy.capacity > 0 && dy.cols > 0 && x.cols > 0;
+  plan.beta = options.accumulate ? 1.0f : 0.0f;
+  plan.dw = &dw;
+  plan.dw_rows = dy.cols;
+  plan.dw_row_bytes = x.cols * static_cast<int64_t>(dtype_size(dw.dtype()));
+  execute(plan, stream, alloc);
+}
+
+}  // namespace gmoe::cuda_backend

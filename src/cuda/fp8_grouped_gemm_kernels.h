@@ -1,0 +1,66 @@
+// src/cuda/fp8_grouped_gemm_kernels.h — what the FP8 grouped GEMM dispatcher knows about its
+// CUTLASS instantiations, without including CUTLASS.
+//
+// Every FP8 GEMM is "TN" on sm_90a: wgmma takes FP8 operands only K-major, which is why the FP8
+// format carries transposed copies (Fp8Weights::data_t for dgrad, Fp8Grouped::data_t for wgrad).
+// So all three passes are one GEMM shape D[M,N] = A[M,K]·B[N,K]ᵀ with both operands K-major:
+//   fprop  A = x.data      [rows, K]        B = w.data   [E][N, K]   D = y  [rows, N]
+//   dgrad  A = dy.data     [rows, N]        B = w.data_t [E][K, N]   D = dx [rows, K]
+//   wgrad  A = dy.data_t   [N, tokens]      B = x.data_t [K, tokens] D = dW_e [N, K]
+// fprop and dgrad are the same kernel ("rows": M is each expert's row count); wgrad differs in its
+// scale granularity (1x128 token blocks on both operands) and its output (f32 main_grad with an
+// optional source operand, or bf16).
+//
+// Instantiations (one sm90_fp8_*.cu file each; e4m3 x e4m3 only):
+//   blockwise  rows        bf16 out    A scales 1x128, B scales 128x128
+//   blockwise  wgrad       f32 out     A and B scales 1x128 along tokens, C = D for accumulate
+//   blockwise  wgrad       bf16 out
+//   tensorwise rows        bf16 out    per-expert alpha (also serves wgrad to bf16)
+//   tensorwise wgrad       f32 out     per-expert alpha, C = D for accumulate
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "cuda/grouped_gemm_kernels.h"
+#include "gmoe/dtype.h"
+
+namespace gmoe::cuda_backend {
+
+/// How the FP8 operands are scaled inside the GEMM.
+enum class Fp8Scaling {
+  blockwise,  ///< scales per 1x128 / 128x128 block, applied to the fp32 partial sums of every
+              ///< 128-long k-tile (CUTLASS's FP8 blockwise mainloop)
+  tensorwise  ///< one scale per expert and operand: alpha_e = sa[e]·sb[e] in the epilogue
+};
+
+/// Which operand shapes (see the file comment).
+enum class Fp8Operands {
+  rows,  ///< fprop/dgrad: A = grouped rows (M = count_e), B = expert weights
+  wgrad  ///< A, B = columnwise (transposed) grouped rows (K = count_e), D = dW_e
+};
+
+/// Everything one launch reads: the plain grouped GEMM arrays plus the FP8 scale arrays.
+struct Fp8GemmLaunch {
+  GroupedGemmLaunch gemm;  ///< shapes, pointers, strides, beta, workspace (alpha unused)
+  /// blockwise: per-group pointers to the first scale of A and B, and the scale matrices' row
+  /// strides (elements; the same for every group of one launch).
+  const float* const* ptr_sfa = nullptr;
+  const float* const* ptr_sfb = nullptr;
+  int32_t sfa_ld = 0, sfb_ld = 0;
+  /// tensorwise: per-group pointers to alpha_e (device), read by the epilogue.
+  const float* const* alpha_ptrs = nullptr;
+};
+
+/// One compiled FP8 grouped GEMM (explicit instantiations in sm90_fp8_*.cu only).
+template <Fp8Scaling S, Fp8Operands Ops, DType Out>
+struct Fp8GroupedGemmKernel {
+  /// Bytes of CUTLASS workspace for a persistent grid of sm_count CTAs.
+  static std::size_t workspace_bytes(int sm_count);
+  /// can_implement, initialize, run on `stream`; throws gmoe::Error on any failure.
+  static void run(const Fp8GemmLaunch& launch, cudaStream_t stream);
+};
+
+}  // namespace gmoe::cuda_backend

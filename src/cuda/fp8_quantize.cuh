@@ -1,0 +1,546 @@
+// src/cuda/fp8_quantize.cuh — the FP8 quantization tile kernel (grouped rows and expert weights),
+// the tensorwise amax kernel, and their parameters. Instantiated in fp8_quantize_grouped.cu and
+// fp8_quantize_weights.cu.
+//
+// One CTA (256 threads) quantizes one 128 x 128 tile of the source:
+//   grouped rows: blockIdx.x walks the per-expert PADDED 128-row tiles (expert e owns padded rows
+//     [padded[e], padded[e+1]), a multiple of 128), so a tile never spans two experts; the CTA
+//     finds its expert by binary search in the device offsets. Tiles past padded[E] ("tail"
+//     tiles) zero the rows past the real total and the unused columns of data_t.
+//   weights: blockIdx.x = e * ceil(N/128) + n-tile.
+//   blockIdx.y is the 128-column tile.
+// Phases: (1) 16-byte loads of the tile into registers (rows past the expert's count and
+// columns past `cols` read as 0) and into shared memory (16-byte granules XOR-swizzled by
+// (row / 16) % 8); (2) rowwise: amax of each 1x128 (1x32 for mxfp8) block by warp shuffles
+// over the lanes that hold the row, quantize from registers, store; (3) columnwise: each lane
+// reads one 4-byte word (2 bf16/f16 columns, or 1 f32 column) of 16 consecutive rows — the
+// swizzle makes these reads conflict-free — takes the 128x1 (32x1) amax by shuffles over the 8
+// lanes holding one column's 128 tokens, and stores 16 fp8 bytes of the transposed row: 8 lanes
+// write one 128-byte segment of data_t (coalesced).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "common/fp8_rules.h"
+#include "cuda/group_offsets.cuh"
+#include "gmoe/fp8.h"
+
+namespace gmoe::cuda_backend::fp8 {
+
+constexpr int kTile = 128;     // rows and columns of a CTA's tile
+constexpr int kThreads = 256;  // 8 warps
+constexpr int kWarps = kThreads / 32;
+
+/// Everything a quantization launch reads. Element strides are in source elements.
+struct QuantParams {
+  // Source
+  const void* src = nullptr;               // grouped: x; weights stacked: expert 0
+  int64_t src_ld = 0;                      // row stride
+  int64_t src_expert_stride = 0;           // weights stacked: elements between experts
+  const void* const* src_ptrs = nullptr;   // weights list: [E] device array, or nullptr
+  const int64_t* src_lds = nullptr;        // weights list: [E] row strides
+  int64_t rows = 0;                        // grouped: capacity; weights: N
+  int64_t cols = 0;                        // grouped: cols; weights: K
+  int num_experts = 0;
+  int64_t row_tiles = 0;                   // weights: ceil(N / 128)
+  // Grouped rows: device offsets [E+1] (real and padded)
+  const int64_t* offsets = nullptr;
+  const int64_t* padded = nullptr;
+  // Outputs (nullptr: not asked for)
+  uint8_t* data = nullptr;                 // rowwise [rows(, E), cols]
+  void* scale = nullptr;                   // rowwise scales (or tensorwise [E])
+  int64_t scale_ld = 0;                    // elements per row of `scale`
+  uint8_t* data_t = nullptr;               // columnwise
+  int64_t data_t_ld = 0;                   // bytes per row of data_t (padded_capacity, or N)
+  void* scale_t = nullptr;                 // columnwise scales (tensorwise: a second [E] array)
+  int64_t scale_t_ld = 0;
+  const uint32_t* amax_bits = nullptr;     // tensorwise: [E] amax as f32 bits
+  // Rule
+  float fp8_max = 448.0f;
+  int emax = 8;
+  bool e5m2 = false;
+  bool pow2 = false;
+  // Vector paths (checked on the host): 16-byte source loads and 4/8-byte data stores;
+  // 16-byte data_t stores.
+  bool vec = false;
+  bool vec_t = false;
+};
+
+__device__ __forceinline__ int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+__device__ __forceinline__ int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+
+// ---------------------------------------------------------------------------------------------
+// Element types
+
+template <typename T>
+struct Elem;
+template <>
+struct Elem<__nv_bfloat16> {
+  static constexpr int kPerWord = 2;
+  __device__ static float2 word(uint32_t w) {
+    __nv_bfloat162 h;
+    memcpy(&h, &w, 4);
+    return __bfloat1622float2(h);
+  }
+  __device__ static float one(const void* p, int64_t i) {
+    return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
+  }
+};
+template <>
+struct Elem<__half> {
+  static constexpr int kPerWord = 2;
+  __device__ static float2 word(uint32_t w) {
+    __half2 h;
+    memcpy(&h, &w, 4);
+    return __half22float2(h);
+  }
+  __device__ static float one(const void* p, int64_t i) {
+    return __half2float(static_cast<const __half*>(p)[i]);
+  }
+};
+template <>
+struct Elem<float> {
+  static constexpr int kPerWord = 1;
+  __device__ static float2 word(uint32_t w) { return make_float2(__uint_as_float(w), 0.0f); }
+  __device__ static float one(const void* p, int64_t i) { return static_cast<const float*>(p)[i]; }
+};
+
+/// The 4 words of a 16-byte granule as floats: out[0 .. 16/sizeof(T)).
+template <typename T>
+__device__ __forceinline__ void granule_to_float(const uint4& g, float* out) {
+  const uint32_t w[4] = {g.x, g.y, g.z, g.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = Elem<T>::word(w[i]);
+    out[i * Elem<T>::kPerWord] = f.x;
+    if constexpr (Elem<T>::kPerWord == 2) out[i * 2 + 1] = f.y;
+  }
+}
+
+/// Two f32 -> two fp8 bytes (low byte = a), RN-even, saturating, NaN -> 0x7F.
+__device__ __forceinline__ uint32_t cvt_pair(float a, float b, bool e5m2) {
+  const __nv_fp8x2_storage_t s =
+      __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, e5m2 ? __NV_E5M2 : __NV_E4M3);
+  return static_cast<uint32_t>(s);
+}
+
+/// The scale of a block: the quantization multiplier and what is stored.
+struct BlockScale {
+  float mult;
+  float inv;
+  uint8_t e8m0;
+};
+
+template <Fp8Recipe R>
+__device__ __forceinline__ BlockScale block_scale(float amax, const QuantParams& p) {
+  BlockScale s;
+  if (R == Fp8Recipe::mxfp8) {
+    s.e8m0 = fp8_rules::e8m0_from_amax(amax, p.emax);
+    s.mult = fp8_rules::e8m0_quant_multiplier(s.e8m0);
+    s.inv = 0.0f;
+  } else {
+    s.mult = fp8_rules::scale_from_amax(amax, p.fp8_max, p.pow2);
+    s.inv = fp8_rules::scale_inv_from_scale(s.mult);
+    s.e8m0 = 0;
+  }
+  return s;
+}
+
+template <Fp8Recipe R>
+__device__ __forceinline__ void store_scale(void* base, int64_t i, const BlockScale& s) {
+  if (R == Fp8Recipe::mxfp8) {
+    static_cast<uint8_t*>(base)[i] = s.e8m0;
+  } else {
+    static_cast<float*>(base)[i] = s.inv;
+  }
+}
+template <Fp8Recipe R>
+__device__ __forceinline__ void store_scale_one(void* base, int64_t i) {
+  if (R == Fp8Recipe::mxfp8) {
+    static_cast<uint8_t*>(base)[i] = fp8_rules::kE8m0One;
+  } else {
+    static_cast<float*>(base)[i] = 1.0f;
+  }
+}
+
+__device__ __forceinline__ float warp_max_xor(float v, int lanes) {
+  // Max over aligned groups of `lanes` lanes (a power of two <= 32); every lane calls it.
+  for (int d = 1; d < lanes; d <<= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, d));
+  return v;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tile geometry
+
+struct Tile {
+  int e = 0;                    // expert
+  const char* src = nullptr;    // source row 0 of the tile (bytes)
+  int64_t src_ld_bytes = 0;
+  int nrows = 0;                // valid source rows (0: a tail tile or nothing to do)
+  int64_t out_row0 = 0;         // rowwise output row of tile row 0 (index into data / scale)
+  int64_t out_col_row0 = 0;     // columnwise: data_t row of tile column 0 (minus col0)
+  int64_t tok0 = 0;             // columnwise: first token (byte column of data_t) of the tile
+  int tokens = 0;               // columnwise: tokens stored (grouped: 128, padding as zeros)
+  int64_t tile_index = 0;       // grouped: padded tile index (= tok0 / 128)
+  bool tail = false;            // grouped: past padded[E]
+  int64_t tail_row0 = 0;        // grouped tail: first rowwise row to zero
+};
+
+template <typename T>
+__device__ __forceinline__ Tile grouped_tile(const QuantParams& p, int64_t t) {
+  Tile g;
+  const int E = p.num_experts;
+  const int64_t row_pad = t * kTile;
+  const int64_t padded_end = p.padded[E];
+  g.tile_index = t;
+  g.tok0 = row_pad;
+  g.tokens = kTile;
+  g.out_col_row0 = 0;
+  if (row_pad >= padded_end) {
+    g.tail = true;
+    g.tail_row0 = p.offsets[E] + (row_pad - padded_end);
+    return g;
+  }
+  const int e = find_group(p.padded, E, row_pad);
+  const int64_t r0 = p.offsets[e] + (row_pad - p.padded[e]);
+  g.e = e;
+  g.nrows = static_cast<int>(min64(kTile, p.offsets[e + 1] - r0));
+  g.src = static_cast<const char*>(p.src) + r0 * p.src_ld * static_cast<int64_t>(sizeof(T));
+  g.src_ld_bytes = p.src_ld * static_cast<int64_t>(sizeof(T));
+  g.out_row0 = r0;
+  return g;
+}
+
+template <typename T>
+__device__ __forceinline__ Tile weights_tile(const QuantParams& p, int64_t x) {
+  Tile g;
+  const int e = static_cast<int>(x / p.row_tiles);
+  const int64_t nb = x % p.row_tiles;
+  const int64_t n0 = nb * kTile;
+  const char* base;
+  int64_t ld;
+  if (p.src_ptrs != nullptr) {
+    base = static_cast<const char*>(p.src_ptrs[e]);
+    ld = p.src_lds[e];
+  } else {
+    base = static_cast<const char*>(p.src) + e * p.src_expert_stride * static_cast<int64_t>(sizeof(T));
+    ld = p.src_ld;
+  }
+  g.e = e;
+  g.nrows = static_cast<int>(min64(kTile, p.rows - n0));
+  g.src = base + n0 * ld * static_cast<int64_t>(sizeof(T));
+  g.src_ld_bytes = ld * static_cast<int64_t>(sizeof(T));
+  g.out_row0 = static_cast<int64_t>(e) * p.rows + n0;
+  g.out_col_row0 = static_cast<int64_t>(e) * p.cols;
+  g.tok0 = n0;
+  g.tokens = g.nrows;
+  g.tile_index = nb;
+  return g;
+}
+
+/// The 16-byte granule of source row i at tile columns [v*V, v*V + V) (V = 16 / sizeof(T)),
+/// zeros where rows or columns are past the tile's valid extent.
+template <typename T>
+__device__ __forceinline__ uint4 load_granule(const QuantParams& p, const Tile& g, int i, int v,
+                                              int ncols, int64_t col0) {
+  constexpr int V = 16 / sizeof(T);
+  uint4 r = make_uint4(0, 0, 0, 0);
+  if (i >= g.nrows || v * V >= ncols) return r;
+  const char* row = g.src + i * g.src_ld_bytes;
+  if (p.vec) {
+    return __ldg(reinterpret_cast<const uint4*>(row + (col0 + v * V) * static_cast<int64_t>(sizeof(T))));
+  }
+  T tmp[V];
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    tmp[j] = v * V + j < ncols ? reinterpret_cast<const T*>(row)[col0 + v * V + j] : T(0.0f);
+  }
+  memcpy(&r, tmp, 16);
+  return r;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The tile kernel
+
+/// Zeroes what a grouped tail tile owns: rowwise rows [tail_row0, tail_row0 + 128) ∩ [0, rows)
+/// and data_t columns [tok0, tok0 + 128), for the tile's columns; their scales become 1.
+template <Fp8Recipe R>
+__device__ void zero_tail(const QuantParams& p, const Tile& g, int64_t col0, int ncols) {
+  const int tid = threadIdx.x;
+  if (p.data != nullptr) {
+    const int64_t row_end = min64(g.tail_row0 + kTile, p.rows);
+    const int nr = static_cast<int>(max64(0, row_end - g.tail_row0));
+    if (p.vec) {  // ncols is a multiple of 16, rows start 16-byte aligned
+      const int per_row = ncols / 16;
+      for (int idx = tid; idx < nr * per_row; idx += kThreads) {
+        const int64_t r = g.tail_row0 + idx / per_row;
+        *reinterpret_cast<uint4*>(p.data + r * p.cols + col0 + (idx % per_row) * 16) = make_uint4(0, 0, 0, 0);
+      }
+    } else {
+      for (int idx = tid; idx < nr * ncols; idx += kThreads) {
+        const int64_t r = g.tail_row0 + idx / ncols;
+        p.data[r * p.cols + col0 + idx % ncols] = 0;
+      }
+    }
+    if (R != Fp8Recipe::tensorwise) {
+      const int per_row = R == Fp8Recipe::mxfp8 ? (ncols + 31) / 32 : (ncols > 0 ? 1 : 0);
+      const int64_t first = R == Fp8Recipe::mxfp8 ? col0 / 32 : col0 / kTile;
+      for (int idx = tid; idx < nr * per_row; idx += kThreads) {
+        const int64_t r = g.tail_row0 + idx / per_row;
+        store_scale_one<R>(p.scale, r * p.scale_ld + first + idx % per_row);
+      }
+    }
+  }
+  if (p.data_t != nullptr) {
+    // 128 bytes per column (tok0 is a multiple of 128; data_t_ld too).
+    for (int idx = tid; idx < ncols * 8; idx += kThreads) {
+      uint8_t* d = p.data_t + (col0 + idx / 8) * p.data_t_ld + g.tok0 + (idx % 8) * 16;
+      if (p.vec_t) {
+        *reinterpret_cast<uint4*>(d) = make_uint4(0, 0, 0, 0);
+      } else {
+#pragma unroll
+        for (int j = 0; j < 16; ++j) d[j] = 0;
+      }
+    }
+    if (R != Fp8Recipe::tensorwise) {
+      const int per_col = R == Fp8Recipe::mxfp8 ? 4 : 1;
+      const int64_t first = R == Fp8Recipe::mxfp8 ? g.tok0 / 32 : g.tile_index;
+      for (int idx = tid; idx < ncols * per_col; idx += kThreads) {
+        store_scale_one<R>(p.scale_t, (col0 + idx / per_col) * p.scale_t_ld + first + idx % per_col);
+      }
+    }
+  }
+}
+
+/// Quantizes one tile. kWeights: expert weights (blockwise = one 128x128 block per tile) instead
+/// of grouped rows (blockwise = 1x128 and 128x1 blocks).
+template <typename T, Fp8Recipe R, bool kWeights>
+__global__ void __launch_bounds__(kThreads)
+    quantize_tile_kernel(const QuantParams p) {
+  extern __shared__ uint4 smem_tile[];  // [128][NV] granules, swizzled; only when columnwise
+  __shared__ float warp_amax[kWarps];
+  constexpr int V = 16 / sizeof(T);          // elements per granule
+  constexpr int NV = kTile / V;              // granules per tile row (16 or 32)
+  constexpr int kIters = kTile * NV / kThreads;
+  constexpr int kWordCols = Elem<T>::kPerWord;  // columns per 4-byte word
+  constexpr int kLanesPerRow = NV;              // lanes sharing one row in the rowwise phase
+
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  const int64_t col0 = static_cast<int64_t>(blockIdx.y) * kTile;
+  const int ncols = static_cast<int>(max64(0, min64(kTile, p.cols - col0)));
+
+  // Tensorwise: one CTA writes every expert's scale (also for experts without a tile).
+  if (R == Fp8Recipe::tensorwise && blockIdx.x == 0 && blockIdx.y == 0) {
+    for (int e = tid; e < p.num_experts; e += kThreads) {
+      const BlockScale s = block_scale<R>(__uint_as_float(p.amax_bits[e]), p);
+      if (p.scale != nullptr) static_cast<float*>(p.scale)[e] = s.inv;
+      if (p.scale_t != nullptr) static_cast<float*>(p.scale_t)[e] = s.inv;
+    }
+  }
+
+  const Tile g = kWeights ? weights_tile<T>(p, blockIdx.x) : grouped_tile<T>(p, blockIdx.x);
+  if (!kWeights && g.tail) {
+    zero_tail<R>(p, g, col0, ncols);
+    return;
+  }
+  if (ncols == 0 || g.nrows <= 0) return;  // empty matrices (CTA-uniform)
+  const bool do_cols = p.data_t != nullptr;
+
+  // (1) Load.
+  uint4 raw[kIters];
+#pragma unroll
+  for (int it = 0; it < kIters; ++it) {
+    const int idx = it * kThreads + tid;
+    raw[it] = load_granule<T>(p, g, idx / NV, idx % NV, ncols, col0);
+  }
+  if (do_cols) {
+#pragma unroll
+    for (int it = 0; it < kIters; ++it) {
+      const int idx = it * kThreads + tid;
+      const int i = idx / NV, v = idx % NV;
+      smem_tile[i * NV + (v ^ ((i >> 4) & 7))] = raw[it];
+    }
+  }
+
+  float tensor_amax = 0.0f;  // tensorwise: the expert's; weights blockwise: the tile's
+  if (R == Fp8Recipe::tensorwise) {
+    tensor_amax = __uint_as_float(p.amax_bits[g.e]);
+  } else if (R == Fp8Recipe::blockwise && kWeights) {
+    float m = 0.0f;
+#pragma unroll
+    for (int it = 0; it < kIters; ++it) {
+      float f[V];
+      granule_to_float<T>(raw[it], f);
+#pragma unroll
+      for (int j = 0; j < V; ++j) m = fmaxf(m, fp8_rules::finite_abs(f[j]));
+    }
+    m = warp_max_xor(m, 32);
+    if (lane == 0) warp_amax[warp] = m;
+  }
+  __syncthreads();
+  if (R == Fp8Recipe::blockwise && kWeights) {
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) tensor_amax = fmaxf(tensor_amax, warp_amax[w]);
+  }
+  // One scale for the whole tile (tensorwise, weights blockwise).
+  const BlockScale tile_scale = block_scale<R>(tensor_amax, p);
+  if (R == Fp8Recipe::blockwise && kWeights && tid == 0) {
+    const int64_t nbk = (p.cols + kTile - 1) / kTile;
+    const int64_t nb = g.tile_index, kb = blockIdx.y;
+    if (p.scale != nullptr) store_scale<R>(p.scale, (g.e * p.row_tiles + nb) * nbk + kb, tile_scale);
+    if (p.scale_t != nullptr) store_scale<R>(p.scale_t, (g.e * nbk + kb) * p.row_tiles + nb, tile_scale);
+  }
+
+  // (2) Rowwise.
+  if (p.data != nullptr) {
+#pragma unroll
+    for (int it = 0; it < kIters; ++it) {
+      const int idx = it * kThreads + tid;
+      const int i = idx / NV, v = idx % NV;
+      float f[V];
+      granule_to_float<T>(raw[it], f);
+      BlockScale s = tile_scale;
+      if (R == Fp8Recipe::blockwise && !kWeights) {
+        float m = 0.0f;
+#pragma unroll
+        for (int j = 0; j < V; ++j) m = fmaxf(m, fp8_rules::finite_abs(f[j]));
+        m = warp_max_xor(m, kLanesPerRow);
+        s = block_scale<R>(m, p);
+      } else if (R == Fp8Recipe::mxfp8) {
+        float m = 0.0f;
+#pragma unroll
+        for (int j = 0; j < V; ++j) m = fmaxf(m, fp8_rules::finite_abs(f[j]));
+        m = warp_max_xor(m, 32 / V);
+        s = block_scale<R>(m, p);
+      }
+      const bool valid = i < g.nrows && v * V < ncols;
+      if (!valid) continue;
+      const int64_t orow = g.out_row0 + i;
+      uint8_t* out = p.data + orow * p.cols + col0 + v * V;
+      uint32_t packed[V / 4];
+#pragma unroll
+      for (int j = 0; j < V; j += 4) {
+        const uint32_t lo = cvt_pair(__fmul_rn(f[j], s.mult), __fmul_rn(f[j + 1], s.mult), p.e5m2);
+        const uint32_t hi = cvt_pair(__fmul_rn(f[j + 2], s.mult), __fmul_rn(f[j + 3], s.mult), p.e5m2);
+        packed[j / 4] = lo | (hi << 16);
+      }
+      if (p.vec) {
+        if constexpr (V == 8) {
+          *reinterpret_cast<uint2*>(out) = make_uint2(packed[0], packed[1]);
+        } else {
+          *reinterpret_cast<uint32_t*>(out) = packed[0];
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+          if (v * V + j < ncols) out[j] = static_cast<uint8_t>(packed[j / 4] >> (8 * (j % 4)));
+        }
+      }
+      if (R == Fp8Recipe::blockwise && !kWeights && v == 0) {
+        store_scale<R>(p.scale, orow * p.scale_ld + blockIdx.y, s);
+      } else if (R == Fp8Recipe::mxfp8 && (v % (32 / V)) == 0) {
+        store_scale<R>(p.scale, orow * p.scale_ld + (col0 + v * V) / 32, s);
+      }
+    }
+  }
+
+  // (3) Columnwise.
+  if (!do_cols) return;
+  const int k = lane & 7;        // token chunk: tokens [16k, 16k + 16)
+  const int wsub = lane >> 3;    // word within the granule
+  const uint32_t* tile_words = reinterpret_cast<const uint32_t*>(smem_tile);
+  for (int m = warp; m < NV; m += kWarps) {
+    // Words of granule m: columns [m*V + wsub*kWordCols, + kWordCols).
+    float f[kWordCols][16];
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      const int row = 16 * k + j;  // (row >> 4) & 7 == k
+      const float2 w = Elem<T>::word(tile_words[(row * NV + (m ^ k)) * 4 + wsub]);
+      f[0][j] = w.x;
+      if constexpr (kWordCols == 2) f[1][j] = w.y;
+    }
+#pragma unroll
+    for (int wc = 0; wc < kWordCols; ++wc) {
+      const int c = m * V + wsub * kWordCols + wc;  // tile column
+      BlockScale s = tile_scale;
+      if (R != Fp8Recipe::tensorwise && !(R == Fp8Recipe::blockwise && kWeights)) {
+        float a = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 16; ++j) a = fmaxf(a, fp8_rules::finite_abs(f[wc][j]));
+        a = warp_max_xor(a, R == Fp8Recipe::mxfp8 ? 2 : 8);
+        s = block_scale<R>(a, p);
+      }
+      if (c >= ncols) continue;
+      const int64_t orow = g.out_col_row0 + col0 + c;  // data_t row
+      uint32_t packed[4];
+#pragma unroll
+      for (int j = 0; j < 16; j += 4) {
+        const uint32_t lo = cvt_pair(__fmul_rn(f[wc][j], s.mult), __fmul_rn(f[wc][j + 1], s.mult), p.e5m2);
+        const uint32_t hi = cvt_pair(__fmul_rn(f[wc][j + 2], s.mult), __fmul_rn(f[wc][j + 3], s.mult), p.e5m2);
+        packed[j / 4] = lo | (hi << 16);
+      }
+      uint8_t* out = p.data_t + orow * p.data_t_ld + g.tok0 + 16 * k;
+      if (p.vec_t && 16 * k + 16 <= g.tokens) {
+        *reinterpret_cast<uint4*>(out) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+      } else {
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+          if (16 * k + j < g.tokens) out[j] = static_cast<uint8_t>(packed[j / 4] >> (8 * (j % 4)));
+        }
+      }
+      if (R == Fp8Recipe::blockwise && !kWeights && k == 0) {
+        store_scale<R>(p.scale_t, orow * p.scale_t_ld + g.tile_index, s);
+      } else if (R == Fp8Recipe::mxfp8 && (k & 1) == 0 && 16 * k < g.tokens) {
+        store_scale<R>(p.scale_t, orow * p.scale_t_ld + (g.tok0 + 16 * k) / 32, s);
+      }
+    }
+  }
+}
+
+/// Tensorwise, pass 1: amax_bits[e] = max over expert e's elements (finite values) as f32 bits;
+/// atomicMax on the bits of non-negative floats is order-independent, so deterministic.
+/// amax_bits must be zeroed before.
+template <typename T, bool kWeights>
+__global__ void __launch_bounds__(kThreads) amax_tile_kernel(const QuantParams p, uint32_t* amax_bits) {
+  __shared__ float warp_amax[kWarps];
+  constexpr int V = 16 / sizeof(T);
+  constexpr int NV = kTile / V;
+  constexpr int kIters = kTile * NV / kThreads;
+  const int64_t col0 = static_cast<int64_t>(blockIdx.y) * kTile;
+  const int ncols = static_cast<int>(max64(0, min64(kTile, p.cols - col0)));
+  const Tile g = kWeights ? weights_tile<T>(p, blockIdx.x) : grouped_tile<T>(p, blockIdx.x);
+  if (g.tail || g.nrows == 0 || ncols == 0) return;
+  float m = 0.0f;
+#pragma unroll
+  for (int it = 0; it < kIters; ++it) {
+    const int idx = it * kThreads + threadIdx.x;
+    float f[V];
+    granule_to_float<T>(load_granule<T>(p, g, idx / NV, idx % NV, ncols, col0), f);
+#pragma unroll
+    for (int j = 0; j < V; ++j) m = fmaxf(m, fp8_rules::finite_abs(f[j]));
+  }
+  m = warp_max_xor(m, 32);
+  if ((threadIdx.x & 31) == 0) warp_amax[threadIdx.x >> 5] = m;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float t = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) t = fmaxf(t, warp_amax[w]);
+    if (t > 0.0f) atomicMax(&amax_bits[g.e], __float_as_uint(t));
+  }
+}
+
+/// Dynamic shared memory of the tile kernel: the swizzled source tile when columnwise.
+template <typename T>
+constexpr int tile_smem_bytes() {
+  return kTile * kTile * static_cast<int>(sizeof(T));
+}
+
+}  // namespace gmoe::cuda_backend::fp8

@@ -1,0 +1,540 @@
+// tests/cuda/test_fp8_gemm_cuda.cpp — the sm_90a FP8 grouped GEMM (blockwise, tensorwise, mxfp8)
+// on every named shape case, all three passes, checked twice:
+//   tight   against the exact (fp64) GEMM of the dequantized operands, decoded independently
+//           from the format (tests/common/fp8_fixture.h): only the output's rounding and the fp32
+//           accumulation of the tensor cores may separate them;
+//   recipe  against the exact GEMM of the unquantized bf16 source, within the bound that the
+//           recipe's quantization error implies.
+// Operands are quantized on the host by the CPU backend (no dependence on the CUDA quantizer).
+// Outputs are NaN-poisoned before each run; wgrad to f32 and bf16, stacked and list dW, with
+// accumulate and an expert mask; CUDA-specific bad inputs; one CUDA graph of the three passes
+// replayed under changing counts; inconsistent padded offsets are clamped and reported.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "common/fp8_fixture.h"
+#include "common/gemm_fixture.h"
+#include "common/harness.h"
+#include "cuda/cuda_test_util.h"
+#include "gmoe/error.h"
+#include "gmoe/fp8_gemm.h"
+
+namespace gmoe::test {
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// Device copies of host FP8 operands.
+
+HostTensor copy_of(const TensorView& v) {
+  std::vector<int64_t> shape(v.shape.begin(), v.shape.begin() + v.ndim);
+  HostTensor t(v.dtype, shape);
+  if (v.nbytes() > 0) std::memcpy(t.data(), v.data, static_cast<size_t>(v.nbytes()));
+  return t;
+}
+
+// Owns the device memory behind a device Fp8Grouped / Fp8Weights; upload() rewrites it in place
+// (same shapes), so a captured graph sees new operands.
+class DeviceFp8 {
+ public:
+  TensorView add(const TensorView& host) {
+    if (!host.defined()) return TensorView();
+    tensors_.push_back(std::make_unique<DeviceTensor>(copy_of(host)));
+    return tensors_.back()->view();
+  }
+  void reupload(size_t i, const TensorView& host) { tensors_[i]->upload(copy_of(host)); }
+
+ private:
+  std::vector<std::unique_ptr<DeviceTensor>> tensors_;
+};
+
+struct DeviceGrouped {
+  DeviceFp8 mem;
+  Fp8Grouped q;
+  explicit DeviceGrouped(const Fp8Grouped& h) : q(h) {
+    q.data = mem.add(h.data);
+    q.scale_inv = mem.add(h.scale_inv);
+    q.data_t = mem.add(h.data_t);
+    q.scale_inv_t = mem.add(h.scale_inv_t);
+    q.padded_offsets = mem.add(h.padded_offsets);
+  }
+  void upload(const Fp8Grouped& h) {
+    const TensorView views[] = {h.data, h.scale_inv, h.data_t, h.scale_inv_t, h.padded_offsets};
+    for (size_t i = 0; i < 5; ++i) mem.reupload(i, views[i]);
+  }
+};
+
+struct DeviceWeights {
+  DeviceFp8 mem;
+  Fp8Weights q;
+  explicit DeviceWeights(const Fp8Weights& h) : q(h) {
+    q.data = mem.add(h.data);
+    q.scale_inv = mem.add(h.scale_inv);
+    q.data_t = mem.add(h.data_t);
+    q.scale_inv_t = mem.add(h.scale_inv_t);
+  }
+  void upload(const Fp8Weights& h) {
+    const TensorView views[] = {h.data, h.scale_inv, h.data_t, h.scale_inv_t};
+    for (size_t i = 0; i < 4; ++i) mem.reupload(i, views[i]);
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+// Tolerances.
+
+// Tight: the kernel against the exact GEMM of the dequantized operands. Besides the output's
+// rounding, Hopper's FP8 tensor cores add the products of each 128-long k-block with fewer bits
+// than fp32 before the block's sum is promoted to the fp32 accumulators: allowed 2^-11 of
+// Σ|a·b| (the recipe's own error is 2^-3 of it, so a misplaced scale or block still fails).
+constexpr double kAccumulationFraction = 1.0 / 2048.0;
+
+std::vector<double> tight_bound(const ExactResult& exact, DType out) {
+  std::vector<double> b(exact.value.size());
+  for (size_t i = 0; i < b.size(); ++i) {
+    b[i] = unit_roundoff(out) * std::abs(exact.value[i]) +
+           kAccumulationFraction * exact.abs_sum[i] + 1e-30;
+  }
+  return b;
+}
+
+std::vector<double> values_of(const HostTensor& t) { return t.to_double(); }
+
+const char* recipe_str(Fp8Recipe r) { return fp8_recipe_name(r); }
+
+// ---------------------------------------------------------------------------------------------
+// The passes.
+
+void check_fprop(const ShapeCase& c, Fp8Recipe recipe, Rng& rng) {
+  const Fp8Problem p(c, recipe, rng, rng.integer(0, 1) ? DType::i32 : DType::i64);
+  DeviceGrouped x(p.x.q);
+  DeviceWeights w(p.w.q);
+  DeviceTensor counts(p.base.counts);
+  HostTensor y_h(DType::bf16, {c.capacity, c.N});
+  poison(y_h);
+  DeviceTensor y(y_h);
+  fp8_grouped_gemm_fprop(x.q, w.q, counts.view(), y.view());
+  GMOE_TEST_CUDA(cudaDeviceSynchronize());
+  check_device_errors(nullptr);
+  const std::vector<double> got = y.download().to_double();
+  const ExactResult exact = exact_fprop(p.x_rows, p.w_data, c.counts);
+  EXPECT_TRUE(within_bound(got, exact.value, tight_bound(exact, DType::bf16), "fprop tight"));
+  const double u = fp8_relative_error(recipe, p.format);
+  EXPECT_TRUE(within_bound(got, exact_fprop(p.base.x, p.base.w, c.counts).value,
+                           recipe_bound_fprop(p, u, DType::bf16), "fprop vs bf16 source"));
+}
+
+void check_dgrad(const ShapeCase& c, Fp8Recipe recipe, Rng& rng) {
+  const Fp8Problem p(c, recipe, rng, rng.integer(0, 1) ? DType::i32 : DType::i64);
+  DeviceGrouped dy(p.dy.q);
+  DeviceWeights w(p.w.q);
+  DeviceTensor counts(p.base.counts);
+  HostTensor dx_h(DType::bf16, {c.capacity, c.K});
+  poison(dx_h);
+  DeviceTensor dx(dx_h);
+  fp8_grouped_gemm_dgrad(dy.q, w.q, counts.view(), dx.view());
+  GMOE_TEST_CUDA(cudaDeviceSynchronize());
+  check_device_errors(nullptr);
+  const std::vector<double> got = dx.download().to_double();
+  const ExactResult exact = exact_dgrad(p.dy_rows, p.w_t, c.counts);
+  EXPECT_TRUE(within_bound(got, exact.value, tight_bound(exact, DType::bf16), "dgrad tight"));
+  const double u = fp8_relative_error(recipe, p.format);
+  EXPECT_TRUE(within_bound(got, exact_dgrad(p.base.dy, p.base.w, c.counts).value,
+                           recipe_bound_dgrad(p, u, DType::bf16), "dgrad vs bf16 source"));
+}
+
+void check_wgrad(const ShapeCase& c, Fp8Recipe recipe, Layout layout, Rng& rng) {
+  const Fp8Problem p(c, recipe, rng, rng.integer(0, 1) ? DType::i32 : DType::i64);
+  DeviceGrouped dy(p.dy.q), x(p.x.q);
+  DeviceTensor counts(p.base.counts);
+  const ExactResult exact = exact_wgrad(p.dy_cols, p.x_cols, c.counts, nullptr, nullptr);
+  const ExactResult source = exact_wgrad(p.base.dy, p.base.x, c.counts, nullptr, nullptr);
+  const double u = fp8_relative_error(recipe, p.format);
+  for (DType out : {DType::f32, DType::bf16}) {
+    SCOPED_TRACE(std::string("dW ") + dtype_name(out) + ", " + layout_name(layout));
+    HostExpertTensor dw_h(layout, out, c.E, c.N, c.K);
+    dw_h.poison_all();
+    DeviceExperts dw(dw_h);
+    fp8_grouped_gemm_wgrad(dy.q, x.q, counts.view(), dw.view());
+    GMOE_TEST_CUDA(cudaDeviceSynchronize());
+    check_device_errors(nullptr);
+    const std::vector<double> got = dw.to_double();
+    EXPECT_TRUE(within_bound(got, exact.value, tight_bound(exact, out), "wgrad tight"));
+    EXPECT_TRUE(within_bound(got, source.value, recipe_bound_wgrad(p, u, out),
+                             "wgrad vs bf16 source"));
+    for (int64_t e = 0; e < c.E; ++e) {
+      if (c.counts[e] != 0) continue;
+      for (int64_t i = 0; i < c.N * c.K; ++i) {
+        ASSERT_EQ(got[e * c.N * c.K + i], 0.0) << "empty expert " << e << " not exactly zero";
+      }
+    }
+  }
+}
+
+void check_wgrad_accumulate_mask(const ShapeCase& c, Fp8Recipe recipe, Layout layout, Rng& rng) {
+  const Fp8Problem p(c, recipe, rng);
+  std::vector<int32_t> mask(static_cast<size_t>(c.E));
+  for (auto& m : mask) m = static_cast<int32_t>(rng.integer(0, 1));
+  HostTensor mask_t(DType::i32, {c.E});
+  for (int64_t e = 0; e < c.E; ++e) mask_t.set(e, mask[e]);
+  DeviceGrouped dy(p.dy.q), x(p.x.q);
+  DeviceTensor counts(p.base.counts), mask_d(mask_t);
+  for (bool accumulate : {false, true}) {
+    SCOPED_TRACE(accumulate ? "accumulate" : "overwrite");
+    HostTensor init(DType::f32, {c.E, c.N, c.K});
+    fill_random(init, rng, -4.0, 4.0);
+    const std::vector<double> init_v = init.to_double();
+    HostExpertTensor dw_h(layout, DType::f32, c.E, c.N, c.K);
+    dw_h.set_all(init_v);
+    DeviceExperts dw(dw_h);
+    WgradOptions opt;
+    opt.accumulate = accumulate;
+    opt.expert_mask = mask_d.view();
+    fp8_grouped_gemm_wgrad(dy.q, x.q, counts.view(), dw.view(), opt);
+    GMOE_TEST_CUDA(cudaDeviceSynchronize());
+    check_device_errors(nullptr);
+
+    ExactResult exact = exact_wgrad(p.dy_cols, p.x_cols, c.counts, accumulate ? &init_v : nullptr,
+                                    &mask);
+    const std::vector<double> got = dw.to_double();
+    const int64_t per = c.N * c.K;
+    for (int64_t e = 0; e < c.E; ++e) {
+      // Masked experts, and empty experts when accumulating, are left untouched: bitwise init.
+      const bool untouched = mask[e] == 0 || (accumulate && c.counts[e] == 0);
+      for (int64_t i = 0; i < per; ++i) {
+        if (mask[e] == 0) exact.value[e * per + i] = init_v[e * per + i];
+        if (untouched) {
+          ASSERT_EQ(got[e * per + i], init_v[e * per + i]) << "expert " << e << " was written";
+        } else if (!accumulate && c.counts[e] == 0) {
+          ASSERT_EQ(got[e * per + i], 0.0) << "empty expert " << e << " not exactly zero";
+        }
+      }
+    }
+    // The accumulated value adds one f32 rounding of |init + result|.
+    std::vector<double> bound = tight_bound(exact, DType::f32);
+    for (size_t i = 0; i < bound.size(); ++i) {
+      bound[i] += std::ldexp(1.0, -23) * std::abs(exact.value[i]);
+    }
+    EXPECT_TRUE(within_bound(got, exact.value, bound, "wgrad f32 accumulate/mask"));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+
+using Param = std::tuple<Fp8Recipe, std::string>;
+
+class CudaFp8Gemm : public ::testing::TestWithParam<Param> {
+ protected:
+  void SetUp() override { GMOE_SKIP_WITHOUT_GPU(); }
+  Fp8Recipe recipe() const { return std::get<0>(GetParam()); }
+  ShapeCase make(Rng& rng) const {
+    return make_case(std::get<1>(GetParam()), rng, CaseScale::kSmall);
+  }
+};
+
+TEST_P(CudaFp8Gemm, Fprop) {
+  Rng rng;
+  check_fprop(make(rng), recipe(), rng);
+}
+
+TEST_P(CudaFp8Gemm, Dgrad) {
+  Rng rng;
+  check_dgrad(make(rng), recipe(), rng);
+}
+
+TEST_P(CudaFp8Gemm, Wgrad) {
+  Rng rng;
+  check_wgrad(make(rng), recipe(), rng.integer(0, 1) ? Layout::kStacked : Layout::kList, rng);
+}
+
+TEST_P(CudaFp8Gemm, WgradAccumulateWithMask) {
+  Rng rng;
+  const Layout layout = rng.integer(0, 1) ? Layout::kStacked : Layout::kList;
+  check_wgrad_accumulate_mask(make(rng), recipe(), layout, rng);
+}
+
+std::string param_name(const ::testing::TestParamInfo<Param>& info) {
+  return std::string(recipe_str(std::get<0>(info.param))) + "_" + std::get<1>(info.param);
+}
+
+INSTANTIATE_TEST_SUITE_P(NamedCases, CudaFp8Gemm,
+                         ::testing::Combine(::testing::Values(Fp8Recipe::blockwise,
+                                                              Fp8Recipe::tensorwise,
+                                                              Fp8Recipe::mxfp8),
+                                            ::testing::ValuesIn(named_case_names())),
+                         param_name);
+
+// Several tiles along every dimension, long reductions (several 128-blocks of K, of N and of
+// tokens, partial last blocks), every expert more than one M tile.
+TEST(CudaFp8GemmLarge, AllPassesAllRecipes) {
+  GMOE_SKIP_WITHOUT_GPU();
+  Rng rng;
+  ShapeCase c;
+  c.name = "large";
+  c.E = 5;
+  c.N = 400;   // 3 full 128-blocks + a partial one
+  c.K = 1040;  // 8 full 128-blocks + a partial one
+  c.counts = {300, 0, 517, 129, 1000};
+  c.capacity = c.total() + 7;
+  for (Fp8Recipe r : {Fp8Recipe::blockwise, Fp8Recipe::tensorwise, Fp8Recipe::mxfp8}) {
+    SCOPED_TRACE(recipe_str(r));
+    check_fprop(c, r, rng);
+    check_dgrad(c, r, rng);
+    check_wgrad(c, r, Layout::kStacked, rng);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Inputs the CUDA backend must refuse before launching anything.
+
+class CudaFp8GemmErrors : public ::testing::Test {
+ protected:
+  void SetUp() override { GMOE_SKIP_WITHOUT_GPU(); }
+};
+
+// Runs `op`, expects gmoe::Error whose message contains `needle`, and checks that `out` still
+// holds its poison (nothing was launched that wrote it).
+template <class Op>
+void expect_refused(Op op, const std::string& needle, const DeviceTensor& out) {
+  try {
+    op();
+    ADD_FAILURE() << "expected gmoe::Error containing '" << needle << "'";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+  }
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  for (double d : out.download().to_double()) {
+    ASSERT_TRUE(std::isnan(d)) << "output written although the call was refused";
+  }
+}
+
+TEST_F(CudaFp8GemmErrors, RefusedBeforeLaunch) {
+  Rng rng;
+  ShapeCase c;
+  c.name = "errors";
+  c.E = 3;
+  c.N = 64;
+  c.K = 96;
+  c.counts = {10, 20, 5};
+  c.capacity = 40;
+  const Fp8Problem p(c, Fp8Recipe::blockwise, rng);
+  DeviceGrouped x(p.x.q), dy(p.dy.q);
+  DeviceWeights w(p.w.q);
+  DeviceTensor counts(p.base.counts);
+  HostTensor y_h(DType::bf16, {c.capacity, c.N});
+  poison(y_h);
+  DeviceTensor y(y_h);
+
+  // f32 output: the CUDA kernels write bf16.
+  HostTensor y32_h(DType::f32, {c.capacity, c.N});
+  poison(y32_h);
+  DeviceTensor y32(y32_h);
+  expect_refused([&] { fp8_grouped_gemm_fprop(x.q, w.q, counts.view(), y32.view()); }, "y", y32);
+
+  // e5m2 operands with the blockwise recipe: not compiled.
+  {
+    const Fp8Problem p5(c, Fp8Recipe::blockwise, rng, DType::i32, DType::e5m2);
+    DeviceGrouped x5(p5.x.q);
+    DeviceWeights w5(p5.w.q);
+    expect_refused([&] { fp8_grouped_gemm_fprop(x5.q, w5.q, counts.view(), y.view()); }, "e4m3", y);
+  }
+
+  // Mixed recipes.
+  {
+    const Fp8Problem pt(c, Fp8Recipe::tensorwise, rng);
+    DeviceWeights wt(pt.w.q);
+    expect_refused([&] { fp8_grouped_gemm_fprop(x.q, wt.q, counts.view(), y.view()); }, "recipe",
+                   y);
+  }
+
+  // A misaligned output row stride (N + 4 bf16 = 136 bytes).
+  HostTensor wide_h(DType::bf16, {c.capacity, c.N + 4});
+  poison(wide_h);
+  DeviceTensor wide(wide_h);
+  TensorView y_odd(wide.data(), DType::bf16, Device::cuda(0), {c.capacity, c.N}, {c.N + 4, 1});
+  expect_refused([&] { fp8_grouped_gemm_fprop(x.q, w.q, counts.view(), y_odd); }, "y", wide);
+}
+
+// K or N not a multiple of 16: FP8 rows are not 16-byte multiples, which TMA cannot read.
+TEST_F(CudaFp8GemmErrors, DimensionsNotMultipleOf16) {
+  Rng rng;
+  ShapeCase c;
+  c.name = "odd";
+  c.E = 2;
+  c.N = 64;
+  c.K = 72;  // 72 % 16 = 8
+  c.counts = {5, 6};
+  c.capacity = 12;
+  const Fp8Problem p(c, Fp8Recipe::tensorwise, rng);
+  DeviceGrouped x(p.x.q), dy(p.dy.q);
+  DeviceWeights w(p.w.q);
+  DeviceTensor counts(p.base.counts);
+  HostTensor y_h(DType::bf16, {c.capacity, c.N}), dx_h(DType::bf16, {c.capacity, c.K});
+  poison(y_h);
+  poison(dx_h);
+  DeviceTensor y(y_h), dx(dx_h);
+  expect_refused([&] { fp8_grouped_gemm_fprop(x.q, w.q, counts.view(), y.view()); },
+                 "multiple of 16", y);
+  expect_refused([&] { fp8_grouped_gemm_dgrad(dy.q, w.q, counts.view(), dx.view()); },
+                 "multiple of 16", dx);
+  HostTensor dw_h(DType::f32, {c.E, c.N, c.K});
+  poison(dw_h);
+  DeviceTensor dw(dw_h);
+  expect_refused([&] {
+    fp8_grouped_gemm_wgrad(dy.q, x.q, counts.view(), ExpertWeights::from_stacked(dw.view()));
+  }, "multiple of 16", dw);
+}
+
+// ---------------------------------------------------------------------------------------------
+// padded_offsets that do not match the counts (a corrupted columnwise copy): wgrad must clamp
+// every expert's token range inside the operand (compute-sanitizer checks nothing is read out of
+// bounds) and report it in the device error word.
+
+TEST_F(CudaFp8GemmErrors, InconsistentPaddedOffsetsAreClampedAndReported) {
+  Rng rng;
+  ShapeCase c;
+  c.name = "bad_offsets";
+  c.E = 3;
+  c.N = 128;
+  c.K = 64;
+  c.counts = {100, 40, 60};
+  c.capacity = 200;
+  for (Fp8Recipe r : {Fp8Recipe::blockwise, Fp8Recipe::tensorwise}) {
+    SCOPED_TRACE(recipe_str(r));
+    const Fp8Problem p(c, r, rng);
+    Fp8Grouped bad = p.dy.q;
+    HostTensor offsets = copy_of(p.dy.q.padded_offsets);
+    auto* po = static_cast<int64_t*>(offsets.data());
+    po[1] = p.dy.q.padded_capacity - 64;  // expert 1 would run past the end and is misaligned
+    po[2] = -128;                         // negative
+    bad.padded_offsets = offsets.view();
+    DeviceGrouped dy(bad), x(p.x.q);
+    DeviceTensor counts(p.base.counts);
+    HostTensor dw_h(DType::f32, {c.E, c.N, c.K});
+    poison(dw_h);
+    DeviceTensor dw(dw_h);
+    fp8_grouped_gemm_wgrad(dy.q, x.q, counts.view(), ExpertWeights::from_stacked(dw.view()));
+    GMOE_TEST_CUDA(cudaDeviceSynchronize());
+    try {
+      check_device_errors(nullptr);
+      ADD_FAILURE() << "expected the device error word to be set";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("padded_offsets"), std::string::npos) << e.what();
+    }
+    // Expert 0's offsets are intact: its result is right.
+    const ExactResult exact = exact_wgrad(p.dy_cols, p.x_cols, c.counts, nullptr, nullptr);
+    const std::vector<double> got = dw.download().to_double();
+    const int64_t per = c.N * c.K;
+    const std::vector<double> got0(got.begin(), got.begin() + per);
+    const std::vector<double> exact0(exact.value.begin(), exact.value.begin() + per);
+    ExactResult e0;
+    e0.value = exact0;
+    e0.abs_sum.assign(exact.abs_sum.begin(), exact.abs_sum.begin() + per);
+    EXPECT_TRUE(within_bound(got0, exact0, tight_bound(e0, DType::f32), "expert 0"));
+    for (double v : got) ASSERT_FALSE(std::isnan(v)) << "a dW element was not written";
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// fprop + dgrad + wgrad captured once (global capture mode: any sync fails it), then replayed
+// under several routings: new counts and new FP8 operands (quantized for those counts) written
+// into the same device buffers. Each replay must equal an eager run bitwise and the exact result
+// within the tight bound.
+
+TEST(CudaFp8GemmGraph, CaptureOnceReplayUnderChangingCounts) {
+  GMOE_SKIP_WITHOUT_GPU();
+  Rng rng;
+  const int64_t E = 8, N = 256, K = 384, cap = 8 * 200 + 5;
+  std::vector<std::vector<int64_t>> routings;
+  routings.push_back(std::vector<int64_t>(E, 200));                 // uniform, 5 slack rows
+  routings.push_back(zipf_counts(E, cap - 11, 1.1, 4, rng));        // skewed with empty experts
+  std::vector<int64_t> one(E, 0);
+  one[rng.integer(0, E - 1)] = cap;                                 // every token in one expert
+  routings.push_back(one);
+  routings.push_back(std::vector<int64_t>(E, 0));                   // all experts empty
+
+  for (Fp8Recipe recipe : {Fp8Recipe::blockwise, Fp8Recipe::tensorwise, Fp8Recipe::mxfp8}) {
+    SCOPED_TRACE(recipe_str(recipe));
+    ShapeCase c;
+    c.name = "graph";
+    c.E = E;
+    c.N = N;
+    c.K = K;
+    c.capacity = cap;
+    c.counts = routings[0];
+    const Fp8Problem p0(c, recipe, rng);
+    DeviceGrouped x(p0.x.q), dy(p0.dy.q);
+    DeviceWeights w(p0.w.q);
+    DeviceTensor counts(p0.base.counts);
+    HostTensor y_h(DType::bf16, {cap, N}), dx_h(DType::bf16, {cap, K}), dw_h(DType::f32, {E, N, K});
+    poison(y_h);
+    poison(dx_h);
+    poison(dw_h);
+    DeviceTensor y(y_h), dx(dx_h), dw(dw_h);
+    const ExpertWeights dw_view = ExpertWeights::from_stacked(dw.view());
+
+    cudaStream_t stream = nullptr;
+    GMOE_TEST_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    auto layer = [&] {
+      fp8_grouped_gemm_fprop(x.q, w.q, counts.view(), y.view(), stream);
+      fp8_grouped_gemm_dgrad(dy.q, w.q, counts.view(), dx.view(), stream);
+      fp8_grouped_gemm_wgrad(dy.q, x.q, counts.view(), dw_view, {}, stream);
+    };
+    auto poison_outputs = [&] {
+      y.upload(y_h);
+      dx.upload(dx_h);
+      dw.upload(dw_h);
+    };
+    layer();  // eager once first: module loading and attribute setting happen outside capture
+    GMOE_TEST_CUDA(cudaStreamSynchronize(stream));
+    cudaGraph_t graph = nullptr;
+    GMOE_TEST_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+    layer();
+    GMOE_TEST_CUDA(cudaStreamEndCapture(stream, &graph));
+    cudaGraphExec_t exec = nullptr;
+    GMOE_TEST_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+
+    for (const std::vector<int64_t>& routing : routings) {
+      SCOPED_TRACE("routing " + ::testing::PrintToString(routing));
+      c.counts = routing;
+      const Fp8Problem p(c, recipe, rng);
+      x.upload(p.x.q);
+      dy.upload(p.dy.q);
+      w.upload(p.w.q);
+      counts.upload(p.base.counts);
+      poison_outputs();
+      GMOE_TEST_CUDA(cudaGraphLaunch(exec, stream));
+      GMOE_TEST_CUDA(cudaStreamSynchronize(stream));
+      check_device_errors(stream);
+      const HostTensor y_g = y.download(), dx_g = dx.download(), dw_g = dw.download();
+
+      poison_outputs();
+      layer();
+      GMOE_TEST_CUDA(cudaStreamSynchronize(stream));
+      EXPECT_TRUE(bitwise_equal(y_g, y.download(), "fprop graph vs eager"));
+      EXPECT_TRUE(bitwise_equal(dx_g, dx.download(), "dgrad graph vs eager"));
+      EXPECT_TRUE(bitwise_equal(dw_g, dw.download(), "wgrad graph vs eager"));
+
+      const ExactResult ey = exact_fprop(p.x_rows, p.w_data, routing);
+      const ExactResult edx = exact_dgrad(p.dy_rows, p.w_t, routing);
+      const ExactResult edw = exact_wgrad(p.dy_cols, p.x_cols, routing, nullptr, nullptr);
+      EXPECT_TRUE(within_bound(values_of(y_g), ey.value, tight_bound(ey, DType::bf16),
+                               "fprop replay"));
+      EXPECT_TRUE(within_bound(values_of(dx_g), edx.value, tight_bound(edx, DType::bf16),
+                               "dgrad replay"));
+      EXPECT_TRUE(within_bound(values_of(dw_g), edw.value, tight_bound(edw, DType::f32),
+                               "wgrad replay"));
+    }
+    GMOE_TEST_CUDA(cudaGraphExecDestroy(exec));
+    GMOE_TEST_CUDA(cudaGraphDestroy(graph));
+    GMOE_TEST_CUDA(cudaStreamDestroy(stream));
+  }
+}
+
+}  // namespace
+}  // namespace gmoe::test
