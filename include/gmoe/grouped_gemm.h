@@ -12,6 +12,7 @@
 
 #include "gmoe/allocator.h"
 #include "gmoe/grouped.h"
+#include "gmoe/grouped_bias.h"
 #include "gmoe/stream.h"
 #include "gmoe/tensor.h"
 
@@ -32,6 +33,15 @@ struct WgradOptions {
 /// `alloc` provides scratch (stream-ordered); nullptr means default_allocator(x.device).
 void grouped_gemm_fprop(const TensorView& x, const ExpertWeights& w, const TensorView& counts,
                         const TensorView& y, Stream stream = nullptr, Allocator* alloc = nullptr);
+
+/// fprop with a bias: y[rows of e] = x[rows of e] · W_eᵀ + b_e. bias: E × [N] (grouped [E, N] or a
+/// list), dtype of x or f32. With bf16 x, bias and y the bias is added to the f32 accumulator before
+/// the output's one rounding (on CUDA in the GEMM's epilogue: no extra pass over y); every other
+/// combination adds it to the rounded GEMM output and rounds again (on CUDA a second pass over y).
+/// Both backends compute the same. An absent bias is plain fprop.
+void grouped_gemm_fprop(const TensorView& x, const ExpertWeights& w, const ExpertBias& bias,
+                        const TensorView& counts, const TensorView& y, Stream stream = nullptr,
+                        Allocator* alloc = nullptr);
 
 /// dgrad: dx[rows of e] = dy[rows of e] · W_e; rows past the real total are zeroed.
 /// dy: [capacity, N]; dx: [capacity, K], dtype of dy (or f32).

@@ -12,9 +12,11 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "gmoe/allocator.h"
+#include "gmoe/fp8.h"
 #include "gmoe/grouped.h"
 #include "gmoe/grouped_bias.h"
 #include "gmoe/stream.h"
@@ -32,7 +34,32 @@ struct GroupedLinearGrads {
   std::shared_ptr<Buffer> storage;  ///< the packed allocation behind fresh gradients
 };
 
+/// Precision of a GroupedLinear's three GEMMs (see "FP8 recipes" below).
+enum class LinearRecipe : uint8_t {
+  native,          ///< the inputs' dtype (bf16/f16; f32 on the CPU), f32 accumulation
+  fp8_tensorwise,  ///< e4m3, one scale per expert and operand (current scaling, amax on the device)
+  fp8_blockwise,   ///< e4m3, 1x128 scales on x and dy, 128x128 on the weights (DeepSeek-V3)
+  mxfp8,           ///< 1x32 blocks with e8m0 scales (on Hopper: dequantized to bf16, then bf16 GEMMs)
+};
+
+/// "native", "fp8_tensorwise", "fp8_blockwise", "mxfp8".
+const char* linear_recipe_name(LinearRecipe recipe);
+/// Parses linear_recipe_name's names; throws gmoe::Error naming the text otherwise.
+LinearRecipe linear_recipe_from_name(const std::string& name);
+
 /// Options of a GroupedLinear.
+//
+// FP8 recipes. With a recipe other than `native`, the layer quantizes inside (gmoe/fp8.h, one
+// launch per tensor for all experts, blocks restarting at each expert boundary from the device
+// counts) and runs the FP8 grouped GEMMs of gmoe/fp8_gemm.h:
+//   forward   x  -> rowwise copy (fprop) and, unless save_original_input, the columnwise copy that
+//                   backward's weight gradient reads (saved instead of a bf16 copy of x), in one pass;
+//             W  -> rowwise and transposed copies, cached in the layer (see quantize_weight);
+//   backward  dy -> rowwise (dgrad) and columnwise (wgrad) copies in one pass, in `grad_format`;
+//                   with save_original_input, x is quantized again (columnwise) for the weight gradient.
+// The bias and its gradient stay in the weights' precision (db is reduced from the bf16 dy).
+// y and dx are bf16 (f32 on the CPU with f32 weights), so FP8 recipes need bf16 weights on CUDA,
+// and in_features and out_features multiples of 16 (FP8 rows are read by TMA in 16-byte units).
 struct GroupedLinearOptions {
   /// backward computes dx and db only; dW is computed by backward_dw (possibly on another stream).
   bool delay_wgrad = false;
@@ -54,6 +81,13 @@ struct GroupedLinearOptions {
   std::function<void(const GroupedLinearGrads&, Stream)> wgrad_hook;
   /// Scratch, saved inputs and fresh gradients; nullptr: the device's default allocator.
   Allocator* allocator = nullptr;
+  /// Precision of the GEMMs (see above).
+  LinearRecipe recipe = LinearRecipe::native;
+  /// FP8 recipes: the format of the quantized output gradients dy: e4m3 (DeepSeek-V3), or e5m2
+  /// (the wider range; on CUDA only with mxfp8, whose GEMMs take any format).
+  DType grad_format = DType::e4m3;
+  /// fp8_tensorwise / fp8_blockwise: round every scale down to a power of two.
+  bool fp8_pow2_scales = false;
 };
 
 /// What forward saves for backward (and backward for backward_dw). One per forward in flight.
@@ -114,14 +148,31 @@ class GroupedLinear {
   /// for the new `x`.
   void set_saved_input(GroupedLinearContext& ctx, const TensorView& x) const;
 
+  /// FP8 recipes: the weights are quantized once (rowwise for fprop, transposed for dgrad) into a
+  /// cache that the layer allocates when it is built, and reused by every forward and backward
+  /// until invalidate_fp8_weight() is called (after the optimizer changed the weights): the next
+  /// forward then quantizes again on its stream, in place. quantize_weight() does it now, on
+  /// `stream`. In a CUDA graph: capture it (or a forward after invalidate_fp8_weight()) inside
+  /// the graph so that every replay quantizes the current weights; the cache's address never
+  /// changes. No-op for the native recipe.
+  void quantize_weight(Stream stream = nullptr);
+  /// Marks the FP8 weight cache stale: the next forward quantizes the weights again.
+  void invalidate_fp8_weight() { fp8_weight_valid_ = false; }
+
  private:
   GroupedLinearGrads allocate_grads(Stream stream) const;
   void compute_wgrad(GroupedLinearContext& ctx, GroupedLinearGrads& grads, Stream stream) const;
   Allocator& allocator() const;
 
+  bool fp8() const { return options_.recipe != LinearRecipe::native; }
+  Fp8QuantizeOptions fp8_options(DType format, bool rowwise, bool columnwise) const;
+
   ExpertWeights weight_;
   ExpertBias bias_;
   GroupedLinearOptions options_;
+  // FP8 recipes: the quantized weights (rowwise + transposed), allocated at construction.
+  Fp8WeightsTensor fp8_weight_;
+  bool fp8_weight_valid_ = false;
 };
 
 }  // namespace gmoe

@@ -16,10 +16,19 @@
 
 namespace gmoe {
 
+/// Whether fprop adds a bias to the f32 accumulator before the output's one rounding (bf16 x, bias
+/// and y: what the CUDA epilogue does), or to the output already rounded, rounding again (every
+/// other combination). The same on every backend, so that the CPU backend stays the reference in the
+/// kernels' own precision.
+inline bool bias_in_epilogue(DType x, DType bias, DType y) {
+  return x == DType::bf16 && bias == DType::bf16 && y == DType::bf16;
+}
+
 /// Plain loops, fp32 accumulation: the oracle for every kernel. Counts are on the host.
 namespace cpu_backend {
+/// `bias` may be absent; when present it is added as bias_in_epilogue says.
 void grouped_gemm_fprop(const TensorView& x, const ExpertWeights& w, const TensorView& counts,
-                        const TensorView& y);
+                        const TensorView& y, const ExpertBias& bias = {});
 void grouped_gemm_dgrad(const TensorView& dy, const ExpertWeights& w, const TensorView& counts,
                         const TensorView& dx);
 void grouped_gemm_wgrad(const TensorView& dy, const TensorView& x, const TensorView& counts,
@@ -56,8 +65,9 @@ namespace cuda_backend {
 bool compiled();
 Allocator& allocator();
 void check_device_errors(Stream stream);
+/// `bias` may be absent; bias_in_epilogue: in the GEMM's epilogue, else in a second pass.
 void grouped_gemm_fprop(const TensorView& x, const ExpertWeights& w, const TensorView& counts,
-                        const TensorView& y, Stream stream, Allocator& alloc);
+                        const TensorView& y, Stream stream, Allocator& alloc, const ExpertBias& bias = {});
 void grouped_gemm_dgrad(const TensorView& dy, const ExpertWeights& w, const TensorView& counts,
                         const TensorView& dx, Stream stream, Allocator& alloc);
 void grouped_gemm_wgrad(const TensorView& dy, const TensorView& x, const TensorView& counts,
@@ -76,6 +86,8 @@ void* event_create();
 void event_destroy(void* event);
 void event_record(void* event, Stream stream);
 void stream_wait_event(Stream stream, void* event);
+/// A deliberate sync, for set-up code only (never on the hot path).
+void stream_synchronize(Stream stream);
 /// Grouped activations (gmoe/activation.h); counts stay on the device.
 void grouped_activation_forward(const TensorView& h, const TensorView& counts, const TensorView& z,
                                 const ActivationOptions& options, const TensorView& probs, Stream stream,

@@ -13,7 +13,7 @@ bool compiled() { return false; }
 Allocator& allocator() { unavailable(); }
 void check_device_errors(Stream) {}
 void grouped_gemm_fprop(const TensorView&, const ExpertWeights&, const TensorView&,
-                        const TensorView&, Stream, Allocator&) { unavailable(); }
+                        const TensorView&, Stream, Allocator&, const ExpertBias&) { unavailable(); }
 void grouped_gemm_dgrad(const TensorView&, const ExpertWeights&, const TensorView&,
                         const TensorView&, Stream, Allocator&) { unavailable(); }
 void grouped_gemm_wgrad(const TensorView&, const TensorView&, const TensorView&,
@@ -33,6 +33,7 @@ void* event_create() { unavailable(); }
 void event_destroy(void*) {}
 void event_record(void*, Stream) { unavailable(); }
 void stream_wait_event(Stream, void*) { unavailable(); }
+void stream_synchronize(Stream) { unavailable(); }
 void grouped_activation_forward(const TensorView&, const TensorView&, const TensorView&, const ActivationOptions&,
                                 const TensorView&, Stream, Allocator&) {
   unavailable();

@@ -28,6 +28,11 @@ void after_op(Device device, Stream stream) {
 
 void grouped_gemm_fprop(const TensorView& x, const ExpertWeights& w, const TensorView& counts,
                         const TensorView& y, Stream stream, Allocator* alloc) {
+  grouped_gemm_fprop(x, w, ExpertBias::none(), counts, y, stream, alloc);
+}
+
+void grouped_gemm_fprop(const TensorView& x, const ExpertWeights& w, const ExpertBias& bias,
+                        const TensorView& counts, const TensorView& y, Stream stream, Allocator* alloc) {
   check_rows(x, "x");
   check_counts(counts, "counts", x.device);
   check_input_dtype(x.dtype, "x");
@@ -39,11 +44,12 @@ void grouped_gemm_fprop(const TensorView& x, const ExpertWeights& w, const Tenso
   GMOE_CHECK(y.size(0) == x.size(0) && y.size(1) == w.rows(), "y: expected [", x.size(0), ", ",
              w.rows(), "], got ", y.shape_str());
   check_output_dtype(y.dtype, x.dtype, "y");
+  if (bias.defined()) check_expert_bias(bias, "bias", w.num_experts(), w.rows(), x.dtype, x.device);
   if (x.device.is_cpu()) {
-    cpu_backend::grouped_gemm_fprop(x, w, counts, y);
+    cpu_backend::grouped_gemm_fprop(x, w, counts, y, bias);
   } else {
     check_cuda_compiled("grouped_gemm_fprop");
-    cuda_backend::grouped_gemm_fprop(x, w, counts, y, stream, pick_allocator(alloc, x.device));
+    cuda_backend::grouped_gemm_fprop(x, w, counts, y, stream, pick_allocator(alloc, x.device), bias);
   }
   after_op(x.device, stream);
 }

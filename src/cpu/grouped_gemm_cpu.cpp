@@ -91,14 +91,30 @@ void zero_rows(const TensorView& t, int64_t row0, int64_t row1) {
   for (int64_t r = row0; r < row1; ++r) std::fill_n(row_ptr_mut<O>(t, r), t.size(1), from_f32<O>(0.f));
 }
 
+// Expert e's bias as f32 (empty without a bias).
+std::vector<float> bias_of(const ExpertBias& bias, int64_t e, int64_t N) {
+  std::vector<float> b;
+  if (!bias.defined()) return b;
+  const TensorView v = bias.expert(e);
+  b.resize(static_cast<size_t>(N));
+  with_storage(v.dtype, [&](auto t) {
+    using B = decltype(t);
+    for (int64_t n = 0; n < N; ++n) b[n] = to_f32(static_cast<const B*>(v.data)[n * v.stride(0)]);
+  });
+  return b;
+}
+
 template <typename T, typename O>
-void fprop(const TensorView& x, const ExpertWeights& w, const std::vector<int64_t>& off, const TensorView& y) {
+void fprop(const TensorView& x, const ExpertWeights& w, const ExpertBias& bias, const std::vector<int64_t>& off,
+           const TensorView& y) {
   const int64_t E = w.num_experts(), K = x.size(1), N = w.rows();
   constexpr int64_t kBlockN = 64;
   for (int64_t e = 0; e < E; ++e) {
     const int64_t rows = off[e + 1] - off[e];
     if (rows == 0) continue;
     const std::vector<float> xe = pack_rows<T>(x, off[e], rows);
+    const std::vector<float> be = bias_of(bias, e, N);
+    const bool one_rounding = !bias.defined() || bias_in_epilogue(x.dtype, bias.dtype(), y.dtype);
     const TensorView we = w.expert(e);
     // Blocks of weight rows outermost: each block of W is read from memory once for all rows.
 #pragma omp parallel for schedule(static)
@@ -106,7 +122,14 @@ void fprop(const TensorView& x, const ExpertWeights& w, const std::vector<int64_
       const int64_t n1 = std::min(N, n0 + kBlockN);
       for (int64_t r = 0; r < rows; ++r) {
         O* dst = row_ptr_mut<O>(y, off[e] + r);
-        for (int64_t n = n0; n < n1; ++n) dst[n] = from_f32<O>(dot(&xe[r * K], row_ptr<T>(we, n), K));
+        for (int64_t n = n0; n < n1; ++n) {
+          const float acc = dot(&xe[r * K], row_ptr<T>(we, n), K);
+          if (be.empty()) {
+            dst[n] = from_f32<O>(acc);
+          } else {
+            dst[n] = one_rounding ? from_f32<O>(acc + be[n]) : from_f32<O>(to_f32(from_f32<O>(acc)) + be[n]);
+          }
+        }
       }
     }
   }
@@ -170,10 +193,10 @@ void wgrad(const TensorView& dy, const TensorView& x, const std::vector<int64_t>
 }  // namespace
 
 void grouped_gemm_fprop(const TensorView& x, const ExpertWeights& w, const TensorView& counts,
-                        const TensorView& y) {
+                        const TensorView& y, const ExpertBias& bias) {
   const std::vector<int64_t> off = host_group_offsets(counts, x.size(0));
   with_storage(x.dtype, [&](auto t) {
-    with_storage(y.dtype, [&](auto o) { fprop<decltype(t), decltype(o)>(x, w, off, y); });
+    with_storage(y.dtype, [&](auto o) { fprop<decltype(t), decltype(o)>(x, w, bias, off, y); });
   });
 }
 

@@ -211,5 +211,6 @@ void event_record(void* event, Stream stream) {
 void stream_wait_event(Stream stream, void* event) {
   GMOE_CUDA_CHECK(cudaStreamWaitEvent(stream, static_cast<cudaEvent_t>(event), 0));
 }
+void stream_synchronize(Stream stream) { GMOE_CUDA_CHECK(cudaStreamSynchronize(stream)); }
 
 }  // namespace gmoe::cuda_backend

@@ -40,58 +40,28 @@ struct KernelEntry {
   bool has_source = false;
 };
 
-template <DType In, DType Out, GemmPass Pass, TileConfig Tile>
+template <DType In, DType Out, GemmPass Pass, TileConfig Tile, bool Bias = false>
 KernelEntry entry() {
-  using K = GroupedGemmKernel<In, Out, Pass, Tile>;
+  using K = GroupedGemmKernel<In, Out, Pass, Tile, Bias>;
   return {&K::workspace_bytes, &K::run, Pass == GemmPass::wgrad && Out == DType::f32};
 }
 
-// The instantiations that exist (one sm90_*.cu file each). The clustered tiles and the 16-bit
-// ping-pong wgrad are compiled for bf16 only.
-constexpr bool compiled(DType in, DType out, GemmPass pass, TileConfig tile) {
-  switch (tile) {
-    case TileConfig::coop_128x256: return true;
-    case TileConfig::pingpong_128x128:
-      return pass != GemmPass::wgrad || out == DType::f32 || in == DType::bf16;
-    case TileConfig::coop_128x256_c1x2: return pass != GemmPass::wgrad && in == DType::bf16;
-    case TileConfig::coop_128x256_c2x1: return pass == GemmPass::wgrad && in == DType::bf16;
-  }
-  return false;
+// The instantiations that exist (one sm90_*.cu file each). A 16-bit dW is written at half the
+// bytes of an f32 one: cooperative only (a ping-pong 16-bit wgrad measured no faster, see below).
+constexpr bool compiled(DType out, GemmPass pass, TileConfig tile) {
+  return tile == TileConfig::coop_128x256 || pass != GemmPass::wgrad || out == DType::f32;
 }
 
 const char* tile_name(TileConfig tile) {
-  switch (tile) {
-    case TileConfig::coop_128x256: return "coop";
-    case TileConfig::pingpong_128x128: return "pingpong";
-    case TileConfig::coop_128x256_c1x2: return "coop_c1x2";
-    case TileConfig::coop_128x256_c2x1: return "coop_c2x1";
-  }
-  return "?";
-}
-
-template <DType In, DType Out, GemmPass Pass, TileConfig Tile>
-KernelEntry entry_if_compiled() {
-  if constexpr (compiled(In, Out, Pass, Tile)) {
-    return entry<In, Out, Pass, Tile>();
-  } else {
-    GMOE_FAIL("grouped GEMM: no ", tile_name(Tile), " kernel for ", dtype_name(In), " -> ",
-              dtype_name(Out));
-  }
+  return tile == TileConfig::coop_128x256 ? "coop" : "pingpong";
 }
 
 template <DType In, DType Out, GemmPass Pass>
 KernelEntry entry_for_tile(TileConfig tile) {
-  switch (tile) {
-    case TileConfig::coop_128x256:
-      return entry_if_compiled<In, Out, Pass, TileConfig::coop_128x256>();
-    case TileConfig::pingpong_128x128:
-      return entry_if_compiled<In, Out, Pass, TileConfig::pingpong_128x128>();
-    case TileConfig::coop_128x256_c1x2:
-      return entry_if_compiled<In, Out, Pass, TileConfig::coop_128x256_c1x2>();
-    case TileConfig::coop_128x256_c2x1:
-      return entry_if_compiled<In, Out, Pass, TileConfig::coop_128x256_c2x1>();
+  if constexpr (compiled(Out, Pass, TileConfig::pingpong_128x128)) {
+    if (tile == TileConfig::pingpong_128x128) return entry<In, Out, Pass, TileConfig::pingpong_128x128>();
   }
-  GMOE_FAIL("unknown tile configuration");
+  return entry<In, Out, Pass, TileConfig::coop_128x256>();
 }
 
 template <DType In>
@@ -106,6 +76,14 @@ KernelEntry entry_for_input(DType out, GemmPass pass, TileConfig tile) {
   GMOE_FAIL("unknown grouped GEMM pass");
 }
 
+// fprop with the bias in the epilogue: bf16 with a bf16 bias only (the training configuration;
+// every other combination adds the bias in a second pass, see grouped_gemm_fprop).
+KernelEntry find_bias_kernel(TileConfig tile) {
+  return tile == TileConfig::pingpong_128x128
+             ? entry<DType::bf16, DType::bf16, GemmPass::fprop, TileConfig::pingpong_128x128, true>()
+             : entry<DType::bf16, DType::bf16, GemmPass::fprop, TileConfig::coop_128x256, true>();
+}
+
 KernelEntry find_kernel(DType in, DType out, GemmPass pass, TileConfig tile) {
   switch (in) {
     case DType::bf16: return entry_for_input<DType::bf16>(out, pass, tile);
@@ -114,19 +92,18 @@ KernelEntry find_kernel(DType in, DType out, GemmPass pass, TileConfig tile) {
   }
 }
 
-// GMOE_CUDA_TILE=coop|pingpong|coop_c1x2|coop_c2x1 (read once) forces a tile wherever that tile
-// is compiled for the call, for benchmarking and for tests that must run every kernel.
-bool forced_tile(DType in, DType out, GemmPass pass, TileConfig* tile) {
+// GMOE_CUDA_TILE=coop|pingpong (read once) forces a tile wherever that tile is compiled for the
+// call, for benchmarking and for tests that must run every kernel.
+bool forced_tile(DType out, GemmPass pass, TileConfig* tile) {
   static const int forced = [] {
     const char* env = std::getenv("GMOE_CUDA_TILE");
     if (env == nullptr) return -1;
-    for (TileConfig t : {TileConfig::coop_128x256, TileConfig::pingpong_128x128,
-                         TileConfig::coop_128x256_c1x2, TileConfig::coop_128x256_c2x1}) {
+    for (TileConfig t : {TileConfig::coop_128x256, TileConfig::pingpong_128x128}) {
       if (std::strcmp(env, tile_name(t)) == 0) return static_cast<int>(t);
     }
     return -1;
   }();
-  if (forced < 0 || !compiled(in, out, pass, static_cast<TileConfig>(forced))) return false;
+  if (forced < 0 || !compiled(out, pass, static_cast<TileConfig>(forced))) return false;
   *tile = static_cast<TileConfig>(forced);
   return true;
 }
@@ -142,7 +119,7 @@ bool forced_tile(DType in, DType out, GemmPass pass, TileConfig* tile) {
 TileConfig choose_rows_tile(DType in, GemmPass pass, int64_t capacity, int64_t num_experts,
                             int64_t gemm_n, int sms) {
   TileConfig forced;
-  if (forced_tile(in, in, pass, &forced)) return forced;
+  if (forced_tile(in, pass, &forced)) return forced;
   const int64_t avg_rows = capacity / num_experts;
   const int64_t coop_tiles = num_experts * ((avg_rows + 127) / 128) * ((gemm_n + 255) / 256);
   return (avg_rows >= 128 && coop_tiles >= sms) ? TileConfig::coop_128x256
@@ -155,10 +132,13 @@ TileConfig choose_rows_tile(DType in, GemmPass pass, int64_t capacity, int64_t n
 // ping-pong schedule hides it behind the other warpgroup's mainloop; the cooperative tile (no
 // overlap, fewer and larger tiles) wins when the reduction is long. Measured on H100 (bf16 in,
 // K=7168, N=4096): 128 experts x 512 rows, ping-pong 8.26 ms vs cooperative 9.25 ms; 8 x 4096
-// rows, cooperative 2.85 ms vs ping-pong 3.81 ms. 16-bit dW: cooperative only.
-TileConfig choose_wgrad_tile(DType in, DType out, int64_t capacity, int64_t num_experts) {
+// rows, cooperative 2.85 ms vs ping-pong 3.81 ms. 16-bit dW: cooperative only (a ping-pong 16-bit
+// wgrad, and 1x2 / 2x1 clustered cooperative tiles for all passes, were measured on the public
+// suite at 1.00-1.02x the cooperative tile in the geometric mean on an H100, inside the run-to-run
+// noise of about 10%, and were dropped to keep the build small).
+TileConfig choose_wgrad_tile(DType out, int64_t capacity, int64_t num_experts) {
   TileConfig forced;
-  if (forced_tile(in, out, GemmPass::wgrad, &forced)) return forced;
+  if (forced_tile(out, GemmPass::wgrad, &forced)) return forced;
   if (out != DType::f32) return TileConfig::coop_128x256;
   return capacity / num_experts < kWgradCoopMinRows ? TileConfig::pingpong_128x128
                                                     : TileConfig::coop_128x256;
@@ -221,6 +201,7 @@ struct Plan {
   DType in = DType::bf16, out = DType::bf16;
   PrepareParams prep;
   const ExpertWeights* experts = nullptr;  // fprop/dgrad: weights (B); wgrad: dW (D, C)
+  const ExpertBias* bias = nullptr;        // fprop: a bias fused into the epilogue (else nullptr)
   bool run_gemm = false;
   float beta = 0.0f;
   TileConfig tile = TileConfig::coop_128x256;
@@ -238,7 +219,8 @@ void execute(const Plan& plan, Stream stream, Allocator& alloc) {
   const int device = current_device();
   const int sms = sm_count(device);
   const int E = plan.prep.num_experts;
-  const KernelEntry kernel = find_kernel(plan.in, plan.out, plan.pass, plan.tile);
+  const KernelEntry kernel = plan.bias != nullptr ? find_bias_kernel(plan.tile)
+                                                  : find_kernel(plan.in, plan.out, plan.pass, plan.tile);
   GMOE_CHECK(plan.beta == 0.0f || kernel.has_source,
              "grouped GEMM: accumulate needs the f32 weight-gradient kernels");
 
@@ -255,6 +237,7 @@ void execute(const Plan& plan, Stream stream, Allocator& alloc) {
   const std::size_t o_strides = take(4 * e * sizeof(int64_t));
   const std::size_t o_total = take(sizeof(int64_t));
   const std::size_t o_zero = take(e * sizeof(int32_t));
+  const std::size_t o_bias = take(plan.bias != nullptr ? e * sizeof(void*) : 0);
   const std::size_t cutlass_bytes = plan.run_gemm ? kernel.workspace_bytes(sms) : 0;
   const std::size_t o_cutlass = take(cutlass_bytes);
   Buffer workspace(alloc, offset, stream);
@@ -274,8 +257,14 @@ void execute(const Plan& plan, Stream stream, Allocator& alloc) {
   arrays.stride_d = strides + 3 * e;
   arrays.total = reinterpret_cast<int64_t*>(base + o_total);
   arrays.zero_expert = reinterpret_cast<int32_t*>(base + o_zero);
+  if (plan.bias != nullptr) arrays.ptr_bias = reinterpret_cast<const void**>(base + o_bias);
 
   launch_prepare(plan.prep, arrays, stream);
+  if (plan.bias != nullptr && !plan.bias->is_grouped()) {  // a list: its pointers, by value
+    std::vector<const void*> host_ptrs(e);
+    for (std::size_t i = 0; i < e; ++i) host_ptrs[i] = plan.bias->list[i].data;
+    launch_write_pointers(host_ptrs.data(), E, arrays.ptr_bias, stream);
+  }
 
   if (!plan.experts->is_stacked()) {
     std::vector<const void*> host_ptrs(e);
@@ -316,6 +305,7 @@ void execute(const Plan& plan, Stream stream, Allocator& alloc) {
     launch.stride_b = arrays.stride_b;
     launch.stride_c = arrays.stride_c;
     launch.stride_d = arrays.stride_d;
+    launch.ptr_bias = arrays.ptr_bias;
     launch.alpha = 1.0f;
     launch.beta = plan.beta;
     launch.workspace = base + o_cutlass;
@@ -350,7 +340,7 @@ void set_expert_operand(PrepareParams& p, const ExpertWeights& w) {
 // fprop and dgrad differ only in which weight extent is the GEMM's N and which is its reduction.
 void rows_pass(GemmPass pass, const TensorView& a, const ExpertWeights& w, const TensorView& counts,
                const TensorView& d, Stream stream, Allocator& alloc, const char* a_name,
-               const char* d_name) {
+               const char* d_name, const ExpertBias* fused_bias = nullptr) {
   check_input_dtype_cuda(a.dtype, a_name);
   GMOE_CHECK(d.dtype == a.dtype, d_name, ": the CUDA grouped GEMM writes ", d_name,
              " in the input dtype (", dtype_name(a.dtype), "); ", dtype_name(d.dtype),
@@ -376,6 +366,13 @@ void rows_pass(GemmPass pass, const TensorView& a, const ExpertWeights& w, const
   plan.prep.rows_d = rows_operand(d);
   set_expert_operand(plan.prep, w);
   plan.experts = &w;
+  if (fused_bias != nullptr) {
+    plan.bias = fused_bias;
+    if (fused_bias->is_grouped()) {
+      const TensorView& b = fused_bias->grouped;
+      plan.prep.bias = {b.data, b.stride(0), 0, static_cast<int32_t>(dtype_size(b.dtype))};
+    }
+  }
   plan.run_gemm = capacity > 0 && gemm_n > 0 && gemm_k > 0;
   plan.tile = choose_rows_tile(a.dtype, pass, capacity, counts.size(0), gemm_n,
                                sm_count(a.device.index));
@@ -389,8 +386,19 @@ void rows_pass(GemmPass pass, const TensorView& a, const ExpertWeights& w, const
 }  // namespace
 
 void grouped_gemm_fprop(const TensorView& x, const ExpertWeights& w, const TensorView& counts,
-                        const TensorView& y, Stream stream, Allocator& alloc) {
+                        const TensorView& y, Stream stream, Allocator& alloc, const ExpertBias& bias) {
+  if (!bias.defined()) {
+    rows_pass(GemmPass::fprop, x, w, counts, y, stream, alloc, "x", "y");
+    return;
+  }
+  // bf16 with a bf16 bias: in the epilogue (the bias is read element-wise into shared memory, so
+  // it needs no alignment). Other dtypes: a second pass over y.
+  if (bias_in_epilogue(x.dtype, bias.dtype(), y.dtype)) {
+    rows_pass(GemmPass::fprop, x, w, counts, y, stream, alloc, "x", "y", &bias);
+    return;
+  }
   rows_pass(GemmPass::fprop, x, w, counts, y, stream, alloc, "x", "y");
+  cuda_backend::grouped_bias_add(y, bias, counts, stream, alloc);
 }
 
 void grouped_gemm_dgrad(const TensorView& dy, const ExpertWeights& w, const TensorView& counts,
@@ -428,7 +436,7 @@ void grouped_gemm_wgrad(const TensorView& dy, const TensorView& x, const TensorV
   plan.experts = &dw;
   plan.run_gemm = capacity > 0 && n > 0 && k > 0;
   plan.beta = options.accumulate ? 1.0f : 0.0f;
-  plan.tile = choose_wgrad_tile(dy.dtype, dw.dtype(), capacity, counts.size(0));
+  plan.tile = choose_wgrad_tile(dw.dtype(), capacity, counts.size(0));
   plan.dw_rows = n;
   plan.dw_row_bytes = k * static_cast<int64_t>(dtype_size(dw.dtype()));
   execute(plan, stream, alloc);

@@ -26,13 +26,9 @@ enum class GemmPass { fprop, dgrad, wgrad };
 /// Tile configurations (choose_rows_tile / choose_wgrad_tile in grouped_gemm.cu say when each is
 /// used).
 enum class TileConfig {
-  coop_128x256,      ///< cooperative: 2 consumer warpgroups share one 128x256x64 tile; large groups
-  pingpong_128x128,  ///< ping-pong: 2 consumer warpgroups alternate 128x128x64 tiles, one's
-                     ///< epilogue overlapping the other's mainloop; small groups, wgrad
-  coop_128x256_c1x2, ///< cooperative 128x256x64 in 1x2 clusters: the two CTAs of a cluster share
-                     ///< one A tile (TMA multicast) and take neighbouring N tiles; fprop/dgrad
-  coop_128x256_c2x1  ///< cooperative 128x256x64 in 2x1 clusters sharing the B tile; wgrad (whose
-                     ///< M = N of the layer is host-known, so no cluster half is ever idle)
+  coop_128x256,    ///< cooperative: 2 consumer warpgroups share one 128x256x64 tile; large groups
+  pingpong_128x128  ///< ping-pong: 2 consumer warpgroups alternate 128x128x64 tiles, one's
+                    ///< epilogue overlapping the other's mainloop; small groups, f32 wgrad
 };
 
 /// One group's GEMM extent as CUTLASS's grouped problem shape stores it (cute::Shape<int,int,int>;
@@ -57,6 +53,7 @@ struct GroupedGemmLaunch {
   const int64_t* stride_b = nullptr;
   const int64_t* stride_c = nullptr;
   const int64_t* stride_d = nullptr;
+  const void* const* ptr_bias = nullptr;  ///< [E] bias vectors of N (fprop with a fused bias)
   float alpha = 1.0f;
   float beta = 0.0f;              ///< 1 accumulates into C (= D); needs a C-capable instantiation
   void* workspace = nullptr;      ///< CUTLASS's workspace (tensor maps per SM), 128-byte aligned
@@ -64,8 +61,9 @@ struct GroupedGemmLaunch {
 };
 
 /// One compiled grouped GEMM. Defined (explicitly instantiated) only in the sm90_*.cu files; the
-/// dispatcher sees declarations alone.
-template <DType In, DType Out, GemmPass Pass, TileConfig Tile>
+/// dispatcher sees declarations alone. Bias: D = A·B + bias_e (a row vector of N per group, of the
+/// input dtype) in the epilogue, before the output's rounding (fprop only).
+template <DType In, DType Out, GemmPass Pass, TileConfig Tile, bool Bias = false>
 struct GroupedGemmKernel {
   /// Bytes of CUTLASS workspace for a persistent grid of sm_count CTAs.
   static std::size_t workspace_bytes(int sm_count);

@@ -144,6 +144,9 @@ __global__ void __launch_bounds__(kPrepareThreads)
         out.ptr_b[e] = offset_ptr(p.expert.base, e * p.expert.expert_stride, p.expert.elem_bytes);
         out.stride_b[e] = p.expert.ld;
       }
+      if (out.ptr_bias != nullptr && p.bias.base != nullptr) {
+        out.ptr_bias[e] = offset_ptr(p.bias.base, e * p.bias.expert_stride, p.bias.elem_bytes);
+      }
       if (out.ptr_sfa != nullptr) {
         out.ptr_sfa[e] = scale_start(p.scale_a, e, begin);
         out.ptr_sfb[e] = scale_start(p.scale_b, e, begin);
@@ -170,7 +173,7 @@ __global__ void write_expert_pointers_kernel(ExpertPointerChunk chunk, const voi
   if (i >= chunk.count) return;
   const int e = chunk.first + i;
   ptr[e] = chunk.ptr[i];
-  ld[e] = chunk.ld[i];
+  if (ld != nullptr) ld[e] = chunk.ld[i];
   if (ptr2 != nullptr) {
     ptr2[e] = chunk.ptr[i];
     ld2[e] = chunk.ld[i];
@@ -226,12 +229,16 @@ void launch_write_expert_pointers(const void* const* host_ptrs, const int64_t* h
     chunk.count = std::min(kPointerChunk, count - first);
     for (int i = 0; i < chunk.count; ++i) {
       chunk.ptr[i] = host_ptrs[first + i];
-      chunk.ld[i] = host_lds[first + i];
+      chunk.ld[i] = host_lds == nullptr ? 0 : host_lds[first + i];
     }
     write_expert_pointers_kernel<<<(chunk.count + 127) / 128, 128, 0, stream>>>(chunk, ptr, ld,
                                                                                ptr2, ld2);
     GMOE_CUDA_CHECK(cudaGetLastError());
   }
+}
+
+void launch_write_pointers(const void* const* host_ptrs, int count, const void** ptr, cudaStream_t stream) {
+  launch_write_expert_pointers(host_ptrs, nullptr, count, ptr, nullptr, nullptr, nullptr, stream);
 }
 
 void launch_zero_rows(void* base, int64_t ld_bytes, int64_t row_bytes, int64_t capacity,

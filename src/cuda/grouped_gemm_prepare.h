@@ -30,6 +30,7 @@ struct GroupedGemmArrays {
   int64_t* stride_d = nullptr;
   int64_t* total = nullptr;           ///< [1] the clamped real total of rows
   int32_t* zero_expert = nullptr;     ///< [E] wgrad: 1 where dW_e must be written as zeros
+  const void** ptr_bias = nullptr;    ///< [E] fprop with a fused bias: expert e's bias vector
   // FP8 only (fp8_grouped_gemm.cu); absent (nullptr) for the 16-bit GEMMs.
   const float** ptr_sfa = nullptr;    ///< [E] blockwise: group e's first scale of A
   const float** ptr_sfb = nullptr;    ///< [E] blockwise: group e's first scale of B
@@ -89,6 +90,9 @@ struct PrepareParams {
   StackedOperand expert;  ///< fprop/dgrad: B; wgrad: D and C
   const int32_t* mask = nullptr;  ///< wgrad: [E], 0 = leave dW_e untouched; nullptr = all written
   bool accumulate = false;        ///< wgrad: D += A·B, empty experts left untouched
+  /// fprop with a fused grouped [E, N] bias: expert e's vector at base + e * expert_stride
+  /// (elements; ld unused). base == nullptr: no bias, or a list (written by write_expert_pointers).
+  StackedOperand bias;
   // FP8 only (fp8_grouped_gemm.cu):
   ScaleOperand scale_a, scale_b;   ///< blockwise: where group e's scales of A and B start
   const float* alpha_a = nullptr;  ///< tensorwise: [E] per-expert scale_inv of A (device)
@@ -104,6 +108,8 @@ void launch_prepare(const PrepareParams& p, const GroupedGemmArrays& arrays, cud
 void launch_write_expert_pointers(const void* const* host_ptrs, const int64_t* host_lds, int count,
                                   const void** ptr, int64_t* ld, const void** ptr2, int64_t* ld2,
                                   cudaStream_t stream);
+/// The same for pointers alone (a list of bias vectors): ptr[e] = host_ptrs[e].
+void launch_write_pointers(const void* const* host_ptrs, int count, const void** ptr, cudaStream_t stream);
 
 /// Zeroes rows [*start_row, capacity) of a row-major matrix (start_row == nullptr: from row 0).
 void launch_zero_rows(void* base, int64_t ld_bytes, int64_t row_bytes, int64_t capacity,

@@ -18,6 +18,7 @@
 #include <cutlass/cutlass.h>
 #include <cutlass/epilogue/collective/collective_builder.hpp>
 #include <cutlass/epilogue/fusion/operations.hpp>
+#include <cutlass/epilogue/fusion/sm90_callbacks_tma_warpspecialized.hpp>
 #include <cutlass/gemm/collective/collective_builder.hpp>
 #include <cutlass/gemm/device/gemm_universal_adapter.h>
 #include <cutlass/gemm/dispatch_policy.hpp>
@@ -54,25 +55,13 @@ template <> struct PassLayouts<GemmPass::wgrad> {
   using B = cutlass::layout::RowMajor;     // x_e [rows, K] read as B[k=row, n=K]: N-major
 };
 
-// Tile shapes and schedules. fprop/dgrad never cluster along M: a group with a single M tile
-// (common in MoE) would leave the second CTA of a 2x1 cluster computing an all-out-of-bounds tile.
-// Clusters along a host-known extent (N for fprop/dgrad, M = the layer's N for wgrad) are safe.
+// Tile shapes and schedules. Cluster 1x1: a group with a single M tile (common in MoE) would leave
+// the second CTA of a 2x1 cluster computing an all-out-of-bounds tile; 1x2 clusters along N were
+// measured no faster (grouped_gemm.cu, choose_wgrad_tile).
 template <TileConfig T> struct TileTraits;
 template <> struct TileTraits<TileConfig::coop_128x256> {
   using TileShape = cute::Shape<cute::_128, cute::_256, cute::_64>;  // BLOCK_M, BLOCK_N, BLOCK_K
   using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
-  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
-  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
-};
-template <> struct TileTraits<TileConfig::coop_128x256_c1x2> {
-  using TileShape = cute::Shape<cute::_128, cute::_256, cute::_64>;
-  using ClusterShape = cute::Shape<cute::_1, cute::_2, cute::_1>;
-  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
-  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
-};
-template <> struct TileTraits<TileConfig::coop_128x256_c2x1> {
-  using TileShape = cute::Shape<cute::_128, cute::_256, cute::_64>;
-  using ClusterShape = cute::Shape<cute::_2, cute::_1, cute::_1>;
   using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
   using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 };
@@ -83,13 +72,32 @@ template <> struct TileTraits<TileConfig::pingpong_128x128> {
   using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
 };
 
-template <DType In, DType Out, GemmPass Pass, TileConfig Tile>
+// The epilogue's fusion: D = alpha·acc + beta·C (LinearCombination), or, with a bias, an
+// epilogue visitor tree D = acc + bias_e, the bias a row vector of N per group broadcast over the
+// tile's rows: Sm90RowBroadcast with an array of pointers reads group l's vector through
+// ptr_bias[l] (its L stride is 0), loading the tile's N slice into shared memory once per tile.
+template <class ElementD, class ElementC, class ElementBias, class TileShape, bool Bias>
+struct EpilogueFusion {
+  using type = cutlass::epilogue::fusion::LinearCombination<ElementD, float, ElementC, float>;
+};
+template <class ElementD, class ElementC, class ElementBias, class TileShape>
+struct EpilogueFusion<ElementD, ElementC, ElementBias, TileShape, true> {
+  using RowBias = cutlass::epilogue::fusion::Sm90RowBroadcast<
+      0, TileShape, ElementBias*, float, cute::Stride<cute::_0, cute::_1, cute::_0>,
+      128 / cutlass::sizeof_bits_v<ElementBias>>;
+  using Add = cutlass::epilogue::fusion::Sm90Compute<cutlass::plus, ElementD, float,
+                                                     cutlass::FloatRoundStyle::round_to_nearest>;
+  using type = cutlass::epilogue::fusion::Sm90EVT<Add, cutlass::epilogue::fusion::Sm90AccFetch, RowBias>;
+};
+
+template <DType In, DType Out, GemmPass Pass, TileConfig Tile, bool Bias = false>
 struct GemmTypes {
   using ElementIn = typename CutlassElement<In>::type;
   using ElementD = typename CutlassElement<Out>::type;
   // Only an f32 weight gradient can accumulate into an existing main_grad; every other output has
   // no source operand at all, which frees the shared memory CUTLASS would stage C in.
   static constexpr bool kHasSource = Pass == GemmPass::wgrad && Out == DType::f32;
+  static_assert(!Bias || (Pass == GemmPass::fprop && !kHasSource), "a fused bias is an fprop epilogue");
   using ElementC = std::conditional_t<kHasSource, ElementD, void>;
   using ElementAccumulator = float;
   using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
@@ -106,8 +114,7 @@ struct GemmTypes {
       typename Traits::ClusterShape, cutlass::epilogue::collective::EpilogueTileAuto,
       ElementAccumulator, ElementAccumulator, ElementC, LayoutD*, kAlignD, ElementD, LayoutD*,
       kAlignD, typename Traits::EpilogueSchedule,
-      cutlass::epilogue::fusion::LinearCombination<ElementD, ElementAccumulator, ElementC,
-                                                   ElementAccumulator>>::CollectiveOp;
+      typename EpilogueFusion<ElementD, ElementC, ElementIn, typename Traits::TileShape, Bias>::type>::CollectiveOp;
 
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementIn, LayoutA*, kAlignIn,
@@ -154,9 +161,14 @@ struct GemmTypes {
     args.mainloop.dA = reinterpret_cast<StrideA*>(const_cast<int64_t*>(l.stride_a));
     args.mainloop.ptr_B = reinterpret_cast<ElementIn const**>(const_cast<void const**>(l.ptr_b));
     args.mainloop.dB = reinterpret_cast<StrideB*>(const_cast<int64_t*>(l.stride_b));
-    auto& fusion = args.epilogue.thread;
-    fusion.alpha = l.alpha;
-    fusion.beta = l.beta;
+    if constexpr (Bias) {
+      // {AccFetch, RowBroadcast {ptr_row, null_default, dRow}, Compute}
+      args.epilogue.thread = {{}, {reinterpret_cast<ElementIn const* const*>(l.ptr_bias), ElementIn(0), {}}, {}};
+    } else {
+      auto& fusion = args.epilogue.thread;
+      fusion.alpha = l.alpha;
+      fusion.beta = l.beta;
+    }
     if constexpr (kHasSource) {
       args.epilogue.ptr_C =
           reinterpret_cast<ElementC const**>(const_cast<void const**>(l.ptr_c));
@@ -174,20 +186,21 @@ struct GemmTypes {
 
 }  // namespace sm90
 
-template <DType In, DType Out, GemmPass Pass, TileConfig Tile>
-std::size_t GroupedGemmKernel<In, Out, Pass, Tile>::workspace_bytes(int sm_count) {
-  using Types = sm90::GemmTypes<In, Out, Pass, Tile>;
+template <DType In, DType Out, GemmPass Pass, TileConfig Tile, bool Bias>
+std::size_t GroupedGemmKernel<In, Out, Pass, Tile, Bias>::workspace_bytes(int sm_count) {
+  using Types = sm90::GemmTypes<In, Out, Pass, Tile, Bias>;
   GroupedGemmLaunch l;
   l.sm_count = sm_count;
   return Types::Gemm::get_workspace_size(Types::make_arguments(l));
 }
 
-template <DType In, DType Out, GemmPass Pass, TileConfig Tile>
-void GroupedGemmKernel<In, Out, Pass, Tile>::run(const GroupedGemmLaunch& l, cudaStream_t stream) {
-  using Types = sm90::GemmTypes<In, Out, Pass, Tile>;
+template <DType In, DType Out, GemmPass Pass, TileConfig Tile, bool Bias>
+void GroupedGemmKernel<In, Out, Pass, Tile, Bias>::run(const GroupedGemmLaunch& l, cudaStream_t stream) {
+  using Types = sm90::GemmTypes<In, Out, Pass, Tile, Bias>;
   using Gemm = typename Types::Gemm;
   GMOE_CHECK(Types::kHasSource || l.beta == 0.0f, "grouped GEMM: this instantiation has no source "
              "operand, but beta = ", l.beta);
+  GMOE_CHECK(!Bias || l.ptr_bias != nullptr, "grouped GEMM: a fused-bias kernel without bias pointers");
   const typename Gemm::Arguments args = Types::make_arguments(l);
   const std::size_t need = Gemm::get_workspace_size(args);
   GMOE_CHECK(l.workspace_bytes >= need, "grouped GEMM: workspace of ", l.workspace_bytes,

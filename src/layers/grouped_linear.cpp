@@ -7,6 +7,7 @@
 #include "common/backend.h"
 #include "common/checks.h"
 #include "gmoe/error.h"
+#include "gmoe/fp8_gemm.h"
 #include "gmoe/grouped_gemm.h"
 
 namespace gmoe {
@@ -21,14 +22,24 @@ struct GroupedLinearContext::State {
   TensorView dy;                // delayed: the caller's dy, by reference
   GroupedLinearGrads grads;     // delayed: where backward_dw writes, and the bias gradients
   void* event = nullptr;        // CUDA: recorded at the end of a delayed backward
+  // FP8 recipes: the columnwise copies the weight gradient reads (x's from forward unless
+  // save_original_input; dy's from backward when delayed).
+  Fp8GroupedTensor x_cols, dy_cols;
 
   ~State() {
     if (event != nullptr) cuda_backend::event_destroy(event);
   }
 
+  static void release_fp8(Fp8GroupedTensor& t, Stream stream) {
+    if (t.storage) t.storage->reset_on(stream);
+    t = Fp8GroupedTensor();
+  }
+
   // Releases what forward saved, ordered on the stream of the last work that read it.
   void release_saved(Stream stream) {
     x_copy.release_on(stream);
+    release_fp8(x_cols, stream);
+    release_fp8(dy_cols, stream);
     x = TensorView();
     dy = TensorView();
     active = false;
@@ -47,7 +58,50 @@ namespace {
 constexpr std::size_t kPackAlign = 256;  // every view in the packed gradient buffer is 256-byte aligned
 std::size_t align_up(std::size_t v) { return (v + kPackAlign - 1) / kPackAlign * kPackAlign; }
 
+Fp8Recipe fp8_recipe_of(LinearRecipe r) {
+  switch (r) {
+    case LinearRecipe::fp8_tensorwise: return Fp8Recipe::tensorwise;
+    case LinearRecipe::fp8_blockwise: return Fp8Recipe::blockwise;
+    case LinearRecipe::mxfp8: return Fp8Recipe::mxfp8;
+    case LinearRecipe::native: break;
+  }
+  GMOE_FAIL("recipe: ", linear_recipe_name(r), " is not an FP8 recipe");
+}
+
+// Points the views `slots` (planned by an fp8 layout, data == nullptr) into one allocation, each
+// 256-byte aligned. The rowwise and columnwise copies of one quantization get separate allocations
+// so that the rowwise one can go as soon as its GEMM has read it.
+std::shared_ptr<Buffer> place(std::initializer_list<TensorView*> slots, Allocator& alloc, Stream stream) {
+  std::size_t total = 0;
+  for (TensorView* v : slots) total += align_up(static_cast<std::size_t>(v->nbytes()));
+  auto buffer = std::make_shared<Buffer>(alloc, total, stream);
+  char* p = static_cast<char*>(buffer->data());
+  for (TensorView* v : slots) {
+    v->data = total == 0 ? nullptr : p;
+    p += align_up(static_cast<std::size_t>(v->nbytes()));
+  }
+  return buffer;
+}
+
 }  // namespace
+
+const char* linear_recipe_name(LinearRecipe recipe) {
+  switch (recipe) {
+    case LinearRecipe::native: return "native";
+    case LinearRecipe::fp8_tensorwise: return "fp8_tensorwise";
+    case LinearRecipe::fp8_blockwise: return "fp8_blockwise";
+    case LinearRecipe::mxfp8: return "mxfp8";
+  }
+  return "unknown";
+}
+
+LinearRecipe linear_recipe_from_name(const std::string& name) {
+  for (LinearRecipe r : {LinearRecipe::native, LinearRecipe::fp8_tensorwise, LinearRecipe::fp8_blockwise,
+                         LinearRecipe::mxfp8}) {
+    if (name == linear_recipe_name(r)) return r;
+  }
+  GMOE_FAIL("unknown recipe '", name, "': expected native, fp8_tensorwise, fp8_blockwise or mxfp8");
+}
 
 GroupedLinear::GroupedLinear(ExpertWeights weight, ExpertBias bias, GroupedLinearOptions options)
     : weight_(std::move(weight)), bias_(std::move(bias)), options_(std::move(options)) {
@@ -75,6 +129,48 @@ GroupedLinear::GroupedLinear(ExpertWeights weight, ExpertBias bias, GroupedLinea
                "options.expert_mask: expected i32[", weight_.num_experts(), "], got ", m.str());
     check_same_device(m.device, dev, "options.expert_mask");
   }
+  if (fp8()) {
+    const int r = static_cast<int>(options_.recipe);
+    GMOE_CHECK(r >= 0 && r <= static_cast<int>(LinearRecipe::mxfp8), "options.recipe: unknown value ", r);
+    GMOE_CHECK(dt == DType::bf16 || (dt == DType::f32 && dev.is_cpu()), "weight: the ",
+               linear_recipe_name(options_.recipe), " recipe needs bf16 weights (f32 on the CPU): its FP8 ",
+               "GEMMs write bf16; got ", dtype_name(dt));
+    GMOE_CHECK(options_.grad_format == DType::e4m3 || options_.grad_format == DType::e5m2,
+               "options.grad_format: expected e4m3 or e5m2, got ", dtype_name(options_.grad_format));
+    if (dev.is_cuda()) {
+      GMOE_CHECK(options_.grad_format == DType::e4m3 || options_.recipe == LinearRecipe::mxfp8,
+                 "options.grad_format: the CUDA ", linear_recipe_name(options_.recipe),
+                 " GEMMs take e4m3 gradients only (e5m2 works with mxfp8)");
+      GMOE_CHECK(weight_.rows() % 16 == 0 && weight_.cols() % 16 == 0, "weight: the CUDA FP8 GEMMs need ",
+                 "in_features and out_features that are multiples of 16, got [", weight_.rows(), ", ",
+                 weight_.cols(), "]");
+    }
+    // The cache lives as long as the layer, at one address (graph replays quantize into it).
+    Fp8Weights layout = fp8_weights_layout(num_experts(), out_features(), in_features(),
+                                           fp8_options(DType::e4m3, true, true), dev);
+    fp8_weight_.storage = place({&layout.data, &layout.scale_inv, &layout.data_t, &layout.scale_inv_t},
+                                allocator(), nullptr);
+    fp8_weight_.q = layout;
+    // Set-up, not the hot path: make the allocation (stream-ordered on the default stream) usable
+    // from every stream the layer will run on.
+    if (dev.is_cuda()) cuda_backend::stream_synchronize(nullptr);
+  }
+}
+
+Fp8QuantizeOptions GroupedLinear::fp8_options(DType format, bool rowwise, bool columnwise) const {
+  Fp8QuantizeOptions o;
+  o.recipe = fp8_recipe_of(options_.recipe);
+  o.format = format;
+  o.rowwise = rowwise;
+  o.columnwise = columnwise;
+  o.pow2_scales = options_.fp8_pow2_scales;
+  return o;
+}
+
+void GroupedLinear::quantize_weight(Stream stream) {
+  if (!fp8()) return;
+  quantize_weights(weight_, fp8_options(DType::e4m3, true, true), stream, &allocator(), &fp8_weight_.q);
+  fp8_weight_valid_ = true;
 }
 
 Allocator& GroupedLinear::allocator() const {
@@ -92,12 +188,34 @@ Tensor GroupedLinear::forward(const TensorView& x, const TensorView& counts, Gro
   const int64_t cap = x.size(0), N = out_features();
   Allocator& alloc = allocator();
   Tensor y = out.defined() ? Tensor::wrap(out) : Tensor::empty({cap, N}, x.dtype, alloc, stream);
-  grouped_gemm_fprop(x, weight_, counts, y, stream, &alloc);
-  if (bias_.defined()) grouped_bias_add(y, bias_, counts, stream, &alloc);
-
   st.device = x.device;
   st.counts = counts;
-  if (options_.save_original_input) {
+  if (fp8()) {
+    if (!fp8_weight_valid_) quantize_weight(stream);
+    // One pass: the rowwise copy for fprop, and the columnwise one that the weight gradient reads
+    // (unless x itself is kept), each in its own allocation.
+    const bool keep_cols = !options_.save_original_input;
+    Fp8Grouped q = fp8_grouped_layout(cap, x.size(1), num_experts(), fp8_options(DType::e4m3, true, keep_cols),
+                                      x.device);
+    Fp8GroupedTensor rows;  // (padded_offsets are always written: with the copy that is kept)
+    rows.storage = keep_cols ? place({&q.data, &q.scale_inv}, alloc, stream)
+                             : place({&q.data, &q.scale_inv, &q.padded_offsets}, alloc, stream);
+    if (keep_cols) st.x_cols.storage = place({&q.data_t, &q.scale_inv_t, &q.padded_offsets}, alloc, stream);
+    quantize_grouped(GroupedRows{x, counts}, fp8_options(DType::e4m3, true, keep_cols), stream, &alloc, &q);
+    fp8_grouped_gemm_fprop(q, fp8_weight_.q, counts, y, stream, &alloc);
+    if (keep_cols) {
+      st.x_cols.q = q;
+      st.x_cols.q.data = TensorView();
+      st.x_cols.q.scale_inv = TensorView();
+    }
+    if (bias_.defined()) grouped_bias_add(y, bias_, counts, stream, &alloc);
+  } else {
+    grouped_gemm_fprop(x, weight_, bias_, counts, y, stream, &alloc);  // the bias in the epilogue
+  }
+
+  if (fp8() && !options_.save_original_input) {
+    st.x = TensorView(nullptr, x.dtype, x.device, {cap, x.size(1)});  // shape only: x_cols is what is kept
+  } else if (options_.save_original_input) {
     st.x = x;
   } else {
     st.x_copy = Tensor::empty({cap, x.size(1)}, x.dtype, alloc, stream);
@@ -169,7 +287,16 @@ void GroupedLinear::compute_wgrad(GroupedLinearContext& ctx, GroupedLinearGrads&
   const bool main_grad = options_.main_grad.is_stacked() || !options_.main_grad.list.empty();
   opt.accumulate = main_grad && options_.accumulate;
   opt.expert_mask = options_.expert_mask;
-  grouped_gemm_wgrad(st.dy, st.x, st.counts, grads.weight, opt, stream, &allocator());
+  if (!fp8()) {
+    grouped_gemm_wgrad(st.dy, st.x, st.counts, grads.weight, opt, stream, &allocator());
+    return;
+  }
+  if (!st.x_cols.q.data_t.defined()) {
+    // save_original_input: x was kept in its own precision; quantize it along the tokens now.
+    st.x_cols = quantize_grouped(GroupedRows{st.x, st.counts}, fp8_options(DType::e4m3, false, true), stream,
+                                 &allocator());
+  }
+  fp8_grouped_gemm_wgrad(st.dy_cols.q, st.x_cols.q, st.counts, grads.weight, opt, stream, &allocator());
 }
 
 GroupedLinearBackward GroupedLinear::backward(GroupedLinearContext& ctx, const TensorView& dy, Stream stream,
@@ -184,7 +311,23 @@ GroupedLinearBackward GroupedLinear::backward(GroupedLinearContext& ctx, const T
   GroupedLinearBackward result;
   result.dx = dgrad_out.defined() ? Tensor::wrap(dgrad_out)
                                   : Tensor::empty({st.x.size(0), in_features()}, dy.dtype, alloc, stream);
-  grouped_gemm_dgrad(dy, weight_, st.counts, result.dx, stream, &alloc);
+  if (fp8()) {
+    GMOE_CHECK(dy.dtype == weight_.dtype(), "dy: expected dtype ", dtype_name(weight_.dtype()), " (the weight's), got ",
+               dtype_name(dy.dtype));
+    // One pass over dy: the rowwise copy for dgrad, the columnwise one for the weight gradient.
+    const Fp8QuantizeOptions qo = fp8_options(options_.grad_format, true, true);
+    Fp8Grouped q = fp8_grouped_layout(dy.size(0), dy.size(1), num_experts(), qo, dy.device);
+    Fp8GroupedTensor rows;
+    rows.storage = place({&q.data, &q.scale_inv}, alloc, stream);
+    st.dy_cols.storage = place({&q.data_t, &q.scale_inv_t, &q.padded_offsets}, alloc, stream);
+    quantize_grouped(GroupedRows{dy, st.counts}, qo, stream, &alloc, &q);
+    fp8_grouped_gemm_dgrad(q, fp8_weight_.q, st.counts, result.dx, stream, &alloc);
+    st.dy_cols.q = q;
+    st.dy_cols.q.data = TensorView();
+    st.dy_cols.q.scale_inv = TensorView();
+  } else {
+    grouped_gemm_dgrad(dy, weight_, st.counts, result.dx, stream, &alloc);
+  }
   GroupedLinearGrads grads = allocate_grads(stream);
   if (bias_.defined()) grouped_bias_grad(dy, st.counts, grads.bias, stream, &alloc);
   st.dy = dy;

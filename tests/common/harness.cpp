@@ -268,6 +268,7 @@ ExactResult exact_fprop(const HostTensor& x, const std::vector<HostTensor>& w,
   r.reduction = K;
   for (size_t e = 0; e < counts.size(); ++e) {
     const std::vector<double> wd = w[e].to_double();
+#pragma omp parallel for schedule(static)
     for (int64_t row = off[e]; row < off[e + 1]; ++row) {
       for (int64_t n = 0; n < N; ++n) {
         double s = 0, a = 0;
@@ -295,7 +296,8 @@ ExactResult exact_dgrad(const HostTensor& dy, const std::vector<HostTensor>& w,
   r.reduction = N;
   for (size_t e = 0; e < counts.size(); ++e) {
     const std::vector<double> wd = w[e].to_double();
-    for (int64_t row = off[e]; row < off[e + 1]; ++row) {
+#pragma omp parallel for schedule(static)
+    for (int64_t row = off[e]; row < off[e + 1]; ++row) {  // each row writes only its own outputs
       for (int64_t n = 0; n < N; ++n) {
         const double g = dyd[row * N + n];
         for (int64_t k = 0; k < K; ++k) {
@@ -330,8 +332,10 @@ ExactResult exact_wgrad(const HostTensor& dy, const HostTensor& x, const std::ve
       }
     }
     if (skip) continue;
-    for (int64_t row = off[e]; row < off[e + 1]; ++row) {
-      for (int64_t n = 0; n < N; ++n) {
+    // Each n owns one output row; the sum over the expert's rows keeps its order.
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; ++n) {
+      for (int64_t row = off[e]; row < off[e + 1]; ++row) {
         const double g = dyd[row * N + n];
         for (int64_t k = 0; k < K; ++k) {
           v[n * K + k] += g * xd[row * K + k];

@@ -43,6 +43,15 @@ TEST(Errors, ShapeMismatch) {
   GMOE_EXPECT_ERROR(grouped_gemm_fprop(s.p.x.view(), ExpertWeights::from_list(list), s.p.counts.view(),
                                        s.y.view()),
                     "w[3]", "shape of expert 0");
+  // A bias of the wrong length, or for the wrong number of experts.
+  HostTensor bias_bad(DType::bf16, {s.c.E, s.c.N + 1});
+  GMOE_EXPECT_ERROR(grouped_gemm_fprop(s.p.x.view(), s.w(), ExpertBias::from_grouped(bias_bad.view()),
+                                       s.p.counts.view(), s.y.view()),
+                    "bias", "expected");
+  HostTensor bias_few(DType::bf16, {s.c.E - 1, s.c.N});
+  GMOE_EXPECT_ERROR(grouped_gemm_fprop(s.p.x.view(), s.w(), ExpertBias::from_grouped(bias_few.view()),
+                                       s.p.counts.view(), s.y.view()),
+                    "bias", "experts");
   // Nothing was written by any refused call.
   for (int64_t i = 0; i < s.y.numel(); ++i) ASSERT_TRUE(std::isnan(s.y.get(i)));
 }

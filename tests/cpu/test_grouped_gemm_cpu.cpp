@@ -3,6 +3,7 @@
 // outputs in the input dtype and f32, wgrad overwrite/accumulate with and without an expert mask.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <tuple>
 
 #include "common/gemm_fixture.h"
@@ -32,6 +33,55 @@ TEST_P(CpuGroupedGemm, Fprop) {
     grouped_gemm_fprop(p.x.view(), p.weights(layout()), p.counts.view(), y.view());
     EXPECT_TRUE(within_reference_bound(y.to_double(), exact, out_dtype,
                                        std::string("fprop out ") + dtype_name(out_dtype)));
+  }
+}
+
+// fprop with a bias (grouped [E, N] or a list; dtype of x or f32). bf16 with a bf16 bias: added
+// before the one rounding (the exact result includes it, and so does the reference bound's
+// Σ|terms|); other dtypes: the GEMM's output rounded, then the bias added and rounded again (the
+// first rounding is of the GEMM's result, which the bias may cancel: bounded by Σ|terms|).
+TEST_P(CpuGroupedGemm, FpropWithBias) {
+  Rng rng;
+  const ShapeCase c = make(rng);
+  const GemmProblem p(c, dtype(), rng);
+  HostTensor bias(rng.integer(0, 1) ? dtype() : DType::f32, {c.E, c.N});
+  fill_random(bias, rng);
+  std::vector<HostTensor> rows;
+  for (int64_t e = 0; e < c.E; ++e) {
+    HostTensor v(bias.dtype(), {c.N});
+    for (int64_t n = 0; n < c.N; ++n) v.set(n, bias.get(e * c.N + n));
+    rows.push_back(std::move(v));
+  }
+  std::vector<TensorView> list;
+  for (const HostTensor& v : rows) list.push_back(v.view());
+  const bool as_list = rng.integer(0, 1) == 1;
+  const ExpertBias b = as_list ? ExpertBias::from_list(list) : ExpertBias::from_grouped(bias.view());
+  ExactResult exact = exact_fprop(p.x, p.w, c.counts);
+  int64_t row = 0;
+  for (int64_t e = 0; e < c.E; ++e) {
+    for (int64_t r = 0; r < c.counts[e]; ++r, ++row) {
+      for (int64_t n = 0; n < c.N; ++n) {
+        exact.value[row * c.N + n] += bias.get(e * c.N + n);
+        exact.abs_sum[row * c.N + n] += std::abs(bias.get(e * c.N + n));
+      }
+    }
+  }
+  HostTensor y(dtype(), {c.capacity, c.N});
+  poison(y);
+  grouped_gemm_fprop(p.x.view(), p.weights(layout()), b, p.counts.view(), y.view());
+  const std::string what =
+      std::string("fprop + bias (") + (as_list ? "list " : "grouped ") + dtype_name(bias.dtype()) + ")";
+  if (dtype() == DType::bf16 && bias.dtype() == DType::bf16) {
+    EXPECT_TRUE(within_reference_bound(y.to_double(), exact, dtype(), what));
+  } else {
+    const std::vector<double> got = y.to_double();
+    const double u = unit_roundoff(dtype());
+    for (size_t i = 0; i < got.size(); ++i) {
+      // The GEMM's rounding (|gemm| <= Σ|terms|), the second rounding, f32 accumulation.
+      const double bound = u * exact.abs_sum[i] + u * std::abs(exact.value[i]) +
+                           (double(exact.reduction) + 2) * std::ldexp(1.0, -24) * exact.abs_sum[i] + 1e-30;
+      ASSERT_LE(std::abs(got[i] - exact.value[i]), bound) << what << ": element " << i;
+    }
   }
 }
 

@@ -6,6 +6,8 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <functional>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -42,6 +44,67 @@ inline std::string missing_gpu_reason() {
     const std::string reason_ = ::gmoe::test::missing_gpu_reason();     \
     if (!reason_.empty()) GTEST_SKIP() << reason_;                      \
   } while (0)
+
+/// Throws (a test failure) when a CUDA call of test set-up code fails.
+inline void test_cuda_check(cudaError_t status, const char* what) {
+  if (status != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(status));
+}
+
+/// Two non-blocking streams and an event that joins the second back into the first: the set-up of
+/// tests that run delayed weight gradients on a side stream. Destroyed at scope exit.
+class ForkedStreams {
+ public:
+  ForkedStreams() {
+    test_cuda_check(cudaStreamCreateWithFlags(&main_, cudaStreamNonBlocking), "cudaStreamCreate");
+    test_cuda_check(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking), "cudaStreamCreate");
+    test_cuda_check(cudaEventCreateWithFlags(&joined_, cudaEventDisableTiming), "cudaEventCreate");
+  }
+  ~ForkedStreams() {
+    cudaEventDestroy(joined_);
+    cudaStreamDestroy(side_);
+    cudaStreamDestroy(main_);
+  }
+  ForkedStreams(const ForkedStreams&) = delete;
+  ForkedStreams& operator=(const ForkedStreams&) = delete;
+  cudaStream_t main() const { return main_; }
+  cudaStream_t side() const { return side_; }
+  /// Orders what was enqueued on side() so far before what is enqueued on main() next (capturable).
+  void join() const {
+    test_cuda_check(cudaEventRecord(joined_, side_), "cudaEventRecord");
+    test_cuda_check(cudaStreamWaitEvent(main_, joined_, 0), "cudaStreamWaitEvent");
+  }
+
+ private:
+  cudaStream_t main_ = nullptr, side_ = nullptr;
+  cudaEvent_t joined_ = nullptr;
+};
+
+/// What `work` enqueues on `stream`, captured once in global capture mode (which fails on any host
+/// sync inside) and instantiated. Destroyed at scope exit.
+class CapturedGraph {
+ public:
+  CapturedGraph(cudaStream_t stream, const std::function<void()>& work) {
+    test_cuda_check(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), "cudaStreamBeginCapture");
+    work();
+    test_cuda_check(cudaStreamEndCapture(stream, &graph_), "cudaStreamEndCapture (a host sync inside?)");
+    test_cuda_check(cudaGraphInstantiate(&exec_, graph_, 0), "cudaGraphInstantiate");
+  }
+  ~CapturedGraph() {
+    if (exec_ != nullptr) cudaGraphExecDestroy(exec_);
+    if (graph_ != nullptr) cudaGraphDestroy(graph_);
+  }
+  CapturedGraph(const CapturedGraph&) = delete;
+  CapturedGraph& operator=(const CapturedGraph&) = delete;
+  /// One replay on `stream`, waited for.
+  void replay(cudaStream_t stream) const {
+    test_cuda_check(cudaGraphLaunch(exec_, stream), "cudaGraphLaunch");
+    test_cuda_check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+  }
+
+ private:
+  cudaGraph_t graph_ = nullptr;
+  cudaGraphExec_t exec_ = nullptr;
+};
 
 /// An owning device copy of a contiguous host tensor (cudaMalloc: test code, not the hot path).
 class DeviceTensor {

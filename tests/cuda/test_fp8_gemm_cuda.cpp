@@ -23,67 +23,12 @@
 #include "common/gemm_fixture.h"
 #include "common/harness.h"
 #include "cuda/cuda_test_util.h"
+#include "cuda/fp8_device.h"
 #include "gmoe/error.h"
 #include "gmoe/fp8_gemm.h"
 
 namespace gmoe::test {
 namespace {
-
-// ---------------------------------------------------------------------------------------------
-// Device copies of host FP8 operands.
-
-HostTensor copy_of(const TensorView& v) {
-  std::vector<int64_t> shape(v.shape.begin(), v.shape.begin() + v.ndim);
-  HostTensor t(v.dtype, shape);
-  if (v.nbytes() > 0) std::memcpy(t.data(), v.data, static_cast<size_t>(v.nbytes()));
-  return t;
-}
-
-// Owns the device memory behind a device Fp8Grouped / Fp8Weights; upload() rewrites it in place
-// (same shapes), so a captured graph sees new operands.
-class DeviceFp8 {
- public:
-  TensorView add(const TensorView& host) {
-    if (!host.defined()) return TensorView();
-    tensors_.push_back(std::make_unique<DeviceTensor>(copy_of(host)));
-    return tensors_.back()->view();
-  }
-  void reupload(size_t i, const TensorView& host) { tensors_[i]->upload(copy_of(host)); }
-
- private:
-  std::vector<std::unique_ptr<DeviceTensor>> tensors_;
-};
-
-struct DeviceGrouped {
-  DeviceFp8 mem;
-  Fp8Grouped q;
-  explicit DeviceGrouped(const Fp8Grouped& h) : q(h) {
-    q.data = mem.add(h.data);
-    q.scale_inv = mem.add(h.scale_inv);
-    q.data_t = mem.add(h.data_t);
-    q.scale_inv_t = mem.add(h.scale_inv_t);
-    q.padded_offsets = mem.add(h.padded_offsets);
-  }
-  void upload(const Fp8Grouped& h) {
-    const TensorView views[] = {h.data, h.scale_inv, h.data_t, h.scale_inv_t, h.padded_offsets};
-    for (size_t i = 0; i < 5; ++i) mem.reupload(i, views[i]);
-  }
-};
-
-struct DeviceWeights {
-  DeviceFp8 mem;
-  Fp8Weights q;
-  explicit DeviceWeights(const Fp8Weights& h) : q(h) {
-    q.data = mem.add(h.data);
-    q.scale_inv = mem.add(h.scale_inv);
-    q.data_t = mem.add(h.data_t);
-    q.scale_inv_t = mem.add(h.scale_inv_t);
-  }
-  void upload(const Fp8Weights& h) {
-    const TensorView views[] = {h.data, h.scale_inv, h.data_t, h.scale_inv_t};
-    for (size_t i = 0; i < 4; ++i) mem.reupload(i, views[i]);
-  }
-};
 
 // ---------------------------------------------------------------------------------------------
 // Tolerances.
@@ -492,12 +437,7 @@ TEST(CudaFp8GemmGraph, CaptureOnceReplayUnderChangingCounts) {
     };
     layer();  // eager once first: module loading and attribute setting happen outside capture
     GMOE_TEST_CUDA(cudaStreamSynchronize(stream));
-    cudaGraph_t graph = nullptr;
-    GMOE_TEST_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-    layer();
-    GMOE_TEST_CUDA(cudaStreamEndCapture(stream, &graph));
-    cudaGraphExec_t exec = nullptr;
-    GMOE_TEST_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+    const CapturedGraph graph(stream, layer);
 
     for (const std::vector<int64_t>& routing : routings) {
       SCOPED_TRACE("routing " + ::testing::PrintToString(routing));
@@ -508,8 +448,7 @@ TEST(CudaFp8GemmGraph, CaptureOnceReplayUnderChangingCounts) {
       w.upload(p.w.q);
       counts.upload(p.base.counts);
       poison_outputs();
-      GMOE_TEST_CUDA(cudaGraphLaunch(exec, stream));
-      GMOE_TEST_CUDA(cudaStreamSynchronize(stream));
+      graph.replay(stream);
       check_device_errors(stream);
       const HostTensor y_g = y.download(), dx_g = dx.download(), dw_g = dw.download();
 
@@ -530,8 +469,6 @@ TEST(CudaFp8GemmGraph, CaptureOnceReplayUnderChangingCounts) {
       EXPECT_TRUE(within_bound(values_of(dw_g), edw.value, tight_bound(edw, DType::f32),
                                "wgrad replay"));
     }
-    GMOE_TEST_CUDA(cudaGraphExecDestroy(exec));
-    GMOE_TEST_CUDA(cudaGraphDestroy(graph));
     GMOE_TEST_CUDA(cudaStreamDestroy(stream));
   }
 }

@@ -333,12 +333,10 @@ TEST(CudaFp8Graph, CaptureOnceReplayUnderChangingCounts) {
     o.rowwise = o.columnwise = true;
     std::vector<DeviceTensor> keep;
     const Fp8Grouped out = device_outputs(fp8_grouped_layout(cap, cols, E, o, Device::cuda(0)), keep);
-    cudaGraph_t graph = nullptr;
-    GMOE_TEST_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-    const Fp8GroupedTensor captured = quantize_grouped({xd.view(), counts_d.view()}, o, stream, nullptr, &out);
-    GMOE_TEST_CUDA(cudaStreamEndCapture(stream, &graph));
-    cudaGraphExec_t exec = nullptr;
-    GMOE_TEST_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+    Fp8GroupedTensor captured;
+    const CapturedGraph graph(stream, [&] {
+      captured = quantize_grouped({xd.view(), counts_d.view()}, o, stream, nullptr, &out);
+    });
     for (const std::vector<int64_t>& routing : routings) {
       SCOPED_TRACE("routing " + ::testing::PrintToString(routing));
       const HostTensor counts_h = make_counts(routing);
@@ -347,14 +345,11 @@ TEST(CudaFp8Graph, CaptureOnceReplayUnderChangingCounts) {
         const HostTensor h = t.download();
         if (!h.bytes().empty()) cudaMemset(t.data(), 0xa5, h.bytes().size());
       }
-      GMOE_TEST_CUDA(cudaGraphLaunch(exec, stream));
-      GMOE_TEST_CUDA(cudaStreamSynchronize(stream));
+      graph.replay(stream);
       check_device_errors(stream);
       const Fp8GroupedTensor cpu = quantize_grouped({x.view(), counts_h.view()}, o);
       expect_same(captured.q, cpu.q, o);
     }
-    GMOE_TEST_CUDA(cudaGraphExecDestroy(exec));
-    GMOE_TEST_CUDA(cudaGraphDestroy(graph));
   }
   GMOE_TEST_CUDA(cudaStreamDestroy(stream));
 }
@@ -400,46 +395,6 @@ TEST(CudaFp8Errors, DeviceCountErrorsAndBadArguments) {
   out = Fp8Grouped{};
   out.data = host_out.view();
   GMOE_EXPECT_ERROR(quantize_grouped({xd.view(), counts_d.view()}, o, nullptr, nullptr, &out), "out.data", "cpu");
-}
-
-TEST(CudaFp8Throughput, LargeBlockwiseRowsAndColumns) {
-  // Not a benchmark (gmoe-bench is): one line of bytes moved per second for the big shape.
-  GMOE_SKIP_WITHOUT_GPU();
-  Rng rng;
-  const int64_t E = 8, cap = 16384, cols = 4096;
-  const std::vector<int64_t> counts_v = zipf_counts(E, cap - 100, 1.0, 8, rng);
-  HostTensor x(DType::bf16, {cap, cols});
-  fill_random(x, rng);
-  const DeviceTensor xd(x), counts_d(make_counts(counts_v));
-  for (Fp8Recipe recipe : {Fp8Recipe::blockwise, Fp8Recipe::mxfp8, Fp8Recipe::tensorwise}) {
-    Fp8QuantizeOptions o;
-    o.recipe = recipe;
-    o.rowwise = o.columnwise = true;
-    std::vector<DeviceTensor> keep;
-    const Fp8Grouped out = device_outputs(fp8_grouped_layout(cap, cols, E, o, Device::cuda(0)), keep);
-    for (int i = 0; i < 3; ++i) quantize_grouped({xd.view(), counts_d.view()}, o, nullptr, nullptr, &out);
-    cudaEvent_t a, b;
-    cudaEventCreate(&a);
-    cudaEventCreate(&b);
-    const int iters = 20;
-    cudaEventRecord(a);
-    for (int i = 0; i < iters; ++i) quantize_grouped({xd.view(), counts_d.view()}, o, nullptr, nullptr, &out);
-    cudaEventRecord(b);
-    ASSERT_EQ(cudaEventSynchronize(b), cudaSuccess);
-    float ms = 0;
-    cudaEventElapsedTime(&ms, a, b);
-    const double us = 1000.0 * ms / iters;
-    const int64_t P = fp8_padded_capacity(cap, E);
-    const double scale_bytes = recipe == Fp8Recipe::mxfp8 ? (cap * cols + cols * P) / 32.0
-                               : recipe == Fp8Recipe::blockwise ? 4.0 * (cap * cols + cols * P) / 128.0 : 0;
-    const double bytes = (recipe == Fp8Recipe::tensorwise ? 2 : 1) * 2.0 * cap * cols +  // source read(s)
-                         1.0 * cap * cols + 1.0 * cols * P + scale_bytes;                 // data, data_t, scales
-    std::printf("[ fp8 quantize ] %s bf16 [%lld, %lld] E=%lld rows+cols: %.1f us, %.0f GB/s\n", fp8_recipe_name(recipe),
-                static_cast<long long>(cap), static_cast<long long>(cols), static_cast<long long>(E), us,
-                bytes / (us * 1e3));
-    cudaEventDestroy(a);
-    cudaEventDestroy(b);
-  }
 }
 
 }  // namespace

@@ -71,6 +71,54 @@ void check_fprop(const ShapeCase& c, DType dtype, Layout layout, Rng& rng) {
                           exact_fprop(p.x, p.w, c.counts).value, kAtol, "fprop"));
 }
 
+// fprop with a bias (grouped or list, dtype of x or f32) against the CPU reference, which adds it
+// the same way (bf16 with a bf16 bias: before the one rounding, fused into the CUDA epilogue; other
+// combinations: after the GEMM's rounding, in a second pass on CUDA): the rule as for plain fprop.
+void check_fprop_bias(const ShapeCase& c, DType dtype, Layout layout, Rng& rng, bool bias_of_x_dtype = false) {
+  const GemmProblem p(c, dtype, rng);
+  const DType bias_dtype = !bias_of_x_dtype && rng.integer(0, 2) == 0 ? DType::f32 : dtype;
+  HostTensor bias(bias_dtype, {c.E, c.N});
+  fill_random(bias, rng);
+  const bool as_list = rng.integer(0, 1) == 1;
+  std::vector<HostTensor> rows_h;
+  std::vector<DeviceTensor> rows_d;
+  std::vector<TensorView> list_h, list_d;
+  for (int64_t e = 0; e < c.E; ++e) {
+    HostTensor v(bias_dtype, {c.N});
+    for (int64_t n = 0; n < c.N; ++n) v.set(n, bias.get(e * c.N + n));
+    rows_d.emplace_back(v);
+    rows_h.push_back(std::move(v));
+  }
+  for (size_t e = 0; e < rows_h.size(); ++e) {
+    list_h.push_back(rows_h[e].view());
+    list_d.push_back(rows_d[e].view());
+  }
+  DeviceTensor bias_d(bias);
+  HostTensor own(dtype, {c.capacity, c.N});
+  grouped_gemm_fprop(p.x.view(), p.weights(layout),
+                     as_list ? ExpertBias::from_list(list_h) : ExpertBias::from_grouped(bias.view()),
+                     p.counts.view(), own.view());
+  DeviceTensor x(p.x), counts(p.counts);
+  DeviceExperts w(p.w_stacked, p.w, layout);
+  HostTensor y_host(dtype, {c.capacity, c.N});
+  poison(y_host);
+  DeviceTensor y(y_host);
+  grouped_gemm_fprop(x.view(), w.view(),
+                     as_list ? ExpertBias::from_list(list_d) : ExpertBias::from_grouped(bias_d.view()),
+                     counts.view(), y.view());
+  GMOE_TEST_CUDA(cudaDeviceSynchronize());
+  check_device_errors(nullptr);
+  std::vector<double> exact = exact_fprop(p.x, p.w, c.counts).value;
+  int64_t row = 0;
+  for (int64_t e = 0; e < c.E; ++e)
+    for (int64_t r = 0; r < c.counts[e]; ++r, ++row)
+      for (int64_t n = 0; n < c.N; ++n) exact[row * c.N + n] += bias.get(e * c.N + n);
+  const bool fused = dtype == DType::bf16 && bias_dtype == DType::bf16;
+  EXPECT_TRUE(within_rule(y.download().to_double(), own.to_double(), exact, kAtol,
+                          std::string("fprop + bias (") + (as_list ? "list " : "grouped ") +
+                              dtype_name(bias_dtype) + (fused ? ", fused)" : ", second pass)")));
+}
+
 void check_dgrad(const ShapeCase& c, DType dtype, Layout layout, Rng& rng) {
   const GemmProblem p(c, dtype, rng, rng.integer(0, 1) ? DType::i32 : DType::i64);
   HostTensor own(dtype, {c.capacity, c.K});
@@ -165,6 +213,11 @@ TEST_P(CudaGroupedGemm, Fprop) {
   check_fprop(make(rng), dtype(), layout(), rng);
 }
 
+TEST_P(CudaGroupedGemm, FpropWithBias) {
+  Rng rng;
+  check_fprop_bias(make(rng), dtype(), layout(), rng);
+}
+
 TEST_P(CudaGroupedGemm, Dgrad) {
   Rng rng;
   check_dgrad(make(rng), dtype(), layout(), rng);
@@ -216,6 +269,7 @@ TEST(CudaGroupedGemmTiles, CooperativeRowsTile) {
   c.counts = zipf_counts(c.E, c.E * 160, 0.6, 8, rng);
   c.capacity = c.total() + 3;
   check_fprop(c, DType::bf16, Layout::kStacked, rng);
+  check_fprop_bias(c, DType::bf16, Layout::kStacked, rng, true);  // the fused cooperative kernel
   c.N = 128;  // dgrad's GEMM N is K: swap so that it also has 4 tiles along N
   c.K = 1024;
   check_dgrad(c, DType::f16, Layout::kList, rng);
@@ -414,20 +468,14 @@ TEST(CudaGroupedGemmGraph, CaptureOnceReplayUnderChangingCounts) {
 
   layer();  // eager once first: module loading and attribute setting happen outside capture
   GMOE_TEST_CUDA(cudaStreamSynchronize(stream));
-  cudaGraph_t graph = nullptr;
-  GMOE_TEST_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-  layer();
-  GMOE_TEST_CUDA(cudaStreamEndCapture(stream, &graph));
-  cudaGraphExec_t exec = nullptr;
-  GMOE_TEST_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  const CapturedGraph graph(stream, layer);
 
   for (const std::vector<int64_t>& routing : routings) {
     SCOPED_TRACE("routing " + ::testing::PrintToString(routing));
     const HostTensor counts_h = make_counts(routing);
     counts.upload(counts_h);
     poison_outputs();
-    GMOE_TEST_CUDA(cudaGraphLaunch(exec, stream));
-    GMOE_TEST_CUDA(cudaStreamSynchronize(stream));
+    graph.replay(stream);
     check_device_errors(stream);
     const HostTensor y_g = y.download(), dx_g = dx.download(), dw_g = dw.download();
 
@@ -451,8 +499,6 @@ TEST(CudaGroupedGemmGraph, CaptureOnceReplayUnderChangingCounts) {
     EXPECT_TRUE(within_rule(dw_g.to_double(), dw_ref.to_double(), exact_dw.value,
                             atol_for(DType::f32, exact_dw), "wgrad replay"));
   }
-  GMOE_TEST_CUDA(cudaGraphExecDestroy(exec));
-  GMOE_TEST_CUDA(cudaGraphDestroy(graph));
   GMOE_TEST_CUDA(cudaStreamDestroy(stream));
 }
 

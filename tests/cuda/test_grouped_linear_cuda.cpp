@@ -85,9 +85,8 @@ TEST_P(CudaGroupedLinear, MatchesReferenceAndDelayedIsBitwiseImmediate) {
   const Biases bias(c.E, c.N, bias_list, rng);
   DeviceTensor x(p.x), dy(p.dy), counts(p.counts);
   DeviceExperts w(p.w_stacked, p.w, layout);
-  cudaStream_t s1, s2;
-  GMOE_TEST_CUDA(cudaStreamCreateWithFlags(&s1, cudaStreamNonBlocking));
-  GMOE_TEST_CUDA(cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking));
+  const ForkedStreams streams;
+  const cudaStream_t s1 = streams.main(), s2 = streams.side();
 
   struct Out {
     std::vector<double> y, dx, dw, db;
@@ -144,8 +143,6 @@ TEST_P(CudaGroupedLinear, MatchesReferenceAndDelayedIsBitwiseImmediate) {
     for (int64_t n = 0; n < c.N; ++n) ASSERT_EQ(now.db[e * c.N + n], 0.0) << "db of empty expert " << e;
     for (int64_t i = 0; i < c.N * c.K; ++i) ASSERT_EQ(now.dw[e * c.N * c.K + i], 0.0) << "dW of empty expert " << e;
   }
-  GMOE_TEST_CUDA(cudaStreamDestroy(s1));
-  GMOE_TEST_CUDA(cudaStreamDestroy(s2));
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, CudaGroupedLinear,
@@ -200,18 +197,14 @@ TEST(CudaGroupedLinearGraph, CaptureForwardBackwardDwOnceReplayUnderChangingCoun
   opt.expert_mask = mask.view();
   opt.wgrad_hook = [&](const GroupedLinearGrads&, Stream) { ++hooks; };
   GroupedLinear layer(w.view(), bias.device(), opt);
-  cudaStream_t s1, s2;
-  cudaEvent_t joined;
-  GMOE_TEST_CUDA(cudaStreamCreateWithFlags(&s1, cudaStreamNonBlocking));
-  GMOE_TEST_CUDA(cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking));
-  GMOE_TEST_CUDA(cudaEventCreateWithFlags(&joined, cudaEventDisableTiming));
+  const ForkedStreams streams;
+  const cudaStream_t s1 = streams.main();
   auto step = [&] {
     GroupedLinearContext ctx;
     layer.forward(x.view(), counts.view(), ctx, s1, y.view());
     layer.backward(ctx, dy.view(), s1, dx.view());
-    layer.backward_dw(ctx, s2);
-    GMOE_TEST_CUDA(cudaEventRecord(joined, s2));  // join s2 back into s1
-    GMOE_TEST_CUDA(cudaStreamWaitEvent(s1, joined, 0));
+    layer.backward_dw(ctx, streams.side());
+    streams.join();
   };
   auto reset = [&] {
     y.upload(y0);
@@ -220,20 +213,14 @@ TEST(CudaGroupedLinearGraph, CaptureForwardBackwardDwOnceReplayUnderChangingCoun
   };
   step();  // eager once: module loading outside capture
   GMOE_TEST_CUDA(cudaDeviceSynchronize());
-  cudaGraph_t graph;
-  GMOE_TEST_CUDA(cudaStreamBeginCapture(s1, cudaStreamCaptureModeGlobal));
-  step();
-  GMOE_TEST_CUDA(cudaStreamEndCapture(s1, &graph));
-  cudaGraphExec_t exec;
-  GMOE_TEST_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  const CapturedGraph graph(s1, step);
   EXPECT_EQ(hooks, 2) << "the hook fires at capture time too (it is host code)";
 
   for (const auto& routing : routings) {
     SCOPED_TRACE("routing " + ::testing::PrintToString(routing));
     counts.upload(make_counts(routing));
     reset();
-    GMOE_TEST_CUDA(cudaGraphLaunch(exec, s1));
-    GMOE_TEST_CUDA(cudaStreamSynchronize(s1));
+    graph.replay(s1);
     check_device_errors(s1);
     const std::vector<double> gy = values(y.view()), gdx = values(dx.view()), gdw = main_grad.to_double();
     reset();
@@ -250,11 +237,6 @@ TEST(CudaGroupedLinearGraph, CaptureForwardBackwardDwOnceReplayUnderChangingCoun
     }
     for (double v : gy) ASSERT_FALSE(std::isnan(v)) << "unwritten output row";
   }
-  GMOE_TEST_CUDA(cudaGraphExecDestroy(exec));
-  GMOE_TEST_CUDA(cudaGraphDestroy(graph));
-  GMOE_TEST_CUDA(cudaEventDestroy(joined));
-  GMOE_TEST_CUDA(cudaStreamDestroy(s1));
-  GMOE_TEST_CUDA(cudaStreamDestroy(s2));
 }
 
 }  // namespace

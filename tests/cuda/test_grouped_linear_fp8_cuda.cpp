@@ -1,0 +1,187 @@
+// tests/cuda/test_grouped_linear_fp8_cuda.cpp — GroupedLinear with the FP8 recipes on the CUDA
+// backend. The layer quantizes inside; the quantizer is bit-exact between the backends, so the
+// layer must give BITWISE the results of the CUDA ops run on the operands quantized on the host by
+// tests/common/fp8_fixture.h (fprop + bias add, dgrad, wgrad, bias gradient): immediate, delayed on
+// a second stream, and with save_original_input. dx and dW are also checked against the
+// unquantized bf16 source within the recipe's documented bound. A CUDA graph of forward + backward
+// + backward_dw with the weights quantized inside it, replayed under changing counts and changing
+// weights, is bitwise equal to eager runs.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <string>
+#include <tuple>
+
+#include "common/fp8_fixture.h"
+#include "common/gemm_fixture.h"
+#include "common/harness.h"
+#include "cuda/cuda_test_util.h"
+#include "cuda/fp8_device.h"
+#include "gmoe/fp8_gemm.h"
+#include "gmoe/grouped_linear.h"
+
+namespace gmoe::test {
+namespace {
+
+Fp8Recipe fp8_of(LinearRecipe r) {
+  return r == LinearRecipe::fp8_tensorwise ? Fp8Recipe::tensorwise
+         : r == LinearRecipe::fp8_blockwise ? Fp8Recipe::blockwise
+                                            : Fp8Recipe::mxfp8;
+}
+
+std::vector<double> values(const TensorView& v) {
+  HostTensor h(v.dtype, {v.numel()});
+  if (!h.bytes().empty()) EXPECT_EQ(cudaMemcpy(h.data(), v.data, h.bytes().size(), cudaMemcpyDeviceToHost), cudaSuccess);
+  return h.to_double();
+}
+std::vector<double> values(const ExpertWeights& w) {
+  std::vector<double> out;
+  for (int64_t e = 0; e < w.num_experts(); ++e) {
+    const std::vector<double> v = values(w.expert(e));
+    out.insert(out.end(), v.begin(), v.end());
+  }
+  return out;
+}
+
+using Param = std::tuple<LinearRecipe, std::string>;
+class CudaGroupedLinearFp8 : public ::testing::TestWithParam<Param> {};
+
+TEST_P(CudaGroupedLinearFp8, BitwiseTheOpCompositionAndWithinTheRecipeBound) {
+  GMOE_SKIP_WITHOUT_GPU();
+  const auto [recipe, case_name] = GetParam();
+  Rng rng;
+  const ShapeCase c = make_case(case_name, rng, CaseScale::kLarge);
+  const Fp8Problem p(c, fp8_of(recipe), rng);
+  const GemmProblem& base = p.base;
+  HostTensor bias_h(DType::bf16, {c.E, c.N});
+  fill_random(bias_h, rng);
+  DeviceTensor x(base.x), dy(base.dy), counts(base.counts), bias(bias_h);
+  DeviceExperts w(base.w_stacked, base.w, Layout::kStacked);
+  const ExpertBias bias_v = ExpertBias::from_grouped(bias.view());
+
+  // The CUDA ops on the host-quantized operands.
+  DeviceGrouped qx(p.x.q), qdy(p.dy.q);
+  DeviceWeights qw(p.w.q);
+  DeviceTensor y_ref(DType::bf16, {c.capacity, c.N}), dx_ref(DType::bf16, {c.capacity, c.K});
+  DeviceTensor dw_ref(DType::bf16, {c.E, c.N, c.K}), db_ref(DType::bf16, {c.E, c.N});
+  fp8_grouped_gemm_fprop(qx.q, qw.q, counts.view(), y_ref.view());
+  grouped_bias_add(y_ref.view(), bias_v, counts.view());
+  fp8_grouped_gemm_dgrad(qdy.q, qw.q, counts.view(), dx_ref.view());
+  fp8_grouped_gemm_wgrad(qdy.q, qx.q, counts.view(), ExpertWeights::from_stacked(dw_ref.view()));
+  grouped_bias_grad(dy.view(), counts.view(), ExpertBias::from_grouped(db_ref.view()));
+  GMOE_TEST_CUDA(cudaDeviceSynchronize());
+  const std::vector<double> want_y = values(y_ref.view()), want_dx = values(dx_ref.view()),
+                            want_dw = values(dw_ref.view()), want_db = values(db_ref.view());
+
+  const ForkedStreams streams;
+  const cudaStream_t s1 = streams.main(), s2 = streams.side();
+  for (bool save_original : {false, true}) {
+    for (bool delayed : {false, true}) {
+      SCOPED_TRACE(std::string(save_original ? "save_original_input " : "saved fp8 copy ") +
+                   (delayed ? "delayed (second stream)" : "immediate"));
+      int hooks = 0;
+      GroupedLinearOptions opt;
+      opt.recipe = recipe;
+      opt.save_original_input = save_original;
+      opt.delay_wgrad = delayed;
+      opt.wgrad_hook = [&hooks](const GroupedLinearGrads&, Stream) { ++hooks; };
+      GroupedLinear layer(w.view(), bias_v, opt);
+      GroupedLinearContext ctx;
+      Tensor y = layer.forward(x.view(), counts.view(), ctx, s1);
+      GroupedLinearBackward b = layer.backward(ctx, dy.view(), s1);
+      const GroupedLinearGrads g = delayed ? layer.backward_dw(ctx, s2) : b.grads;
+      GMOE_TEST_CUDA(cudaDeviceSynchronize());
+      check_device_errors(s1);
+      EXPECT_EQ(hooks, 1);
+      EXPECT_EQ(values(y.view()), want_y) << "y";
+      EXPECT_EQ(values(b.dx.view()), want_dx) << "dx";
+      EXPECT_EQ(values(g.weight), want_dw) << "dW";
+      EXPECT_EQ(values(b.grads.bias.grouped), want_db) << "db";
+    }
+  }
+
+  const double u = fp8_relative_error(fp8_of(recipe), DType::e4m3);
+  EXPECT_TRUE(within_bound(want_dx, exact_dgrad(base.dy, base.w, c.counts).value,
+                           recipe_bound_dgrad(p, u, DType::bf16), "dx vs bf16 source"));
+  EXPECT_TRUE(within_bound(want_dw, exact_wgrad(base.dy, base.x, c.counts, nullptr, nullptr).value,
+                           recipe_bound_wgrad(p, u, DType::bf16), "dW vs bf16 source"));
+  for (int64_t e = 0; e < c.E; ++e) {
+    if (c.counts[e] != 0) continue;
+    for (int64_t i = 0; i < c.N * c.K; ++i) ASSERT_EQ(want_dw[e * c.N * c.K + i], 0.0) << "dW of empty expert " << e;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, CudaGroupedLinearFp8,
+                         ::testing::Combine(::testing::Values(LinearRecipe::fp8_tensorwise, LinearRecipe::fp8_blockwise,
+                                                              LinearRecipe::mxfp8),
+                                            ::testing::Values("uniform", "skewed", "one_expert", "all_empty",
+                                                              "zero_total", "ragged", "e256")),
+                         [](const ::testing::TestParamInfo<Param>& info) {
+                           return std::string(linear_recipe_name(std::get<0>(info.param))) + "_" +
+                                  std::get<1>(info.param);
+                         });
+
+// forward + backward + backward_dw of an FP8 layer with its weights quantized inside the graph
+// (the cache was invalidated before capture, so every replay quantizes the current weights):
+// replayed under changing counts and after the weights changed, bitwise equal to eager runs.
+TEST(CudaGroupedLinearFp8Graph, CaptureWithWeightQuantizationReplayUnderChangingCountsAndWeights) {
+  GMOE_SKIP_WITHOUT_GPU();
+  Rng rng;
+  const int64_t E = 16, N = 256, K = 384, cap = 16 * 96 + 7;
+  ShapeCase c;
+  c.name = "graph";
+  c.E = E;
+  c.N = N;
+  c.K = K;
+  c.capacity = cap;
+  c.counts = std::vector<int64_t>(E, 96);
+  const GemmProblem p(c, DType::bf16, rng);
+  std::vector<std::vector<int64_t>> routings = {std::vector<int64_t>(E, 96), zipf_counts(E, cap - 3, 1.1, 4, rng),
+                                                std::vector<int64_t>(E, 0), std::vector<int64_t>(E, 0)};
+  routings[2][rng.integer(0, E - 1)] = cap;
+  DeviceTensor x(p.x), dy(p.dy), counts(p.counts), w(p.w_stacked), main_grad(DType::f32, {E, N, K});
+  DeviceTensor y(DType::bf16, {cap, N}), dx(DType::bf16, {cap, K});
+  for (LinearRecipe recipe : {LinearRecipe::fp8_blockwise, LinearRecipe::fp8_tensorwise, LinearRecipe::mxfp8}) {
+    SCOPED_TRACE(linear_recipe_name(recipe));
+    GroupedLinearOptions opt;
+    opt.recipe = recipe;
+    opt.delay_wgrad = true;
+    opt.main_grad = ExpertWeights::from_stacked(main_grad.view());
+    opt.accumulate = false;
+    GroupedLinear layer(ExpertWeights::from_stacked(w.view()), {}, opt);
+    const ForkedStreams streams;
+    const cudaStream_t s1 = streams.main();
+    auto step = [&] {
+      layer.invalidate_fp8_weight();  // a training step: the optimizer changed the weights
+      GroupedLinearContext ctx;
+      layer.forward(x.view(), counts.view(), ctx, s1, y.view());
+      layer.backward(ctx, dy.view(), s1, dx.view());
+      layer.backward_dw(ctx, streams.side());
+      streams.join();
+    };
+    step();  // eager once: module loading outside capture
+    GMOE_TEST_CUDA(cudaDeviceSynchronize());
+    const CapturedGraph graph(s1, step);
+    for (size_t i = 0; i < routings.size(); ++i) {
+      SCOPED_TRACE("routing " + ::testing::PrintToString(routings[i]));
+      counts.upload(make_counts(routings[i]));
+      if (i == 3) {  // new weights: the replay must quantize them
+        HostTensor w2 = p.w_stacked;
+        fill_random(w2, rng);
+        w.upload(w2);
+      }
+      graph.replay(s1);
+      check_device_errors(s1);
+      const std::vector<double> gy = values(y.view()), gdx = values(dx.view()), gdw = values(main_grad.view());
+      step();
+      GMOE_TEST_CUDA(cudaDeviceSynchronize());
+      EXPECT_EQ(gy, values(y.view())) << "y: replay vs eager";
+      EXPECT_EQ(gdx, values(dx.view())) << "dx: replay vs eager";
+      EXPECT_EQ(gdw, values(main_grad.view())) << "main_grad: replay vs eager";
+      for (double v : gy) ASSERT_FALSE(std::isnan(v)) << "unwritten output row";
+    }
+  }
+}
+
+}  // namespace
+}  // namespace gmoe::test
