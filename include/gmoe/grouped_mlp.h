@@ -29,8 +29,9 @@
 //
 // This is the unfused composition (two grouped GEMM passes with the activation as its own
 // memory-bound kernel between them); the options and the context are shaped so that a fused
-// activation epilogue can replace the middle step without changing the API. FP8 recipes are a slot
-// for now (options.recipe); only the inputs' own precision is implemented.
+// activation epilogue can replace the middle step without changing the API. With an FP8 recipe
+// (options.recipe) both FCs quantize inside as GroupedLinear does (x, z and the gradients in one
+// pass each, the weights cached; see gmoe/grouped_linear.h), the activation in between in bf16.
 #pragma once
 
 #include <cstdint>
@@ -47,10 +48,6 @@
 
 namespace gmoe {
 
-/// Precision of the GEMMs. `native`: the inputs' dtype (bf16/f16; f32 on the CPU backend), f32
-/// accumulation. The FP8 recipes of gmoe/fp8.h are reserved here and refused until implemented.
-enum class MlpRecipe : uint8_t { native, fp8_tensorwise, fp8_blockwise, mxfp8 };
-
 /// Options of a GroupedMLP.
 struct GroupedMLPOptions {
   /// The activation (kind, alpha, limit, GELU form) and FC1's gate/up layout.
@@ -58,16 +55,22 @@ struct GroupedMLPOptions {
   /// Per-FC settings, as for a GroupedLinear: delay_wgrad (each FC separately; backward_dw computes
   /// the delayed ones), main_grad + accumulate + expert_mask, and one wgrad_hook per FC, called as
   /// soon as that FC's weight gradients are complete — FC2's before FC1's, so a data-parallel
-  /// reduce-scatter of FC2's gradients overlaps FC1's backward. fc1.save_original_input keeps a
-  /// reference to x instead of a copy (same aliasing contract as GroupedLinear).
-  /// fc2.save_original_input is ignored: FC2's input is the layer's own z. fc1/fc2.allocator
-  /// default to `allocator` below.
+  /// reduce-scatter of FC2's gradients overlaps FC1's backward (with only fc2.delay_wgrad, FC1's
+  /// gradients complete first, in backward, and its hook fires there; FC2's in backward_dw).
+  /// fc1.save_original_input keeps a reference to x instead of a copy (same aliasing contract as
+  /// GroupedLinear).
+  /// fc2.save_original_input is ignored: FC2's input is the layer's own z, always kept by
+  /// reference (fc2().options() shows what FC2 runs with: save_original_input, and delay_wgrad
+  /// also under recompute_activation, since dW2 needs the z that backward rebuilds; backward then
+  /// computes it itself unless fc2.delay_wgrad). fc1/fc2.allocator default to `allocator` below.
   GroupedLinearOptions fc1;
   GroupedLinearOptions fc2;
   /// Do not keep z = act(h)·p from forward to backward; backward recomputes it (see above).
   bool recompute_activation = false;
-  /// The GEMMs' precision recipe (only `native` for now).
-  MlpRecipe recipe = MlpRecipe::native;
+  /// The precision of both FCs' GEMMs (LinearRecipe of gmoe/grouped_linear.h: native, or an FP8
+  /// recipe with its constraints: bf16 weights, and on CUDA hidden and ffn multiples of 16). It
+  /// sets fc1.recipe and fc2.recipe, which must be left native (or equal to it).
+  LinearRecipe recipe = LinearRecipe::native;
   /// Scratch, saved tensors and fresh gradients; nullptr: the device's default allocator.
   Allocator* allocator = nullptr;
 };
@@ -82,7 +85,7 @@ struct GroupedMLPGrads {
 /// Result of GroupedMLP::backward.
 struct GroupedMLPBackward {
   Tensor dx;              ///< [capacity, H]: dgrad_out when given, else owned
-  Tensor dprobs;          ///< f32 [capacity] when forward had probs, else absent
+  Tensor dprobs;          ///< f32 [capacity] when forward had probs (dprobs_out when given), else absent
   GroupedMLPGrads grads;  ///< weight gradients unless delayed (bias gradients always)
 };
 
@@ -127,9 +130,11 @@ class GroupedMLP {
 
   /// dx, dprobs (when forward had probs), bias gradients, and the weight gradients of the FCs that
   /// are not delayed (their hooks fire here). dy: [capacity, H]; with a delayed FC2 it is kept by
-  /// reference until backward_dw. `dgrad_out`, if given, is [capacity, H] and receives dx.
+  /// reference until backward_dw. `dgrad_out`, if given, is [capacity, H] and receives dx;
+  /// `dprobs_out`, if given (only when forward had probs), is f32 [capacity] and receives dprobs,
+  /// so that every output can live in caller-owned buffers (a replayed CUDA graph's, a framework's).
   GroupedMLPBackward backward(GroupedMLPContext& ctx, const TensorView& dy, Stream stream = nullptr,
-                              const TensorView& dgrad_out = {});
+                              const TensorView& dgrad_out = {}, const TensorView& dprobs_out = {});
 
   /// The delayed weight gradients (FC2's, then FC1's), on `stream`, ordered after backward through
   /// an event; calls their hooks and releases what was saved. Capturable in a CUDA graph.

@@ -1,0 +1,67 @@
+// tests/common/activation_oracle.h — the activations of gmoe/activation.h computed exactly (fp64)
+// for the test suites: values and partial derivatives written out from the formulas (independently
+// of src/common/activation_math.h), the gate/up column layout, grouped forward and backward on host
+// tensors, and the bound an f32 evaluation rounded to the output dtype must meet.
+//
+// The bound of one output element: |got - exact| <= u(out)·|exact| + 64·2⁻²⁴·scale + half the
+// subnormal step of the output dtype, where `scale` is the magnitude of the terms the f32 formula
+// combines (e.g. |g|·(|u| + 1) for a gated value: it covers the cancellation in 1 + erf(g/√2),
+// 1 + tanh(·) and u + 1 that a relative bound on |exact| would not). dprobs, an f32 sum over F
+// columns, adds (F + 2)·2⁻²⁴·Σ|dz·act|. Where the exact value is NaN the output must be NaN.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common/harness.h"
+#include "gmoe/activation.h"
+
+namespace gmoe::test {
+
+/// A gated activation's exact value and partial derivatives at (gate, up).
+struct ExactGated {
+  double value = 0, d_gate = 0, d_up = 0;
+};
+/// Gated kinds (swiglu, geglu, clamped_swiglu) with the options' alpha, limit and GELU form.
+ExactGated exact_gated(const ActivationOptions& o, double g, double u);
+/// squared_relu: relu(h)²; `derivative` (optional) gets 2·relu(h) (0 at h = 0 and for NaN).
+double exact_squared_relu(double h, double* derivative = nullptr);
+
+/// Column of gate element j (of F) among h's 2F columns, and of the matching up element.
+int64_t gate_column(const GluFormat& glu, int64_t F, int64_t j);
+int64_t up_column(const GluFormat& glu, int64_t F, int64_t j);
+
+/// Exact grouped activation of host tensors, with the per-element slack of the bound above
+/// (64·2⁻²⁴·scale, plus the f32 accumulation term for dprobs). Rows >= total are exactly 0.
+struct ExactActivation {
+  std::vector<double> z, z_slack;            ///< [capacity, F]: act(h)·p
+  std::vector<double> dh, dh_slack;          ///< [capacity, cols of h] (backward only)
+  std::vector<double> dprobs, dprobs_slack;  ///< [capacity]: Σ_j dz·act(h) (backward only)
+};
+/// h: [capacity, activation_input_cols(kind, F)]; dz: [capacity, F] or nullptr (forward only);
+/// probs: capacity values or nullptr.
+ExactActivation exact_activation(const HostTensor& h, const HostTensor* dz, const std::vector<double>* probs,
+                                 int64_t total, const ActivationOptions& o, int64_t F);
+
+/// Every element within the bound of the header comment (NaN exactly where exact is NaN).
+::testing::AssertionResult within_activation_bound(const std::vector<double>& got, const std::vector<double>& exact,
+                                                   const std::vector<double>& slack, DType out_dtype,
+                                                   const std::string& what);
+
+/// The activation suites' sweep: each gated kind (GeGLU exact and tanh) concatenated and
+/// interleaved in blocks of 1, 32 and 64, then squared ReLU (17 variants; F must be a multiple of 64).
+const std::vector<ActivationOptions>& activation_test_variants();
+
+/// h [cap, activation_input_cols(kind, F)] for a sweep: uniform in [-4, 4) (both saturating ends
+/// of sigmoid and gelu); clamped SwiGLU sees [-10, 10) with about one value in sixteen exactly at
+/// ±limit; rows at or past `total` hold NaN, which must not leak into any output.
+HostTensor random_activation_input(const ActivationOptions& o, DType dt, int64_t cap, int64_t total, int64_t F,
+                                   Rng& rng);
+
+/// "swiglu", "geglu_tanh", "clamped_swiglu" ... with the GLU layout: for test names.
+std::string activation_case_name(const ActivationOptions& o);
+
+}  // namespace gmoe::test

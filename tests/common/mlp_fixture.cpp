@@ -1,0 +1,219 @@
+// tests/common/mlp_fixture.cpp — host-side GroupedMLP problems and the exact MLP (see the header).
+#include "common/mlp_fixture.h"
+
+#include <cmath>
+#include <cstring>
+#include <tuple>
+
+#include "common/activation_oracle.h"
+
+namespace gmoe::test {
+
+const std::vector<ActivationOptions>& mlp_activation_variants() {
+  static const std::vector<ActivationOptions> kVariants = [] {
+    std::vector<ActivationOptions> v;
+    for (int k = 0; k < 4; ++k) {
+      for (bool inter : {false, true}) {
+        ActivationOptions o;
+        o.kind = k == 0 ? ActivationKind::swiglu : k == 3 ? ActivationKind::clamped_swiglu : ActivationKind::geglu;
+        o.gelu_tanh = k == 2;
+        o.limit = 0.75f;
+        if (inter) o.glu = {GluLayout::interleaved, kMlpGluBlock};
+        v.push_back(o);
+      }
+    }
+    ActivationOptions relu2;
+    relu2.kind = ActivationKind::squared_relu;
+    v.push_back(relu2);
+    return v;
+  }();
+  return kVariants;
+}
+
+ActivationOptions with_unreached_limit(ActivationOptions o) {
+  o.limit = ActivationOptions{}.limit;
+  return o;
+}
+
+std::pair<int64_t, int64_t> mlp_dims(const std::string& name, CaseScale scale) {
+  if (name == "dim192") return {192, 96};
+  if (name == "dim1408") return {1408, 48};
+  if (name == "dim2880") return {2880, 48};
+  if (name == "e128" || name == "e256") return {32, 32};
+  return scale == CaseScale::kLarge ? std::pair<int64_t, int64_t>{128, 64} : std::pair<int64_t, int64_t>{40, 48};
+}
+
+HostTensor MlpProblem::random_experts(int64_t E, int64_t N, int64_t K, double a, Rng& rng,
+                                      std::vector<HostTensor>& list) {
+  HostTensor s(DType::bf16, {E, N, K});
+  fill_random(s, rng, -a, a);
+  const size_t bytes = size_t(N * K) * dtype_size(DType::bf16);
+  for (int64_t e = 0; e < E; ++e) {
+    HostTensor m(DType::bf16, {N, K});
+    if (bytes > 0) std::memcpy(m.data(), static_cast<const char*>(s.data()) + e * bytes, bytes);
+    list.push_back(std::move(m));
+  }
+  return s;
+}
+
+namespace {
+
+HostTensor random_biases(int64_t E, int64_t N, Rng& rng, std::vector<HostTensor>& list) {
+  HostTensor g(DType::bf16, {E, N});
+  fill_random(g, rng, -0.5, 0.5);
+  for (int64_t e = 0; e < E; ++e) {
+    HostTensor v(DType::f32, {N});
+    for (int64_t n = 0; n < N; ++n) v.set(n, g.get(e * N + n));
+    list.push_back(std::move(v));
+  }
+  return g;
+}
+
+ExpertWeights weights_of(const HostTensor& s, const std::vector<HostTensor>& l, Layout layout) {
+  if (layout == Layout::kStacked) return ExpertWeights::from_stacked(s.view());
+  std::vector<TensorView> v;
+  for (const HostTensor& t : l) v.push_back(t.view());
+  return ExpertWeights::from_list(std::move(v));
+}
+
+ExpertBias bias_of(const HostTensor& g, const std::vector<HostTensor>& l, MlpBias m) {
+  if (m == MlpBias::kNone) return {};
+  if (m == MlpBias::kGrouped) return ExpertBias::from_grouped(g.view());
+  std::vector<TensorView> v;
+  for (const HostTensor& t : l) v.push_back(t.view());
+  return ExpertBias::from_list(std::move(v));
+}
+
+}  // namespace
+
+MlpProblem::MlpProblem(const std::string& case_name, const ActivationOptions& a, Rng& rng, CaseScale scale)
+    : MlpProblem(make_case(case_name, rng, scale), mlp_dims(case_name, scale).first,
+                 mlp_dims(case_name, scale).second, a, rng) {}
+
+MlpProblem::MlpProblem(const ShapeCase& shape, int64_t hidden, int64_t ffn, const ActivationOptions& a, Rng& rng)
+    : c(shape), act(a), H(hidden), F(ffn) {
+  E = c.E;
+  cap = c.capacity;
+  rows1 = activation_input_cols(act.kind, F);
+  x = HostTensor(DType::bf16, {cap, H});
+  dy = HostTensor(DType::bf16, {cap, H});
+  fill_random(x, rng);
+  fill_random(dy, rng);
+  probs = HostTensor(DType::f32, {cap});
+  fill_random(probs, rng, 0.0, 1.0);
+  counts = make_counts(c.counts, rng.integer(0, 1) ? DType::i32 : DType::i64);
+  w1s = random_experts(E, rows1, H, std::sqrt(3.0 / double(H)), rng, w1l);
+  w2s = random_experts(E, H, F, std::sqrt(3.0 / double(F)), rng, w2l);
+  b1g = random_biases(E, rows1, rng, b1l);
+  b2g = random_biases(E, H, rng, b2l);
+}
+
+ExpertWeights MlpProblem::w1(Layout l) const { return weights_of(w1s, w1l, l); }
+ExpertWeights MlpProblem::w2(Layout l) const { return weights_of(w2s, w2l, l); }
+ExpertBias MlpProblem::b1(MlpBias m) const { return bias_of(b1g, b1l, m); }
+ExpertBias MlpProblem::b2(MlpBias m) const { return bias_of(b2g, b2l, m); }
+
+::testing::AssertionResult same_values(const std::vector<double>& a, const std::vector<double>& b,
+                                       const std::string& what) {
+  if (a.size() != b.size()) return ::testing::AssertionFailure() << what << ": " << a.size() << " vs " << b.size();
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (std::memcmp(&a[i], &b[i], sizeof(double)) != 0) {
+      return ::testing::AssertionFailure() << what << ": first difference at " << i << " (" << a[i] << " vs " << b[i]
+                                           << ")";
+    }
+  }
+  return ::testing::AssertionSuccess();
+}
+
+::testing::AssertionResult same_outputs(const MlpOutputs& a, const MlpOutputs& b, const std::string& what) {
+  for (const auto& [x, y, n] : {std::tuple{&a.y, &b.y, "y"}, {&a.dx, &b.dx, "dx"}, {&a.dprobs, &b.dprobs, "dprobs"}}) {
+    const ::testing::AssertionResult r = bitwise_equal(*x, *y, what + ": " + n);
+    if (!r) return r;
+  }
+  for (const auto& [x, y, n] : {std::tuple{&a.dw1, &b.dw1, "dW1"}, {&a.dw2, &b.dw2, "dW2"}, {&a.db1, &b.db1, "db1"},
+                                {&a.db2, &b.db2, "db2"}}) {
+    const ::testing::AssertionResult r = same_values(*x, *y, what + ": " + n);
+    if (!r) return r;
+  }
+  return ::testing::AssertionSuccess();
+}
+
+ExactMlp exact_mlp(const MlpProblem& p, bool with_bias, bool with_probs) {
+  const int64_t E = p.E, H = p.H, F = p.F, R1 = p.rows1, cap = p.cap;
+  const bool gated = is_gated(p.act.kind);
+  const std::vector<double> x = p.x.to_double(), dy = p.dy.to_double(), w1 = p.w1s.to_double(),
+                            w2 = p.w2s.to_double(), b1 = p.b1g.to_double(), b2 = p.b2g.to_double(),
+                            probs = p.probs.to_double();
+  ExactMlp r;
+  r.y.assign(size_t(cap * H), 0.0);
+  r.dx.assign(size_t(cap * H), 0.0);
+  r.dprobs.assign(with_probs ? size_t(cap) : 0, 0.0);
+  r.dw1.assign(size_t(E * R1 * H), 0.0);
+  r.dw2.assign(size_t(E * H * F), 0.0);
+  r.db1.assign(with_bias ? size_t(E * R1) : 0, 0.0);
+  r.db2.assign(with_bias ? size_t(E * H) : 0, 0.0);
+  std::vector<double> h(static_cast<size_t>(R1)), z(static_cast<size_t>(F)), a(static_cast<size_t>(F)),
+      dz(static_cast<size_t>(F)), dh(static_cast<size_t>(R1));
+  int64_t row = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    const double* W1 = &w1[size_t(e * R1 * H)];
+    const double* W2 = &w2[size_t(e * H * F)];
+    for (int64_t k = 0; k < p.c.counts[e]; ++k, ++row) {
+      const double* xr = &x[size_t(row * H)];
+      const double* gr = &dy[size_t(row * H)];
+      const double pr = with_probs ? probs[row] : 1.0;
+      for (int64_t c = 0; c < R1; ++c) {
+        double s = with_bias ? b1[e * R1 + c] : 0.0;
+        for (int64_t i = 0; i < H; ++i) s += xr[i] * W1[c * H + i];
+        h[c] = s;
+      }
+      for (int64_t j = 0; j < F; ++j) {
+        double s = 0;
+        for (int64_t n = 0; n < H; ++n) s += gr[n] * W2[n * F + j];
+        dz[j] = s;
+      }
+      double dp = 0;
+      for (int64_t j = 0; j < F; ++j) {
+        double d_gate = 0, d_up = 0;
+        const int64_t gc = gated ? gate_column(p.act.glu, F, j) : j;
+        const int64_t uc = gated ? up_column(p.act.glu, F, j) : -1;
+        if (gated) {
+          const ExactGated ev = exact_gated(p.act, h[gc], h[uc]);
+          a[j] = ev.value;
+          d_gate = ev.d_gate;
+          d_up = ev.d_up;
+        } else {
+          a[j] = exact_squared_relu(h[j], &d_gate);
+        }
+        z[j] = a[j] * pr;
+        dh[gc] = dz[j] * pr * d_gate;
+        if (gated) dh[uc] = dz[j] * pr * d_up;
+        dp += dz[j] * a[j];
+      }
+      if (with_probs) r.dprobs[row] = dp;
+      for (int64_t n = 0; n < H; ++n) {
+        double s = with_bias ? b2[e * H + n] : 0.0;
+        for (int64_t j = 0; j < F; ++j) s += z[j] * W2[n * F + j];
+        r.y[row * H + n] = s;
+      }
+      for (int64_t i = 0; i < H; ++i) {
+        double s = 0;
+        for (int64_t c = 0; c < R1; ++c) s += dh[c] * W1[c * H + i];
+        r.dx[row * H + i] = s;
+      }
+      double* dW1 = &r.dw1[size_t(e * R1 * H)];
+      double* dW2 = &r.dw2[size_t(e * H * F)];
+      for (int64_t c = 0; c < R1; ++c)
+        for (int64_t i = 0; i < H; ++i) dW1[c * H + i] += dh[c] * xr[i];
+      for (int64_t n = 0; n < H; ++n)
+        for (int64_t j = 0; j < F; ++j) dW2[n * F + j] += gr[n] * z[j];
+      if (with_bias) {
+        for (int64_t c = 0; c < R1; ++c) r.db1[e * R1 + c] += dh[c];
+        for (int64_t n = 0; n < H; ++n) r.db2[e * H + n] += gr[n];
+      }
+    }
+  }
+  return r;
+}
+
+}  // namespace gmoe::test
