@@ -19,8 +19,10 @@ LAYER_IMPL = "gmoe_linear"
 # Each row of a table is a (case, pass); a section is printed only when it has rows.
 GEMM_SECTION = ("bf16 grouped GEMM", ["gmoe"], ["cublas_dense", "cublas_loop", "torch"])
 FP8_IMPLS = ["gmoe_fp8_blockwise", "gmoe_fp8_tensorwise", "gmoe_mxfp8"]
-FP8_SECTION = ("FP8 grouped GEMM (GEMM alone; _with_quant: the quantization of the pass's activations included)",
-               FP8_IMPLS + [i + "_with_quant" for i in FP8_IMPLS], ["gmoe", "torch_fp8_rowwise"])
+FP8_SECTION = ("FP8 grouped GEMM alone (torch_fp8_rowwise: use_fast_accum=False, _fast: True)",
+               FP8_IMPLS, ["gmoe", "torch_fp8_rowwise", "torch_fp8_rowwise_fast"])
+FP8_QUANT_SECTION = ("FP8 quantization of the pass's activations + grouped GEMM, vs the bf16 GEMM",
+                     [i + "_with_quant" for i in FP8_IMPLS], ["gmoe"])
 MLP_SECTION = ("expert MLP", ["gmoe", "gmoe_unfused"], ["torch", "torch_compile"])
 
 
@@ -70,7 +72,7 @@ def sections(rows):
     """(title, lines) of every comparison table that has rows."""
     out = []
     gemm_passes = {"fprop", "dgrad", "wgrad"}
-    for title, ours, baselines in (GEMM_SECTION, FP8_SECTION):
+    for title, ours, baselines in (GEMM_SECTION, FP8_SECTION, FP8_QUANT_SECTION):
         lines = table(rows, ours, baselines, gemm_passes)
         if lines:
             out.append((title, lines))
@@ -103,6 +105,28 @@ def layer_table(rows):
         return []
     for p, v in logs.items():
         lines.append(["geomean", p, "", "", "", f"{100 * (math.exp(sum(v) / len(v)) - 1):.1f}%", "", "", "", ""])
+    return lines
+
+
+def fp8_layer_table(rows):
+    """FP8 GroupedLinear rows (impl gmoe_linear_<recipe>): their bare_ms is the native (bf16) layer
+    timed interleaved with them; the speedup is bf16 time / FP8 time; geomean per recipe and pass."""
+    head = ["case", "pass", "recipe", "fp8 TFLOP/s", "bf16 layer TFLOP/s", "fp8/bf16", "kernels", "correct"]
+    lines, logs = [head], {}
+    for r in rows:
+        if not r["impl"].startswith(LAYER_IMPL + "_") or not r.get("bare_ms"):
+            continue
+        recipe = r["impl"][len(LAYER_IMPL) + 1:]
+        speedup = r["bare_ms"] / r["ms"]
+        logs.setdefault((recipe, r["pass"]), []).append(math.log(speedup))
+        nodes = r.get("graph_nodes") or {}
+        lines.append([r["case"], r["pass"], recipe, f"{r['tflops']:.1f}", f"{r['tflops'] / speedup:.1f}",
+                      f"{speedup:.2f}x", str(nodes.get("kernel", "-")),
+                      "-" if r.get("correct") is None else ("yes" if r["correct"] else "NO")])
+    if len(lines) == 1:
+        return []
+    for (recipe, p), v in logs.items():
+        lines.append(["geomean", p, recipe, "", "", f"{math.exp(sum(v) / len(v)):.2f}x", "", ""])
     return lines
 
 
@@ -147,12 +171,16 @@ def main():
     json.dump(merged, open(args.out, "w"), indent=1)
     tables = sections(merged["rows"])
     layer = layer_table(merged["rows"])
+    fp8_layer = fp8_layer_table(merged["rows"])
     for title, lines in tables:
         print(f"\n{title}:")
         print_table(lines)
     if layer:
         print("\nGroupedLinear (grouped bias, f32 main_grad accumulated) vs its bare GEMMs, same run:")
         print_table(layer)
+    if fp8_layer:
+        print("\nGroupedLinear with FP8 recipes vs the bf16 layer (interleaved; weights quantized every forward):")
+        print_table(fp8_layer)
     for e in merged.get("errors", []):
         print(f"error: {e.get('impl')} {e.get('case')} {e.get('pass', '')}: {e.get('error', '')[:300]}")
     if args.markdown:
@@ -168,6 +196,10 @@ def main():
                         "of the same work in the same run, the overhead, and the kernel launches per call (CUDA "
                         "graph capture).\n\n")
                 write_markdown_table(f, layer)
+            if fp8_layer:
+                f.write("\nGroupedLinear with FP8 recipes (quantization of x, dy and the weights inside, weights "
+                        "quantized in every forward) against the bf16 layer timed interleaved with it.\n\n")
+                write_markdown_table(f, fp8_layer)
             if merged.get("errors"):
                 f.write("\nErrors:\n\n")
                 for e in merged["errors"]:

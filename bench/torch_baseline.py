@@ -100,7 +100,10 @@ def rowwise_fp8(t, dim):
 
 def fp8_rowwise_rows(case, args, errors, x, w, dy, offs):
     """torch._scaled_grouped_mm (e4m3, rowwise scales, bf16 out): the GEMM alone, operands
-    quantized before timing, each in the layout the kernel wants (A row-major, B column-major)."""
+    quantized before timing, each in the layout the kernel wants (A row-major, B column-major).
+    impl torch_fp8_rowwise: the default accumulation (use_fast_accum=False: partial sums promoted to
+    fp32, as gmoe's FP8 GEMMs do; BENCHMARKS.md's anchor numbers); torch_fp8_rowwise_fast:
+    use_fast_accum=True (the tensor cores' reduced-precision accumulation over the whole K)."""
     flops = gemm_flops(case)
     out = []
     try:
@@ -108,25 +111,26 @@ def fp8_rowwise_rows(case, args, errors, x, w, dy, offs):
         wq, ws = rowwise_fp8(w, -1)                          # [E, N, K], [E, N]
         dyq, dys = rowwise_fp8(dy, -1)                       # [rows, N], [rows]
         wtq, wts = rowwise_fp8(w.transpose(-2, -1).contiguous(), -1)  # [E, K, N], [E, K]
-        passes = {
-            "fprop": lambda: torch._scaled_grouped_mm(xq, wq.transpose(-2, -1), xs, ws, offs=offs,
-                                                      out_dtype=torch.bfloat16, use_fast_accum=True),
-            "dgrad": lambda: torch._scaled_grouped_mm(dyq, wtq.transpose(-2, -1), dys, wts, offs=offs,
-                                                      out_dtype=torch.bfloat16, use_fast_accum=True),
-        }
+        def passes(fast):
+            return {
+                "fprop": lambda: torch._scaled_grouped_mm(xq, wq.transpose(-2, -1), xs, ws, offs=offs,
+                                                          out_dtype=torch.bfloat16, use_fast_accum=fast),
+                "dgrad": lambda: torch._scaled_grouped_mm(dyq, wtq.transpose(-2, -1), dys, wts, offs=offs,
+                                                          out_dtype=torch.bfloat16, use_fast_accum=fast),
+            }
     except Exception as e:
         errors.append({"case": case["name"], "impl": "torch_fp8_rowwise", "error": f"{type(e).__name__}: {e}"})
         return out
-    for name, fn in passes.items():
-        try:
-            ms = time_ms(fn, args.warmup, args.iters)
-            r = row(case, name, "torch_fp8_rowwise", ms, flops)
-            r["dtype"] = "fp8"
-            out.append(r)
-        except Exception as e:
-            print(f"torch_fp8_rowwise {case['name']} {name}: {type(e).__name__}: {e}", file=sys.stderr)
-            errors.append({"case": case["name"], "pass": name, "impl": "torch_fp8_rowwise",
-                           "error": f"{type(e).__name__}: {e}"})
+    for impl, fast in (("torch_fp8_rowwise", False), ("torch_fp8_rowwise_fast", True)):
+        for name, fn in passes(fast).items():
+            try:
+                ms = time_ms(fn, args.warmup, args.iters)
+                r = row(case, name, impl, ms, flops)
+                r["dtype"] = "fp8"
+                out.append(r)
+            except Exception as e:
+                print(f"{impl} {case['name']} {name}: {type(e).__name__}: {e}", file=sys.stderr)
+                errors.append({"case": case["name"], "pass": name, "impl": impl, "error": f"{type(e).__name__}: {e}"})
     return out
 
 

@@ -1,6 +1,6 @@
 // tools/gmoe_bench.cpp — gmoe-bench: runs a benchmark suite, checking correctness before timing.
 //
-//   gmoe-bench [--suite bench/suites/public.json] [--backend auto|cpu|cuda] [--mode gemm|layer|all]
+//   gmoe-bench [--suite bench/suites/public.json] [--backend auto|cpu|cuda] [--mode gemm|layer|mlp|all]
 //              [--json F] [--markdown F]
 //
 // On a GPU (sm_90) it runs the CUDA backend on the suite as given, with the cuBLAS baselines in the
@@ -8,8 +8,10 @@
 // rows scaled down (counts scaled keeping empty experts empty and the skew) so that the whole run
 // takes about a minute. Modes: `gemm` times the three grouped GEMM passes of each gemm case; `layer`
 // times GroupedLinear forward and forward+backward on the same cases beside its bare GEMMs, with the
-// kernel launches per call (CUDA graph capture) and a check that they do not grow with E; `all`
-// (default) runs both. Exits non-zero when any correctness check fails.
+// kernel launches per call (CUDA graph capture) and a check that they do not grow with E; `mlp`
+// times GroupedMLP forward and forward+backward on the mlp cases beside the same work composed of
+// separate public ops (impl gmoe_unfused); `all` (default) runs all three. Exits non-zero when any
+// correctness check fails.
 #include <CLI/CLI.hpp>
 
 #include <chrono>
@@ -34,6 +36,9 @@ std::vector<ResultRow> run_layer_case_cuda(const BenchCase&, const BenchOptions&
   GMOE_FAIL("gmoe-bench was built without CUDA");
 }
 bool check_layer_launches_cuda(const BenchOptions&) { GMOE_FAIL("gmoe-bench was built without CUDA"); }
+std::vector<ResultRow> run_mlp_case_cuda(const BenchCase&, const BenchOptions&) {
+  GMOE_FAIL("gmoe-bench was built without CUDA");
+}
 std::vector<ResultRow> run_fp8_gemm_case_cuda(const BenchCase&, const BenchOptions&, gmoe::Fp8Recipe) {
   GMOE_FAIL("gmoe-bench was built without CUDA");
 }
@@ -57,15 +62,17 @@ int main(int argc, char** argv) {
   CLI::App app{"gmoe-bench: grouped GEMM and expert-layer benchmarks (correctness first, then timing)"};
   std::string suite_path = "bench/suites/public.json", backend = "auto", json_path, md_path, filter,
               dtype = "bf16", mode = "all";
-  double cpu_gflop = 0.5, cpu_layer_gflop = 0.125;
+  double cpu_gflop = 0.5, cpu_layer_gflop = 0.125, cpu_mlp_gflop = 0.25;
   BenchOptions o;
   bool no_baselines = false;
   app.add_option("--suite", suite_path, "suite file (format of bench/suites/public.json)");
   app.add_option("--backend", backend, "auto (CUDA when an sm_90 GPU is present), cpu or cuda")
       ->check(CLI::IsMember({"auto", "cpu", "cuda"}));
   app.add_option("--dtype", dtype, "input dtype")->check(CLI::IsMember({"bf16", "f16"}));
-  app.add_option("--mode", mode, "gemm: the GEMM passes; layer: GroupedLinear beside its bare GEMMs; all: both")
-      ->check(CLI::IsMember({"gemm", "layer", "all"}));
+  app.add_option("--mode", mode,
+                 "gemm: the GEMM passes; layer: GroupedLinear beside its bare GEMMs; mlp: GroupedMLP beside its "
+                 "unfused composition (mlp cases); all: the three")
+      ->check(CLI::IsMember({"gemm", "layer", "mlp", "all"}));
   app.add_option("--case", filter, "only cases whose name contains this");
   app.add_option("--json", json_path, "write results as JSON (BENCHMARKS.md format)");
   app.add_option("--markdown", md_path, "write the table as markdown");
@@ -75,6 +82,12 @@ int main(int argc, char** argv) {
   app.add_option("--seed", o.seed, "input seed");
   app.add_option("--cpu-gflop", cpu_gflop, "CPU backend: GFLOP per pass the rows are scaled to");
   app.add_option("--cpu-layer-gflop", cpu_layer_gflop, "CPU backend, layer mode: GFLOP per GEMM the rows are scaled to");
+  app.add_option("--cpu-mlp-gflop", cpu_mlp_gflop, "CPU backend, mlp mode: GFLOP per forward the rows are scaled to");
+  app.add_option("--layer-fp8", o.layer_recipes,
+                 "layer mode on CUDA: also GroupedLinear with these FP8 recipes (fp8_blockwise, fp8_tensorwise, "
+                 "mxfp8), rows gmoe_linear_<recipe>, timed interleaved with the native layer")
+      ->delimiter(',')
+      ->check(CLI::IsMember({"fp8_blockwise", "fp8_tensorwise", "mxfp8"}));
   app.add_flag("--layer-copy-input", o.layer_copy_input,
                "layer mode: GroupedLinear copies x in forward (its default) instead of keeping a reference");
   app.add_flag("--no-baselines", no_baselines, "skip the cuBLAS baselines");
@@ -100,17 +113,33 @@ int main(int argc, char** argv) {
     }
     std::printf("gmoe-bench: suite %s (%zu cases) on %s\n", suite.name.c_str(), suite.cases.size(),
                 use_cuda ? gpu.c_str() : "the CPU reference backend (rows scaled down)");
-    const bool run_gemm = mode != "layer", run_layer = mode != "gemm";
+    const bool run_gemm = mode == "gemm" || mode == "all", run_layer = mode == "layer" || mode == "all";
+    const bool run_mlp = mode == "mlp" || mode == "all";
     std::vector<ResultRow> rows;
     bool all_correct = true;
     const auto t0 = std::chrono::steady_clock::now();
     if (run_layer && use_cuda && !check_layer_launches_cuda(o)) all_correct = false;
     for (const BenchCase& full : suite.cases) {
       if (!filter.empty() && full.name.find(filter) == std::string::npos) continue;
-      if (full.kind != "gemm") {
-        std::printf("  %-24s skipped: mlp cases need GroupedMLP, which is not built yet\n", full.name.c_str());
+      if (full.kind == "mlp") {
+        if (!run_mlp) continue;
+        const BenchCase cm = use_cuda ? full : scale_rows(full, cpu_mlp_gflop * 1e9 / mlp_flops(full));
+        const std::vector<ResultRow> m = use_cuda ? run_mlp_case_cuda(cm, o) : run_mlp_case_cpu(cm, o);
+        for (const ResultRow& row : m) {
+          if (row.correct && !*row.correct) {
+            all_correct = false;
+            std::printf("  INCORRECT %s %s %s: %s\n", row.case_name.c_str(), row.impl.c_str(), row.pass.c_str(),
+                        row.note.c_str());
+          }
+        }
+        std::printf("  %-24s rows %lld, E %lld, hidden %lld, ffn %lld, %s: done\n", cm.name.c_str(),
+                    (long long)cm.rows, (long long)cm.E, (long long)cm.hidden, (long long)cm.ffn,
+                    cm.activation.c_str());
+        std::fflush(stdout);
+        rows.insert(rows.end(), m.begin(), m.end());
         continue;
       }
+      if (!run_gemm && !run_layer) continue;
       const BenchCase c = use_cuda ? full : scale_rows(full, cpu_gflop * 1e9 / gemm_flops(full));
       std::vector<ResultRow> r;
       if (run_gemm) r = use_cuda ? run_gemm_case_cuda(c, o) : run_gemm_case_cpu(c, o);

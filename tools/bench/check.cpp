@@ -13,6 +13,7 @@ namespace {
 
 struct Sample {
   double exact = 0;
+  double abs_sum = 0;  // Σ|a·b|
   float own = 0;  // f32 sequential accumulation, as the reference backend's precision
 };
 
@@ -22,6 +23,7 @@ Sample reduce(int64_t len, Term term) {
   for (int64_t l = 0; l < len; ++l) {
     const auto [a, b] = term(l);
     s.exact += static_cast<double>(a) * static_cast<double>(b);
+    s.abs_sum += std::abs(static_cast<double>(a) * static_cast<double>(b));
     s.own += a * b;
   }
   return s;
@@ -74,7 +76,7 @@ void fill_uniform_host(void* data, DType dtype, int64_t n, uint64_t seed) {
 }
 
 CheckResult check_pass(const GemmHostData& d, const std::string& pass, const void* out, DType out_dtype,
-                       int samples, uint64_t seed) {
+                       int samples, uint64_t seed, double quant_u) {
   std::mt19937_64 rng(seed);
   const int64_t out_rows = pass == "wgrad" ? d.E * d.N : pass == "bias_grad" ? d.E : d.rows;
   const int64_t out_cols = pass == "fprop" || pass == "bias_grad" ? d.N : d.K;
@@ -85,7 +87,7 @@ CheckResult check_pass(const GemmHostData& d, const std::string& pass, const voi
   auto expert_of = [&](int64_t row) {
     return static_cast<int64_t>(std::upper_bound(d.offsets.begin(), d.offsets.end(), row) - d.offsets.begin()) - 1;
   };
-  double max_err = 0, max_ref_err = 0, sum_sq = 0, max_exact = 0;
+  double max_err = 0, max_ref_err = 0, sum_sq = 0, max_exact = 0, max_quant_ratio = 0;
   int64_t max_len = 0;  // longest reduction sampled
   std::string worst;
   for (int s = 0; s < samples && out_rows > 0 && out_cols > 0; ++s) {
@@ -99,10 +101,11 @@ CheckResult check_pass(const GemmHostData& d, const std::string& pass, const voi
       len = d.K;
       smp = reduce(len, [&](int64_t k) { return std::pair{in(d.x, r * d.K + k), in(d.w, (e * d.N + c) * d.K + k)}; });
       own = round_to(out_dtype, smp.own);
-      if (d.bias != nullptr) {
+      if (d.bias != nullptr) {  // added to the f32 accumulator before the one rounding
         const float b = load_float(d.bias, d.bias_dtype, e * d.N + c);
         smp.exact += b;
-        own = round_to(out_dtype, round_to(out_dtype, smp.own) + b);
+        smp.abs_sum += std::abs(b);
+        own = round_to(out_dtype, smp.own + b);
       }
     } else if (pass == "bias_grad") {
       const int64_t r0 = d.offsets[r];
@@ -121,6 +124,15 @@ CheckResult check_pass(const GemmHostData& d, const std::string& pass, const voi
     const double got = load_float(out, out_dtype, r * out_cols + c);
     if (pass != "fprop") own = round_to(out_dtype, smp.own);
     const double err = std::abs(got - smp.exact);
+    if (quant_u > 0) {
+      // Quantized operands (each element within u·|a| of its source): (2u + u²)·Σ|a·b|, the
+      // tensor cores' reduced-precision accumulation inside a k-block (2^-10 of Σ|a·b|), and
+      // two roundings of the output (the bias may be added after the GEMM's).
+      const double u_out = out_dtype == DType::f32 ? std::ldexp(1.0, -24) : std::ldexp(1.0, -8);
+      const double bound = (2 * quant_u + quant_u * quant_u + std::ldexp(1.0, -10)) * smp.abs_sum +
+                           2 * u_out * std::abs(smp.exact) + 1e-6;
+      max_quant_ratio = std::max(max_quant_ratio, std::isfinite(got) ? err / bound : INFINITY);
+    }
     max_ref_err = std::max(max_ref_err, std::abs(own - smp.exact));
     sum_sq += smp.exact * smp.exact;
     max_exact = std::max(max_exact, std::abs(smp.exact));
@@ -144,9 +156,15 @@ CheckResult check_pass(const GemmHostData& d, const std::string& pass, const voi
   if (out_dtype == DType::f32) {
     limit += 4 * std::sqrt(static_cast<double>(std::max<int64_t>(max_len, 1))) * std::ldexp(1.0, -24) * max_exact;
   }
-  result.ok = nonfinite == 0 && max_err <= limit;
   std::ostringstream os;
-  os << "max err " << max_err << " (limit " << limit << ")";
+  if (quant_u > 0) {
+    result.ok = nonfinite == 0 && max_quant_ratio <= 1;
+    os << "max err " << max_err << ", at most " << max_quant_ratio << " of the quantization bound (u = " << quant_u
+       << ")";
+  } else {
+    result.ok = nonfinite == 0 && max_err <= limit;
+    os << "max err " << max_err << " (limit " << limit << ")";
+  }
   if (nonfinite) os << ", " << nonfinite << " non-finite outputs";
   if (!result.ok && !worst.empty()) os << ", worst " << worst;
   result.detail = os.str();

@@ -26,8 +26,8 @@ struct GemmHostData {
   const void* x = nullptr;       ///< [rows, K]
   const void* w = nullptr;       ///< [E, N, K]
   const void* dy = nullptr;      ///< [rows, N]
-  /// Optional [E, N] bias of a layer (dtype bias_dtype): fprop then checks y = x·W_eᵀ + b_e as
-  /// a layer computes it (the GEMM's output rounded to the output dtype, then b_e added in f32).
+  /// Optional [E, N] bias of a layer (dtype bias_dtype): fprop then checks y = x·W_eᵀ + b_e, the
+  /// bias added to the f32 accumulator before the output's one rounding.
   const void* bias = nullptr;
   DType bias_dtype = DType::bf16;
 };
@@ -39,8 +39,11 @@ struct CheckResult {
 
 /// pass: "fprop" (out [rows, N]), "dgrad" (out [rows, K]), "wgrad" (out [E, N, K]) or
 /// "bias_grad" (out [E, N]: db_e = Σ over the rows of e of dy).
+/// quant_u > 0: the pass ran on quantized operands (FP8), each element within quant_u·|a| of its
+/// source; every sample must then lie within (2u + u² + 2^-10)·Σ|a·b| + 2 roundings of the output
+/// of the exact result of the unquantized inputs, instead of the rule above.
 CheckResult check_pass(const GemmHostData& d, const std::string& pass, const void* out, DType out_dtype,
-                       int samples, uint64_t seed);
+                       int samples, uint64_t seed, double quant_u = 0);
 
 /// Fills `n` elements of a bf16/f16 buffer with uniform values in [-1, 1), reproducibly from
 /// (seed, index), in parallel.

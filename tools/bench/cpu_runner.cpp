@@ -1,10 +1,10 @@
 // tools/bench/cpu_runner.cpp — gemm cases on the CPU reference backend.
 #include <algorithm>
-#include <chrono>
 #include <functional>
 
 #include "bench/check.h"
 #include "bench/runner.h"
+#include "bench/wall_clock.h"
 #include "gmoe/grouped_gemm.h"
 
 namespace gmoe::bench {
@@ -44,11 +44,7 @@ std::vector<ResultRow> run_gemm_case_cpu(const BenchCase& c, const BenchOptions&
     // effect worth a second).
     std::fill(p.out->begin(), p.out->end(), uint8_t{0xff});
     std::vector<double> times;
-    for (int i = 0; i < std::max(1, o.iters); ++i) {
-      const auto t0 = std::chrono::steady_clock::now();
-      p.run();
-      times.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
-    }
+    for (int i = 0; i < std::max(1, o.iters); ++i) times.push_back(wall_ms(p.run));
     const CheckResult chk = check_pass(d, p.name, p.out->data(), dt, o.samples, o.seed + 7);
     std::sort(times.begin(), times.end());
     ResultRow r;

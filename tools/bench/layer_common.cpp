@@ -1,18 +1,29 @@
 // tools/bench/layer_common.cpp — layer mode: configuration, checks and rows (see layer_common.h).
 #include "bench/layer_common.h"
 
+#include <string>
+
 namespace gmoe::bench {
 
 GroupedLinear make_bench_layer(const TensorView& w, const TensorView& bias, const TensorView& main_grad,
-                               const BenchOptions& o) {
+                               const BenchOptions& o, LinearRecipe recipe) {
   GroupedLinearOptions opt;
+  opt.recipe = recipe;
   opt.main_grad = ExpertWeights::from_stacked(main_grad);
   opt.accumulate = true;
   opt.save_original_input = !o.layer_copy_input;
   return GroupedLinear(ExpertWeights::from_stacked(w), ExpertBias::from_grouped(bias), opt);
 }
 
-LayerCheck check_layer(const GemmHostData& d, const LayerOutputs& out, const BenchOptions& o) {
+double recipe_quant_u(LinearRecipe recipe) {
+  switch (recipe) {
+    case LinearRecipe::native: return 0;
+    case LinearRecipe::mxfp8: return 0.125;
+    default: return 0.0625;
+  }
+}
+
+LayerCheck check_layer(const GemmHostData& d, const LayerOutputs& out, const BenchOptions& o, double quant_u) {
   struct Part {
     const char* name;
     const char* pass;
@@ -26,7 +37,8 @@ LayerCheck check_layer(const GemmHostData& d, const LayerOutputs& out, const Ben
   LayerCheck chk;
   chk.backward.ok = true;
   for (const Part& p : parts) {
-    const CheckResult r = check_pass(d, p.pass, p.data, p.dtype, o.samples, o.seed + 7);
+    const double u = std::string(p.pass) == "bias_grad" ? 0 : quant_u;
+    const CheckResult r = check_pass(d, p.pass, p.data, p.dtype, o.samples, o.seed + 7, u);
     if (&p == &parts[0]) chk.forward = r;
     chk.backward.ok = chk.backward.ok && r.ok;
     chk.backward.detail += std::string(chk.backward.detail.empty() ? "" : "; ") + p.name + ": " + r.detail;
@@ -34,15 +46,17 @@ LayerCheck check_layer(const GemmHostData& d, const LayerOutputs& out, const Ben
   return chk;
 }
 
-std::vector<ResultRow> layer_rows(const BenchCase& c, DType dt, const LayerTimes& t, const LayerCheck& chk) {
+std::vector<ResultRow> layer_rows(const BenchCase& c, DType dt, const LayerTimes& t, const LayerCheck& chk,
+                                  LinearRecipe recipe) {
   const double flops = gemm_flops(c);
   auto row = [&](const char* pass, double pass_flops, double ms, double bare_ms, const CheckResult& check,
                  const std::optional<GraphNodeCounts>& nodes) {
     ResultRow r;
     r.case_name = c.name;
     r.pass = pass;
-    r.impl = "gmoe_linear";
-    r.dtype = dtype_name(dt);
+    const bool native = recipe == LinearRecipe::native;
+    r.impl = native ? std::string("gmoe_linear") : std::string("gmoe_linear_") + linear_recipe_name(recipe);
+    r.dtype = native ? dtype_name(dt) : "fp8";
     r.ms = ms;
     r.tflops = ms > 0 ? pass_flops / (ms * 1e-3) / 1e12 : 0;
     r.correct = check.ok;

@@ -24,7 +24,7 @@ namespace gmoe::bench {
 /// (accumulated into). The input is kept by reference (save_original_input), as an autograd
 /// framework keeps a saved tensor, unless o.layer_copy_input.
 GroupedLinear make_bench_layer(const TensorView& w, const TensorView& bias, const TensorView& main_grad,
-                               const BenchOptions& o);
+                               const BenchOptions& o, LinearRecipe recipe = LinearRecipe::native);
 
 /// Host copies of the outputs of one forward + backward, main_grad accumulated from zero.
 struct LayerOutputs {
@@ -40,7 +40,13 @@ struct LayerCheck {
 };
 
 /// Sampled checks of a layer's outputs against the fp64 reference (d.bias set: y includes it).
-LayerCheck check_layer(const GemmHostData& d, const LayerOutputs& out, const BenchOptions& o);
+/// quant_u > 0 (FP8 recipes): y, dx and dW against the unquantized inputs within the quantization
+/// bound of check_pass; db (reduced from the unquantized dy) by the usual rule.
+LayerCheck check_layer(const GemmHostData& d, const LayerOutputs& out, const BenchOptions& o, double quant_u = 0);
+
+/// Per-element relative quantization error of a recipe's operands (e4m3 round to nearest; mxfp8's
+/// power-of-two scale may also saturate the block maximum): the quant_u of check_layer.
+double recipe_quant_u(LinearRecipe recipe);
 
 /// Times and launches of one case's layer run.
 struct LayerTimes {
@@ -50,7 +56,9 @@ struct LayerTimes {
 };
 
 /// The rows of a case: `forward` (FLOPs 2·rows·N·K) and `forward_backward` (3× that), impl
-/// gmoe_linear.
-std::vector<ResultRow> layer_rows(const BenchCase& c, DType dt, const LayerTimes& t, const LayerCheck& chk);
+/// gmoe_linear (native), or gmoe_linear_<recipe> with dtype fp8, whose bare_ms is then the native
+/// layer timed interleaved with it.
+std::vector<ResultRow> layer_rows(const BenchCase& c, DType dt, const LayerTimes& t, const LayerCheck& chk,
+                                  LinearRecipe recipe = LinearRecipe::native);
 
 }  // namespace gmoe::bench

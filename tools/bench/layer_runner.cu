@@ -5,7 +5,9 @@
 // CUDA graph (global capture mode: it fails on any host sync) to count what they launch; then the
 // timing, CUDA events, with each layer call interleaved with the bare GEMMs of the same work so that
 // drift during the measurement affects both alike. Inputs (x, dy, weights) rotate past L2 as in
-// cuda_runner.cu; the bias and main_grad are one each, like a model's.
+// cuda_runner.cu; the bias and main_grad are one each, like a model's. With --layer-fp8, the FP8
+// recipes of the layer are checked against the unquantized inputs (quantization bound) and timed
+// interleaved with the native layer.
 #include <cuda_runtime.h>
 
 #include <cstdio>
@@ -128,32 +130,34 @@ std::vector<ResultRow> run_layer_case_cuda(const BenchCase& c, const BenchOption
   std::vector<GroupedLinear> layers;
   for (int s = 0; s < b.sets; ++s) layers.push_back(make_bench_layer(b.w(s), b.b(), b.mg(), o));
 
-  // Correctness first: poisoned outputs (0xff bytes are NaN), main_grad from zero, one run.
-  std::vector<uint8_t> hx(nx * es), hdy(ndy * es), hw(nw * es), hbias(nb * es), hy(ndy * es), hdx(nx * es),
-      hdb(nb * es);
-  std::vector<float> hmg(nw);
+  std::vector<uint8_t> hx(nx * es), hdy(ndy * es), hw(nw * es), hbias(nb * es);
   BENCH_CUDA(cudaMemcpy(hx.data(), b.xs[0]->ptr, nx * es, cudaMemcpyDeviceToHost));
   BENCH_CUDA(cudaMemcpy(hdy.data(), b.dys[0]->ptr, ndy * es, cudaMemcpyDeviceToHost));
   BENCH_CUDA(cudaMemcpy(hw.data(), b.ws[0]->ptr, nw * es, cudaMemcpyDeviceToHost));
   BENCH_CUDA(cudaMemcpy(hbias.data(), b.bias->ptr, nb * es, cudaMemcpyDeviceToHost));
-  BENCH_CUDA(cudaMemsetAsync(b.y->ptr, 0xff, ndy * es, stream));
-  BENCH_CUDA(cudaMemsetAsync(b.dx->ptr, 0xff, nx * es, stream));
-  BENCH_CUDA(cudaMemsetAsync(b.main_grad->ptr, 0, nw * sizeof(float), stream));
-  {
+  GemmHostData hd{dt, c.E, c.rows, c.N, c.K, prefix_offsets(c.counts), hx.data(), hw.data(), hdy.data()};
+  hd.bias = hbias.data();
+  hd.bias_dtype = dt;
+
+  // Correctness first: poisoned outputs (0xff bytes are NaN), main_grad from zero, one run.
+  auto check_run = [&](GroupedLinear& layer, double quant_u) {
+    std::vector<uint8_t> hy(ndy * es), hdx(nx * es), hdb(nb * es);
+    std::vector<float> hmg(nw);
+    BENCH_CUDA(cudaMemsetAsync(b.y->ptr, 0xff, ndy * es, stream));
+    BENCH_CUDA(cudaMemsetAsync(b.dx->ptr, 0xff, nx * es, stream));
+    BENCH_CUDA(cudaMemsetAsync(b.main_grad->ptr, 0, nw * sizeof(float), stream));
     GroupedLinearContext ctx;
-    layers[0].forward(b.x(0), b.cv(), ctx, stream, b.yv());
-    const GroupedLinearBackward back = layers[0].backward(ctx, b.dy(0), stream, b.dxv());
+    layer.forward(b.x(0), b.cv(), ctx, stream, b.yv());
+    const GroupedLinearBackward back = layer.backward(ctx, b.dy(0), stream, b.dxv());
     BENCH_CUDA(cudaStreamSynchronize(stream));
     check_device_errors(stream);
     BENCH_CUDA(cudaMemcpy(hy.data(), b.y->ptr, ndy * es, cudaMemcpyDeviceToHost));
     BENCH_CUDA(cudaMemcpy(hdx.data(), b.dx->ptr, nx * es, cudaMemcpyDeviceToHost));
     BENCH_CUDA(cudaMemcpy(hmg.data(), b.main_grad->ptr, nw * sizeof(float), cudaMemcpyDeviceToHost));
     BENCH_CUDA(cudaMemcpy(hdb.data(), back.grads.bias.grouped.data, nb * es, cudaMemcpyDeviceToHost));
-  }
-  GemmHostData hd{dt, c.E, c.rows, c.N, c.K, prefix_offsets(c.counts), hx.data(), hw.data(), hdy.data()};
-  hd.bias = hbias.data();
-  hd.bias_dtype = dt;
-  const LayerCheck chk = check_layer(hd, {hy.data(), hdx.data(), hmg.data(), hdb.data()}, o);
+    return check_layer(hd, {hy.data(), hdx.data(), hmg.data(), hdb.data()}, o, quant_u);
+  };
+  const LayerCheck chk = check_run(layers[0], 0);
 
   LayerTimes t;
   t.forward_nodes = capture_node_counts([&] { layer_forward(layers[0], b, 0, stream); }, stream);
@@ -168,22 +172,55 @@ std::vector<ResultRow> run_layer_case_cuda(const BenchCase& c, const BenchOption
     grouped_gemm_dgrad(b.dy(i), w, b.cv(), b.dxv(), stream);
     grouped_gemm_wgrad(b.dy(i), b.x(i), b.cv(), mg, WgradOptions{true, {}}, stream);
   };
-  const std::vector<double> fwd = time_interleaved_ms(
-      {[&](int i) { layer_forward(layers[i % b.sets], b, i, stream); }, bare_fprop}, o.warmup, o.iters, stream);
-  const std::vector<double> fb = time_interleaved_ms(
-      {[&](int i) { layer_forward_backward(layers[i % b.sets], b, i, stream); },
-       [&](int i) {
-         bare_fprop(i);
-         bare_backward(i);
-       }},
-      o.warmup, o.iters, stream);
+  auto native_forward = [&](int i) { layer_forward(layers[i % b.sets], b, i, stream); };
+  auto native_forward_backward = [&](int i) { layer_forward_backward(layers[i % b.sets], b, i, stream); };
+  const std::vector<double> fwd = time_interleaved_ms({native_forward, bare_fprop}, o.warmup, o.iters, stream);
+  const std::vector<double> fb = time_interleaved_ms({native_forward_backward,
+                                                      [&](int i) {
+                                                        bare_fprop(i);
+                                                        bare_backward(i);
+                                                      }},
+                                                     o.warmup, o.iters, stream);
   t.forward_ms = fwd[0];
   t.forward_bare_ms = fwd[1];
   t.forward_backward_ms = fb[0];
   t.forward_backward_bare_ms = fb[1];
+  std::vector<ResultRow> rows = layer_rows(c, dt, t, chk);
+
+  // FP8 recipes: the same layer with quantization inside, timed interleaved with the native layer.
+  // The weights are quantized in every forward (invalidated before it), as with one microbatch per
+  // optimizer step: the conservative case (more microbatches reuse the cached weights).
+  for (const std::string& name : o.layer_recipes) {
+    const LinearRecipe recipe = linear_recipe_from_name(name);
+    std::vector<GroupedLinear> fp8_layers;
+    for (int s = 0; s < b.sets; ++s) fp8_layers.push_back(make_bench_layer(b.w(s), b.b(), b.mg(), o, recipe));
+    const LayerCheck fchk = check_run(fp8_layers[0], recipe_quant_u(recipe));
+    auto fp8_forward = [&](int i) {
+      GroupedLinear& layer = fp8_layers[i % b.sets];
+      layer.invalidate_fp8_weight();
+      layer_forward(layer, b, i, stream);
+    };
+    auto fp8_forward_backward = [&](int i) {
+      GroupedLinear& layer = fp8_layers[i % b.sets];
+      layer.invalidate_fp8_weight();
+      layer_forward_backward(layer, b, i, stream);
+    };
+    LayerTimes ft;
+    ft.forward_nodes = capture_node_counts([&] { fp8_forward(0); }, stream);
+    ft.forward_backward_nodes = capture_node_counts([&] { fp8_forward_backward(0); }, stream);
+    const std::vector<double> ffwd = time_interleaved_ms({fp8_forward, native_forward}, o.warmup, o.iters, stream);
+    const std::vector<double> ffb =
+        time_interleaved_ms({fp8_forward_backward, native_forward_backward}, o.warmup, o.iters, stream);
+    ft.forward_ms = ffwd[0];
+    ft.forward_bare_ms = ffwd[1];
+    ft.forward_backward_ms = ffb[0];
+    ft.forward_backward_bare_ms = ffb[1];
+    const std::vector<ResultRow> r = layer_rows(c, dt, ft, fchk, recipe);
+    rows.insert(rows.end(), r.begin(), r.end());
+  }
   check_device_errors(stream);
   BENCH_CUDA(cudaStreamDestroy(stream));
-  return layer_rows(c, dt, t, chk);
+  return rows;
 }
 
 bool check_layer_launches_cuda(const BenchOptions& o) {

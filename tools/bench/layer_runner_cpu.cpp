@@ -3,27 +3,12 @@
 // forward of a forward+backward is the timed forward itself (forward_backward = forward + backward
 // of the same iteration), and the first iteration is the checked one.
 #include <algorithm>
-#include <chrono>
 
 #include "bench/layer_common.h"
+#include "bench/wall_clock.h"
 #include "gmoe/grouped_gemm.h"
 
 namespace gmoe::bench {
-namespace {
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
-template <typename F>
-double wall_ms(F&& f) {
-  const auto t0 = std::chrono::steady_clock::now();
-  f();
-  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-}
-
-}  // namespace
 
 std::vector<ResultRow> run_layer_case_cpu(const BenchCase& c, const BenchOptions& o) {
   const DType dt = o.dtype;

@@ -41,13 +41,19 @@ std::string fmt(double v, int prec = 1) {
 }
 
 bool is_layer_row(const ResultRow& r) { return r.impl == "gmoe_linear"; }
+// mlp cases: GroupedMLP (gmoe) and its unfused composition (gmoe_unfused), passes forward and
+// forward_backward (the gemm cases' gmoe rows are fprop, dgrad, wgrad).
+bool is_mlp_row(const ResultRow& r) {
+  return (r.impl == "gmoe" || r.impl == "gmoe_unfused") && (r.pass == "forward" || r.pass == "forward_backward");
+}
 
 // The table as text lines: header, one line per case/pass, then geometric means of gmoe's ratios.
-// Layer rows are left to layer_table.
-std::vector<std::vector<std::string>> table(const std::vector<ResultRow>& all_rows) {
+// The GEMM rows, or (mlp) the rows of mlp cases, each with geomeans of its own; layer rows are left
+// to layer_table.
+std::vector<std::vector<std::string>> table(const std::vector<ResultRow>& all_rows, bool mlp) {
   std::vector<ResultRow> rows;
   for (const ResultRow& r : all_rows) {
-    if (!is_layer_row(r)) rows.push_back(r);
+    if (!is_layer_row(r) && is_mlp_row(r) == mlp) rows.push_back(r);
   }
   if (rows.empty()) return {};
   const Grouped g = group(rows);
@@ -181,9 +187,14 @@ std::string GraphNodeCounts::str() const {
 }
 
 void print_table(const std::vector<ResultRow>& rows) {
-  const auto main = table(rows), layer = layer_table(rows);
+  const auto main = table(rows, false), mlp = table(rows, true), layer = layer_table(rows);
   print_text(main);
-  if (!main.empty() && !layer.empty()) std::printf("\n");
+  if (!mlp.empty()) {
+    if (!main.empty()) std::printf("\n");
+    std::printf("GroupedMLP (gmoe) and the composition of separate public ops (gmoe_unfused), same run:\n");
+    print_text(mlp);
+  }
+  if ((!main.empty() || !mlp.empty()) && !layer.empty()) std::printf("\n");
   if (!layer.empty()) {
     std::printf("GroupedLinear (grouped bias, f32 main_grad accumulated) vs its bare GEMMs, same run:\n");
     print_text(layer);
@@ -225,7 +236,13 @@ void write_markdown(const std::string& path, const RunInfo& info, const std::vec
   out << "# gmoe-bench: suite " << info.suite << " on " << info.gpu << "\n\n"
       << "commit " << info.commit << ", " << info.date << ". TFLOP/s (median), and gmoe's ratio to "
       << "each baseline measured in the same run.\n\n";
-  write_markdown_table(out, table(rows));
+  write_markdown_table(out, table(rows, false));
+  const auto mlp = table(rows, true);
+  if (!mlp.empty()) {
+    out << "\nExpert MLP (mlp cases; stacked weights, no bias, f32 main_grad accumulated, x kept by reference): "
+        << "GroupedMLP (gmoe) and the composition of separate public ops (gmoe_unfused).\n\n";
+    write_markdown_table(out, mlp);
+  }
   const auto layer = layer_table(rows);
   if (!layer.empty()) {
     out << "\nGroupedLinear (grouped bias, f32 main_grad accumulated): its time beside the bare GEMMs of the "

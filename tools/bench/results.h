@@ -46,8 +46,10 @@ struct RunInfo {
   std::string suite;
 };
 
-/// One line per case and pass: TFLOP/s of every impl and gmoe's ratio to each baseline. Layer rows
-/// (impl gmoe_linear) go to a second table: time, bare GEMM time, overhead, launches.
+/// One line per case and pass: TFLOP/s of every impl and gmoe's ratio to each baseline. The rows of
+/// mlp cases (passes forward and forward_backward of impls gmoe, gmoe_unfused) get a table of their
+/// own, with their own geometric means; layer rows (impl gmoe_linear) another: time, bare GEMM
+/// time, overhead, launches.
 void print_table(const std::vector<ResultRow>& rows);
 void write_json(const std::string& path, const RunInfo& info, const std::vector<ResultRow>& rows);
 void write_markdown(const std::string& path, const RunInfo& info, const std::vector<ResultRow>& rows);

@@ -20,6 +20,9 @@ struct BenchOptions {
   bool baselines = true; ///< also time cuBLAS dense and the per-expert cuBLAS loop (GPU)
   bool layer_copy_input = false;  ///< layer mode: GroupedLinear copies x (its default) instead of
                                   ///< keeping a reference (save_original_input)
+  /// Layer mode on CUDA: also GroupedLinear with these FP8 recipes (linear_recipe_name), rows
+  /// gmoe_linear_<recipe>, timed interleaved with the native layer.
+  std::vector<std::string> layer_recipes;
 };
 
 /// CPU reference backend on the case as given (the caller scales rows down first). Wall-clock
@@ -40,5 +43,12 @@ std::vector<ResultRow> run_layer_case_cuda(const BenchCase& c, const BenchOption
 /// Captures one GroupedLinear forward and one forward+backward for E = 8 and E = 256 on a small
 /// shape, prints what each launches, and returns whether the counts are the same for both E.
 bool check_layer_launches_cuda(const BenchOptions& o);
+
+/// MLP mode (bench/mlp_common.h): GroupedMLP (impl gmoe) and the unfused composition of separate
+/// public ops (gmoe_unfused), forward and forward+backward, on an mlp case. CPU: wall-clock (the
+/// caller scales rows down first).
+std::vector<ResultRow> run_mlp_case_cpu(const BenchCase& c, const BenchOptions& o);
+/// CUDA: CUDA-event timing, the two implementations interleaved.
+std::vector<ResultRow> run_mlp_case_cuda(const BenchCase& c, const BenchOptions& o);
 
 }  // namespace gmoe::bench

@@ -92,4 +92,11 @@ double gemm_flops(const BenchCase& c) {
   return 2.0 * static_cast<double>(c.rows) * static_cast<double>(c.N) * static_cast<double>(c.K);
 }
 
+double mlp_flops(const BenchCase& c) {
+  const double rows = static_cast<double>(c.rows), hidden = static_cast<double>(c.hidden);
+  const double ffn = static_cast<double>(c.ffn);
+  const double fc1_out = c.activation == "squared_relu" ? ffn : 2 * ffn;
+  return 2.0 * rows * hidden * fc1_out + 2.0 * rows * ffn * hidden;
+}
+
 }  // namespace gmoe::bench

@@ -1,0 +1,292 @@
+// tools/bench/mlp_common.cpp — mlp mode: configuration, the unfused composition, checks and rows
+// (see mlp_common.h).
+#include "bench/mlp_common.h"
+
+#include <algorithm>
+#include <cmath>
+#include <random>
+#include <sstream>
+
+#include "common/activation_math.h"
+#include "common/float_convert.h"
+#include "gmoe/error.h"
+
+namespace gmoe::bench {
+
+ActivationOptions mlp_activation(const BenchCase& c) {
+  ActivationOptions o;
+  o.kind = activation_from_name(c.activation.empty() ? "swiglu" : c.activation);
+  return o;  // alpha 1.702, limit 7: gpt-oss's (BENCHMARKS.md); gate/up concatenated
+}
+
+int64_t mlp_fc1_rows(const BenchCase& c) { return activation_input_cols(mlp_activation(c).kind, c.ffn); }
+
+namespace {
+
+GroupedLinearOptions fc_options(const TensorView& main_grad, bool keep_input_reference) {
+  GroupedLinearOptions o;
+  o.main_grad = ExpertWeights::from_stacked(main_grad);
+  o.accumulate = true;
+  o.save_original_input = keep_input_reference;
+  return o;
+}
+
+}  // namespace
+
+GroupedMLP make_bench_mlp(const BenchCase& c, const MlpParams& p) {
+  GroupedMLPOptions o;
+  o.activation = mlp_activation(c);
+  o.fc1 = fc_options(p.mg1, true);
+  o.fc2 = fc_options(p.mg2, true);
+  return GroupedMLP(ExpertWeights::from_stacked(p.w1), ExpertWeights::from_stacked(p.w2), {}, {}, o);
+}
+
+UnfusedMlp::UnfusedMlp(const BenchCase& c, const MlpParams& p)
+    : act_(mlp_activation(c)),
+      fc1_(ExpertWeights::from_stacked(p.w1), {}, fc_options(p.mg1, true)),
+      fc2_(ExpertWeights::from_stacked(p.w2), {}, fc_options(p.mg2, true)) {}
+
+void UnfusedMlp::forward(const TensorView& x, const TensorView& counts, Context& ctx, Stream stream,
+                         const TensorView& y) {
+  Allocator& alloc = default_allocator(x.device);
+  ctx.h = fc1_.forward(x, counts, ctx.fc1, stream);
+  ctx.z = Tensor::empty({x.size(0), fc2_.in_features()}, x.dtype, alloc, stream);
+  grouped_activation_forward(ctx.h, counts, ctx.z, act_, {}, stream);
+  fc2_.forward(ctx.z, counts, ctx.fc2, stream, y);
+  ctx.counts = counts;
+}
+
+void UnfusedMlp::backward(Context& ctx, const TensorView& dy, Stream stream, const TensorView& dx) {
+  GroupedLinearBackward b2 = fc2_.backward(ctx.fc2, dy, stream);
+  grouped_activation_backward(ctx.h, b2.dx, ctx.counts, ctx.h, act_, {}, {}, {}, stream);
+  b2.dx.release_on(stream);
+  ctx.z.release_on(stream);
+  fc1_.backward(ctx.fc1, ctx.h, stream, dx);
+  ctx.h.release_on(stream);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Sampled reference
+
+namespace {
+
+// The activation in fp64: value and partial derivatives (the formulas of gmoe/activation.h).
+struct Act64 {
+  double value = 0, d_gate = 0, d_up = 0;
+};
+constexpr double kPi = 3.14159265358979323846;
+double sigmoid64(double x) { return 1.0 / (1.0 + std::exp(-x)); }
+Act64 act64(const ActivationOptions& o, double g, double u) {
+  Act64 r;
+  switch (o.kind) {
+    case ActivationKind::swiglu: {
+      const double s = sigmoid64(g);
+      return {g * s * u, u * s * (1 + g * (1 - s)), g * s};
+    }
+    case ActivationKind::geglu: {
+      double ge, d;
+      if (o.gelu_tanh) {
+        const double k = std::sqrt(2.0 / kPi), t = std::tanh(k * (g + 0.044715 * g * g * g));
+        ge = 0.5 * g * (1 + t);
+        d = 0.5 * (1 + t) + 0.5 * g * (1 - t * t) * k * (1 + 3 * 0.044715 * g * g);
+      } else {
+        const double cdf = 0.5 * (1 + std::erf(g / std::sqrt(2.0)));
+        ge = g * cdf;
+        d = cdf + g * std::exp(-0.5 * g * g) / std::sqrt(2 * kPi);
+      }
+      return {ge * u, u * d, ge};
+    }
+    case ActivationKind::clamped_swiglu: {
+      const double L = o.limit, a = o.alpha;
+      const double gc = std::min(g, L), uc = std::clamp(u, -L, L), s = sigmoid64(a * gc);
+      return {gc * s * (uc + 1), g <= L ? (uc + 1) * s * (1 + a * gc * (1 - s)) : 0.0,
+              (u >= -L && u <= L) ? gc * s : 0.0};
+    }
+    case ActivationKind::squared_relu: {
+      const double rl = g > 0 ? g : 0.0;
+      return {rl * rl, 2 * rl, 0.0};
+    }
+  }
+  return r;
+}
+
+// The same in f32 with the library's formulas (the layer's own precision).
+act::Eval act32(const ActivationOptions& o, float g, float u) {
+  const act::Params prm{o.alpha, o.limit, o.gelu_tanh};
+  switch (o.kind) {
+    case ActivationKind::swiglu: return act::gated_eval<ActivationKind::swiglu>(g, u, prm);
+    case ActivationKind::geglu: return act::gated_eval<ActivationKind::geglu>(g, u, prm);
+    case ActivationKind::clamped_swiglu: return act::gated_eval<ActivationKind::clamped_swiglu>(g, u, prm);
+    case ActivationKind::squared_relu: break;
+  }
+  return {act::squared_relu_value(g), act::squared_relu_derivative(g), 0.0f};
+}
+
+}  // namespace
+
+MlpReference mlp_reference(const MlpHostData& d, int samples, uint64_t seed) {
+  MlpReference ref;
+  if (d.rows == 0) return ref;
+  const int64_t n_rows = std::clamp<int64_t>(samples / 32, 4, 64);
+  std::mt19937_64 rng(seed);
+  for (int64_t i = 0; i < n_rows; ++i) {
+    ref.rows.push_back(std::uniform_int_distribution<int64_t>(0, d.offsets.back() - 1)(rng));
+  }
+  const int64_t H = d.H, F = d.F, R1 = d.R1;
+  const bool gated = is_gated(d.act.kind);
+  const int64_t block = d.act.glu.layout == GluLayout::interleaved ? d.act.glu.block : 0;
+  auto in = [&](const void* p, int64_t i) { return load_float(p, d.dtype, i); };
+  const DType dt = d.dtype;
+  ref.y_exact.assign(size_t(n_rows * H), 0.0);
+  ref.y_own = ref.dx_exact = ref.dx_own = ref.y_exact;
+  const size_t r1 = static_cast<size_t>(R1), f = static_cast<size_t>(F), hh = static_cast<size_t>(H);
+  std::vector<double> h64(r1), z64(f), dz64(f), dh64(r1);
+  std::vector<float> h32(r1), z32(f), dz32(f), dh32(r1), w(hh);
+  for (int64_t s = 0; s < n_rows; ++s) {
+    const int64_t r = ref.rows[s];
+    const int64_t e = std::upper_bound(d.offsets.begin(), d.offsets.end(), r) - d.offsets.begin() - 1;
+    const int64_t w1e = e * R1 * H, w2e = e * H * F;
+    // h = x·W1ᵀ
+    for (int64_t c = 0; c < R1; ++c) {
+      double acc64 = 0;
+      float acc32 = 0;
+      for (int64_t k = 0; k < H; ++k) {
+        const float a = in(d.x, r * H + k), b = in(d.w1, w1e + c * H + k);
+        acc64 += double(a) * double(b);
+        acc32 += a * b;
+      }
+      h64[c] = acc64;
+      h32[c] = round_to(dt, acc32);
+    }
+    // dz = dy·W2 (needs only dy and W2)
+    std::fill(dz64.begin(), dz64.end(), 0.0);
+    std::fill(dz32.begin(), dz32.end(), 0.0f);
+    for (int64_t n = 0; n < H; ++n) {
+      const float g = in(d.dy, r * H + n);
+      for (int64_t j = 0; j < F; ++j) {
+        const float b = in(d.w2, w2e + n * F + j);
+        dz64[j] += double(g) * double(b);
+        dz32[j] += g * b;
+      }
+    }
+    for (int64_t j = 0; j < F; ++j) dz32[j] = round_to(dt, dz32[j]);
+    // z = act(h), dh = act'(h)·dz
+    for (int64_t j = 0; j < F; ++j) {
+      const int64_t gc = gated ? act::gate_column(j, block) : j;
+      const int64_t uc = gated ? gc + act::up_offset(F, block) : j;
+      const Act64 a = act64(d.act, h64[gc], gated ? h64[uc] : 0.0);
+      const act::Eval b = act32(d.act, h32[gc], gated ? h32[uc] : 0.0f);
+      z64[j] = a.value;
+      z32[j] = round_to(dt, b.value);
+      dh64[gc] = dz64[j] * a.d_gate;
+      dh32[gc] = round_to(dt, dz32[j] * b.d_gate);
+      if (gated) {
+        dh64[uc] = dz64[j] * a.d_up;
+        dh32[uc] = round_to(dt, dz32[j] * b.d_up);
+      }
+    }
+    // y = z·W2ᵀ, dx = dh·W1
+    for (int64_t n = 0; n < H; ++n) {
+      double acc64 = 0;
+      float acc32 = 0;
+      for (int64_t j = 0; j < F; ++j) {
+        const float b = in(d.w2, w2e + n * F + j);
+        acc64 += z64[j] * double(b);
+        acc32 += z32[j] * b;
+      }
+      ref.y_exact[s * H + n] = acc64;
+      ref.y_own[s * H + n] = round_to(dt, acc32);
+    }
+    std::vector<double> dx64(hh, 0.0);
+    std::vector<float> dx32(hh, 0.0f);
+    for (int64_t c = 0; c < R1; ++c) {
+      for (int64_t k = 0; k < H; ++k) w[k] = in(d.w1, w1e + c * H + k);
+      for (int64_t k = 0; k < H; ++k) {
+        dx64[k] += dh64[c] * double(w[k]);
+        dx32[k] += dh32[c] * w[k];
+      }
+    }
+    for (int64_t k = 0; k < H; ++k) {
+      ref.dx_exact[s * H + k] = dx64[k];
+      ref.dx_own[s * H + k] = round_to(dt, dx32[k]);
+    }
+  }
+  return ref;
+}
+
+namespace {
+
+// Non-finite elements of a bf16/f16 output, on the bits (all-ones exponent): memory speed.
+int64_t count_nonfinite(const void* p, DType dt, int64_t n) {
+  const uint16_t mask = dt == DType::bf16 ? 0x7f80 : 0x7c00;
+  const uint16_t* u = static_cast<const uint16_t*>(p);
+  int64_t bad = 0;
+  for (int64_t i = 0; i < n; ++i) bad += (u[i] & mask) == mask;
+  return bad;
+}
+
+CheckResult check_rows_against(const MlpHostData& d, const MlpReference& ref, const std::vector<double>& exact,
+                               const std::vector<double>& own, const void* out, const char* name) {
+  const double u = d.dtype == DType::bf16 ? std::ldexp(1.0, -8) : std::ldexp(1.0, -11);
+  const int64_t nonfinite = count_nonfinite(out, d.dtype, d.rows * d.H);
+  double max_err = 0, max_ref_err = 0, sum_sq = 0;
+  std::string worst;
+  for (size_t s = 0; s < ref.rows.size(); ++s) {
+    for (int64_t n = 0; n < d.H; ++n) {
+      const size_t i = s * size_t(d.H) + size_t(n);
+      const double got = load_float(out, d.dtype, ref.rows[s] * d.H + n);
+      const double err = std::isfinite(got) ? std::abs(got - exact[i]) : INFINITY;
+      max_ref_err = std::max(max_ref_err, std::abs(own[i] - exact[i]));
+      sum_sq += exact[i] * exact[i];
+      if (err > max_err) {
+        max_err = err;
+        std::ostringstream os;
+        os << "[" << ref.rows[s] << ", " << n << "] got " << got << " exact " << exact[i];
+        worst = os.str();
+      }
+    }
+  }
+  const double count = double(ref.rows.size() * size_t(d.H));
+  const double rms = count > 0 ? std::sqrt(sum_sq / count) : 0;
+  const double limit = 2 * max_ref_err + u * rms + 1e-30;
+  CheckResult r;
+  r.ok = nonfinite == 0 && max_err <= limit;
+  std::ostringstream os;
+  os << name << ": max err " << max_err << " (limit " << limit << ") over " << ref.rows.size() << " rows";
+  if (nonfinite) os << ", " << nonfinite << " non-finite outputs";
+  if (!r.ok && !worst.empty()) os << ", worst " << worst;
+  r.detail = os.str();
+  return r;
+}
+
+}  // namespace
+
+MlpCheck check_mlp(const MlpHostData& d, const MlpReference& ref, const void* y, const void* dx) {
+  MlpCheck chk;
+  chk.forward = check_rows_against(d, ref, ref.y_exact, ref.y_own, y, "y");
+  const CheckResult cdx = check_rows_against(d, ref, ref.dx_exact, ref.dx_own, dx, "dx");
+  chk.backward.ok = chk.forward.ok && cdx.ok;
+  chk.backward.detail = chk.forward.detail + "; " + cdx.detail;
+  return chk;
+}
+
+std::vector<ResultRow> mlp_rows(const BenchCase& c, DType dt, const std::string& impl, const MlpTimes& t,
+                                const MlpCheck& chk) {
+  const double flops = mlp_flops(c);
+  auto row = [&](const char* pass, double pass_flops, double ms, const CheckResult& check) {
+    ResultRow r;
+    r.case_name = c.name;
+    r.pass = pass;
+    r.impl = impl;
+    r.dtype = dtype_name(dt);
+    r.ms = ms;
+    r.tflops = ms > 0 ? pass_flops / (ms * 1e-3) / 1e12 : 0;
+    r.correct = check.ok;
+    r.note = check.detail;
+    return r;
+  };
+  return {row("forward", flops, t.forward_ms, chk.forward),
+          row("forward_backward", 3 * flops, t.forward_backward_ms, chk.backward)};
+}
+
+}  // namespace gmoe::bench

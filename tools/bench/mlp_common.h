@@ -1,0 +1,110 @@
+// tools/bench/mlp_common.h — what the mlp mode's CPU and CUDA runners share: the configuration of
+// the expert MLP, the unfused composition it is compared with, the sampled fp64 checks of y and
+// dx, and the result rows.
+//
+// An mlp run times the expert MLP of an mlp case as Megatron-style training uses it: stacked bf16
+// weights FC1 [E, 2·ffn, hidden] (gate and up concatenated, as bench/torch_baseline.py splits them
+// with chunk(2)) and FC2 [E, hidden, ffn], no bias, no router probabilities, weight gradients
+// accumulated in f32 into one stacked main_grad per FC, x kept by reference (save_original_input).
+// Two implementations, each timed `forward` and `forward_backward` (forward, then backward: dx
+// and both weight gradients):
+//   gmoe          GroupedMLP
+//   gmoe_unfused  the same work composed of separate public ops: GroupedLinear FC1,
+//                 grouped_activation_forward, GroupedLinear FC2; backward FC2, grouped_activation_
+//                 backward (dh written over h), FC1
+// FLOPs as BENCHMARKS.md counts them (mlp_flops; forward_backward 3×). Correctness first: one
+// forward + backward of each on outputs poisoned with NaN, then y and dx at sampled rows against
+// the exact values (fp64, no intermediate rounding) by the rule of check.h: the largest error at
+// most twice that of a reference in the layer's own precision (f32 sums, h, z, dz, dh and the
+// outputs rounded to the input dtype) plus one rounding unit at the outputs' RMS; and no
+// non-finite element anywhere in y or dx.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "bench/check.h"
+#include "bench/results.h"
+#include "bench/runner.h"
+#include "bench/suite.h"
+#include "gmoe/activation.h"
+#include "gmoe/grouped_linear.h"
+#include "gmoe/grouped_mlp.h"
+
+namespace gmoe::bench {
+
+/// The activation of an mlp case (its "activation" name; clamped_swiglu with gpt-oss's alpha 1.702
+/// and limit 7), FC1's gate/up halves concatenated. Throws gmoe::Error on an unknown name.
+ActivationOptions mlp_activation(const BenchCase& c);
+/// FC1's output rows: 2·ffn for gated activations, ffn for squared_relu.
+int64_t mlp_fc1_rows(const BenchCase& c);
+
+/// The parameters of an mlp run: w1 [E, fc1 rows, hidden], w2 [E, hidden, ffn] (input dtype),
+/// mg1, mg2 their f32 main_grads (accumulated into).
+struct MlpParams {
+  TensorView w1, w2, mg1, mg2;
+};
+
+/// GroupedMLP in the configuration of the header comment.
+GroupedMLP make_bench_mlp(const BenchCase& c, const MlpParams& p);
+
+/// The unfused composition of separate public ops, in the same configuration.
+class UnfusedMlp {
+ public:
+  /// What forward keeps for backward.
+  struct Context {
+    GroupedLinearContext fc1, fc2;
+    Tensor h, z;
+    TensorView counts;
+  };
+  UnfusedMlp(const BenchCase& c, const MlpParams& p);
+  /// y = FC2(act(FC1(x))) into `y` [rows, hidden].
+  void forward(const TensorView& x, const TensorView& counts, Context& ctx, Stream stream, const TensorView& y);
+  /// dx into `dx` [rows, hidden]; both weight gradients accumulated into the main_grads.
+  void backward(Context& ctx, const TensorView& dy, Stream stream, const TensorView& dx);
+
+ private:
+  ActivationOptions act_;
+  GroupedLinear fc1_, fc2_;
+};
+
+/// Host copies of an mlp case's inputs (row-major, input dtype).
+struct MlpHostData {
+  DType dtype = DType::bf16;
+  int64_t E = 0, rows = 0, H = 0, F = 0, R1 = 0;  ///< R1: FC1's output rows
+  ActivationOptions act;
+  std::vector<int64_t> offsets;  ///< E + 1 prefix sums of the counts
+  const void* x = nullptr;       ///< [rows, H]
+  const void* w1 = nullptr;      ///< [E, R1, H]
+  const void* w2 = nullptr;      ///< [E, H, F]
+  const void* dy = nullptr;      ///< [rows, H]
+};
+
+/// y and dx of whole sampled rows, exact and in the layer's own precision. Computed once per case
+/// (the costly part) and checked against every implementation.
+struct MlpReference {
+  std::vector<int64_t> rows;                      ///< the sampled rows
+  std::vector<double> y_exact, y_own;             ///< [rows.size(), H]
+  std::vector<double> dx_exact, dx_own;           ///< [rows.size(), H]
+};
+/// About samples / 32 rows (at least 4, at most 64), chosen at random from `seed`.
+MlpReference mlp_reference(const MlpHostData& d, int samples, uint64_t seed);
+
+struct MlpCheck {
+  CheckResult forward;   ///< y
+  CheckResult backward;  ///< y and dx
+};
+/// y [rows, H] and dx [rows, H] (input dtype) of one run against the reference.
+MlpCheck check_mlp(const MlpHostData& d, const MlpReference& ref, const void* y, const void* dx);
+
+/// The times of one implementation on one case.
+struct MlpTimes {
+  double forward_ms = 0, forward_backward_ms = 0;
+};
+
+/// The rows of a case for one implementation ("gmoe" or "gmoe_unfused"): `forward` (mlp_flops)
+/// and `forward_backward` (3× that).
+std::vector<ResultRow> mlp_rows(const BenchCase& c, DType dt, const std::string& impl, const MlpTimes& t,
+                                const MlpCheck& chk);
+
+}  // namespace gmoe::bench
