@@ -46,6 +46,8 @@ enum class LinearRecipe : uint8_t {
 const char* linear_recipe_name(LinearRecipe recipe);
 /// Parses linear_recipe_name's names; throws gmoe::Error naming the text otherwise.
 LinearRecipe linear_recipe_from_name(const std::string& name);
+/// The quantization recipe (gmoe/fp8.h) of an FP8 LinearRecipe; throws gmoe::Error for native.
+Fp8Recipe fp8_recipe_of(LinearRecipe recipe);
 
 /// Options of a GroupedLinear.
 //

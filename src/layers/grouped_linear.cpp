@@ -58,16 +58,6 @@ namespace {
 constexpr std::size_t kPackAlign = 256;  // every view in the packed gradient buffer is 256-byte aligned
 std::size_t align_up(std::size_t v) { return (v + kPackAlign - 1) / kPackAlign * kPackAlign; }
 
-Fp8Recipe fp8_recipe_of(LinearRecipe r) {
-  switch (r) {
-    case LinearRecipe::fp8_tensorwise: return Fp8Recipe::tensorwise;
-    case LinearRecipe::fp8_blockwise: return Fp8Recipe::blockwise;
-    case LinearRecipe::mxfp8: return Fp8Recipe::mxfp8;
-    case LinearRecipe::native: break;
-  }
-  GMOE_FAIL("recipe: ", linear_recipe_name(r), " is not an FP8 recipe");
-}
-
 // Points the views `slots` (planned by an fp8 layout, data == nullptr) into one allocation, each
 // 256-byte aligned. The rowwise and columnwise copies of one quantization get separate allocations
 // so that the rowwise one can go as soon as its GEMM has read it.
@@ -93,6 +83,16 @@ const char* linear_recipe_name(LinearRecipe recipe) {
     case LinearRecipe::mxfp8: return "mxfp8";
   }
   return "unknown";
+}
+
+Fp8Recipe fp8_recipe_of(LinearRecipe recipe) {
+  switch (recipe) {
+    case LinearRecipe::fp8_tensorwise: return Fp8Recipe::tensorwise;
+    case LinearRecipe::fp8_blockwise: return Fp8Recipe::blockwise;
+    case LinearRecipe::mxfp8: return Fp8Recipe::mxfp8;
+    case LinearRecipe::native: break;
+  }
+  GMOE_FAIL("recipe: ", linear_recipe_name(recipe), " is not an FP8 recipe");
 }
 
 LinearRecipe linear_recipe_from_name(const std::string& name) {

@@ -178,6 +178,25 @@ ShapeCase make_case(const std::string& name, Rng& rng, CaseScale scale) {
   return c;
 }
 
+std::vector<std::vector<int64_t>> graph_routings(int64_t E, int64_t per, int64_t slack, Rng& rng) {
+  const int64_t cap = E * per + slack;
+  std::vector<int64_t> one(static_cast<size_t>(E), 0);
+  one[static_cast<size_t>(rng.integer(0, E - 1))] = cap;
+  return {std::vector<int64_t>(static_cast<size_t>(E), per), zipf_counts(E, cap - slack, 1.1, 4, rng), one,
+          std::vector<int64_t>(static_cast<size_t>(E), 0)};
+}
+
+ShapeCase graph_case(int64_t E, int64_t N, int64_t K, int64_t per, int64_t slack) {
+  ShapeCase c;
+  c.name = "graph";
+  c.E = E;
+  c.N = N;
+  c.K = K;
+  c.capacity = E * per + slack;
+  c.counts = std::vector<int64_t>(static_cast<size_t>(E), per);
+  return c;
+}
+
 // ---------------------------------------------------------------------------------------------
 
 double unit_roundoff(DType t) {

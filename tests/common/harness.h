@@ -100,6 +100,13 @@ enum class CaseScale { kSmall, kLarge };
 const std::vector<std::string>& named_case_names();
 /// Builds a case with fresh random counts from `rng`.
 ShapeCase make_case(const std::string& name, Rng& rng, CaseScale scale = CaseScale::kSmall);
+
+/// The routings that CUDA-graph tests replay one capture under, for E experts and `per` rows each
+/// (capacity E·per + slack): uniform (per each, slack rows past the total), skewed (Zipf over
+/// capacity - slack, with empty experts), every token in one random expert, all experts empty.
+/// graph_case() is the case of the first routing.
+std::vector<std::vector<int64_t>> graph_routings(int64_t E, int64_t per, int64_t slack, Rng& rng);
+ShapeCase graph_case(int64_t E, int64_t N, int64_t K, int64_t per, int64_t slack);
 /// Zipf(s) counts over E experts in random order, about `empty_every`-th expert empty, summing to
 /// `total` (the BENCHMARKS.md "skewed" split).
 std::vector<int64_t> zipf_counts(int64_t E, int64_t total, double s, int64_t empty_every, Rng& rng);

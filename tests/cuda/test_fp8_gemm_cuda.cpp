@@ -395,23 +395,11 @@ TEST(CudaFp8GemmGraph, CaptureOnceReplayUnderChangingCounts) {
   GMOE_SKIP_WITHOUT_GPU();
   Rng rng;
   const int64_t E = 8, N = 256, K = 384, cap = 8 * 200 + 5;
-  std::vector<std::vector<int64_t>> routings;
-  routings.push_back(std::vector<int64_t>(E, 200));                 // uniform, 5 slack rows
-  routings.push_back(zipf_counts(E, cap - 11, 1.1, 4, rng));        // skewed with empty experts
-  std::vector<int64_t> one(E, 0);
-  one[rng.integer(0, E - 1)] = cap;                                 // every token in one expert
-  routings.push_back(one);
-  routings.push_back(std::vector<int64_t>(E, 0));                   // all experts empty
+  const std::vector<std::vector<int64_t>> routings = graph_routings(E, 200, cap - E * 200, rng);
 
   for (Fp8Recipe recipe : {Fp8Recipe::blockwise, Fp8Recipe::tensorwise, Fp8Recipe::mxfp8}) {
     SCOPED_TRACE(recipe_str(recipe));
-    ShapeCase c;
-    c.name = "graph";
-    c.E = E;
-    c.N = N;
-    c.K = K;
-    c.capacity = cap;
-    c.counts = routings[0];
+    ShapeCase c = graph_case(E, N, K, 200, cap - E * 200);
     const Fp8Problem p0(c, recipe, rng);
     DeviceGrouped x(p0.x.q), dy(p0.dy.q);
     DeviceWeights w(p0.w.q);

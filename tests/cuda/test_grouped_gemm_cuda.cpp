@@ -428,22 +428,8 @@ TEST(CudaGroupedGemmGraph, CaptureOnceReplayUnderChangingCounts) {
   Rng rng;
   const int64_t E = 8, N = 512, K = 384, cap = 8 * 256 + 5;
   const DType dt = DType::bf16;
-  std::vector<std::vector<int64_t>> routings;
-  routings.push_back(std::vector<int64_t>(E, 256));                 // uniform, 5 slack rows
-  routings.push_back(zipf_counts(E, cap - 11, 1.1, 4, rng));        // skewed with empty experts
-  std::vector<int64_t> one(E, 0);
-  one[rng.integer(0, E - 1)] = cap;                                 // every token in one expert
-  routings.push_back(one);
-  routings.push_back(std::vector<int64_t>(E, 0));                   // all experts empty
-
-  ShapeCase c;
-  c.name = "graph";
-  c.E = E;
-  c.N = N;
-  c.K = K;
-  c.capacity = cap;
-  c.counts = routings[0];
-  const GemmProblem p(c, dt, rng);
+  const std::vector<std::vector<int64_t>> routings = graph_routings(E, 256, cap - E * 256, rng);
+  const GemmProblem p(graph_case(E, N, K, 256, cap - E * 256), dt, rng);
   DeviceTensor x(p.x), dy(p.dy), counts(p.counts);
   DeviceExperts w(p.w_stacked, p.w, Layout::kStacked);
   HostTensor y_h(dt, {cap, N}), dx_h(dt, {cap, K}), dw_h(DType::f32, {E, N, K});

@@ -162,18 +162,9 @@ TEST(CudaGroupedLinearGraph, CaptureForwardBackwardDwOnceReplayUnderChangingCoun
   GMOE_SKIP_WITHOUT_GPU();
   Rng rng;
   const int64_t E = 16, N = 256, K = 384, cap = 16 * 96 + 7;
-  ShapeCase c;
-  c.name = "graph";
-  c.E = E;
-  c.N = N;
-  c.K = K;
-  c.capacity = cap;
-  c.counts = std::vector<int64_t>(E, 96);
-  const GemmProblem p(c, DType::bf16, rng);
+  const GemmProblem p(graph_case(E, N, K, 96, 7), DType::bf16, rng);
   const Biases bias(E, N, false, rng);
-  std::vector<std::vector<int64_t>> routings = {std::vector<int64_t>(E, 96), zipf_counts(E, cap - 3, 1.1, 4, rng),
-                                                std::vector<int64_t>(E, 0), std::vector<int64_t>(E, 0)};
-  routings[2][rng.integer(0, E - 1)] = cap;
+  const std::vector<std::vector<int64_t>> routings = graph_routings(E, 96, 7, rng);
   DeviceTensor x(p.x), dy(p.dy), counts(p.counts);
   DeviceExperts w(p.w_stacked, p.w, Layout::kList);
   HostExpertTensor mg_init(Layout::kStacked, DType::f32, E, N, K);

@@ -23,12 +23,6 @@
 namespace gmoe::test {
 namespace {
 
-Fp8Recipe fp8_of(LinearRecipe r) {
-  return r == LinearRecipe::fp8_tensorwise ? Fp8Recipe::tensorwise
-         : r == LinearRecipe::fp8_blockwise ? Fp8Recipe::blockwise
-                                            : Fp8Recipe::mxfp8;
-}
-
 std::vector<double> values(const TensorView& v) {
   HostTensor h(v.dtype, {v.numel()});
   if (!h.bytes().empty()) EXPECT_EQ(cudaMemcpy(h.data(), v.data, h.bytes().size(), cudaMemcpyDeviceToHost), cudaSuccess);
@@ -51,7 +45,7 @@ TEST_P(CudaGroupedLinearFp8, BitwiseTheOpCompositionAndWithinTheRecipeBound) {
   const auto [recipe, case_name] = GetParam();
   Rng rng;
   const ShapeCase c = make_case(case_name, rng, CaseScale::kLarge);
-  const Fp8Problem p(c, fp8_of(recipe), rng);
+  const Fp8Problem p(c, fp8_recipe_of(recipe), rng);
   const GemmProblem& base = p.base;
   HostTensor bias_h(DType::bf16, {c.E, c.N});
   fill_random(bias_h, rng);
@@ -100,7 +94,7 @@ TEST_P(CudaGroupedLinearFp8, BitwiseTheOpCompositionAndWithinTheRecipeBound) {
     }
   }
 
-  const double u = fp8_relative_error(fp8_of(recipe), DType::e4m3);
+  const double u = fp8_relative_error(fp8_recipe_of(recipe), DType::e4m3);
   EXPECT_TRUE(within_bound(want_dx, exact_dgrad(base.dy, base.w, c.counts).value,
                            recipe_bound_dgrad(p, u, DType::bf16), "dx vs bf16 source"));
   EXPECT_TRUE(within_bound(want_dw, exact_wgrad(base.dy, base.x, c.counts, nullptr, nullptr).value,
@@ -128,17 +122,8 @@ TEST(CudaGroupedLinearFp8Graph, CaptureWithWeightQuantizationReplayUnderChanging
   GMOE_SKIP_WITHOUT_GPU();
   Rng rng;
   const int64_t E = 16, N = 256, K = 384, cap = 16 * 96 + 7;
-  ShapeCase c;
-  c.name = "graph";
-  c.E = E;
-  c.N = N;
-  c.K = K;
-  c.capacity = cap;
-  c.counts = std::vector<int64_t>(E, 96);
-  const GemmProblem p(c, DType::bf16, rng);
-  std::vector<std::vector<int64_t>> routings = {std::vector<int64_t>(E, 96), zipf_counts(E, cap - 3, 1.1, 4, rng),
-                                                std::vector<int64_t>(E, 0), std::vector<int64_t>(E, 0)};
-  routings[2][rng.integer(0, E - 1)] = cap;
+  const GemmProblem p(graph_case(E, N, K, 96, 7), DType::bf16, rng);
+  const std::vector<std::vector<int64_t>> routings = graph_routings(E, 96, 7, rng);
   DeviceTensor x(p.x), dy(p.dy), counts(p.counts), w(p.w_stacked), main_grad(DType::f32, {E, N, K});
   DeviceTensor y(DType::bf16, {cap, N}), dx(DType::bf16, {cap, K});
   for (LinearRecipe recipe : {LinearRecipe::fp8_blockwise, LinearRecipe::fp8_tensorwise, LinearRecipe::mxfp8}) {

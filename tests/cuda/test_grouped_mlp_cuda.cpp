@@ -333,19 +333,11 @@ TEST(CudaGroupedMlpGraph, CaptureForwardBackwardDwOnceReplayUnderChangingCounts)
     SCOPED_TRACE(recompute ? "recompute_activation" : "z kept");
     Rng rng;
     const int64_t E = 16, H = 256, F = 128, cap = 16 * 96 + 7;
-    ShapeCase c;
-    c.name = "graph";
-    c.E = E;
-    c.capacity = cap;
-    c.counts = std::vector<int64_t>(E, 96);
     ActivationOptions act;
     act.glu = {GluLayout::interleaved, kMlpGluBlock};
-    const MlpProblem p(c, H, F, act, rng);
+    const MlpProblem p(graph_case(E, 0, 0, 96, 7), H, F, act, rng);
     DeviceMlp d(p, Layout::kList);
-    std::vector<std::vector<int64_t>> routings = {std::vector<int64_t>(E, 96),
-                                                  zipf_counts(E, cap - 3, 1.1, 4, rng), std::vector<int64_t>(E, 0),
-                                                  std::vector<int64_t>(E, 0)};
-    routings[2][rng.integer(0, E - 1)] = cap;
+    const std::vector<std::vector<int64_t>> routings = graph_routings(E, 96, 7, rng);
 
     HostExpertTensor mg1_init(Layout::kStacked, DType::f32, E, p.rows1, H);
     HostExpertTensor mg2_init(Layout::kList, DType::f32, E, H, F);

@@ -24,12 +24,6 @@
 namespace gmoe::test {
 namespace {
 
-Fp8Recipe fp8_of(LinearRecipe r) {
-  return r == LinearRecipe::fp8_tensorwise ? Fp8Recipe::tensorwise
-         : r == LinearRecipe::fp8_blockwise ? Fp8Recipe::blockwise
-                                            : Fp8Recipe::mxfp8;
-}
-
 std::vector<double> expert_values(const ExpertWeights& w) {
   std::vector<double> out;
   for (int64_t e = 0; e < w.num_experts(); ++e) {
@@ -79,7 +73,7 @@ class CpuGroupedLinearFp8 : public ::testing::TestWithParam<Param> {
 TEST_P(CpuGroupedLinearFp8, BitwiseTheOpCompositionAndWithinTheRecipeBound) {
   Rng rng;
   const ShapeCase c = make(rng);
-  const Fp8Problem p(c, fp8_of(recipe()), rng);
+  const Fp8Problem p(c, fp8_recipe_of(recipe()), rng);
   const GemmProblem& base = p.base;
   HostTensor bias(DType::bf16, {c.E, c.N});
   fill_random(bias, rng);
@@ -115,7 +109,7 @@ TEST_P(CpuGroupedLinearFp8, BitwiseTheOpCompositionAndWithinTheRecipeBound) {
   }
 
   // The recipe's error against the unquantized source (documented bound, fp8_fixture.h).
-  const double u = fp8_relative_error(fp8_of(recipe()), DType::e4m3);
+  const double u = fp8_relative_error(fp8_recipe_of(recipe()), DType::e4m3);
   EXPECT_TRUE(within_bound(dx_ref.to_double(), exact_dgrad(base.dy, base.w, c.counts).value,
                            recipe_bound_dgrad(p, u, DType::bf16), "dx vs bf16 source"));
   EXPECT_TRUE(within_bound(dw_ref.to_double(), exact_wgrad(base.dy, base.x, c.counts, nullptr, nullptr).value,
@@ -130,7 +124,7 @@ TEST_P(CpuGroupedLinearFp8, BitwiseTheOpCompositionAndWithinTheRecipeBound) {
 TEST_P(CpuGroupedLinearFp8, MainGradAccumulateWithMask) {
   Rng rng;
   const ShapeCase c = make(rng);
-  const Fp8Problem p(c, fp8_of(recipe()), rng);
+  const Fp8Problem p(c, fp8_recipe_of(recipe()), rng);
   HostTensor mask(DType::i32, {c.E});
   for (int64_t e = 0; e < c.E; ++e) mask.set(e, rng.integer(0, 1));
   HostTensor init(DType::f32, {c.E, c.N, c.K});
@@ -210,9 +204,9 @@ TEST(CpuGroupedLinearFp8Api, E5m2Gradients) {
   const ShapeCase c = make_case("ragged", rng);
   for (LinearRecipe recipe : {LinearRecipe::fp8_tensorwise, LinearRecipe::fp8_blockwise, LinearRecipe::mxfp8}) {
     SCOPED_TRACE(linear_recipe_name(recipe));
-    const Fp8Problem p(c, fp8_of(recipe), rng);
+    const Fp8Problem p(c, fp8_recipe_of(recipe), rng);
     Fp8QuantizeOptions qo;
-    qo.recipe = fp8_of(recipe);
+    qo.recipe = fp8_recipe_of(recipe);
     qo.format = DType::e5m2;
     qo.columnwise = true;
     const Fp8GroupedTensor qdy = quantize_grouped(GroupedRows{p.base.dy.view(), p.base.counts.view()}, qo);
@@ -228,7 +222,7 @@ TEST(CpuGroupedLinearFp8Api, E5m2Gradients) {
     const LayerRun r = run_layer(p.base, Layout::kStacked, no_bias, opt);
     EXPECT_EQ(r.dx, dx_ref.to_double());
     EXPECT_EQ(r.dw, dw_ref.to_double());
-    const double u = fp8_relative_error(fp8_of(recipe), DType::e5m2);
+    const double u = fp8_relative_error(fp8_recipe_of(recipe), DType::e5m2);
     EXPECT_TRUE(within_bound(r.dx, exact_dgrad(p.base.dy, p.base.w, c.counts).value,
                              recipe_bound_dgrad(p, u, DType::bf16), "dx (e5m2 dy) vs bf16 source"));
   }
