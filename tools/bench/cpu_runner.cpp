@@ -46,17 +46,8 @@ std::vector<ResultRow> run_gemm_case_cpu(const BenchCase& c, const BenchOptions&
     std::vector<double> times;
     for (int i = 0; i < std::max(1, o.iters); ++i) times.push_back(wall_ms(p.run));
     const CheckResult chk = check_pass(d, p.name, p.out->data(), dt, o.samples, o.seed + 7);
-    std::sort(times.begin(), times.end());
-    ResultRow r;
-    r.case_name = c.name;
-    r.pass = p.name;
-    r.impl = "gmoe";
-    r.dtype = dtype_name(dt);
-    r.ms = times[times.size() / 2];
-    r.tflops = gemm_flops(c) / (r.ms * 1e-3) / 1e12;
-    r.correct = chk.ok;
-    r.note = chk.detail;
-    rows.push_back(r);
+    rows.push_back(timed_row(c.name, p.name, "gmoe", dtype_name(dt), median(times), gemm_flops(c), chk.ok,
+                             chk.detail));
   }
   return rows;
 }

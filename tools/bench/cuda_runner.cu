@@ -157,16 +157,7 @@ std::vector<ResultRow> run_gemm_case_cuda(const BenchCase& c, const BenchOptions
   std::vector<ResultRow> rows;
   const double flops = gemm_flops(c);
   auto add = [&](const char* pass, const char* impl, double ms, std::optional<bool> ok, std::string note) {
-    ResultRow r;
-    r.case_name = c.name;
-    r.pass = pass;
-    r.impl = impl;
-    r.dtype = dtype_name(dt);
-    r.ms = ms;
-    r.tflops = ms > 0 ? flops / (ms * 1e-3) / 1e12 : 0;
-    r.correct = ok;
-    r.note = std::move(note);
-    rows.push_back(r);
+    rows.push_back(timed_row(c.name, pass, impl, dtype_name(dt), ms, flops, ok, std::move(note)));
   };
   for (Pass& p : passes) {
     // Correctness first: poisoned output (0xff bytes are NaN), one run, sampled fp64 check.

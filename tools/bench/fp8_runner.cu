@@ -311,18 +311,7 @@ std::vector<ResultRow> run_fp8_gemm_case_cuda(const BenchCase& c, const BenchOpt
   std::vector<ResultRow> rows;
   const double flops = gemm_flops(c);
   auto add = [&](const char* pass, const std::string& name, double ms, std::optional<bool> ok,
-                 std::string note) {
-    ResultRow r;
-    r.case_name = c.name;
-    r.pass = pass;
-    r.impl = name;
-    r.dtype = "fp8";
-    r.ms = ms;
-    r.tflops = ms > 0 ? flops / (ms * 1e-3) / 1e12 : 0;
-    r.correct = ok;
-    r.note = std::move(note);
-    rows.push_back(r);
-  };
+                 std::string note) { rows.push_back(timed_row(c.name, pass, name, "fp8", ms, flops, ok, std::move(note))); };
   for (Pass& p : passes) {
     const size_t out_bytes = static_cast<size_t>(p.out_elems) * dtype_size(p.out_dtype);
     BENCH_CUDA(cudaMemsetAsync(p.out, 0xff, out_bytes, stream));  // NaN in bf16 and f32

@@ -51,16 +51,10 @@ std::vector<ResultRow> layer_rows(const BenchCase& c, DType dt, const LayerTimes
   const double flops = gemm_flops(c);
   auto row = [&](const char* pass, double pass_flops, double ms, double bare_ms, const CheckResult& check,
                  const std::optional<GraphNodeCounts>& nodes) {
-    ResultRow r;
-    r.case_name = c.name;
-    r.pass = pass;
     const bool native = recipe == LinearRecipe::native;
-    r.impl = native ? std::string("gmoe_linear") : std::string("gmoe_linear_") + linear_recipe_name(recipe);
-    r.dtype = native ? dtype_name(dt) : "fp8";
-    r.ms = ms;
-    r.tflops = ms > 0 ? pass_flops / (ms * 1e-3) / 1e12 : 0;
-    r.correct = check.ok;
-    r.note = check.detail;
+    ResultRow r = timed_row(c.name, pass,
+                            native ? std::string("gmoe_linear") : std::string("gmoe_linear_") + linear_recipe_name(recipe),
+                            native ? dtype_name(dt) : "fp8", ms, pass_flops, check.ok, check.detail);
     r.bare_ms = bare_ms;
     r.launches = nodes;
     return r;

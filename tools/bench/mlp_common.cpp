@@ -274,16 +274,7 @@ std::vector<ResultRow> mlp_rows(const BenchCase& c, DType dt, const std::string&
                                 const MlpCheck& chk) {
   const double flops = mlp_flops(c);
   auto row = [&](const char* pass, double pass_flops, double ms, const CheckResult& check) {
-    ResultRow r;
-    r.case_name = c.name;
-    r.pass = pass;
-    r.impl = impl;
-    r.dtype = dtype_name(dt);
-    r.ms = ms;
-    r.tflops = ms > 0 ? pass_flops / (ms * 1e-3) / 1e12 : 0;
-    r.correct = check.ok;
-    r.note = check.detail;
-    return r;
+    return timed_row(c.name, pass, impl, dtype_name(dt), ms, pass_flops, check.ok, check.detail);
   };
   return {row("forward", flops, t.forward_ms, chk.forward),
           row("forward_backward", 3 * flops, t.forward_backward_ms, chk.backward)};

@@ -12,6 +12,20 @@
 #include "gmoe/error.h"
 
 namespace gmoe::bench {
+
+ResultRow timed_row(const std::string& case_name, const std::string& pass, const std::string& impl,
+                    const std::string& dtype, double ms, double flops, std::optional<bool> correct, std::string note) {
+  ResultRow r;
+  r.case_name = case_name;
+  r.pass = pass;
+  r.impl = impl;
+  r.dtype = dtype;
+  r.ms = ms;
+  r.tflops = ms > 0 ? flops / (ms * 1e-3) / 1e12 : 0;
+  r.correct = correct;
+  r.note = std::move(note);
+  return r;
+}
 namespace {
 
 // Rows grouped by (case, pass) in first-seen order, with the impls in first-seen order.

@@ -39,6 +39,11 @@ struct ResultRow {
   std::optional<GraphNodeCounts> launches;  ///< what one call launches (CUDA graph capture)
 };
 
+/// A row of `flops` done in `ms` (TFLOP/s derived; 0 for a zero time).
+ResultRow timed_row(const std::string& case_name, const std::string& pass, const std::string& impl,
+                    const std::string& dtype, double ms, double flops, std::optional<bool> correct = std::nullopt,
+                    std::string note = {});
+
 struct RunInfo {
   std::string gpu;     ///< device name, or "cpu"
   std::string commit;  ///< from GMOE_COMMIT, or "unknown"
