@@ -11,6 +11,9 @@
 #           compiled), merged by bench/report.py into one table (and the layer table)
 # tiles     gmoe-bench's gemm mode once per forced tile configuration (GMOE_CUDA_TILE), no baselines,
 #           beside the heuristic's choice from the bench stage: the data the tile heuristic is tuned on
+# profile   Nsight Compute's speed-of-light and memory sections for the GEMM kernels of the cases that
+#           miss their targets (bf16 wgrad of mixtral_fc1 and small_m, FP8 blockwise wgrad of
+#           dsv3_fc1), one correctness run and one timed run each: ncu.txt
 #
 # Logs and results go to $OUT (default /tmp/gmoe_out): results.json results.md tiles.md summary.txt, and
 # logs.tgz (build.log tests.log cuda_tests.log sanitizer.log bench.log). The machine has no package registry: carry .deps (made by
@@ -123,6 +126,21 @@ report.write_markdown_table(sys.stdout, lines)
 PY
       cat "$OUT/tiles.md"
       summary "tiles: done ($(( $(date +%s) - t0 )) s)" ;;
+    profile)
+      : >"$OUT/ncu.txt"
+      for spec in "mixtral_fc1/uniform|" "small_m/skewed|" "dsv3_fc1/uniform|--fp8 blockwise"; do
+        case_name="${spec%%|*}"
+        extra="${spec#*|}"
+        echo "== $case_name $extra" >>"$OUT/ncu.txt"
+        # shellcheck disable=SC2086
+        timeout 240 ncu --kernel-name regex:'device_kernel' --section SpeedOfLight \
+          --section MemoryWorkloadAnalysis --section Occupancy --print-summary none \
+          "$BUILD/gmoe-bench" --suite bench/suites/public.json --mode gemm --case "$case_name" \
+          --iters 1 --warmup 0 --no-baselines $extra >>"$OUT/ncu.txt" 2>&1 || status=1
+      done
+      grep -E "^== |device_kernel|Duration|Compute \(SM\) Throughput|Memory Throughput|DRAM Throughput|Achieved Occupancy" \
+        "$OUT/ncu.txt" | tail -60
+      summary "profile: done ($(( $(date +%s) - t0 )) s)" ;;
     *) echo "unknown stage '$stage'"; exit 2 ;;
   esac
 done

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # scripts/run.sh — the README's main job: set-up, build, and gmoe-bench on the public suite.
 # On a Hopper GPU it runs the CUDA backend with baselines; without one, the CPU reference backend
-# on a reduced suite (rows scaled down; about a minute). Extra arguments go to gmoe-bench.
+# on a reduced suite (rows scaled down; about two minutes). Extra arguments go to gmoe-bench.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
