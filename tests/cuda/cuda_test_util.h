@@ -14,6 +14,7 @@
 #include "common/gemm_fixture.h"
 #include "common/harness.h"
 #include "gmoe/grouped.h"
+#include "gmoe/grouped_bias.h"
 
 namespace gmoe::test {
 
@@ -159,6 +160,36 @@ class DeviceTensor {
   DType dtype_ = DType::f32;
   std::vector<int64_t> shape_;
 };
+
+/// A host copy of a contiguous view on either device, shape kept.
+inline HostTensor host_of(const TensorView& v) {
+  std::vector<int64_t> shape(v.shape.begin(), v.shape.begin() + v.ndim);
+  HostTensor h(v.dtype, shape);
+  if (!h.bytes().empty()) {
+    test_cuda_check(cudaMemcpy(h.data(), v.data, h.bytes().size(),
+                               v.device.is_cuda() ? cudaMemcpyDeviceToHost : cudaMemcpyHostToHost),
+                    "cudaMemcpy");
+  }
+  return h;
+}
+/// The values of a view on either device, expert-major for weights and biases (absent: none).
+inline std::vector<double> values(const TensorView& v) { return host_of(v).to_double(); }
+inline std::vector<double> values(const ExpertWeights& w) {
+  std::vector<double> out;
+  for (int64_t e = 0; e < w.num_experts(); ++e) {
+    const std::vector<double> v = values(w.expert(e));
+    out.insert(out.end(), v.begin(), v.end());
+  }
+  return out;
+}
+inline std::vector<double> values(const ExpertBias& b) {
+  std::vector<double> out;
+  for (int64_t e = 0; b.defined() && e < b.num_experts(); ++e) {
+    const std::vector<double> v = values(b.expert(e));
+    out.insert(out.end(), v.begin(), v.end());
+  }
+  return out;
+}
 
 /// Expert-shaped tensors on the device, in either layout.
 struct DeviceExperts {

@@ -16,32 +16,6 @@
 namespace gmoe::test {
 namespace {
 
-std::vector<double> values(const TensorView& v) {
-  HostTensor h(v.dtype, {v.numel()});
-  if (!h.bytes().empty()) {
-    EXPECT_EQ(cudaMemcpy(h.data(), v.data, h.bytes().size(), v.device.is_cuda() ? cudaMemcpyDeviceToHost
-                                                                                  : cudaMemcpyHostToHost),
-              cudaSuccess);
-  }
-  return h.to_double();
-}
-std::vector<double> values(const ExpertWeights& w) {
-  std::vector<double> out;
-  for (int64_t e = 0; e < w.num_experts(); ++e) {
-    const std::vector<double> v = values(w.expert(e));
-    out.insert(out.end(), v.begin(), v.end());
-  }
-  return out;
-}
-std::vector<double> values(const ExpertBias& b) {
-  std::vector<double> out;
-  for (int64_t e = 0; e < b.num_experts(); ++e) {
-    const std::vector<double> v = values(b.expert(e));
-    out.insert(out.end(), v.begin(), v.end());
-  }
-  return out;
-}
-
 // Biases on the host and the device, as a grouped [E, N] tensor or a list of [N].
 struct Biases {
   HostTensor grouped_h;

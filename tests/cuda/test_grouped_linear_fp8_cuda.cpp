@@ -23,20 +23,6 @@
 namespace gmoe::test {
 namespace {
 
-std::vector<double> values(const TensorView& v) {
-  HostTensor h(v.dtype, {v.numel()});
-  if (!h.bytes().empty()) EXPECT_EQ(cudaMemcpy(h.data(), v.data, h.bytes().size(), cudaMemcpyDeviceToHost), cudaSuccess);
-  return h.to_double();
-}
-std::vector<double> values(const ExpertWeights& w) {
-  std::vector<double> out;
-  for (int64_t e = 0; e < w.num_experts(); ++e) {
-    const std::vector<double> v = values(w.expert(e));
-    out.insert(out.end(), v.begin(), v.end());
-  }
-  return out;
-}
-
 using Param = std::tuple<LinearRecipe, std::string>;
 class CudaGroupedLinearFp8 : public ::testing::TestWithParam<Param> {};
 

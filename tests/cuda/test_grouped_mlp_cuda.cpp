@@ -26,34 +26,6 @@
 namespace gmoe::test {
 namespace {
 
-// Host copies of views on either device.
-HostTensor host_of(const TensorView& v) {
-  std::vector<int64_t> shape(v.shape.begin(), v.shape.begin() + v.ndim);
-  HostTensor h(v.dtype, shape);
-  if (!h.bytes().empty()) {
-    EXPECT_EQ(cudaMemcpy(h.data(), v.data, h.bytes().size(),
-                         v.device.is_cuda() ? cudaMemcpyDeviceToHost : cudaMemcpyHostToHost),
-              cudaSuccess);
-  }
-  return h;
-}
-std::vector<double> values(const ExpertWeights& w) {
-  std::vector<double> out;
-  for (int64_t e = 0; e < w.num_experts(); ++e) {
-    const std::vector<double> v = host_of(w.expert(e)).to_double();
-    out.insert(out.end(), v.begin(), v.end());
-  }
-  return out;
-}
-std::vector<double> values(const ExpertBias& b) {
-  std::vector<double> out;
-  for (int64_t e = 0; b.defined() && e < b.num_experts(); ++e) {
-    const std::vector<double> v = host_of(b.expert(e)).to_double();
-    out.insert(out.end(), v.begin(), v.end());
-  }
-  return out;
-}
-
 // An MlpProblem's tensors on the device, weights in one layout.
 struct DeviceMlp {
   DeviceTensor x, dy, probs, counts, b1g, b2g;
