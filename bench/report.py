@@ -130,6 +130,21 @@ def fp8_layer_table(rows):
     return lines
 
 
+def activation_share_table(rows):
+    """The activation kernels alone (impl gmoe_activation) as a share of GroupedMLP's time, per
+    case and pass: what fusing the activation into the GEMMs' epilogues could at most save."""
+    ms = {}
+    for r in rows:
+        if r["impl"] in ("gmoe", "gmoe_activation") and r["pass"] in ("forward", "forward_backward"):
+            ms.setdefault((r["case"], r["pass"]), {})[r["impl"]] = r["ms"]
+    lines = [["case", "pass", "GroupedMLP ms", "activation ms", "share"]]
+    for (case, p), v in ms.items():
+        if "gmoe" in v and "gmoe_activation" in v and v["gmoe"] > 0:
+            lines.append([case, p, f"{v['gmoe']:.3f}", f"{v['gmoe_activation']:.3f}",
+                          f"{100 * v['gmoe_activation'] / v['gmoe']:.1f}%"])
+    return lines if len(lines) > 1 else []
+
+
 def print_table(lines):
     widths = [max(len(l[i]) for l in lines) for i in range(len(lines[0]))]
     for n, l in enumerate(lines):
@@ -172,6 +187,7 @@ def main():
     tables = sections(merged["rows"])
     layer = layer_table(merged["rows"])
     fp8_layer = fp8_layer_table(merged["rows"])
+    act_share = activation_share_table(merged["rows"])
     for title, lines in tables:
         print(f"\n{title}:")
         print_table(lines)
@@ -181,6 +197,9 @@ def main():
     if fp8_layer:
         print("\nGroupedLinear with FP8 recipes vs the bf16 layer (interleaved; weights quantized every forward):")
         print_table(fp8_layer)
+    if act_share:
+        print("\nThe activation kernels alone, as a share of GroupedMLP's time:")
+        print_table(act_share)
     for e in merged.get("errors", []):
         print(f"error: {e.get('impl')} {e.get('case')} {e.get('pass', '')}: {e.get('error', '')[:300]}")
     if args.markdown:
@@ -200,6 +219,10 @@ def main():
                 f.write("\nGroupedLinear with FP8 recipes (quantization of x, dy and the weights inside, weights "
                         "quantized in every forward) against the bf16 layer timed interleaved with it.\n\n")
                 write_markdown_table(f, fp8_layer)
+            if act_share:
+                f.write("\nThe activation kernels alone (forward; forward and backward) as a share of GroupedMLP's "
+                        "time: the most that fusing them into the GEMMs' epilogues could save.\n\n")
+                write_markdown_table(f, act_share)
             if merged.get("errors"):
                 f.write("\nErrors:\n\n")
                 for e in merged["errors"]:

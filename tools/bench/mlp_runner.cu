@@ -4,7 +4,9 @@
 // composition one checked forward + backward (outputs poisoned, main_grads from zero); then the
 // timing, CUDA events, each GroupedMLP call interleaved with the composition's so that drift during
 // the measurement affects both alike. Inputs (x, dy, weights) rotate past L2 as in cuda_runner.cu;
-// the main_grads are one each, like a model's.
+// the main_grads are one each, like a model's. Last, the activation kernels alone (forward; forward
+// and backward) on the case's shapes: rows impl gmoe_activation, the share of the MLP's time that
+// fusing the activation into the GEMMs' epilogues could at most save (docs/architecture.md).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -16,6 +18,7 @@
 
 #include "bench/cuda_util.h"
 #include "bench/mlp_common.h"
+#include "gmoe/activation.h"
 #include "gmoe/error.h"
 
 namespace gmoe::bench {
@@ -171,11 +174,33 @@ std::vector<ResultRow> run_mlp_case_cuda(const BenchCase& c, const BenchOptions&
       {[&](int i) { mlp_forward_backward(mlps[i % b.sets], b, i, stream); },
        [&](int i) { unfused_forward_backward(unfused[i % b.sets], b, i, stream); }},
       o.warmup, o.iters, stream);
+  // The activation alone: h [rows, R1] (FC1's output of set 0, rebuilt by one GroupedMLP forward
+  // is not needed: any values time alike), z and dz [rows, F], dh [rows, R1].
+  DeviceBuffer h(c.rows * R1 * es), z(c.rows * c.ffn * es), dz(c.rows * c.ffn * es), dh(c.rows * R1 * es);
+  fill_uniform(h.ptr, dt, c.rows * R1, o.seed + 5);
+  fill_uniform(dz.ptr, dt, c.rows * c.ffn, o.seed + 6);
+  BENCH_CUDA(cudaDeviceSynchronize());
+  const TensorView hv(h.ptr, dt, b.gpu, {c.rows, R1}), zv(z.ptr, dt, b.gpu, {c.rows, c.ffn}),
+      dzv(dz.ptr, dt, b.gpu, {c.rows, c.ffn}), dhv(dh.ptr, dt, b.gpu, {c.rows, R1});
+  const ActivationOptions act = mlp_activation(c);
+  auto act_forward = [&](int) { grouped_activation_forward(hv, b.cv(), zv, act, {}, stream); };
+  auto act_backward = [&](int) { grouped_activation_backward(hv, dzv, b.cv(), dhv, act, {}, {}, {}, stream); };
+  const double act_fwd = time_ms(act_forward, o.warmup, o.iters, stream);
+  const double act_fb = time_ms(
+      [&](int i) {
+        act_forward(i);
+        act_backward(i);
+      },
+      o.warmup, o.iters, stream);
   check_device_errors(stream);
   BENCH_CUDA(cudaStreamDestroy(stream));
   std::vector<ResultRow> rows = mlp_rows(c, dt, "gmoe", {fwd[0], fb[0]}, chk_mlp);
   const std::vector<ResultRow> u = mlp_rows(c, dt, "gmoe_unfused", {fwd[1], fb[1]}, chk_unfused);
   rows.insert(rows.end(), u.begin(), u.end());
+  for (const auto& [pass, ms] : {std::pair{"forward", act_fwd}, std::pair{"forward_backward", act_fb}}) {
+    rows.push_back(timed_row(c.name, pass, "gmoe_activation", dtype_name(dt), ms, 0, std::nullopt,
+                             "the activation kernels alone (no FLOPs counted)"));
+  }
   return rows;
 }
 

@@ -67,6 +67,9 @@ bool is_mlp_row(const ResultRow& r) {
 std::vector<std::vector<std::string>> table(const std::vector<ResultRow>& all_rows, bool mlp) {
   std::vector<ResultRow> rows;
   for (const ResultRow& r : all_rows) {
+    // FP8 layer rows and the activation-alone rows are bench/report.py's (they compare with other
+    // rows of their own kind, not with gmoe's).
+    if (r.impl.rfind("gmoe_linear_", 0) == 0 || r.impl == "gmoe_activation") continue;
     if (!is_layer_row(r) && is_mlp_row(r) == mlp) rows.push_back(r);
   }
   if (rows.empty()) return {};
