@@ -5,6 +5,8 @@ gemm cases: torch._grouped_mm (bf16) for the three passes, on the same shapes an
 gmoe-bench:  fprop  Y = _grouped_mm(X, Wᵀ, offs)        [rows, N]
              dgrad  dX = _grouped_mm(dY, W, offs)        [rows, K]
              wgrad  dW = _grouped_mm(dYᵀ, X, offs)       [E, N, K]
+           and torch._scaled_grouped_mm (e4m3, rowwise scales; per group and row for wgrad) for the
+           same three passes, use_fast_accum off (torch_fp8_rowwise) and on (torch_fp8_rowwise_fast)
 mlp cases: the expert MLP composed of torch ops, FC1 [E, 2·ffn, hidden] whose outputs are the
 concatenated halves [gate | up], the case's gated activation, FC2 [E, hidden, ffn]:
              h = _grouped_mm(x, W1ᵀ, offs); gate, up = h.chunk(2); y = _grouped_mm(act(gate, up), W2ᵀ, offs)
@@ -111,11 +113,32 @@ def fp8_rowwise_rows(case, args, errors, x, w, dy, offs):
         wq, ws = rowwise_fp8(w, -1)                          # [E, N, K], [E, N]
         dyq, dys = rowwise_fp8(dy, -1)                       # [rows, N], [rows]
         wtq, wts = rowwise_fp8(w.transpose(-2, -1).contiguous(), -1)  # [E, K, N], [E, K]
+        # wgrad (the 2d x 2d case, groups along the reduction): dyᵀ [N, rows] row-major and x
+        # [rows, K] column-major, each quantized with one scale per group and row of dyᵀ / column
+        # of x (scales [E·N] and [E·K], group-major).
+        bounds = [0] + offs.tolist()
+        dyt = dy.t().contiguous()                              # [N, rows]
+        xt = x.t().contiguous()                                # [K, rows]
+        dytq, xtq = torch.empty_like(dyt, dtype=torch.float8_e4m3fn), torch.empty_like(xt, dtype=torch.float8_e4m3fn)
+        dyts, xts = [], []
+        for g in range(len(bounds) - 1):
+            lo, hi = bounds[g], bounds[g + 1]
+            for src, dst, scales in ((dyt, dytq, dyts), (xt, xtq, xts)):
+                if hi > lo:
+                    q, s = rowwise_fp8(src[:, lo:hi], -1)
+                    dst[:, lo:hi] = q
+                else:
+                    s = torch.ones(src.shape[0], device=src.device)
+                scales.append(s)
+        dyts, xts = torch.cat(dyts), torch.cat(xts)
+
         def passes(fast):
             return {
                 "fprop": lambda: torch._scaled_grouped_mm(xq, wq.transpose(-2, -1), xs, ws, offs=offs,
                                                           out_dtype=torch.bfloat16, use_fast_accum=fast),
                 "dgrad": lambda: torch._scaled_grouped_mm(dyq, wtq.transpose(-2, -1), dys, wts, offs=offs,
+                                                          out_dtype=torch.bfloat16, use_fast_accum=fast),
+                "wgrad": lambda: torch._scaled_grouped_mm(dytq, xtq.t(), dyts, xts, offs=offs,
                                                           out_dtype=torch.bfloat16, use_fast_accum=fast),
             }
     except Exception as e:
