@@ -70,6 +70,14 @@ for stage in "${stages[@]}"; do
           summary "test forced tile $tile: FAILED"; status=1
         fi
       done
+      # The FP8 blockwise wgrad's ping-pong tile, chosen only when forced for now.
+      if GMOE_FP8_TILE=pingpong "$BUILD/gmoe_tests_cuda" --gtest_brief=1 \
+           --gtest_filter='*CudaFp8Gemm.Wgrad*:*CudaFp8GemmLarge*:*CudaFp8GemmGraph*:*CudaGroupedLinearFp8*blockwise_skewed*' \
+           >>"$OUT/tests.log" 2>&1; then
+        summary "test forced FP8 tile pingpong: ok"
+      else
+        summary "test forced FP8 tile pingpong: FAILED"; status=1
+      fi
       summary "test: $r ($(( $(date +%s) - t0 )) s)" ;;
     sanitize)
       : >"$OUT/sanitizer.log"
@@ -102,7 +110,11 @@ for stage in "${stages[@]}"; do
         GMOE_CUDA_TILE=$tile "$BUILD/gmoe-bench" --suite bench/suites/public.json --mode gemm --iters 20 \
           --no-baselines --json "/tmp/gmoe_tile_$tile.json" >>"$OUT/bench.log" 2>&1 || status=1
       done
-      python3 - "$OUT/results.json" /tmp/gmoe_tile_*.json >"$OUT/tiles.md" <<'PY' || status=1
+      # The FP8 blockwise weight gradient's ping-pong tile (GMOE_FP8_TILE), against the default's
+      # rows of the bench stage (its bf16 rows are left out, they are the same kernels as there).
+      GMOE_FP8_TILE=pingpong "$BUILD/gmoe-bench" --suite bench/suites/public.json --mode gemm --iters 20 \
+        --no-baselines --fp8 blockwise --json /tmp/gmoe_fp8tile_pingpong.json >>"$OUT/bench.log" 2>&1 || status=1
+      python3 - "$OUT/results.json" /tmp/gmoe_tile_*.json /tmp/gmoe_fp8tile_pingpong.json >"$OUT/tiles.md" <<'PY' || status=1
 import json, sys
 sys.path.insert(0, "bench")
 import report
@@ -113,16 +125,22 @@ for path in sys.argv[1:]:
     except (OSError, ValueError):
         continue
     tile = path.rsplit("gmoe_tile_", 1)[1][:-5] if "gmoe_tile_" in path else None
+    fp8_tile = "gmoe_fp8tile_" in path
     for r in d["rows"]:
-        if r["impl"] == "gmoe":
-            if tile:
-                r = dict(r, impl="gmoe_" + tile)
-            rows.append(r)
+        if fp8_tile:
+            if r["impl"] == "gmoe_fp8_blockwise":
+                rows.append(dict(r, impl="gmoe_fp8_blockwise_pingpong"))
+        elif r["impl"] == "gmoe" or (not tile and r["impl"] == "gmoe_fp8_blockwise"):
+            rows.append(dict(r, impl="gmoe_" + tile) if tile else r)
     if tile:
         tiles.append("gmoe_" + tile)
 lines = report.table(rows, ["gmoe"], tiles, {"fprop", "dgrad", "wgrad"})
 print("# Forced tiles (gmoe: the heuristic's choice, from the bench stage)\n")
 report.write_markdown_table(sys.stdout, lines)
+lines = report.table(rows, ["gmoe_fp8_blockwise_pingpong"], ["gmoe_fp8_blockwise"], {"wgrad"})
+if lines:
+    print("\n# FP8 blockwise weight gradient: ping-pong 64x128 (GMOE_FP8_TILE) vs cooperative 128x128\n")
+    report.write_markdown_table(sys.stdout, lines)
 PY
       cat "$OUT/tiles.md"
       summary "tiles: done ($(( $(date +%s) - t0 )) s)" ;;

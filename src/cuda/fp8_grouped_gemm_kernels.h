@@ -17,6 +17,7 @@
 //   blockwise  wgrad       bf16 out
 //   tensorwise rows        bf16 out    per-expert alpha (also serves wgrad to bf16)
 //   tensorwise wgrad       f32 out     per-expert alpha, C = D for accumulate
+//   blockwise  wgrad       f32 out     ping-pong 64x128x128 (GMOE_FP8_TILE=pingpong)
 #pragma once
 
 #include <cuda_runtime.h>
@@ -54,8 +55,16 @@ struct Fp8GemmLaunch {
   const float* const* alpha_ptrs = nullptr;
 };
 
+/// The tile schedule of an FP8 grouped GEMM.
+enum class Fp8Tile {
+  coop_128x128,     ///< cooperative: 2 consumer warpgroups share one 128x128x128 tile
+  pingpong_64x128,  ///< ping-pong: each consumer warpgroup its own 64x128x128 tile, one's promotion
+                    ///< and epilogue overlapping the other's tensor-core work (blockwise wgrad, f32
+                    ///< out only; chosen with GMOE_FP8_TILE=pingpong until measured)
+};
+
 /// One compiled FP8 grouped GEMM (explicit instantiations in sm90_fp8_*.cu only).
-template <Fp8Scaling S, Fp8Operands Ops, DType Out>
+template <Fp8Scaling S, Fp8Operands Ops, DType Out, Fp8Tile Tile = Fp8Tile::coop_128x128>
 struct Fp8GroupedGemmKernel {
   /// Bytes of CUTLASS workspace for a persistent grid of sm_count CTAs.
   static std::size_t workspace_bytes(int sm_count);
