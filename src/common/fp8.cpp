@@ -7,6 +7,7 @@
 
 #include "common/backend.h"
 #include "common/checks.h"
+#include "common/fp8_checks.h"
 #include "gmoe/error.h"
 
 namespace gmoe {
@@ -17,8 +18,6 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 TensorView shaped(DType dtype, Device device, std::initializer_list<int64_t> shape) {
   return TensorView(nullptr, dtype, device, shape);
 }
-
-bool is_fp8_format(DType t) { return t == DType::e4m3 || t == DType::e5m2; }
 
 void check_options(const Fp8QuantizeOptions& o, const char* op) {
   GMOE_CHECK(is_fp8_format(o.format), op, ": options.format: expected e4m3 or e5m2, got ",
@@ -32,20 +31,6 @@ void check_options(const Fp8QuantizeOptions& o, const char* op) {
 
 DType scale_dtype(Fp8Recipe r) { return r == Fp8Recipe::mxfp8 ? DType::e8m0 : DType::f32; }
 
-// A caller-given output view must be exactly the layout's (shape, dtype, device, contiguous).
-void check_given(const TensorView& given, const TensorView& expected, const std::string& name) {
-  GMOE_CHECK(given.ndim == expected.ndim && given.dtype == expected.dtype &&
-                 given.device == expected.device,
-             name, ": expected ", expected.str(), ", got ", given.str());
-  for (int d = 0; d < expected.ndim; ++d) {
-    GMOE_CHECK(given.shape[d] == expected.shape[d], name, ": expected shape ",
-               expected.shape_str(), ", got ", given.shape_str());
-  }
-  GMOE_CHECK(given.is_contiguous(), name, ": must be contiguous, got ", given.str());
-  GMOE_CHECK(given.data != nullptr || given.numel() == 0, name, ": null data for ",
-             given.shape_str());
-}
-
 // Resolves each wanted output: the caller's view (checked) or a slice of one packed allocation.
 class OutputPlan {
  public:
@@ -53,7 +38,7 @@ class OutputPlan {
   void add(TensorView* slot, const TensorView& expected, const TensorView& given,
            const std::string& name) {
     if (given.defined()) {
-      check_given(given, expected, name);
+      check_layout_view(given, expected, name);
       *slot = given;
       return;
     }
@@ -79,56 +64,33 @@ class OutputPlan {
   int64_t total_ = 0;
 };
 
-// The views of an Fp8Grouped that a dequantization reads, checked against the layout.
-void check_fp8_grouped(const Fp8Grouped& q, int64_t E, Fp8Copy which, const char* name) {
-  GMOE_CHECK(is_fp8_format(q.format), name, ".format: expected e4m3 or e5m2, got ",
-             dtype_name(q.format));
-  Fp8QuantizeOptions o;
-  o.recipe = q.recipe;
-  o.format = q.format;
-  o.rowwise = which == Fp8Copy::rowwise;
-  o.columnwise = which == Fp8Copy::columnwise;
-  GMOE_CHECK(q.capacity >= 0 && q.cols >= 0, name, ": negative shape [", q.capacity, ", ", q.cols,
-             "]");
-  const Device device = which == Fp8Copy::rowwise ? q.data.device : q.data_t.device;
-  const Fp8Grouped l = fp8_grouped_layout(q.capacity, q.cols, E, o, device);
-  const std::string n(name);
-  if (which == Fp8Copy::rowwise) {
-    GMOE_CHECK(q.data.defined(), name, ": the rowwise copy (data) is absent");
-    check_given(q.data, l.data, n + ".data");
-    check_given(q.scale_inv, l.scale_inv, n + ".scale_inv");
-  } else {
-    GMOE_CHECK(q.data_t.defined(), name, ": the columnwise copy (data_t) is absent");
-    GMOE_CHECK(q.padded_capacity == l.padded_capacity, name, ".padded_capacity: expected ",
-               l.padded_capacity, ", got ", q.padded_capacity);
-    check_given(q.data_t, l.data_t, n + ".data_t");
-    check_given(q.scale_inv_t, l.scale_inv_t, n + ".scale_inv_t");
-    check_given(q.padded_offsets, l.padded_offsets, n + ".padded_offsets");
+// The copies that `o` asks for, planned into `q` from the layout `l` and the caller's `given` views
+// (Fp8Grouped or Fp8Weights). Tensorwise rowwise + columnwise share the [E] scales unless the caller
+// gave two arrays: scale_inv_t is then pointed at scale_inv by allocate_copies.
+template <class Q>
+void plan_copies(Q& q, const Q& l, const Q& given, const Fp8QuantizeOptions& o, OutputPlan& plan) {
+  q.recipe = o.recipe;
+  q.format = o.format;
+  if (o.rowwise) {
+    plan.add(&q.data, l.data, given.data, "out.data");
+    plan.add(&q.scale_inv, l.scale_inv, given.scale_inv, "out.scale_inv");
+  }
+  if (o.columnwise) {
+    plan.add(&q.data_t, l.data_t, given.data_t, "out.data_t");
+    if (o.recipe == Fp8Recipe::tensorwise && o.rowwise && !given.scale_inv_t.defined()) {
+      q.scale_inv_t = TensorView();
+    } else {
+      plan.add(&q.scale_inv_t, l.scale_inv_t, given.scale_inv_t, "out.scale_inv_t");
+    }
   }
 }
 
-void check_fp8_weights(const Fp8Weights& q, Fp8Copy which, const char* name) {
-  GMOE_CHECK(is_fp8_format(q.format), name, ".format: expected e4m3 or e5m2, got ",
-             dtype_name(q.format));
-  GMOE_CHECK(q.experts >= 1 && q.rows >= 0 && q.cols >= 0, name, ": bad shape [", q.experts, ", ",
-             q.rows, ", ", q.cols, "]");
-  Fp8QuantizeOptions o;
-  o.recipe = q.recipe;
-  o.format = q.format;
-  o.rowwise = which == Fp8Copy::rowwise;
-  o.columnwise = which == Fp8Copy::columnwise;
-  const Device device = which == Fp8Copy::rowwise ? q.data.device : q.data_t.device;
-  const Fp8Weights l = fp8_weights_layout(q.experts, q.rows, q.cols, o, device);
-  const std::string n(name);
-  if (which == Fp8Copy::rowwise) {
-    GMOE_CHECK(q.data.defined(), name, ": the rowwise copy (data) is absent");
-    check_given(q.data, l.data, n + ".data");
-    check_given(q.scale_inv, l.scale_inv, n + ".scale_inv");
-  } else {
-    GMOE_CHECK(q.data_t.defined(), name, ": the transposed copy (data_t) is absent");
-    check_given(q.data_t, l.data_t, n + ".data_t");
-    check_given(q.scale_inv_t, l.scale_inv_t, n + ".scale_inv_t");
-  }
+template <class Q>
+std::shared_ptr<Buffer> allocate_copies(OutputPlan& plan, Q& q, const Fp8QuantizeOptions& o, Allocator& alloc,
+                                        Stream stream) {
+  std::shared_ptr<Buffer> storage = plan.allocate(alloc, stream);
+  if (o.columnwise && !q.scale_inv_t.defined()) q.scale_inv_t = q.scale_inv;
+  return storage;
 }
 
 }  // namespace
@@ -240,38 +202,21 @@ Fp8GroupedTensor quantize_grouped(const GroupedRows& x, const Fp8QuantizeOptions
 
   Fp8GroupedTensor result;
   Fp8Grouped& q = result.q;
-  q.recipe = options.recipe;
-  q.format = options.format;
   q.capacity = l.capacity;
   q.cols = l.cols;
   q.padded_capacity = l.padded_capacity;
   OutputPlan plan;
-  if (options.rowwise) {
-    plan.add(&q.data, l.data, given.data, "out.data");
-    plan.add(&q.scale_inv, l.scale_inv, given.scale_inv, "out.scale_inv");
-  }
-  if (options.columnwise) {
-    plan.add(&q.data_t, l.data_t, given.data_t, "out.data_t");
-    // Tensorwise: both copies share the [E] scales unless the caller gave two arrays.
-    if (options.recipe == Fp8Recipe::tensorwise && options.rowwise &&
-        !given.scale_inv_t.defined()) {
-      q.scale_inv_t = TensorView();  // set after allocation
-    } else {
-      plan.add(&q.scale_inv_t, l.scale_inv_t, given.scale_inv_t, "out.scale_inv_t");
-    }
-  }
+  plan_copies(q, l, given, options, plan);
   plan.add(&q.padded_offsets, l.padded_offsets, given.padded_offsets, "out.padded_offsets");
 
   if (device.is_cpu()) {
-    result.storage = plan.allocate(pick_allocator(alloc, device), stream);
-    if (options.columnwise && !q.scale_inv_t.defined()) q.scale_inv_t = q.scale_inv;
+    result.storage = allocate_copies(plan, q, options, pick_allocator(alloc, device), stream);
     cpu_backend::quantize_grouped(x, options, q);
   } else {
     check_cuda_compiled("quantize_grouped");
     GMOE_CHECK(E <= 65535, "x.counts: at most 65535 experts on CUDA, got ", E);
     Allocator& a = pick_allocator(alloc, device);
-    result.storage = plan.allocate(a, stream);
-    if (options.columnwise && !q.scale_inv_t.defined()) q.scale_inv_t = q.scale_inv;
+    result.storage = allocate_copies(plan, q, options, a, stream);
     cuda_backend::quantize_grouped(x, options, q, stream, a);
   }
   return result;
@@ -288,36 +233,19 @@ Fp8WeightsTensor quantize_weights(const ExpertWeights& w, const Fp8QuantizeOptio
 
   Fp8WeightsTensor result;
   Fp8Weights& q = result.q;
-  q.recipe = options.recipe;
-  q.format = options.format;
   q.experts = l.experts;
   q.rows = l.rows;
   q.cols = l.cols;
   OutputPlan plan;
-  if (options.rowwise) {
-    plan.add(&q.data, l.data, given.data, "out.data");
-    plan.add(&q.scale_inv, l.scale_inv, given.scale_inv, "out.scale_inv");
-  }
-  if (options.columnwise) {
-    plan.add(&q.data_t, l.data_t, given.data_t, "out.data_t");
-    if (options.recipe == Fp8Recipe::tensorwise && options.rowwise &&
-        !given.scale_inv_t.defined()) {
-      q.scale_inv_t = TensorView();
-    } else {
-      plan.add(&q.scale_inv_t, l.scale_inv_t, given.scale_inv_t, "out.scale_inv_t");
-    }
-  }
+  plan_copies(q, l, given, options, plan);
   if (device.is_cpu()) {
-    result.storage = plan.allocate(pick_allocator(alloc, device), stream);
-    if (options.columnwise && !q.scale_inv_t.defined()) q.scale_inv_t = q.scale_inv;
+    result.storage = allocate_copies(plan, q, options, pick_allocator(alloc, device), stream);
     cpu_backend::quantize_weights(w, options, q);
   } else {
     check_cuda_compiled("quantize_weights");
-    GMOE_CHECK(w.num_experts() <= 65535, "w: at most 65535 experts on CUDA, got ",
-               w.num_experts());
+    GMOE_CHECK(w.num_experts() <= 65535, "w: at most 65535 experts on CUDA, got ", w.num_experts());
     Allocator& a = pick_allocator(alloc, device);
-    result.storage = plan.allocate(a, stream);
-    if (options.columnwise && !q.scale_inv_t.defined()) q.scale_inv_t = q.scale_inv;
+    result.storage = allocate_copies(plan, q, options, a, stream);
     cuda_backend::quantize_weights(w, options, q, stream, a);
   }
   return result;
@@ -328,7 +256,8 @@ void dequantize_grouped(const Fp8Grouped& q, const TensorView& counts, const Ten
   check_rows(out, "out");
   check_input_dtype(out.dtype, "out");
   check_counts(counts, "counts", out.device);
-  check_fp8_grouped(q, counts.size(0), which, "q");
+  check_fp8_grouped(q, counts.size(0), which, which == Fp8Copy::rowwise ? q.data.device : q.data_t.device, "q",
+                    "");
   GMOE_CHECK(out.size(0) == q.capacity && out.size(1) == q.cols, "out: expected [", q.capacity,
              ", ", q.cols, "] (q's source shape), got ", out.shape_str());
   const Device qdev = which == Fp8Copy::rowwise ? q.data.device : q.data_t.device;
@@ -348,7 +277,7 @@ void dequantize_weights(const Fp8Weights& q, const ExpertWeights& out, Fp8Copy w
                         Stream stream, Allocator* alloc) {
   check_expert_weights(out, "out");
   check_input_dtype(out.dtype(), "out");
-  check_fp8_weights(q, which, "q");
+  check_fp8_weights(q, -1, which, which == Fp8Copy::rowwise ? q.data.device : q.data_t.device, "q", "");
   GMOE_CHECK(out.num_experts() == q.experts && out.rows() == q.rows && out.cols() == q.cols,
              "out: expected ", q.experts, " experts of [", q.rows, ", ", q.cols, "], got ",
              out.num_experts(), " of [", out.rows(), ", ", out.cols(), "]");

@@ -7,88 +7,11 @@
 
 #include "common/backend.h"
 #include "common/checks.h"
+#include "common/fp8_checks.h"
 #include "gmoe/error.h"
 
 namespace gmoe {
 namespace {
-
-bool is_fp8_format(DType t) { return t == DType::e4m3 || t == DType::e5m2; }
-
-// A view of an FP8 operand must be exactly its layout's: shape, dtype, device, contiguous.
-void check_view(const TensorView& given, const TensorView& expected, const std::string& name) {
-  GMOE_CHECK(given.defined(), name, ": absent (expected ", expected.str(), ")");
-  GMOE_CHECK(given.ndim == expected.ndim && given.dtype == expected.dtype &&
-                 given.device == expected.device,
-             name, ": expected ", expected.str(), ", got ", given.str());
-  for (int d = 0; d < expected.ndim; ++d) {
-    GMOE_CHECK(given.shape[d] == expected.shape[d], name, ": expected shape ",
-               expected.shape_str(), ", got ", given.shape_str());
-  }
-  GMOE_CHECK(given.is_contiguous(), name, ": must be contiguous, got ", given.str());
-  GMOE_CHECK(given.data != nullptr || given.numel() == 0, name, ": null data for ",
-             given.shape_str());
-}
-
-void check_recipe(Fp8Recipe r, DType format, const char* name) {
-  GMOE_CHECK(r == Fp8Recipe::tensorwise || r == Fp8Recipe::blockwise || r == Fp8Recipe::mxfp8,
-             name, ".recipe: unknown value ", static_cast<int>(r));
-  GMOE_CHECK(is_fp8_format(format), name, ".format: expected e4m3 or e5m2, got ",
-             dtype_name(format));
-}
-
-// The copy of grouped rows that a pass reads (rowwise: fprop x, dgrad dy; columnwise: wgrad).
-void check_grouped_operand(const Fp8Grouped& q, int64_t E, Fp8Copy which, Device device,
-                           const char* name) {
-  check_recipe(q.recipe, q.format, name);
-  GMOE_CHECK(q.capacity >= 0 && q.cols >= 0, name, ": negative shape [", q.capacity, ", ",
-             q.cols, "]");
-  Fp8QuantizeOptions o;
-  o.recipe = q.recipe;
-  o.format = q.format;
-  o.rowwise = which == Fp8Copy::rowwise;
-  o.columnwise = which == Fp8Copy::columnwise;
-  const Fp8Grouped l = fp8_grouped_layout(q.capacity, q.cols, E, o, device);
-  const std::string n(name);
-  if (which == Fp8Copy::rowwise) {
-    GMOE_CHECK(q.data.defined(), name, ": the rowwise copy (data) is absent; this pass reads it");
-    check_view(q.data, l.data, n + ".data");
-    check_view(q.scale_inv, l.scale_inv, n + ".scale_inv");
-  } else {
-    GMOE_CHECK(q.data_t.defined(), name,
-               ": the columnwise copy (data_t) is absent; the weight gradient reads it");
-    GMOE_CHECK(q.padded_capacity == l.padded_capacity, name, ".padded_capacity: expected ",
-               l.padded_capacity, " (fp8_padded_capacity(", q.capacity, ", ", E, ")), got ",
-               q.padded_capacity);
-    check_view(q.data_t, l.data_t, n + ".data_t");
-    check_view(q.scale_inv_t, l.scale_inv_t, n + ".scale_inv_t");
-    check_view(q.padded_offsets, l.padded_offsets, n + ".padded_offsets");
-  }
-}
-
-// The copy of the weights that a pass reads (rowwise: fprop; columnwise = data_t: dgrad).
-void check_weights_operand(const Fp8Weights& q, int64_t E, Fp8Copy which, Device device,
-                           const char* name) {
-  check_recipe(q.recipe, q.format, name);
-  GMOE_CHECK(q.experts == E, name, ".experts: ", q.experts, ", but counts has length ", E);
-  GMOE_CHECK(q.rows >= 0 && q.cols >= 0, name, ": negative shape [", q.rows, ", ", q.cols, "]");
-  Fp8QuantizeOptions o;
-  o.recipe = q.recipe;
-  o.format = q.format;
-  o.rowwise = which == Fp8Copy::rowwise;
-  o.columnwise = which == Fp8Copy::columnwise;
-  const Fp8Weights l = fp8_weights_layout(q.experts, q.rows, q.cols, o, device);
-  const std::string n(name);
-  if (which == Fp8Copy::rowwise) {
-    GMOE_CHECK(q.data.defined(), name, ": the rowwise copy (data) is absent; fprop reads it");
-    check_view(q.data, l.data, n + ".data");
-    check_view(q.scale_inv, l.scale_inv, n + ".scale_inv");
-  } else {
-    GMOE_CHECK(q.data_t.defined(), name,
-               ": the transposed copy (data_t) is absent; dgrad reads it");
-    check_view(q.data_t, l.data_t, n + ".data_t");
-    check_view(q.scale_inv_t, l.scale_inv_t, n + ".scale_inv_t");
-  }
-}
 
 void check_same_recipe(Fp8Recipe a, Fp8Recipe b, const char* a_name, const char* b_name) {
   GMOE_CHECK(a == b, b_name, ".recipe: ", fp8_recipe_name(b), ", but ", a_name, " is ",
@@ -118,8 +41,8 @@ void fp8_grouped_gemm_fprop(const Fp8Grouped& x, const Fp8Weights& w, const Tens
   const Device device = x.data.device;
   check_counts(counts, "counts", device);
   const int64_t E = counts.size(0);
-  check_grouped_operand(x, E, Fp8Copy::rowwise, device, "x");
-  check_weights_operand(w, E, Fp8Copy::rowwise, device, "w");
+  check_fp8_grouped(x, E, Fp8Copy::rowwise, device, "x", "; fprop reads it");
+  check_fp8_weights(w, E, Fp8Copy::rowwise, device, "w", "; fprop reads it");
   check_same_recipe(x.recipe, w.recipe, "x", "w");
   GMOE_CHECK(w.cols == x.cols, "w: experts of [N, K] = [", w.rows, ", ", w.cols,
              "], but x has K = ", x.cols, " columns");
@@ -139,8 +62,8 @@ void fp8_grouped_gemm_dgrad(const Fp8Grouped& dy, const Fp8Weights& w, const Ten
   const Device device = dy.data.device;
   check_counts(counts, "counts", device);
   const int64_t E = counts.size(0);
-  check_grouped_operand(dy, E, Fp8Copy::rowwise, device, "dy");
-  check_weights_operand(w, E, Fp8Copy::columnwise, device, "w");
+  check_fp8_grouped(dy, E, Fp8Copy::rowwise, device, "dy", "; dgrad reads it");
+  check_fp8_weights(w, E, Fp8Copy::columnwise, device, "w", "; dgrad reads it");
   check_same_recipe(dy.recipe, w.recipe, "dy", "w");
   GMOE_CHECK(w.rows == dy.cols, "w: experts of [N, K] = [", w.rows, ", ", w.cols,
              "], but dy has N = ", dy.cols, " columns");
@@ -162,8 +85,8 @@ void fp8_grouped_gemm_wgrad(const Fp8Grouped& dy, const Fp8Grouped& x, const Ten
   const Device device = dy.data_t.device;
   check_counts(counts, "counts", device);
   const int64_t E = counts.size(0);
-  check_grouped_operand(dy, E, Fp8Copy::columnwise, device, "dy");
-  check_grouped_operand(x, E, Fp8Copy::columnwise, device, "x");
+  check_fp8_grouped(dy, E, Fp8Copy::columnwise, device, "dy", "; the weight gradient reads it");
+  check_fp8_grouped(x, E, Fp8Copy::columnwise, device, "x", "; the weight gradient reads it");
   check_same_recipe(dy.recipe, x.recipe, "dy", "x");
   GMOE_CHECK(x.capacity == dy.capacity, "x.capacity: ", x.capacity, ", but dy's is ", dy.capacity,
              " (both are the same grouped rows)");

@@ -173,138 +173,36 @@ void check_experts_count(int64_t E) {
 // ---------------------------------------------------------------------------------------------
 // One blockwise/tensorwise call, planned on the host and enqueued on the stream.
 
-struct Fp8Plan {
+struct Fp8Plan : CallPlan {
   Fp8Scaling scaling = Fp8Scaling::blockwise;
   Fp8Operands ops = Fp8Operands::rows;
   DType out = DType::bf16;
-  PrepareParams prep;
   int32_t sfa_ld = 0, sfb_ld = 0;  // blockwise: the scale matrices' row strides
-  bool run_gemm = false;
   float beta = 0.0f;
-  // fprop/dgrad: the output rows past the real total (all rows when the reduction is empty).
-  void* out_base = nullptr;
-  int64_t out_ld_bytes = 0, out_row_bytes = 0;
-  bool zero_all_rows = false;
-  // wgrad: dW (a list's pointers are written on the device), each expert [dw_rows, dw_row_bytes].
-  const ExpertWeights* dw = nullptr;
-  int64_t dw_rows = 0, dw_row_bytes = 0;
 };
 
-std::size_t round_up(std::size_t v) { return (v + 127) / 128 * 128; }
-
-void execute(const Fp8Plan& plan, Stream stream, Allocator& alloc) {
-  const int device = current_device();
-  const int sms = sm_count(device);
-  const int E = plan.prep.num_experts;
+void execute(Fp8Plan& plan, Stream stream, Allocator& alloc) {
   const Fp8KernelEntry kernel = find_kernel(plan.scaling, plan.ops, plan.out);
-  const bool blockwise = plan.scaling == Fp8Scaling::blockwise;
-
-  // One workspace for every array and for CUTLASS (its tensor maps, one set per SM).
-  std::size_t offset = 0;
-  auto take = [&](std::size_t bytes) {
-    const std::size_t at = offset;
-    offset = round_up(offset + bytes);
-    return at;
-  };
-  const std::size_t e = static_cast<std::size_t>(E);
-  const std::size_t o_shapes = take(e * sizeof(GroupShape));
-  const std::size_t o_ptrs = take(4 * e * sizeof(void*));
-  const std::size_t o_strides = take(4 * e * sizeof(int64_t));
-  const std::size_t o_total = take(sizeof(int64_t));
-  const std::size_t o_zero = take(e * sizeof(int32_t));
-  const std::size_t o_scale_ptrs = take(blockwise ? 2 * e * sizeof(float*) : 0);
-  const std::size_t o_alpha = take(blockwise ? 0 : e * sizeof(float));
-  const std::size_t o_alpha_ptrs = take(blockwise ? 0 : e * sizeof(float*));
-  const std::size_t cutlass_bytes = plan.run_gemm ? kernel.workspace_bytes(sms) : 0;
-  const std::size_t o_cutlass = take(cutlass_bytes);
-  Buffer workspace(alloc, offset, stream);
-  char* base = static_cast<char*>(workspace.data());
-
-  GroupedGemmArrays arrays;
-  arrays.shapes = reinterpret_cast<GroupShape*>(base + o_shapes);
-  auto** ptrs = reinterpret_cast<const void**>(base + o_ptrs);
-  arrays.ptr_a = ptrs;
-  arrays.ptr_b = ptrs + e;
-  arrays.ptr_c = ptrs + 2 * e;
-  arrays.ptr_d = const_cast<void**>(ptrs + 3 * e);
-  auto* strides = reinterpret_cast<int64_t*>(base + o_strides);
-  arrays.stride_a = strides;
-  arrays.stride_b = strides + e;
-  arrays.stride_c = strides + 2 * e;
-  arrays.stride_d = strides + 3 * e;
-  arrays.total = reinterpret_cast<int64_t*>(base + o_total);
-  arrays.zero_expert = reinterpret_cast<int32_t*>(base + o_zero);
-  if (blockwise) {
-    auto** sf = reinterpret_cast<const float**>(base + o_scale_ptrs);
-    arrays.ptr_sfa = sf;
-    arrays.ptr_sfb = sf + e;
-  } else {
-    arrays.alpha = reinterpret_cast<float*>(base + o_alpha);
-    arrays.alpha_ptr = reinterpret_cast<const float**>(base + o_alpha_ptrs);
-  }
-
-  launch_prepare(plan.prep, arrays, stream);
-
-  if (plan.ops == Fp8Operands::wgrad && !plan.dw->is_stacked()) {
-    std::vector<const void*> host_ptrs(e);
-    std::vector<int64_t> host_lds(e);
-    for (std::size_t i = 0; i < e; ++i) {
-      host_ptrs[i] = plan.dw->list[i].data;
-      host_lds[i] = plan.dw->list[i].stride(0);
-    }
-    launch_write_expert_pointers(host_ptrs.data(), host_lds.data(), E,
-                                 const_cast<const void**>(arrays.ptr_d), arrays.stride_d,
-                                 arrays.ptr_c, arrays.stride_c, stream);
-  }
-
-  if (plan.ops == Fp8Operands::wgrad) {
-    launch_zero_experts(arrays.ptr_d, arrays.stride_d, static_cast<int32_t>(dtype_size(plan.out)),
-                        plan.dw_rows, plan.dw_row_bytes, arrays.zero_expert, E, sms, stream);
-  } else {
-    launch_zero_rows(plan.out_base, plan.out_ld_bytes, plan.out_row_bytes, plan.prep.capacity,
-                     plan.zero_all_rows ? nullptr : arrays.total, sms, stream);
-  }
-
+  plan.block_scales = plan.scaling == Fp8Scaling::blockwise;
+  plan.alpha = !plan.block_scales;
+  PreparedCall call =
+      prepare_call(plan, plan.run_gemm ? kernel.workspace_bytes(sm_count(current_device())) : 0, stream, alloc);
   if (plan.run_gemm) {
     Fp8GemmLaunch launch;
-    GroupedGemmLaunch& g = launch.gemm;
-    g.num_groups = E;
-    g.device = device;
-    g.sm_count = sms;
-    g.shapes = arrays.shapes;
-    g.ptr_a = arrays.ptr_a;
-    g.ptr_b = arrays.ptr_b;
-    g.ptr_c = arrays.ptr_c;
-    g.ptr_d = arrays.ptr_d;
-    g.stride_a = arrays.stride_a;
-    g.stride_b = arrays.stride_b;
-    g.stride_c = arrays.stride_c;
-    g.stride_d = arrays.stride_d;
-    g.beta = plan.beta;
-    g.workspace = base + o_cutlass;
-    g.workspace_bytes = cutlass_bytes;
-    launch.ptr_sfa = arrays.ptr_sfa;
-    launch.ptr_sfb = arrays.ptr_sfb;
+    launch.gemm = call.launch;
+    launch.gemm.beta = plan.beta;
+    launch.ptr_sfa = call.arrays.ptr_sfa;
+    launch.ptr_sfb = call.arrays.ptr_sfb;
     launch.sfa_ld = plan.sfa_ld;
     launch.sfb_ld = plan.sfb_ld;
-    launch.alpha_ptrs = arrays.alpha_ptr;
+    launch.alpha_ptrs = call.arrays.alpha_ptr;
     kernel.run(launch, stream);
   }
-  // `workspace` is released on `stream` here, after everything above.
+  // `call.workspace` is released on `stream` here, after everything above.
 }
 
 Fp8Scaling scaling_of(Fp8Recipe r) {
   return r == Fp8Recipe::blockwise ? Fp8Scaling::blockwise : Fp8Scaling::tensorwise;
-}
-
-PrepareParams common_prepare(GemmPass pass, const TensorView& counts, int64_t capacity) {
-  PrepareParams p;
-  p.pass = pass;
-  p.counts = counts.data;
-  p.counts_i64 = counts.dtype == DType::i64;
-  p.num_experts = static_cast<int32_t>(counts.size(0));
-  p.capacity = capacity;
-  return p;
 }
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -323,7 +221,7 @@ void rows_pass(GemmPass pass, const Fp8Grouped& a, const TensorView& b_data,
   plan.scaling = scaling_of(a.recipe);
   plan.ops = Fp8Operands::rows;
   plan.out = DType::bf16;
-  plan.prep = common_prepare(pass, counts, capacity);
+  plan.prep = prepare_params(pass, counts, capacity);
   plan.prep.gemm_n = static_cast<int32_t>(gemm_n);
   plan.prep.gemm_k = static_cast<int32_t>(gemm_k);
   plan.prep.rows_a = {a.data.data, a.data.stride(0), 1};
@@ -484,6 +382,24 @@ struct Bf16Scratch {
   }
 };
 
+// MXFP8 fprop and dgrad: d = dequant(a) · dequant(b_e)ᵀ with b [E, b_rows, b_cols] (e8m0 scales
+// 1x32 along b_cols), both dequantized to bf16 scratch, then the bf16 fprop.
+void mx_rows_pass(const Fp8Grouped& a, const TensorView& b_data, const TensorView& b_scale, int64_t b_rows,
+                  int64_t b_cols, DType b_format, const TensorView& counts, const TensorView& d, Stream stream,
+                  Allocator& alloc) {
+  DeviceGuard guard(a.data.device.index);
+  const int sms = sm_count(a.data.device.index);
+  const Device dev = a.data.device;
+  const int64_t E = counts.size(0);
+  Bf16Scratch ab(alloc, stream, dev, {a.capacity, a.cols});
+  Bf16Scratch bb(alloc, stream, dev, {E, b_rows, b_cols});
+  launch_mx_dequant_rows(a.data, a.scale_inv, a.capacity, a.cols, a.format == DType::e5m2, ab.buffer.data(), sms,
+                         stream);
+  launch_mx_dequant_rows(b_data, b_scale, E * b_rows, b_cols, b_format == DType::e5m2, bb.buffer.data(), sms,
+                         stream);
+  cuda_backend::grouped_gemm_fprop(ab.view, ExpertWeights::from_stacked(bb.view), counts, d, stream, alloc);
+}
+
 }  // namespace
 
 void fp8_grouped_gemm_fprop(const Fp8Grouped& x, const Fp8Weights& w, const TensorView& counts,
@@ -498,17 +414,7 @@ void fp8_grouped_gemm_fprop(const Fp8Grouped& x, const Fp8Weights& w, const Tens
     rows_pass(GemmPass::fprop, x, w.data, w.scale_inv, counts, y, stream, alloc);
     return;
   }
-  DeviceGuard guard(x.data.device.index);
-  const int sms = sm_count(x.data.device.index);
-  const Device dev = x.data.device;
-  Bf16Scratch xb(alloc, stream, dev, {x.capacity, x.cols});
-  Bf16Scratch wb(alloc, stream, dev, {w.experts, w.rows, w.cols});
-  launch_mx_dequant_rows(x.data, x.scale_inv, x.capacity, x.cols, x.format == DType::e5m2,
-                         xb.buffer.data(), sms, stream);
-  launch_mx_dequant_rows(w.data, w.scale_inv, w.experts * w.rows, w.cols,
-                         w.format == DType::e5m2, wb.buffer.data(), sms, stream);
-  cuda_backend::grouped_gemm_fprop(xb.view, ExpertWeights::from_stacked(wb.view), counts, y,
-                                   stream, alloc);
+  mx_rows_pass(x, w.data, w.scale_inv, w.rows, w.cols, w.format, counts, y, stream, alloc);
 }
 
 void fp8_grouped_gemm_dgrad(const Fp8Grouped& dy, const Fp8Weights& w, const TensorView& counts,
@@ -524,17 +430,8 @@ void fp8_grouped_gemm_dgrad(const Fp8Grouped& dy, const Fp8Weights& w, const Ten
     rows_pass(GemmPass::dgrad, dy, w.data_t, w.scale_inv_t, counts, dx, stream, alloc);
     return;
   }
-  DeviceGuard guard(dy.data.device.index);
-  const int sms = sm_count(dy.data.device.index);
-  const Device dev = dy.data.device;
-  Bf16Scratch dyb(alloc, stream, dev, {dy.capacity, dy.cols});
-  Bf16Scratch wtb(alloc, stream, dev, {w.experts, w.cols, w.rows});  // W_eᵀ [K, N]
-  launch_mx_dequant_rows(dy.data, dy.scale_inv, dy.capacity, dy.cols, dy.format == DType::e5m2,
-                         dyb.buffer.data(), sms, stream);
-  launch_mx_dequant_rows(w.data_t, w.scale_inv_t, w.experts * w.cols, w.rows,
-                         w.format == DType::e5m2, wtb.buffer.data(), sms, stream);
-  cuda_backend::grouped_gemm_fprop(dyb.view, ExpertWeights::from_stacked(wtb.view), counts, dx,
-                                   stream, alloc);
+  // dx = dy · W_e = dy · (W_eᵀ)ᵀ: fprop with the transposed copy [E, K, N].
+  mx_rows_pass(dy, w.data_t, w.scale_inv_t, w.cols, w.rows, w.format, counts, dx, stream, alloc);
 }
 
 void fp8_grouped_gemm_wgrad(const Fp8Grouped& dy, const Fp8Grouped& x, const TensorView& counts,
@@ -577,7 +474,7 @@ void fp8_grouped_gemm_wgrad(const Fp8Grouped& dy, const Fp8Grouped& x, const Ten
   plan.scaling = scaling_of(dy.recipe);
   plan.ops = Fp8Operands::wgrad;
   plan.out = dw.dtype();
-  plan.prep = common_prepare(GemmPass::wgrad, counts, dy.capacity);
+  plan.prep = prepare_params(GemmPass::wgrad, counts, dy.capacity);
   plan.prep.gemm_m = static_cast<int32_t>(dy.cols);  // N
   plan.prep.gemm_n = static_cast<int32_t>(x.cols);   // K
   plan.prep.rows_a = {dy.data_t.data, pc, 1, static_cast<const int64_t*>(dy.padded_offsets.data),
@@ -601,7 +498,8 @@ void fp8_grouped_gemm_wgrad(const Fp8Grouped& dy, const Fp8Grouped& x, const Ten
   }
   plan.run_gemm = dy.capacity > 0 && dy.cols > 0 && x.cols > 0;
   plan.beta = options.accumulate ? 1.0f : 0.0f;
-  plan.dw = &dw;
+  plan.experts = &dw;
+  plan.dw_elem_bytes = static_cast<int32_t>(dtype_size(dw.dtype()));
   plan.dw_rows = dy.cols;
   plan.dw_row_bytes = x.cols * static_cast<int64_t>(dtype_size(dw.dtype()));
   execute(plan, stream, alloc);

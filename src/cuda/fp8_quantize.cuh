@@ -16,7 +16,8 @@
 // reads one 4-byte word (2 bf16/f16 columns, or 1 f32 column) of 16 consecutive rows — the
 // swizzle makes these reads conflict-free — takes the 128x1 (32x1) amax by shuffles over the 8
 // lanes holding one column's 128 tokens, and stores 16 fp8 bytes of the transposed row: 8 lanes
-// write one 128-byte segment of data_t (coalesced).
+// write one 128-byte segment of data_t (coalesced). The host side that both callers share
+// (set_outputs, launch_quantize) closes the file.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -24,10 +25,13 @@
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
+#include <cstddef>
 #include <cstdint>
 
 #include "common/fp8_rules.h"
+#include "cuda/cuda_check.h"
 #include "cuda/group_offsets.cuh"
+#include "gmoe/error.h"
 #include "gmoe/fp8.h"
 
 namespace gmoe::cuda_backend::fp8 {
@@ -541,6 +545,73 @@ __global__ void __launch_bounds__(kThreads) amax_tile_kernel(const QuantParams p
 template <typename T>
 constexpr int tile_smem_bytes() {
   return kTile * kTile * static_cast<int>(sizeof(T));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Host side, shared by quantize_grouped and quantize_weights.
+
+inline bool aligned(const void* p, std::size_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
+
+/// f32 scales must be 4-byte aligned (checked before anything is launched).
+template <class Q>
+void check_scales_aligned(const Q& q, const Fp8QuantizeOptions& o) {
+  if (o.recipe == Fp8Recipe::mxfp8) return;
+  GMOE_CHECK(q.scale_inv.data == nullptr || aligned(q.scale_inv.data, 4),
+             "out.scale_inv: f32 scales must be 4-byte aligned");
+  GMOE_CHECK(q.scale_inv_t.data == nullptr || aligned(q.scale_inv_t.data, 4),
+             "out.scale_inv_t: f32 scales must be 4-byte aligned");
+}
+
+/// The output fields of p that both launches set alike: the copies' data and scales (tensorwise:
+/// the columnwise scales only when they are a separate array), and the quantization rule.
+/// scale_ld / scale_t_ld stay the caller's.
+template <class Q>
+void set_outputs(QuantParams& p, const Q& q, const Fp8QuantizeOptions& o) {
+  p.data = static_cast<uint8_t*>(q.data.data);
+  p.scale = q.scale_inv.data;
+  p.data_t = static_cast<uint8_t*>(q.data_t.data);
+  p.scale_t = (o.recipe == Fp8Recipe::tensorwise && q.scale_inv_t.data == q.scale_inv.data) ? nullptr
+                                                                                          : q.scale_inv_t.data;
+  p.e5m2 = o.format == DType::e5m2;
+  p.fp8_max = p.e5m2 ? fp8_rules::kE5m2Max : fp8_rules::kE4m3Max;
+  p.emax = p.e5m2 ? fp8_rules::kE5m2Emax : fp8_rules::kE4m3Emax;
+  p.pow2 = o.pow2_scales;
+}
+
+template <typename T, Fp8Recipe R, bool kWeights>
+void launch_tile(const QuantParams& p, dim3 grid, cudaStream_t stream) {
+  const int smem = p.data_t != nullptr ? tile_smem_bytes<T>() : 0;
+  auto kernel = quantize_tile_kernel<T, R, kWeights>;
+  GMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  kernel<<<grid, kThreads, smem, stream>>>(p);
+  GMOE_CUDA_CHECK(cudaGetLastError());
+}
+
+template <typename T, bool kWeights>
+void launch_typed(Fp8Recipe r, const QuantParams& p, dim3 grid, uint32_t* amax, cudaStream_t stream) {
+  switch (r) {
+    case Fp8Recipe::tensorwise:
+      GMOE_CUDA_CHECK(cudaMemsetAsync(amax, 0, sizeof(uint32_t) * p.num_experts, stream));
+      amax_tile_kernel<T, kWeights><<<grid, kThreads, 0, stream>>>(p, amax);
+      GMOE_CUDA_CHECK(cudaGetLastError());
+      launch_tile<T, Fp8Recipe::tensorwise, kWeights>(p, grid, stream);
+      return;
+    case Fp8Recipe::blockwise: launch_tile<T, Fp8Recipe::blockwise, kWeights>(p, grid, stream); return;
+    case Fp8Recipe::mxfp8: launch_tile<T, Fp8Recipe::mxfp8, kWeights>(p, grid, stream); return;
+  }
+}
+
+/// The quantization kernels (tensorwise: amax first, into `amax`, [E] u32 of scratch) for a
+/// source of dtype `src` (bf16, f16, f32); `op` names the call in errors.
+template <bool kWeights>
+void launch_quantize(DType src, Fp8Recipe r, const QuantParams& p, dim3 grid, uint32_t* amax, cudaStream_t stream,
+                     const char* op) {
+  switch (src) {
+    case DType::bf16: launch_typed<__nv_bfloat16, kWeights>(r, p, grid, amax, stream); return;
+    case DType::f16: launch_typed<__half, kWeights>(r, p, grid, amax, stream); return;
+    case DType::f32: launch_typed<float, kWeights>(r, p, grid, amax, stream); return;
+    default: GMOE_FAIL(op, ": source dtype ", dtype_name(src), " not supported");
+  }
 }
 
 }  // namespace gmoe::cuda_backend::fp8

@@ -13,37 +13,7 @@
 #include "gmoe/error.h"
 
 namespace gmoe::cuda_backend {
-namespace {
-
 using fp8::QuantParams;
-
-bool aligned(const void* p, std::size_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
-
-template <typename T, Fp8Recipe R>
-void launch_tile(const QuantParams& p, dim3 grid, bool columnwise, cudaStream_t stream) {
-  const int smem = columnwise ? fp8::tile_smem_bytes<T>() : 0;
-  auto kernel = fp8::quantize_tile_kernel<T, R, false>;
-  GMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  kernel<<<grid, fp8::kThreads, smem, stream>>>(p);
-  GMOE_CUDA_CHECK(cudaGetLastError());
-}
-
-template <typename T>
-void launch_typed(Fp8Recipe r, const QuantParams& p, dim3 grid, bool columnwise, uint32_t* amax,
-                  cudaStream_t stream) {
-  switch (r) {
-    case Fp8Recipe::tensorwise:
-      GMOE_CUDA_CHECK(cudaMemsetAsync(amax, 0, sizeof(uint32_t) * p.num_experts, stream));
-      fp8::amax_tile_kernel<T, false><<<grid, fp8::kThreads, 0, stream>>>(p, amax);
-      GMOE_CUDA_CHECK(cudaGetLastError());
-      launch_tile<T, Fp8Recipe::tensorwise>(p, grid, columnwise, stream);
-      return;
-    case Fp8Recipe::blockwise: launch_tile<T, Fp8Recipe::blockwise>(p, grid, columnwise, stream); return;
-    case Fp8Recipe::mxfp8: launch_tile<T, Fp8Recipe::mxfp8>(p, grid, columnwise, stream); return;
-  }
-}
-
-}  // namespace
 
 void quantize_grouped(const GroupedRows& x, const Fp8QuantizeOptions& o, const Fp8Grouped& q,
                       Stream stream_, Allocator& alloc) {
@@ -53,12 +23,8 @@ void quantize_grouped(const GroupedRows& x, const Fp8QuantizeOptions& o, const F
   const int64_t es = static_cast<int64_t>(dtype_size(x.data.dtype));
   const int64_t col_tiles = std::max<int64_t>(1, (cols + fp8::kTile - 1) / fp8::kTile);
   GMOE_CHECK(col_tiles <= 65535, "x.data: at most ", 65535 * fp8::kTile, " columns on CUDA, got ", cols);
-  if (o.recipe != Fp8Recipe::mxfp8) {
-    GMOE_CHECK(q.scale_inv.data == nullptr || aligned(q.scale_inv.data, 4), "out.scale_inv: f32 scales must be 4-byte aligned");
-    GMOE_CHECK(q.scale_inv_t.data == nullptr || aligned(q.scale_inv_t.data, 4),
-               "out.scale_inv_t: f32 scales must be 4-byte aligned");
-  }
-  GMOE_CHECK(aligned(q.padded_offsets.data, 8), "out.padded_offsets: must be 8-byte aligned");
+  fp8::check_scales_aligned(q, o);
+  GMOE_CHECK(fp8::aligned(q.padded_offsets.data, 8), "out.padded_offsets: must be 8-byte aligned");
 
   // Scratch: real offsets [E+1] i64, tensorwise amax [E] u32.
   Buffer scratch(alloc, sizeof(int64_t) * (E + 1) + sizeof(uint32_t) * E, stream_);
@@ -75,14 +41,8 @@ void quantize_grouped(const GroupedRows& x, const Fp8QuantizeOptions& o, const F
   p.num_experts = E;
   p.offsets = offsets;
   p.padded = padded;
-  p.data = static_cast<uint8_t*>(q.data.data);
-  p.scale = q.scale_inv.data;
-  p.data_t = static_cast<uint8_t*>(q.data_t.data);
+  fp8::set_outputs(p, q, o);
   p.data_t_ld = q.padded_capacity;
-  // Tensorwise: the columnwise scales are written only when they are a separate array.
-  p.scale_t = (o.recipe == Fp8Recipe::tensorwise && q.scale_inv_t.data == q.scale_inv.data)
-                  ? nullptr
-                  : q.scale_inv_t.data;
   if (o.recipe == Fp8Recipe::blockwise) {
     p.scale_ld = (cols + kFp8Block - 1) / kFp8Block;
     p.scale_t_ld = q.padded_capacity / kFp8Block;
@@ -91,22 +51,12 @@ void quantize_grouped(const GroupedRows& x, const Fp8QuantizeOptions& o, const F
     p.scale_t_ld = q.padded_capacity / kMxBlock;
   }
   p.amax_bits = amax;
-  p.e5m2 = o.format == DType::e5m2;
-  p.fp8_max = p.e5m2 ? fp8_rules::kE5m2Max : fp8_rules::kE4m3Max;
-  p.emax = p.e5m2 ? fp8_rules::kE5m2Emax : fp8_rules::kE4m3Emax;
-  p.pow2 = o.pow2_scales;
-  p.vec = aligned(x.data.data, 16) && (cap <= 1 || (x.data.stride(0) * es) % 16 == 0) && cols % 16 == 0 &&
-          (p.data == nullptr || aligned(p.data, 16));
-  p.vec_t = p.data_t == nullptr || aligned(p.data_t, 16);
+  p.vec = fp8::aligned(x.data.data, 16) && (cap <= 1 || (x.data.stride(0) * es) % 16 == 0) && cols % 16 == 0 &&
+          (p.data == nullptr || fp8::aligned(p.data, 16));
+  p.vec_t = p.data_t == nullptr || fp8::aligned(p.data_t, 16);
 
   const dim3 grid(static_cast<unsigned>(q.padded_capacity / fp8::kTile), static_cast<unsigned>(col_tiles));
-  const bool columnwise = p.data_t != nullptr;
-  switch (x.data.dtype) {
-    case DType::bf16: launch_typed<__nv_bfloat16>(o.recipe, p, grid, columnwise, amax, stream); break;
-    case DType::f16: launch_typed<__half>(o.recipe, p, grid, columnwise, amax, stream); break;
-    case DType::f32: launch_typed<float>(o.recipe, p, grid, columnwise, amax, stream); break;
-    default: GMOE_FAIL("quantize_grouped: x.data dtype ", dtype_name(x.data.dtype), " not supported");
-  }
+  fp8::launch_quantize<false>(x.data.dtype, o.recipe, p, grid, amax, stream, "quantize_grouped: x.data");
 }
 
 }  // namespace gmoe::cuda_backend

@@ -9,14 +9,14 @@
 //   3. zeros where the GEMM writes nothing: rows past the real total (fprop, dgrad), or dW of
 //      experts without rows (wgrad; not when accumulating or masked);
 //   4. the CUTLASS grouped GEMM, reading the arrays of step 1.
-// Everything is graph-capturable: the counts may change between replays of one captured graph.
+// Steps 1-3 are prepare_call (grouped_gemm_prepare.h), shared with the FP8 GEMMs. Everything is
+// graph-capturable: the counts may change between replays of one captured graph.
 #include <cuda_runtime.h>
 
 #include <climits>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <vector>
 
 #include "common/backend.h"
 #include "cuda/cuda_check.h"
@@ -196,133 +196,24 @@ void check_experts_cuda(const ExpertWeights& w, const char* name) {
 // ---------------------------------------------------------------------------------------------
 // One call, planned on the host and enqueued on the stream.
 
-struct Plan {
-  GemmPass pass = GemmPass::fprop;
+struct Plan : CallPlan {
   DType in = DType::bf16, out = DType::bf16;
-  PrepareParams prep;
-  const ExpertWeights* experts = nullptr;  // fprop/dgrad: weights (B); wgrad: dW (D, C)
-  const ExpertBias* bias = nullptr;        // fprop: a bias fused into the epilogue (else nullptr)
-  bool run_gemm = false;
   float beta = 0.0f;
   TileConfig tile = TileConfig::coop_128x256;
-  // fprop/dgrad: the output rows past the real total (all rows when the reduction is empty).
-  void* out_base = nullptr;
-  int64_t out_ld_bytes = 0, out_row_bytes = 0;
-  bool zero_all_rows = false;
-  // wgrad: an expert's dW is [dw_rows, dw_row_bytes].
-  int64_t dw_rows = 0, dw_row_bytes = 0;
 };
 
-std::size_t round_up(std::size_t v) { return (v + 127) / 128 * 128; }
-
 void execute(const Plan& plan, Stream stream, Allocator& alloc) {
-  const int device = current_device();
-  const int sms = sm_count(device);
-  const int E = plan.prep.num_experts;
   const KernelEntry kernel = plan.bias != nullptr ? find_bias_kernel(plan.tile)
-                                                  : find_kernel(plan.in, plan.out, plan.pass, plan.tile);
+                                                  : find_kernel(plan.in, plan.out, plan.prep.pass, plan.tile);
   GMOE_CHECK(plan.beta == 0.0f || kernel.has_source,
              "grouped GEMM: accumulate needs the f32 weight-gradient kernels");
-
-  // One workspace for every array and for CUTLASS (its tensor maps, one set per SM).
-  std::size_t offset = 0;
-  auto take = [&](std::size_t bytes) {
-    const std::size_t at = offset;
-    offset = round_up(offset + bytes);
-    return at;
-  };
-  const std::size_t e = static_cast<std::size_t>(E);
-  const std::size_t o_shapes = take(e * sizeof(GroupShape));
-  const std::size_t o_ptrs = take(4 * e * sizeof(void*));
-  const std::size_t o_strides = take(4 * e * sizeof(int64_t));
-  const std::size_t o_total = take(sizeof(int64_t));
-  const std::size_t o_zero = take(e * sizeof(int32_t));
-  const std::size_t o_bias = take(plan.bias != nullptr ? e * sizeof(void*) : 0);
-  const std::size_t cutlass_bytes = plan.run_gemm ? kernel.workspace_bytes(sms) : 0;
-  const std::size_t o_cutlass = take(cutlass_bytes);
-  Buffer workspace(alloc, offset, stream);
-  char* base = static_cast<char*>(workspace.data());
-
-  GroupedGemmArrays arrays;
-  arrays.shapes = reinterpret_cast<GroupShape*>(base + o_shapes);
-  auto** ptrs = reinterpret_cast<const void**>(base + o_ptrs);
-  arrays.ptr_a = ptrs;
-  arrays.ptr_b = ptrs + e;
-  arrays.ptr_c = ptrs + 2 * e;
-  arrays.ptr_d = const_cast<void**>(ptrs + 3 * e);
-  auto* strides = reinterpret_cast<int64_t*>(base + o_strides);
-  arrays.stride_a = strides;
-  arrays.stride_b = strides + e;
-  arrays.stride_c = strides + 2 * e;
-  arrays.stride_d = strides + 3 * e;
-  arrays.total = reinterpret_cast<int64_t*>(base + o_total);
-  arrays.zero_expert = reinterpret_cast<int32_t*>(base + o_zero);
-  if (plan.bias != nullptr) arrays.ptr_bias = reinterpret_cast<const void**>(base + o_bias);
-
-  launch_prepare(plan.prep, arrays, stream);
-  if (plan.bias != nullptr && !plan.bias->is_grouped()) {  // a list: its pointers, by value
-    std::vector<const void*> host_ptrs(e);
-    for (std::size_t i = 0; i < e; ++i) host_ptrs[i] = plan.bias->list[i].data;
-    launch_write_pointers(host_ptrs.data(), E, arrays.ptr_bias, stream);
-  }
-
-  if (!plan.experts->is_stacked()) {
-    std::vector<const void*> host_ptrs(e);
-    std::vector<int64_t> host_lds(e);
-    for (std::size_t i = 0; i < e; ++i) {
-      host_ptrs[i] = plan.experts->list[i].data;
-      host_lds[i] = plan.experts->list[i].stride(0);
-    }
-    if (plan.pass == GemmPass::wgrad) {
-      launch_write_expert_pointers(host_ptrs.data(), host_lds.data(), E,
-                                   const_cast<const void**>(arrays.ptr_d), arrays.stride_d,
-                                   arrays.ptr_c, arrays.stride_c, stream);
-    } else {
-      launch_write_expert_pointers(host_ptrs.data(), host_lds.data(), E, arrays.ptr_b,
-                                   arrays.stride_b, nullptr, nullptr, stream);
-    }
-  }
-
-  if (plan.pass == GemmPass::wgrad) {
-    launch_zero_experts(arrays.ptr_d, arrays.stride_d, static_cast<int32_t>(dtype_size(plan.out)),
-                        plan.dw_rows, plan.dw_row_bytes, arrays.zero_expert, E, sms, stream);
-  } else {
-    launch_zero_rows(plan.out_base, plan.out_ld_bytes, plan.out_row_bytes, plan.prep.capacity,
-                     plan.zero_all_rows ? nullptr : arrays.total, sms, stream);
-  }
-
+  PreparedCall call =
+      prepare_call(plan, plan.run_gemm ? kernel.workspace_bytes(sm_count(current_device())) : 0, stream, alloc);
   if (plan.run_gemm) {
-    GroupedGemmLaunch launch;
-    launch.num_groups = E;
-    launch.device = device;
-    launch.sm_count = sms;
-    launch.shapes = arrays.shapes;
-    launch.ptr_a = arrays.ptr_a;
-    launch.ptr_b = arrays.ptr_b;
-    launch.ptr_c = arrays.ptr_c;
-    launch.ptr_d = arrays.ptr_d;
-    launch.stride_a = arrays.stride_a;
-    launch.stride_b = arrays.stride_b;
-    launch.stride_c = arrays.stride_c;
-    launch.stride_d = arrays.stride_d;
-    launch.ptr_bias = arrays.ptr_bias;
-    launch.alpha = 1.0f;
-    launch.beta = plan.beta;
-    launch.workspace = base + o_cutlass;
-    launch.workspace_bytes = cutlass_bytes;
-    kernel.run(launch, stream);
+    call.launch.beta = plan.beta;
+    kernel.run(call.launch, stream);
   }
-  // `workspace` is released on `stream` here, after everything above.
-}
-
-PrepareParams common_prepare(GemmPass pass, const TensorView& counts, int64_t capacity) {
-  PrepareParams p;
-  p.pass = pass;
-  p.counts = counts.data;
-  p.counts_i64 = counts.dtype == DType::i64;
-  p.num_experts = static_cast<int32_t>(counts.size(0));
-  p.capacity = capacity;
-  return p;
+  // `call.workspace` is released on `stream` here, after everything above.
 }
 
 RowsOperand rows_operand(const TensorView& t) {
@@ -356,10 +247,9 @@ void rows_pass(GemmPass pass, const TensorView& a, const ExpertWeights& w, const
   const int64_t gemm_n = d.size(1);  // fprop: N; dgrad: K
   const int64_t gemm_k = a.size(1);  // fprop: K; dgrad: N
   Plan plan;
-  plan.pass = pass;
   plan.in = a.dtype;
   plan.out = d.dtype;
-  plan.prep = common_prepare(pass, counts, capacity);
+  plan.prep = prepare_params(pass, counts, capacity);
   plan.prep.gemm_n = static_cast<int32_t>(gemm_n);
   plan.prep.gemm_k = static_cast<int32_t>(gemm_k);
   plan.prep.rows_a = rows_operand(a);
@@ -422,10 +312,9 @@ void grouped_gemm_wgrad(const TensorView& dy, const TensorView& x, const TensorV
   const int64_t capacity = dy.size(0);
   const int64_t n = dy.size(1), k = x.size(1);
   Plan plan;
-  plan.pass = GemmPass::wgrad;
   plan.in = dy.dtype;
   plan.out = dw.dtype();
-  plan.prep = common_prepare(GemmPass::wgrad, counts, capacity);
+  plan.prep = prepare_params(GemmPass::wgrad, counts, capacity);
   plan.prep.gemm_m = static_cast<int32_t>(n);
   plan.prep.gemm_n = static_cast<int32_t>(k);
   plan.prep.rows_a = rows_operand(dy);
@@ -437,6 +326,7 @@ void grouped_gemm_wgrad(const TensorView& dy, const TensorView& x, const TensorV
   plan.run_gemm = capacity > 0 && n > 0 && k > 0;
   plan.beta = options.accumulate ? 1.0f : 0.0f;
   plan.tile = choose_wgrad_tile(dw.dtype(), capacity, counts.size(0));
+  plan.dw_elem_bytes = static_cast<int32_t>(dtype_size(dw.dtype()));
   plan.dw_rows = n;
   plan.dw_row_bytes = k * static_cast<int64_t>(dtype_size(dw.dtype()));
   execute(plan, stream, alloc);

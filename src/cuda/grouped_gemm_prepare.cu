@@ -9,9 +9,11 @@
 
 #include <algorithm>
 #include <sstream>
+#include <vector>
 
 #include "common/backend.h"
 #include "cuda/cuda_check.h"
+#include "cuda/device_info.h"
 #include "gmoe/error.h"
 
 namespace gmoe::cuda_backend {
@@ -303,6 +305,108 @@ uint32_t* device_error_word() {
   uint32_t* word = nullptr;
   GMOE_CUDA_CHECK(cudaGetSymbolAddress(reinterpret_cast<void**>(&word), g_device_error_word));
   return word;
+}
+
+PreparedCall prepare_call(const CallPlan& plan, std::size_t cutlass_bytes, cudaStream_t stream, Allocator& alloc) {
+  const int device = current_device();
+  const int sms = sm_count(device);
+  const int E = plan.prep.num_experts;
+  const std::size_t e = static_cast<std::size_t>(E);
+  const bool wgrad = plan.prep.pass == GemmPass::wgrad;
+
+  // One workspace for every array and for CUTLASS (its tensor maps, one set per SM), each part
+  // 128-byte aligned.
+  std::size_t offset = 0;
+  auto take = [&](std::size_t bytes) {
+    const std::size_t at = offset;
+    offset = (offset + bytes + 127) / 128 * 128;
+    return at;
+  };
+  const std::size_t o_shapes = take(e * sizeof(GroupShape));
+  const std::size_t o_ptrs = take(4 * e * sizeof(void*));
+  const std::size_t o_strides = take(4 * e * sizeof(int64_t));
+  const std::size_t o_total = take(sizeof(int64_t));
+  const std::size_t o_zero = take(e * sizeof(int32_t));
+  const std::size_t o_bias = take(plan.bias != nullptr ? e * sizeof(void*) : 0);
+  const std::size_t o_scale_ptrs = take(plan.block_scales ? 2 * e * sizeof(float*) : 0);
+  const std::size_t o_alpha = take(plan.alpha ? e * sizeof(float) : 0);
+  const std::size_t o_alpha_ptrs = take(plan.alpha ? e * sizeof(float*) : 0);
+  const std::size_t o_cutlass = take(cutlass_bytes);
+  PreparedCall call;
+  call.workspace = Buffer(alloc, offset, stream);
+  char* base = static_cast<char*>(call.workspace.data());
+
+  GroupedGemmArrays& a = call.arrays;
+  a.shapes = reinterpret_cast<GroupShape*>(base + o_shapes);
+  auto** ptrs = reinterpret_cast<const void**>(base + o_ptrs);
+  a.ptr_a = ptrs;
+  a.ptr_b = ptrs + e;
+  a.ptr_c = ptrs + 2 * e;
+  a.ptr_d = const_cast<void**>(ptrs + 3 * e);
+  auto* strides = reinterpret_cast<int64_t*>(base + o_strides);
+  a.stride_a = strides;
+  a.stride_b = strides + e;
+  a.stride_c = strides + 2 * e;
+  a.stride_d = strides + 3 * e;
+  a.total = reinterpret_cast<int64_t*>(base + o_total);
+  a.zero_expert = reinterpret_cast<int32_t*>(base + o_zero);
+  if (plan.bias != nullptr) a.ptr_bias = reinterpret_cast<const void**>(base + o_bias);
+  if (plan.block_scales) {
+    auto** sf = reinterpret_cast<const float**>(base + o_scale_ptrs);
+    a.ptr_sfa = sf;
+    a.ptr_sfb = sf + e;
+  }
+  if (plan.alpha) {
+    a.alpha = reinterpret_cast<float*>(base + o_alpha);
+    a.alpha_ptr = reinterpret_cast<const float**>(base + o_alpha_ptrs);
+  }
+
+  launch_prepare(plan.prep, a, stream);
+  if (plan.bias != nullptr && !plan.bias->is_grouped()) {  // a list: its pointers, by value
+    std::vector<const void*> host_ptrs(e);
+    for (std::size_t i = 0; i < e; ++i) host_ptrs[i] = plan.bias->list[i].data;
+    launch_write_pointers(host_ptrs.data(), E, a.ptr_bias, stream);
+  }
+  if (plan.experts != nullptr && !plan.experts->is_stacked()) {
+    std::vector<const void*> host_ptrs(e);
+    std::vector<int64_t> host_lds(e);
+    for (std::size_t i = 0; i < e; ++i) {
+      host_ptrs[i] = plan.experts->list[i].data;
+      host_lds[i] = plan.experts->list[i].stride(0);
+    }
+    if (wgrad) {
+      launch_write_expert_pointers(host_ptrs.data(), host_lds.data(), E, const_cast<const void**>(a.ptr_d),
+                                   a.stride_d, a.ptr_c, a.stride_c, stream);
+    } else {
+      launch_write_expert_pointers(host_ptrs.data(), host_lds.data(), E, a.ptr_b, a.stride_b, nullptr, nullptr,
+                                   stream);
+    }
+  }
+  if (wgrad) {
+    launch_zero_experts(a.ptr_d, a.stride_d, plan.dw_elem_bytes, plan.dw_rows, plan.dw_row_bytes, a.zero_expert, E,
+                        sms, stream);
+  } else {
+    launch_zero_rows(plan.out_base, plan.out_ld_bytes, plan.out_row_bytes, plan.prep.capacity,
+                     plan.zero_all_rows ? nullptr : a.total, sms, stream);
+  }
+
+  GroupedGemmLaunch& l = call.launch;
+  l.num_groups = E;
+  l.device = device;
+  l.sm_count = sms;
+  l.shapes = a.shapes;
+  l.ptr_a = a.ptr_a;
+  l.ptr_b = a.ptr_b;
+  l.ptr_c = a.ptr_c;
+  l.ptr_d = a.ptr_d;
+  l.stride_a = a.stride_a;
+  l.stride_b = a.stride_b;
+  l.stride_c = a.stride_c;
+  l.stride_d = a.stride_d;
+  l.ptr_bias = a.ptr_bias;
+  l.workspace = base + o_cutlass;
+  l.workspace_bytes = cutlass_bytes;
+  return call;
 }
 
 }  // namespace gmoe::cuda_backend

@@ -8,9 +8,13 @@
 
 #include <cuda_runtime.h>
 
+#include <cstddef>
 #include <cstdint>
 
 #include "cuda/grouped_gemm_kernels.h"
+#include "gmoe/allocator.h"
+#include "gmoe/grouped.h"
+#include "gmoe/grouped_bias.h"
 
 namespace gmoe::cuda_backend {
 
@@ -99,6 +103,17 @@ struct PrepareParams {
   const float* alpha_b = nullptr;  ///< tensorwise: [E] per-expert scale_inv of B (device)
 };
 
+/// The parameters every call sets alike: the pass, the device counts ([E] i32/i64) and the capacity.
+inline PrepareParams prepare_params(GemmPass pass, const TensorView& counts, int64_t capacity) {
+  PrepareParams p;
+  p.pass = pass;
+  p.counts = counts.data;
+  p.counts_i64 = counts.dtype == DType::i64;
+  p.num_experts = static_cast<int32_t>(counts.size(0));
+  p.capacity = capacity;
+  return p;
+}
+
 /// Launches the preparation kernel (one block) on `stream`.
 void launch_prepare(const PrepareParams& p, const GroupedGemmArrays& arrays, cudaStream_t stream);
 
@@ -120,5 +135,38 @@ void launch_zero_rows(void* base, int64_t ld_bytes, int64_t row_bytes, int64_t c
 void launch_zero_experts(void* const* ptr_d, const int64_t* stride_d, int32_t elem_bytes,
                          int64_t rows, int64_t row_bytes, const int32_t* zero_expert,
                          int num_experts, int sm_count, cudaStream_t stream);
+
+/// One grouped GEMM call up to its kernel, the same for the 16-bit and the FP8 GEMMs (prep.pass
+/// says which operands are grouped rows).
+struct CallPlan {
+  PrepareParams prep;
+  /// The expert tensors when given as a list (fprop/dgrad: B; wgrad: D and C), whose pointers are
+  /// written by value; nullptr or stacked: the preparation kernel computes them.
+  const ExpertWeights* experts = nullptr;
+  const ExpertBias* bias = nullptr;  ///< fprop with a bias fused into the epilogue
+  bool block_scales = false;         ///< FP8 blockwise: per-group scale pointers
+  bool alpha = false;                ///< FP8 tensorwise: per-group alpha
+  bool run_gemm = false;             ///< false: every extent empty, only the zeros are written
+  // Zeros where the GEMM writes nothing. fprop/dgrad: the output rows past the real total (all
+  // rows when the reduction is empty); wgrad: dW_e ([dw_rows, dw_row_bytes]) of experts without rows.
+  void* out_base = nullptr;
+  int64_t out_ld_bytes = 0, out_row_bytes = 0;
+  bool zero_all_rows = false;
+  int32_t dw_elem_bytes = 0;
+  int64_t dw_rows = 0, dw_row_bytes = 0;
+};
+
+/// What prepare_call leaves: the workspace (released on the call's stream when this goes), the
+/// arrays in it, and the launch arguments of the grouped kernel (shapes, pointers, strides, bias,
+/// CUTLASS's workspace; alpha 1, beta 0: the caller sets what differs).
+struct PreparedCall {
+  Buffer workspace;
+  GroupedGemmArrays arrays;
+  GroupedGemmLaunch launch;
+};
+
+/// Takes one workspace from `alloc` for the arrays and `cutlass_bytes` of CUTLASS workspace, then
+/// enqueues on `stream`: the preparation kernel, a list's pointers (experts and bias), the zeros.
+PreparedCall prepare_call(const CallPlan& plan, std::size_t cutlass_bytes, cudaStream_t stream, Allocator& alloc);
 
 }  // namespace gmoe::cuda_backend
