@@ -3,9 +3,12 @@
 #
 #   scripts/gpu_check.sh [stage ...]     stages: build test sanitize bench tiles (default: the first four)
 #
-# build     configure with CUDA and build everything with all cores (build/gpu)
-# test      every test suite, CUDA suites included (ctest)
+# build     configure with CUDA and build the CUDA test suite and gmoe-bench with all cores
+#           (build/gpu; GMOE_BUILD_TARGETS="all" builds everything)
+# test      the CUDA test suite in parallel gtest shards, beside its runs with each tile forced
+#           (GMOE_TEST_SHARDS, default 4; GMOE_GPU_CPU_SUITES=1 also runs the CPU suites, CI's job)
 # sanitize  compute-sanitizer memcheck on the CUDA test binary, racecheck on a subset
+#           (GMOE_SANITIZE_TOOLS, default "memcheck racecheck"; GMOE_SANITIZE_TIMEOUT s each, 280)
 # bench     gmoe-bench on the public suite (gemm and layer modes, cuBLAS baselines in the same run),
 #           then bench/torch_baseline.py on the same cases (gemm, and the mlp composition eager and
 #           compiled), merged by bench/report.py into one table (and the layer table)
@@ -44,48 +47,63 @@ for stage in "${stages[@]}"; do
       nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$OUT/summary.txt"
       scripts/setup_deps.sh >"$OUT/build.log" 2>&1
       if cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGMOE_WITH_CUDA=ON >>"$OUT/build.log" 2>&1 &&
-         cmake --build "$BUILD" -j "$(nproc)" >>"$OUT/build.log" 2>&1; then
+         cmake --build "$BUILD" -j "$(nproc)" --target ${GMOE_BUILD_TARGETS:-gmoe_tests_cuda gmoe-bench} \
+           >>"$OUT/build.log" 2>&1; then
         summary "build: ok ($(( $(date +%s) - t0 )) s)"
       else
         summary "build: FAILED"; tail -40 "$OUT/build.log"; exit 1
       fi ;;
     test)
+      # The CUDA suite only: the CPU suites are CI's (they run on every submission without a GPU);
+      # GMOE_GPU_CPU_SUITES=1 runs them here too. The suite runs in GMOE_TEST_SHARDS gtest shards
+      # at once (default 4, each with its share of the cores for the OpenMP references), beside the
+      # runs with each tile forced: most of its time is host-side references, not GPU work.
       r=ok
       : >"$OUT/tests.log"
-      if [ -f "$BUILD/CTestTestfile.cmake" ]; then  # the CPU suites (the CUDA one runs below)
+      if [ "${GMOE_GPU_CPU_SUITES:-0}" = 1 ] && [ -f "$BUILD/CTestTestfile.cmake" ]; then
         ctest --test-dir "$BUILD" -E gmoe_tests_cuda --output-on-failure >>"$OUT/tests.log" 2>&1 ||
           { r=FAILED; status=1; }
         grep -E "tests passed|tests failed|Failed|\*\*\*" "$OUT/tests.log" | tee -a "$OUT/summary.txt"
       fi
-      # Not brief: the log keeps every test's time (the suite's runtime is GPU time).
-      "$BUILD/gmoe_tests_cuda" >"$OUT/cuda_tests.log" 2>&1 || { r=FAILED; status=1; }
-      grep -E "^\[  (PASSED|FAILED|SKIPPED) |^\[  FAILED  \]" "$OUT/cuda_tests.log" | head -60 | tee -a "$OUT/summary.txt"
-      # The tile heuristic picks one config per shape: force each in turn so every kernel runs.
-      for tile in coop pingpong; do
-        if GMOE_CUDA_TILE=$tile "$BUILD/gmoe_tests_cuda" --gtest_brief=1 \
-             --gtest_filter='LargeCases/CudaGroupedGemm*:CudaGroupedGemmGraph*:CudaGroupedGemmTiles*:NamedCases/CudaGroupedGemm*e256:NamedCases/CudaGroupedGemm*ragged' \
-             >>"$OUT/tests.log" 2>&1; then
-          summary "test forced tile $tile: ok"
-        else
-          summary "test forced tile $tile: FAILED"; status=1
-        fi
+      shards="${GMOE_TEST_SHARDS:-4}"
+      threads=$(( $(nproc) / (shards + 2) )); [ "$threads" -lt 1 ] && threads=1
+      pids=()
+      for ((i = 0; i < shards; i++)); do
+        # Not brief: the logs keep every test's time (the suite's runtime is GPU time).
+        GTEST_TOTAL_SHARDS=$shards GTEST_SHARD_INDEX=$i OMP_NUM_THREADS=$threads \
+          "$BUILD/gmoe_tests_cuda" >"$OUT/cuda_tests.$i.log" 2>&1 &
+        pids+=($!)
       done
-      # The FP8 blockwise wgrad's ping-pong tile, chosen only when forced for now.
-      if GMOE_FP8_TILE=pingpong "$BUILD/gmoe_tests_cuda" --gtest_brief=1 \
-           --gtest_filter='*CudaFp8Gemm.Wgrad*:*CudaFp8GemmLarge*:*CudaFp8GemmGraph*:*CudaGroupedLinearFp8*blockwise_skewed*' \
-           >>"$OUT/tests.log" 2>&1; then
-        summary "test forced FP8 tile pingpong: ok"
-      else
-        summary "test forced FP8 tile pingpong: FAILED"; status=1
-      fi
+      # The tile heuristic picks one config per shape: force each in turn so every kernel runs; and
+      # the FP8 blockwise ping-pong tiles (fprop/dgrad and f32 wgrad), chosen only when forced for now.
+      forced() {  # name, env assignment, filter
+        if env "$2" OMP_NUM_THREADS=$threads "$BUILD/gmoe_tests_cuda" --gtest_brief=1 --gtest_filter="$3" \
+             >"$OUT/forced_$1.log" 2>&1; then echo "test forced $1: ok"; else echo "test forced $1: FAILED"; return 1; fi
+      }
+      rows_filter='LargeCases/CudaGroupedGemm*:CudaGroupedGemmGraph*:CudaGroupedGemmTiles*:NamedCases/CudaGroupedGemm*e256:NamedCases/CudaGroupedGemm*ragged'
+      fp8_filter='*CudaFp8Gemm.*:*CudaFp8GemmLarge*:*CudaFp8GemmGraph*:*CudaGroupedLinearFp8*blockwise_skewed*'
+      { forced tile_coop GMOE_CUDA_TILE=coop "$rows_filter"; forced tile_pingpong GMOE_CUDA_TILE=pingpong "$rows_filter"; } \
+        >"$OUT/forced_status_a.txt" &
+      pids+=($!)
+      forced fp8_tile_pingpong GMOE_FP8_TILE=pingpong "$fp8_filter" >"$OUT/forced_status_b.txt" &
+      pids+=($!)
+      for p in "${pids[@]}"; do wait "$p" || { r=FAILED; status=1; }; done
+      cat "$OUT"/forced_status_*.txt | tee -a "$OUT/summary.txt"
+      rm -f "$OUT"/forced_status_*.txt
+      cat "$OUT"/forced_*.log >>"$OUT/tests.log" && rm -f "$OUT"/forced_*.log
+      for ((i = 0; i < shards; i++)); do
+        grep -E "^\[  (PASSED|FAILED|SKIPPED) |^\[  FAILED  \]" "$OUT/cuda_tests.$i.log" | head -40 |
+          sed "s/^/shard $i: /" | tee -a "$OUT/summary.txt"
+        cat "$OUT/cuda_tests.$i.log" >>"$OUT/cuda_tests.log" && rm -f "$OUT/cuda_tests.$i.log"
+      done
       summary "test: $r ($(( $(date +%s) - t0 )) s)" ;;
     sanitize)
       : >"$OUT/sanitizer.log"
-      for tool in memcheck racecheck; do
+      for tool in ${GMOE_SANITIZE_TOOLS:-memcheck racecheck}; do
         filter="${GMOE_SANITIZE_FILTER:-*Errors*:*Clamp*:*skewed*:*ragged*:*all_empty*:*zero_total*:*e256*:*Graph*:*CudaFp8Grouped*bf16*:*CudaFp8Weights*bf16*-*CudaGroupedMlp.*:*CudaGroupedMlpOptions.*:*CudaGroupedMlpFp8*}"
         [ "$tool" = racecheck ] && filter="${GMOE_RACECHECK_FILTER:-*Graph*:*bf16_stacked_skewed*:*stacked_biaslist_uniform*}"
         echo "== compute-sanitizer --tool $tool (filter $filter)" >>"$OUT/sanitizer.log"
-        if timeout 280 compute-sanitizer --tool "$tool" --error-exitcode 99 \
+        if timeout "${GMOE_SANITIZE_TIMEOUT:-280}" compute-sanitizer --tool "$tool" --error-exitcode 99 \
              "$BUILD/gmoe_tests_cuda" --gtest_brief=1 --gtest_filter="$filter" >>"$OUT/sanitizer.log" 2>&1; then
           summary "sanitize $tool: clean"
         else
@@ -110,11 +128,15 @@ for stage in "${stages[@]}"; do
         GMOE_CUDA_TILE=$tile "$BUILD/gmoe-bench" --suite bench/suites/public.json --mode gemm --iters 20 \
           --no-baselines --json "/tmp/gmoe_tile_$tile.json" >>"$OUT/bench.log" 2>&1 || status=1
       done
-      # The FP8 blockwise weight gradient's ping-pong tile (GMOE_FP8_TILE), against the default's
-      # rows of the bench stage (its bf16 rows are left out, they are the same kernels as there).
-      GMOE_FP8_TILE=pingpong "$BUILD/gmoe-bench" --suite bench/suites/public.json --mode gemm --iters 20 \
-        --no-baselines --fp8 blockwise --json /tmp/gmoe_fp8tile_pingpong.json >>"$OUT/bench.log" 2>&1 || status=1
-      python3 - "$OUT/results.json" /tmp/gmoe_tile_*.json /tmp/gmoe_fp8tile_pingpong.json >"$OUT/tiles.md" <<'PY' || status=1
+      # The FP8 blockwise ping-pong tiles (GMOE_FP8_TILE) against the cooperative default, both with
+      # the f32 weight gradient (the main_grad kernel; the ping-pong wgrad is f32 only). Their bf16
+      # rows are left out (the same kernels as the bench stage's).
+      for fp8tile in coop pingpong; do
+        GMOE_FP8_TILE=$fp8tile "$BUILD/gmoe-bench" --suite bench/suites/public.json --mode gemm --iters 20 \
+          --no-baselines --fp8 blockwise --fp8-wgrad-out f32 --json "/tmp/gmoe_fp8tile_$fp8tile.json" \
+          >>"$OUT/bench.log" 2>&1 || status=1
+      done
+      python3 - "$OUT/results.json" /tmp/gmoe_tile_*.json /tmp/gmoe_fp8tile_*.json >"$OUT/tiles.md" <<'PY' || status=1
 import json, sys
 sys.path.insert(0, "bench")
 import report
@@ -125,21 +147,21 @@ for path in sys.argv[1:]:
     except (OSError, ValueError):
         continue
     tile = path.rsplit("gmoe_tile_", 1)[1][:-5] if "gmoe_tile_" in path else None
-    fp8_tile = "gmoe_fp8tile_" in path
+    fp8_tile = path.rsplit("gmoe_fp8tile_", 1)[1][:-5] if "gmoe_fp8tile_" in path else None
     for r in d["rows"]:
         if fp8_tile:
             if r["impl"] == "gmoe_fp8_blockwise":
-                rows.append(dict(r, impl="gmoe_fp8_blockwise_pingpong"))
-        elif r["impl"] == "gmoe" or (not tile and r["impl"] == "gmoe_fp8_blockwise"):
+                rows.append(dict(r, impl="gmoe_fp8_blockwise_" + fp8_tile))
+        elif r["impl"] == "gmoe":
             rows.append(dict(r, impl="gmoe_" + tile) if tile else r)
     if tile:
         tiles.append("gmoe_" + tile)
 lines = report.table(rows, ["gmoe"], tiles, {"fprop", "dgrad", "wgrad"})
 print("# Forced tiles (gmoe: the heuristic's choice, from the bench stage)\n")
 report.write_markdown_table(sys.stdout, lines)
-lines = report.table(rows, ["gmoe_fp8_blockwise_pingpong"], ["gmoe_fp8_blockwise"], {"wgrad"})
+lines = report.table(rows, ["gmoe_fp8_blockwise_pingpong"], ["gmoe_fp8_blockwise_coop"], {"fprop", "dgrad", "wgrad"})
 if lines:
-    print("\n# FP8 blockwise weight gradient: ping-pong 64x128 (GMOE_FP8_TILE) vs cooperative 128x128\n")
+    print("\n# FP8 blockwise (f32 dW): ping-pong 64x128 (GMOE_FP8_TILE) vs cooperative 128x128\n")
     report.write_markdown_table(sys.stdout, lines)
 PY
       cat "$OUT/tiles.md"

@@ -97,7 +97,13 @@ int main(int argc, char** argv) {
                  "tensorwise, mxfp8), rows gmoe_fp8_<recipe> / gmoe_mxfp8, dtype fp8")
       ->delimiter(',')
       ->check(CLI::IsMember({"blockwise", "tensorwise", "mxfp8"}));
+  std::string fp8_wgrad_out = "bf16";
+  app.add_option("--fp8-wgrad-out", fp8_wgrad_out,
+                 "FP8 gemm rows: dW dtype of the wgrad pass (bf16 as the bf16 row and torch write; f32: "
+                 "the main_grad kernels)")
+      ->check(CLI::IsMember({"bf16", "f32"}));
   CLI11_PARSE(app, argc, argv);
+  o.fp8_wgrad_out = gmoe::dtype_from_name(fp8_wgrad_out);
   o.baselines = !no_baselines;
   o.dtype = gmoe::dtype_from_name(dtype);
 

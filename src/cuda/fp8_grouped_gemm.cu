@@ -59,9 +59,9 @@ Fp8KernelEntry entry() {
   return {&K::workspace_bytes, &K::run};
 }
 
-// GMOE_FP8_TILE=pingpong (read once): the ping-pong blockwise weight gradient to f32, compiled for
-// measuring against the cooperative default (gpu_check.sh's tiles stage) before any heuristic
-// picks it.
+// GMOE_FP8_TILE=pingpong (read once): the ping-pong blockwise kernels (fprop/dgrad, and the weight
+// gradient to f32), compiled for measuring against the cooperative default (gpu_check.sh's tiles
+// stage) before any heuristic picks them.
 bool fp8_pingpong_forced() {
   static const bool forced = [] {
     const char* env = std::getenv("GMOE_FP8_TILE");
@@ -73,7 +73,9 @@ bool fp8_pingpong_forced() {
 Fp8KernelEntry find_kernel(Fp8Scaling scaling, Fp8Operands ops, DType out) {
   if (scaling == Fp8Scaling::blockwise) {
     if (ops == Fp8Operands::rows) {
-      return entry<Fp8Scaling::blockwise, Fp8Operands::rows, DType::bf16>();
+      return fp8_pingpong_forced()
+                 ? entry<Fp8Scaling::blockwise, Fp8Operands::rows, DType::bf16, Fp8Tile::pingpong_64x128>()
+                 : entry<Fp8Scaling::blockwise, Fp8Operands::rows, DType::bf16>();
     }
     if (out == DType::f32 && fp8_pingpong_forced()) {
       return entry<Fp8Scaling::blockwise, Fp8Operands::wgrad, DType::f32, Fp8Tile::pingpong_64x128>();

@@ -18,6 +18,7 @@
 //   tensorwise rows        bf16 out    per-expert alpha (also serves wgrad to bf16)
 //   tensorwise wgrad       f32 out     per-expert alpha, C = D for accumulate
 //   blockwise  wgrad       f32 out     ping-pong 64x128x128 (GMOE_FP8_TILE=pingpong)
+//   blockwise  rows        bf16 out    ping-pong 64x128x128 (GMOE_FP8_TILE=pingpong)
 #pragma once
 
 #include <cuda_runtime.h>
@@ -59,8 +60,8 @@ struct Fp8GemmLaunch {
 enum class Fp8Tile {
   coop_128x128,     ///< cooperative: 2 consumer warpgroups share one 128x128x128 tile
   pingpong_64x128,  ///< ping-pong: each consumer warpgroup its own 64x128x128 tile, one's promotion
-                    ///< and epilogue overlapping the other's tensor-core work (blockwise wgrad, f32
-                    ///< out only; chosen with GMOE_FP8_TILE=pingpong until measured)
+                    ///< and epilogue overlapping the other's tensor-core work (blockwise rows, and
+                    ///< wgrad to f32; chosen with GMOE_FP8_TILE=pingpong until measured)
 };
 
 /// One compiled FP8 grouped GEMM (explicit instantiations in sm90_fp8_*.cu only).

@@ -251,7 +251,8 @@ std::vector<ResultRow> run_fp8_gemm_case_cuda(const BenchCase& c, const BenchOpt
 
   DeviceBuffer y(ndy * 2), dx(nx * 2), dw(nw * 4);
   const TensorView yv(y.ptr, DType::bf16, gpu, {c.rows, c.N}), dxv(dx.ptr, DType::bf16, gpu, {c.rows, c.K});
-  const ExpertWeights dwv = ExpertWeights::from_stacked(TensorView(dw.ptr, DType::f32, gpu, {c.E, c.N, c.K}));
+  const DType dw_dtype = o.fp8_wgrad_out;  // bf16 or f32 (the buffer fits either)
+  const ExpertWeights dwv = ExpertWeights::from_stacked(TensorView(dw.ptr, dw_dtype, gpu, {c.E, c.N, c.K}));
 
   // quantize+GEMM: the activation copies a pass needs, requantized from set 0's bf16 into set 0's
   // own FP8 buffers.
@@ -296,7 +297,7 @@ std::vector<ResultRow> run_fp8_gemm_case_cuda(const BenchCase& c, const BenchOpt
          quantize_grouped(dy_src, rowwise_only, stream, nullptr, &dy_rows_out);
          fp8_grouped_gemm_dgrad(s0.dy.q, s0.w.q, cv, dxv, stream);
        }},
-      {"wgrad", dw.ptr, nw, DType::f32,
+      {"wgrad", dw.ptr, nw, dw_dtype,
        [&](int i) { fp8_grouped_gemm_wgrad(fp8[i % sets].dy.q, fp8[i % sets].x.q, cv, dwv, {}, stream); },
        [&](int) {
          quantize_grouped(dy_src, columnwise_only, stream, nullptr, &dy_cols_out);

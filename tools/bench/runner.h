@@ -23,6 +23,9 @@ struct BenchOptions {
   /// Layer mode on CUDA: also GroupedLinear with these FP8 recipes (linear_recipe_name), rows
   /// gmoe_linear_<recipe>, timed interleaved with the native layer.
   std::vector<std::string> layer_recipes;
+  /// FP8 gemm rows: dW's dtype in the wgrad pass. bf16 (the default) is what the bf16 grouped
+  /// GEMM row and torch write, so the ratios compare like with like; f32 is the main_grad kernel.
+  DType fp8_wgrad_out = DType::bf16;
 };
 
 /// CPU reference backend on the case as given (the caller scales rows down first). Wall-clock
