@@ -1,7 +1,0 @@
-// src/cuda/sm90_fp8_grouped_gemm_blockwise_wgrad_f32_pingpong.cu — FP8 (e4m3) wgrad grouped GEMM, blockwise scales, f32 out, ping-pong 64x128x128.
-// One explicit instantiation per file: the CUTLASS templates compile in parallel and only once.
-#include "cuda/sm90_fp8_grouped_gemm.cuh"
-
-namespace gmoe::cuda_backend {
-template struct Fp8GroupedGemmKernel<Fp8Scaling::blockwise, Fp8Operands::wgrad, DType::f32, Fp8Tile::pingpong_64x128>;
-}  // namespace gmoe::cuda_backend
