@@ -53,32 +53,16 @@ struct Fp8KernelEntry {
   void (*run)(const Fp8GemmLaunch&, cudaStream_t) = nullptr;
 };
 
-template <Fp8Scaling S, Fp8Operands Ops, DType Out, Fp8Tile Tile = Fp8Tile::coop_128x128>
+template <Fp8Scaling S, Fp8Operands Ops, DType Out>
 Fp8KernelEntry entry() {
-  using K = Fp8GroupedGemmKernel<S, Ops, Out, Tile>;
+  using K = Fp8GroupedGemmKernel<S, Ops, Out>;
   return {&K::workspace_bytes, &K::run};
-}
-
-// GMOE_FP8_TILE=pingpong (read once): the ping-pong blockwise kernels (fprop/dgrad, and the weight
-// gradient to f32), compiled for measuring against the cooperative default (gpu_check.sh's tiles
-// stage) before any heuristic picks them.
-bool fp8_pingpong_forced() {
-  static const bool forced = [] {
-    const char* env = std::getenv("GMOE_FP8_TILE");
-    return env != nullptr && std::strcmp(env, "pingpong") == 0;
-  }();
-  return forced;
 }
 
 Fp8KernelEntry find_kernel(Fp8Scaling scaling, Fp8Operands ops, DType out) {
   if (scaling == Fp8Scaling::blockwise) {
     if (ops == Fp8Operands::rows) {
-      return fp8_pingpong_forced()
-                 ? entry<Fp8Scaling::blockwise, Fp8Operands::rows, DType::bf16, Fp8Tile::pingpong_64x128>()
-                 : entry<Fp8Scaling::blockwise, Fp8Operands::rows, DType::bf16>();
-    }
-    if (out == DType::f32 && fp8_pingpong_forced()) {
-      return entry<Fp8Scaling::blockwise, Fp8Operands::wgrad, DType::f32, Fp8Tile::pingpong_64x128>();
+      return entry<Fp8Scaling::blockwise, Fp8Operands::rows, DType::bf16>();
     }
     return out == DType::f32 ? entry<Fp8Scaling::blockwise, Fp8Operands::wgrad, DType::f32>()
                              : entry<Fp8Scaling::blockwise, Fp8Operands::wgrad, DType::bf16>();

@@ -95,7 +95,7 @@ struct BlockwiseMainloop : Base {
   }
 };
 
-template <Fp8Scaling S, Fp8Operands Ops, DType Out, Fp8Tile Tile = Fp8Tile::coop_128x128>
+template <Fp8Scaling S, Fp8Operands Ops, DType Out>
 struct Fp8GemmTypes {
   using ElementA = cutlass::float_e4m3_t;
   using ElementB = cutlass::float_e4m3_t;
@@ -113,23 +113,16 @@ struct Fp8GemmTypes {
   // 128x128x128, two consumer warpgroups of 64x128 each. The blockwise mainloop keeps a second
   // set of accumulators for the k-tile's partial sums, so a 128x256 tile would need 256 registers
   // per thread; the k-tile is the 128-long scale block. Cluster 1x1: a group with a single M tile
-  // (common in MoE) would leave half of a 2x1 cluster idle.
-  // The ping-pong variant gives each consumer warpgroup its own 64x128 tile (the same registers per
-  // thread), so one warpgroup's promotion of the k-block's partial sums and its epilogue overlap
-  // the other's wgmma: for the weight gradient, whose 1x128 scales on both operands make the
-  // promotion an outer-product scaling of every accumulator, and whose k is short on small experts.
-  static constexpr bool kPingpong = Tile == Fp8Tile::pingpong_64x128;
-  static_assert(!kPingpong || S == Fp8Scaling::blockwise, "the ping-pong FP8 tile is the blockwise one");
-  using TileShape = std::conditional_t<kPingpong, cute::Shape<cute::_64, cute::_128, cute::_128>,
-                                       cute::Shape<cute::_128, cute::_128, cute::_128>>;  // BLOCK_M, N, K
+  // (common in MoE) would leave half of a 2x1 cluster idle. A ping-pong 64x128x128 variant (each
+  // consumer warpgroup its own tile, one's promotion and epilogue overlapping the other's wgmma)
+  // measured 0.85x this one in the geometric mean of the public suite on an H100 (fprop/dgrad
+  // 0.71-1.02x, wgrad to f32 0.79-0.99x), 2026-11-23, and was dropped.
+  using TileShape = cute::Shape<cute::_128, cute::_128, cute::_128>;  // BLOCK_M, N, K
   using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
-  using KernelSchedule = std::conditional_t<
-      S == Fp8Scaling::blockwise,
-      std::conditional_t<kPingpong, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8Blockwise,
-                         cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise>,
-      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>;
-  using EpilogueSchedule = std::conditional_t<kPingpong, cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong,
-                                              cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
+  using KernelSchedule = std::conditional_t<S == Fp8Scaling::blockwise,
+                                            cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise,
+                                            cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>;
+  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 
   static constexpr int kAlignAB = 16;  // TMA: 16-byte aligned rows of 1-byte elements
   static constexpr int kAlignD = 16 / sizeof(ElementD);
@@ -239,17 +232,17 @@ struct Fp8GemmTypes {
 
 }  // namespace sm90fp8
 
-template <Fp8Scaling S, Fp8Operands Ops, DType Out, Fp8Tile Tile>
-std::size_t Fp8GroupedGemmKernel<S, Ops, Out, Tile>::workspace_bytes(int sm_count) {
-  using Types = sm90fp8::Fp8GemmTypes<S, Ops, Out, Tile>;
+template <Fp8Scaling S, Fp8Operands Ops, DType Out>
+std::size_t Fp8GroupedGemmKernel<S, Ops, Out>::workspace_bytes(int sm_count) {
+  using Types = sm90fp8::Fp8GemmTypes<S, Ops, Out>;
   Fp8GemmLaunch l;
   l.gemm.sm_count = sm_count;
   return Types::Gemm::get_workspace_size(Types::make_arguments(l));
 }
 
-template <Fp8Scaling S, Fp8Operands Ops, DType Out, Fp8Tile Tile>
-void Fp8GroupedGemmKernel<S, Ops, Out, Tile>::run(const Fp8GemmLaunch& l, cudaStream_t stream) {
-  using Types = sm90fp8::Fp8GemmTypes<S, Ops, Out, Tile>;
+template <Fp8Scaling S, Fp8Operands Ops, DType Out>
+void Fp8GroupedGemmKernel<S, Ops, Out>::run(const Fp8GemmLaunch& l, cudaStream_t stream) {
+  using Types = sm90fp8::Fp8GemmTypes<S, Ops, Out>;
   using Gemm = typename Types::Gemm;
   GMOE_CHECK(Types::kHasSource || l.gemm.beta == 0.0f, "FP8 grouped GEMM: this instantiation "
              "has no source operand, but beta = ", l.gemm.beta);
