@@ -108,15 +108,16 @@ def layer_table(rows):
     return lines
 
 
-def fp8_layer_table(rows):
-    """FP8 GroupedLinear rows (impl gmoe_linear_<recipe>): their bare_ms is the native (bf16) layer
-    timed interleaved with them; the speedup is bf16 time / FP8 time; geomean per recipe and pass."""
-    head = ["case", "pass", "recipe", "fp8 TFLOP/s", "bf16 layer TFLOP/s", "fp8/bf16", "kernels", "correct"]
+def fp8_layer_table(rows, prefix=LAYER_IMPL + "_", what="bf16 layer"):
+    """FP8 rows with a bf16 twin timed interleaved (impl <prefix><recipe>, e.g. gmoe_linear_<recipe>
+    for GroupedLinear, gmoe_<recipe> for GroupedMLP): their bare_ms is the native (bf16) time; the
+    speedup is bf16 time / FP8 time; geomean per recipe and pass."""
+    head = ["case", "pass", "recipe", "fp8 TFLOP/s", f"{what} TFLOP/s", "fp8/bf16", "kernels", "correct"]
     lines, logs = [head], {}
     for r in rows:
-        if not r["impl"].startswith(LAYER_IMPL + "_") or not r.get("bare_ms"):
+        if not r["impl"].startswith(prefix) or not r.get("bare_ms"):
             continue
-        recipe = r["impl"][len(LAYER_IMPL) + 1:]
+        recipe = r["impl"][len(prefix):]
         speedup = r["bare_ms"] / r["ms"]
         logs.setdefault((recipe, r["pass"]), []).append(math.log(speedup))
         nodes = r.get("graph_nodes") or {}
@@ -187,6 +188,8 @@ def main():
     tables = sections(merged["rows"])
     layer = layer_table(merged["rows"])
     fp8_layer = fp8_layer_table(merged["rows"])
+    fp8_mlp = fp8_layer_table([r for r in merged["rows"] if r["pass"] in ("forward", "forward_backward")
+                               and not r["impl"].startswith(LAYER_IMPL)], "gmoe_", "bf16 GroupedMLP")
     act_share = activation_share_table(merged["rows"])
     for title, lines in tables:
         print(f"\n{title}:")
@@ -197,6 +200,9 @@ def main():
     if fp8_layer:
         print("\nGroupedLinear with FP8 recipes vs the bf16 layer (interleaved; weights quantized every forward):")
         print_table(fp8_layer)
+    if fp8_mlp:
+        print("\nGroupedMLP with FP8 recipes vs the bf16 GroupedMLP (interleaved; weights quantized every forward):")
+        print_table(fp8_mlp)
     if act_share:
         print("\nThe activation kernels alone, as a share of GroupedMLP's time:")
         print_table(act_share)
@@ -219,6 +225,10 @@ def main():
                 f.write("\nGroupedLinear with FP8 recipes (quantization of x, dy and the weights inside, weights "
                         "quantized in every forward) against the bf16 layer timed interleaved with it.\n\n")
                 write_markdown_table(f, fp8_layer)
+            if fp8_mlp:
+                f.write("\nGroupedMLP with FP8 recipes on both FCs (weights quantized in every forward) against the "
+                        "bf16 GroupedMLP timed interleaved with it.\n\n")
+                write_markdown_table(f, fp8_mlp)
             if act_share:
                 f.write("\nThe activation kernels alone (forward; forward and backward) as a share of GroupedMLP's "
                         "time: the most that fusing them into the GEMMs' epilogues could save.\n\n")

@@ -74,18 +74,15 @@ for stage in "${stages[@]}"; do
           "$BUILD/gmoe_tests_cuda" >"$OUT/cuda_tests.$i.log" 2>&1 &
         pids+=($!)
       done
-      # The tile heuristic picks one config per shape: force each in turn so every kernel runs; and
-      # the FP8 blockwise ping-pong tiles (fprop/dgrad and f32 wgrad), chosen only when forced for now.
+      # The tile heuristic picks one config per shape: force each in turn so every kernel runs.
       forced() {  # name, env assignment, filter
         if env "$2" OMP_NUM_THREADS=$threads "$BUILD/gmoe_tests_cuda" --gtest_brief=1 --gtest_filter="$3" \
              >"$OUT/forced_$1.log" 2>&1; then echo "test forced $1: ok"; else echo "test forced $1: FAILED"; return 1; fi
       }
-      rows_filter='LargeCases/CudaGroupedGemm*:CudaGroupedGemmGraph*:CudaGroupedGemmTiles*:NamedCases/CudaGroupedGemm*e256:NamedCases/CudaGroupedGemm*ragged'
-      fp8_filter='*CudaFp8Gemm.*:*CudaFp8GemmLarge*:*CudaFp8GemmGraph*:*CudaGroupedLinearFp8*blockwise_skewed*'
-      { forced tile_coop GMOE_CUDA_TILE=coop "$rows_filter"; forced tile_pingpong GMOE_CUDA_TILE=pingpong "$rows_filter"; } \
-        >"$OUT/forced_status_a.txt" &
+      rows_filter='LargeCases/CudaGroupedGemm*:CudaGroupedGemmGraph*:CudaGroupedGemmTiles*:NamedCases/CudaGroupedGemm*e256:NamedCases/CudaGroupedGemm*ragged:*CudaGroupedGemmActivation*'
+      forced tile_coop GMOE_CUDA_TILE=coop "$rows_filter" >"$OUT/forced_status_a.txt" &
       pids+=($!)
-      forced fp8_tile_pingpong GMOE_FP8_TILE=pingpong "$fp8_filter" >"$OUT/forced_status_b.txt" &
+      forced tile_pingpong GMOE_CUDA_TILE=pingpong "$rows_filter" >"$OUT/forced_status_b.txt" &
       pids+=($!)
       for p in "${pids[@]}"; do wait "$p" || { r=FAILED; status=1; }; done
       cat "$OUT"/forced_status_*.txt | tee -a "$OUT/summary.txt"
@@ -112,31 +109,33 @@ for stage in "${stages[@]}"; do
         grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/sanitizer.log" | tail -1 | tee -a "$OUT/summary.txt"
       done ;;
     bench)
-      "$BUILD/gmoe-bench" --suite bench/suites/public.json --mode all --iters 20 \
-        --fp8 blockwise,tensorwise,mxfp8 --layer-fp8 fp8_blockwise,fp8_tensorwise,mxfp8 --json "$OUT/gmoe.json" \
-        >"$OUT/bench.log" 2>&1 || status=1
+      # GMOE_BENCH_MODE (a list of gemm, layer, mlp, all; default all) and the FP8 recipes of the
+      # gemm and layer modes (GMOE_BENCH_FP8, GMOE_BENCH_LAYER_FP8; "none" for none) narrow a run to
+      # what a session still needs; torch always runs beside it (GMOE_TORCH_KIND: gemm, mlp or all).
+      fp8="${GMOE_BENCH_FP8:-blockwise,tensorwise,mxfp8}"
+      layer_fp8="${GMOE_BENCH_LAYER_FP8:-fp8_blockwise,fp8_tensorwise,mxfp8}"
+      fp8_args=()
+      [ "$fp8" != none ] && fp8_args+=(--fp8 "$fp8")
+      [ "$layer_fp8" != none ] && fp8_args+=(--layer-fp8 "$layer_fp8")
+      : >"$OUT/bench.log"
+      for mode in ${GMOE_BENCH_MODE:-all}; do
+        "$BUILD/gmoe-bench" --suite bench/suites/public.json --mode "$mode" --iters 20 \
+          "${fp8_args[@]}" --json "$OUT/gmoe_$mode.json" >>"$OUT/bench.log" 2>&1 || status=1
+      done
       grep -E "^  E = |the same for E = 8 and E = 256" "$OUT/bench.log" | tee -a "$OUT/summary.txt"
       tail -5 "$OUT/bench.log" | tee -a "$OUT/summary.txt"
       PYTHONUNBUFFERED=1 python3 bench/torch_baseline.py --suite bench/suites/public.json --iters 20 \
-        --json "$OUT/torch.json" >>"$OUT/bench.log" 2>&1 || summary "torch baseline: FAILED"
-      python3 bench/report.py "$OUT/gmoe.json" "$OUT/torch.json" --out "$OUT/results.json" \
+        --kind "${GMOE_TORCH_KIND:-all}" --json "$OUT/torch.json" >>"$OUT/bench.log" 2>&1 || summary "torch baseline: FAILED"
+      python3 bench/report.py "$OUT"/gmoe_*.json "$OUT/torch.json" --out "$OUT/results.json" \
         --markdown "$OUT/results.md" | tee -a "$OUT/bench.log"
-      rm -f "$OUT/gmoe.json" "$OUT/torch.json"
+      rm -f "$OUT"/gmoe_*.json "$OUT/torch.json"
       summary "bench: done ($(( $(date +%s) - t0 )) s)" ;;
     tiles)
-      for tile in coop pingpong; do
+      for tile in ${GMOE_TILES:-coop pingpong}; do
         GMOE_CUDA_TILE=$tile "$BUILD/gmoe-bench" --suite bench/suites/public.json --mode gemm --iters 20 \
           --no-baselines --json "/tmp/gmoe_tile_$tile.json" >>"$OUT/bench.log" 2>&1 || status=1
       done
-      # The FP8 blockwise ping-pong tiles (GMOE_FP8_TILE) against the cooperative default, both with
-      # the f32 weight gradient (the main_grad kernel; the ping-pong wgrad is f32 only). Their bf16
-      # rows are left out (the same kernels as the bench stage's).
-      for fp8tile in coop pingpong; do
-        GMOE_FP8_TILE=$fp8tile "$BUILD/gmoe-bench" --suite bench/suites/public.json --mode gemm --iters 20 \
-          --no-baselines --fp8 blockwise --fp8-wgrad-out f32 --json "/tmp/gmoe_fp8tile_$fp8tile.json" \
-          >>"$OUT/bench.log" 2>&1 || status=1
-      done
-      python3 - "$OUT/results.json" /tmp/gmoe_tile_*.json /tmp/gmoe_fp8tile_*.json >"$OUT/tiles.md" <<'PY' || status=1
+      python3 - "$OUT/results.json" /tmp/gmoe_tile_*.json >"$OUT/tiles.md" <<'PY' || status=1
 import json, sys
 sys.path.insert(0, "bench")
 import report
@@ -147,38 +146,36 @@ for path in sys.argv[1:]:
     except (OSError, ValueError):
         continue
     tile = path.rsplit("gmoe_tile_", 1)[1][:-5] if "gmoe_tile_" in path else None
-    fp8_tile = path.rsplit("gmoe_fp8tile_", 1)[1][:-5] if "gmoe_fp8tile_" in path else None
     for r in d["rows"]:
-        if fp8_tile:
-            if r["impl"] == "gmoe_fp8_blockwise":
-                rows.append(dict(r, impl="gmoe_fp8_blockwise_" + fp8_tile))
-        elif r["impl"] == "gmoe":
+        if r["impl"] == "gmoe":
             rows.append(dict(r, impl="gmoe_" + tile) if tile else r)
     if tile:
         tiles.append("gmoe_" + tile)
 lines = report.table(rows, ["gmoe"], tiles, {"fprop", "dgrad", "wgrad"})
 print("# Forced tiles (gmoe: the heuristic's choice, from the bench stage)\n")
 report.write_markdown_table(sys.stdout, lines)
-lines = report.table(rows, ["gmoe_fp8_blockwise_pingpong"], ["gmoe_fp8_blockwise_coop"], {"fprop", "dgrad", "wgrad"})
-if lines:
-    print("\n# FP8 blockwise (f32 dW): ping-pong 64x128 (GMOE_FP8_TILE) vs cooperative 128x128\n")
-    report.write_markdown_table(sys.stdout, lines)
 PY
       cat "$OUT/tiles.md"
       summary "tiles: done ($(( $(date +%s) - t0 )) s)" ;;
     profile)
+      # One kernel per spec (case|pass|kernel-name regex on the demangled name|extra gmoe-bench
+      # flags): the correctness run's launch, profiled with the speed-of-light, memory, occupancy
+      # and warp-state sections. The cases are those that miss their targets: bf16 wgrad of
+      # mixtral_fc1 (below dense cuBLAS) and small_m/skewed (below torch), FP8 blockwise fprop of
+      # dsv3_fc1 (below 1150 TFLOP/s) and its weight gradient (below our bf16).
       : >"$OUT/ncu.txt"
-      for spec in "mixtral_fc1/uniform|" "small_m/skewed|" "dsv3_fc1/uniform|--fp8 blockwise"; do
-        case_name="${spec%%|*}"
-        extra="${spec#*|}"
-        echo "== $case_name $extra" >>"$OUT/ncu.txt"
+      for spec in "mixtral_fc1/uniform|wgrad|device_kernel|" "small_m/skewed|wgrad|device_kernel|" \
+                  "dsv3_fc1/uniform|fprop|e4m3|--fp8 blockwise" "dsv3_fc1/uniform|wgrad|e4m3|--fp8 blockwise --fp8-wgrad-out f32"; do
+        IFS='|' read -r case_name pass kname extra <<<"$spec"
+        echo "== $case_name $pass $extra" >>"$OUT/ncu.txt"
         # shellcheck disable=SC2086
-        timeout 240 ncu --kernel-name regex:'device_kernel' --section SpeedOfLight \
-          --section MemoryWorkloadAnalysis --section Occupancy --print-summary none \
-          "$BUILD/gmoe-bench" --suite bench/suites/public.json --mode gemm --case "$case_name" \
+        timeout "${GMOE_PROFILE_TIMEOUT:-120}" ncu --kernel-name-base demangled --kernel-name regex:"$kname" \
+          --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
+          --section WarpStateStats --section LaunchStats --print-summary none \
+          "$BUILD/gmoe-bench" --suite bench/suites/public.json --mode gemm --case "$case_name" --pass "$pass" \
           --iters 1 --warmup 0 --no-baselines $extra >>"$OUT/ncu.txt" 2>&1 || status=1
       done
-      grep -E "^== |device_kernel|Duration|Compute \(SM\) Throughput|Memory Throughput|DRAM Throughput|Achieved Occupancy" \
+      grep -E "^== |Duration|Compute \(SM\) Throughput|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Stall" \
         "$OUT/ncu.txt" | tail -60
       summary "profile: done ($(( $(date +%s) - t0 )) s)" ;;
     *) echo "unknown stage '$stage'"; exit 2 ;;

@@ -102,6 +102,11 @@ int main(int argc, char** argv) {
                  "FP8 gemm rows: dW dtype of the wgrad pass (bf16 as the bf16 row and torch write; f32: "
                  "the main_grad kernels)")
       ->check(CLI::IsMember({"bf16", "f32"}));
+  app.add_flag("--mlp-main-grad", o.mlp_main_grad,
+               "mlp mode: weight gradients accumulated in f32 into main_grads (Megatron) instead of fresh bf16 "
+               "ones (as torch's autograd returns them)");
+  app.add_option("--pass", o.only_pass, "gemm mode: only this pass (e.g. to profile one kernel)")
+      ->check(CLI::IsMember({"fprop", "dgrad", "wgrad"}));
   CLI11_PARSE(app, argc, argv);
   o.fp8_wgrad_out = gmoe::dtype_from_name(fp8_wgrad_out);
   o.baselines = !no_baselines;

@@ -10,6 +10,7 @@
 // synchronise, and are CUDA-graph capturable: capture once, replay under any routing.
 #pragma once
 
+#include "gmoe/activation.h"
 #include "gmoe/allocator.h"
 #include "gmoe/grouped.h"
 #include "gmoe/grouped_bias.h"
@@ -42,6 +43,22 @@ void grouped_gemm_fprop(const TensorView& x, const ExpertWeights& w, const Tenso
 void grouped_gemm_fprop(const TensorView& x, const ExpertWeights& w, const ExpertBias& bias,
                         const TensorView& counts, const TensorView& y, Stream stream = nullptr,
                         Allocator* alloc = nullptr);
+
+/// FC1 of an expert MLP with its activation: h = fprop(x, w, bias) exactly as grouped_gemm_fprop
+/// writes it, and z = act(h) [· probs] exactly as grouped_activation_forward(h, counts, z, options,
+/// probs) writes it (h is still written: backward needs it). The result is bitwise that
+/// composition on every backend. On CUDA the activation runs in the GEMM's epilogue, from the
+/// accumulators of the tile, when: bf16 x, w, h and z; a gated activation whose gate and up
+/// columns are interleaved in blocks of 8 or 16 (options.glu: the layout that puts each pair in one
+/// thread's accumulators); no bias or a bf16 one; K > 0; z 16-byte aligned with rows of a multiple
+/// of 16 bytes. That saves the activation kernel's read of h. Otherwise the two ops run in turn.
+/// x: [capacity, K]; h: [capacity, N] with N = activation_input_cols(kind, F); z: [capacity, F],
+/// both of x's dtype, disjoint from each other and from every input; probs: absent or f32
+/// [capacity]. Rows past the real total: h = 0, z = 0.
+void grouped_gemm_fprop_activation(const TensorView& x, const ExpertWeights& w, const ExpertBias& bias,
+                                   const TensorView& counts, const TensorView& h, const TensorView& z,
+                                   const ActivationOptions& options, const TensorView& probs = {},
+                                   Stream stream = nullptr, Allocator* alloc = nullptr);
 
 /// dgrad: dx[rows of e] = dy[rows of e] · W_e; rows past the real total are zeroed.
 /// dy: [capacity, N]; dx: [capacity, K], dtype of dy (or f32).

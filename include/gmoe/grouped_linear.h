@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "gmoe/activation.h"
 #include "gmoe/allocator.h"
 #include "gmoe/fp8.h"
 #include "gmoe/grouped.h"
@@ -162,6 +163,17 @@ class GroupedLinear {
   void invalidate_fp8_weight() { fp8_weight_valid_ = false; }
 
  private:
+  friend class GroupedMLP;
+  /// FC1 of GroupedMLP: forward, and z = act(y)·probs of the activation written into `z` (by
+  /// grouped_gemm_fprop_activation, the activation in the GEMM's epilogue where it can be, with
+  /// the native recipe; after the FP8 GEMM otherwise). Bitwise forward + grouped_activation_forward.
+  struct ActivationOut {
+    TensorView z;
+    ActivationOptions options;
+    TensorView probs;
+  };
+  Tensor forward_impl(const TensorView& x, const TensorView& counts, GroupedLinearContext& ctx, Stream stream,
+                      const TensorView& out, const ActivationOut* act);
   GroupedLinearGrads allocate_grads(Stream stream) const;
   void compute_wgrad(GroupedLinearContext& ctx, GroupedLinearGrads& grads, Stream stream) const;
   Allocator& allocator() const;

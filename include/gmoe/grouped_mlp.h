@@ -121,6 +121,13 @@ class GroupedMLP {
   const GroupedLinear& fc2() const { return fc2_; }
   const GroupedMLPOptions& options() const { return options_; }
 
+  /// FP8 recipes: marks both FCs' quantized weight caches stale (after the optimizer changed the
+  /// weights); the next forward quantizes them again (GroupedLinear::invalidate_fp8_weight).
+  void invalidate_fp8_weight() {
+    fc1_.invalidate_fp8_weight();
+    fc2_.invalidate_fp8_weight();
+  }
+
   /// y for x: [capacity, H] of the weights' dtype; counts: [E] i32/i64; probs: absent or f32
   /// [capacity]. counts, probs (and x with fc1.save_original_input) are kept by reference until
   /// backward (backward_dw for a delayed FC1): keep them alive and unchanged. `out`, if given, is

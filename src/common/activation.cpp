@@ -106,9 +106,8 @@ void after_op(Device device, Stream stream) {
 
 }  // namespace
 
-void grouped_activation_forward(const TensorView& h, const TensorView& counts, const TensorView& z,
-                                const ActivationOptions& options, const TensorView& probs, Stream stream,
-                                Allocator* alloc) {
+void check_activation_forward(const TensorView& h, const TensorView& counts, const TensorView& z,
+                              const ActivationOptions& options, const TensorView& probs) {
   GMOE_CHECK(z.defined() && z.ndim == 2, "z: expected a 2-D tensor [capacity, F], got ", z.str());
   const int64_t F = z.size(1);
   check_h(h, options, F);
@@ -119,6 +118,12 @@ void grouped_activation_forward(const TensorView& h, const TensorView& counts, c
     check_row_vector(probs, "probs", h.size(0), h.device);
     check_disjoint(z, "z", probs, "probs");
   }
+}
+
+void grouped_activation_forward(const TensorView& h, const TensorView& counts, const TensorView& z,
+                                const ActivationOptions& options, const TensorView& probs, Stream stream,
+                                Allocator* alloc) {
+  check_activation_forward(h, counts, z, options, probs);
   if (h.device.is_cpu()) {
     cpu_backend::grouped_activation_forward(h, counts, z, options, probs);
   } else {

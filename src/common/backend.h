@@ -68,6 +68,12 @@ void check_device_errors(Stream stream);
 /// `bias` may be absent; bias_in_epilogue: in the GEMM's epilogue, else in a second pass.
 void grouped_gemm_fprop(const TensorView& x, const ExpertWeights& w, const TensorView& counts,
                         const TensorView& y, Stream stream, Allocator& alloc, const ExpertBias& bias = {});
+/// grouped_gemm_fprop then grouped_activation_forward, the activation in the GEMM's epilogue where
+/// the kernels allow it (bitwise the same results either way).
+void grouped_gemm_fprop_activation(const TensorView& x, const ExpertWeights& w, const TensorView& counts,
+                                   const TensorView& h, const TensorView& z, const ActivationOptions& options,
+                                   const TensorView& probs, Stream stream, Allocator& alloc,
+                                   const ExpertBias& bias = {});
 void grouped_gemm_dgrad(const TensorView& dy, const ExpertWeights& w, const TensorView& counts,
                         const TensorView& dx, Stream stream, Allocator& alloc);
 void grouped_gemm_wgrad(const TensorView& dy, const TensorView& x, const TensorView& counts,

@@ -14,6 +14,11 @@ Allocator& allocator() { unavailable(); }
 void check_device_errors(Stream) {}
 void grouped_gemm_fprop(const TensorView&, const ExpertWeights&, const TensorView&,
                         const TensorView&, Stream, Allocator&, const ExpertBias&) { unavailable(); }
+void grouped_gemm_fprop_activation(const TensorView&, const ExpertWeights&, const TensorView&, const TensorView&,
+                                   const TensorView&, const ActivationOptions&, const TensorView&, Stream, Allocator&,
+                                   const ExpertBias&) {
+  unavailable();
+}
 void grouped_gemm_dgrad(const TensorView&, const ExpertWeights&, const TensorView&,
                         const TensorView&, Stream, Allocator&) { unavailable(); }
 void grouped_gemm_wgrad(const TensorView&, const TensorView&, const TensorView&,

@@ -2,6 +2,9 @@
 // the arguments, then dispatch to the backend of the tensors' device.
 #include "gmoe/grouped_gemm.h"
 
+#include <string>
+
+#include "common/activation_internal.h"
 #include "common/backend.h"
 #include "common/checks.h"
 #include "gmoe/error.h"
@@ -31,25 +34,70 @@ void grouped_gemm_fprop(const TensorView& x, const ExpertWeights& w, const Tenso
   grouped_gemm_fprop(x, w, ExpertBias::none(), counts, y, stream, alloc);
 }
 
-void grouped_gemm_fprop(const TensorView& x, const ExpertWeights& w, const ExpertBias& bias,
-                        const TensorView& counts, const TensorView& y, Stream stream, Allocator* alloc) {
+namespace {
+
+// fprop's arguments; `y_name` is the output's name in the messages ("y", or "h").
+void check_fprop(const TensorView& x, const ExpertWeights& w, const ExpertBias& bias, const TensorView& counts,
+                 const TensorView& y, const char* y_name) {
   check_rows(x, "x");
   check_counts(counts, "counts", x.device);
   check_input_dtype(x.dtype, "x");
   check_weights_against(w, "w", counts, w.rows(), x.size(1), x.device);
   GMOE_CHECK(w.dtype() == x.dtype, "w: dtype must match x (", dtype_name(x.dtype), "), got ",
              dtype_name(w.dtype()));
-  check_rows(y, "y");
-  check_same_device(y.device, x.device, "y");
-  GMOE_CHECK(y.size(0) == x.size(0) && y.size(1) == w.rows(), "y: expected [", x.size(0), ", ",
+  check_rows(y, y_name);
+  check_same_device(y.device, x.device, y_name);
+  GMOE_CHECK(y.size(0) == x.size(0) && y.size(1) == w.rows(), y_name, ": expected [", x.size(0), ", ",
              w.rows(), "], got ", y.shape_str());
-  check_output_dtype(y.dtype, x.dtype, "y");
+  check_output_dtype(y.dtype, x.dtype, y_name);
   if (bias.defined()) check_expert_bias(bias, "bias", w.num_experts(), w.rows(), x.dtype, x.device);
+}
+
+}  // namespace
+
+void grouped_gemm_fprop(const TensorView& x, const ExpertWeights& w, const ExpertBias& bias,
+                        const TensorView& counts, const TensorView& y, Stream stream, Allocator* alloc) {
+  check_fprop(x, w, bias, counts, y, "y");
   if (x.device.is_cpu()) {
     cpu_backend::grouped_gemm_fprop(x, w, counts, y, bias);
   } else {
     check_cuda_compiled("grouped_gemm_fprop");
     cuda_backend::grouped_gemm_fprop(x, w, counts, y, stream, pick_allocator(alloc, x.device), bias);
+  }
+  after_op(x.device, stream);
+}
+
+void grouped_gemm_fprop_activation(const TensorView& x, const ExpertWeights& w, const ExpertBias& bias,
+                                   const TensorView& counts, const TensorView& h, const TensorView& z,
+                                   const ActivationOptions& options, const TensorView& probs, Stream stream,
+                                   Allocator* alloc) {
+  // Everything both ops check, before either runs.
+  check_fprop(x, w, bias, counts, h, "h");
+  GMOE_CHECK(h.dtype == x.dtype, "h: expected x's dtype ", dtype_name(x.dtype), ", got ", dtype_name(h.dtype));
+  check_activation_forward(h, counts, z, options, probs);
+  // The outputs are written while the inputs are read (on CUDA by one kernel): no overlap.
+  for (const TensorView* out : {&h, &z}) {
+    const char* out_name = out == &h ? "h" : "z";
+    check_disjoint(*out, out_name, x, "x");
+    if (w.is_stacked()) {
+      check_disjoint(*out, out_name, w.stacked, "w");
+    } else {
+      for (const TensorView& we : w.list) check_disjoint(*out, out_name, we, "w");
+    }
+    if (bias.is_grouped()) {
+      check_disjoint(*out, out_name, bias.grouped, "bias");
+    } else if (bias.defined()) {
+      for (const TensorView& b : bias.list) check_disjoint(*out, out_name, b, "bias");
+    }
+  }
+  check_disjoint(h, "h", probs, "probs");
+  if (x.device.is_cpu()) {
+    cpu_backend::grouped_gemm_fprop(x, w, counts, h, bias);
+    cpu_backend::grouped_activation_forward(h, counts, z, options, probs);
+  } else {
+    check_cuda_compiled("grouped_gemm_fprop_activation");
+    cuda_backend::grouped_gemm_fprop_activation(x, w, counts, h, z, options, probs, stream,
+                                                pick_allocator(alloc, x.device), bias);
   }
   after_op(x.device, stream);
 }

@@ -40,9 +40,9 @@ struct KernelEntry {
   bool has_source = false;
 };
 
-template <DType In, DType Out, GemmPass Pass, TileConfig Tile, bool Bias = false>
+template <DType In, DType Out, GemmPass Pass, TileConfig Tile, bool Bias = false, bool Glu = false>
 KernelEntry entry() {
-  using K = GroupedGemmKernel<In, Out, Pass, Tile, Bias>;
+  using K = GroupedGemmKernel<In, Out, Pass, Tile, Bias, Glu>;
   return {&K::workspace_bytes, &K::run, Pass == GemmPass::wgrad && Out == DType::f32};
 }
 
@@ -82,6 +82,14 @@ KernelEntry find_bias_kernel(TileConfig tile) {
   return tile == TileConfig::pingpong_128x128
              ? entry<DType::bf16, DType::bf16, GemmPass::fprop, TileConfig::pingpong_128x128, true>()
              : entry<DType::bf16, DType::bf16, GemmPass::fprop, TileConfig::coop_128x256, true>();
+}
+
+// fprop with the gated activation in the epilogue (bf16; the bias, if any, bf16 and fused too).
+template <bool Bias>
+KernelEntry glu_kernel(TileConfig tile) {
+  return tile == TileConfig::pingpong_128x128
+             ? entry<DType::bf16, DType::bf16, GemmPass::fprop, TileConfig::pingpong_128x128, Bias, true>()
+             : entry<DType::bf16, DType::bf16, GemmPass::fprop, TileConfig::coop_128x256, Bias, true>();
 }
 
 KernelEntry find_kernel(DType in, DType out, GemmPass pass, TileConfig tile) {
@@ -200,17 +208,31 @@ struct Plan : CallPlan {
   DType in = DType::bf16, out = DType::bf16;
   float beta = 0.0f;
   TileConfig tile = TileConfig::coop_128x256;
+  GluEpilogue glu_scalars;  ///< glu: the activation's kind, block and parameters (pointers: prepare_call)
 };
 
+KernelEntry kernel_of(const Plan& plan) {
+  if (plan.glu) return plan.bias != nullptr ? glu_kernel<true>(plan.tile) : glu_kernel<false>(plan.tile);
+  if (plan.bias != nullptr) return find_bias_kernel(plan.tile);
+  return find_kernel(plan.in, plan.out, plan.prep.pass, plan.tile);
+}
+
 void execute(const Plan& plan, Stream stream, Allocator& alloc) {
-  const KernelEntry kernel = plan.bias != nullptr ? find_bias_kernel(plan.tile)
-                                                  : find_kernel(plan.in, plan.out, plan.prep.pass, plan.tile);
+  const KernelEntry kernel = kernel_of(plan);
   GMOE_CHECK(plan.beta == 0.0f || kernel.has_source,
              "grouped GEMM: accumulate needs the f32 weight-gradient kernels");
   PreparedCall call =
       prepare_call(plan, plan.run_gemm ? kernel.workspace_bytes(sm_count(current_device())) : 0, stream, alloc);
   if (plan.run_gemm) {
     call.launch.beta = plan.beta;
+    if (plan.glu) {
+      GluEpilogue& g = call.launch.glu;
+      g.kind = plan.glu_scalars.kind;
+      g.block = plan.glu_scalars.block;
+      g.alpha = plan.glu_scalars.alpha;
+      g.limit = plan.glu_scalars.limit;
+      g.gelu_tanh = plan.glu_scalars.gelu_tanh;
+    }
     kernel.run(call.launch, stream);
   }
   // `call.workspace` is released on `stream` here, after everything above.
@@ -228,10 +250,18 @@ void set_expert_operand(PrepareParams& p, const ExpertWeights& w) {
   }
 }
 
+// The gated activation fused into an fprop (grouped_gemm_fprop_activation): z, its options, probs.
+struct FusedActivation {
+  TensorView z;
+  ActivationOptions options;
+  TensorView probs;
+};
+
 // fprop and dgrad differ only in which weight extent is the GEMM's N and which is its reduction.
 void rows_pass(GemmPass pass, const TensorView& a, const ExpertWeights& w, const TensorView& counts,
                const TensorView& d, Stream stream, Allocator& alloc, const char* a_name,
-               const char* d_name, const ExpertBias* fused_bias = nullptr) {
+               const char* d_name, const ExpertBias* fused_bias = nullptr,
+               const FusedActivation* fused_act = nullptr) {
   check_input_dtype_cuda(a.dtype, a_name);
   GMOE_CHECK(d.dtype == a.dtype, d_name, ": the CUDA grouped GEMM writes ", d_name,
              " in the input dtype (", dtype_name(a.dtype), "); ", dtype_name(d.dtype),
@@ -263,6 +293,18 @@ void rows_pass(GemmPass pass, const TensorView& a, const ExpertWeights& w, const
       plan.prep.bias = {b.data, b.stride(0), 0, static_cast<int32_t>(dtype_size(b.dtype))};
     }
   }
+  if (fused_act != nullptr) {
+    const ActivationOptions& o = fused_act->options;
+    plan.glu = true;
+    plan.prep.rows_z = rows_operand(fused_act->z);
+    plan.prep.probs = static_cast<const float*>(fused_act->probs.data);
+    plan.z_row_bytes = fused_act->z.size(1) * static_cast<int64_t>(dtype_size(fused_act->z.dtype));
+    plan.glu_scalars.kind = static_cast<int32_t>(o.kind);
+    plan.glu_scalars.block = static_cast<int32_t>(o.glu.block);
+    plan.glu_scalars.alpha = o.alpha;
+    plan.glu_scalars.limit = o.limit;
+    plan.glu_scalars.gelu_tanh = o.gelu_tanh;
+  }
   plan.run_gemm = capacity > 0 && gemm_n > 0 && gemm_k > 0;
   plan.tile = choose_rows_tile(a.dtype, pass, capacity, counts.size(0), gemm_n,
                                sm_count(a.device.index));
@@ -271,6 +313,19 @@ void rows_pass(GemmPass pass, const TensorView& a, const ExpertWeights& w, const
   plan.out_row_bytes = gemm_n * static_cast<int64_t>(dtype_size(d.dtype));
   plan.zero_all_rows = gemm_k == 0;  // an empty reduction: every row is zero
   execute(plan, stream, alloc);
+}
+
+// The fused path's conditions (else: the GEMM, then the activation kernel, which is what the fused
+// path reproduces bit for bit): bf16; a gated activation with gate and up interleaved in blocks of
+// 8 or 16 columns (the pairs one epilogue fragment holds); no bias or a bf16 one (fused too); a
+// non-empty reduction (K = 0 makes h all zeros, which the activation kernel then maps); z 16-byte
+// aligned with 16-byte rows (the rows past the total are zeroed with 16-byte stores).
+bool activation_fusable(const TensorView& x, const ExpertBias& bias, const TensorView& z,
+                        const ActivationOptions& o) {
+  const bool blocks = o.glu.layout == GluLayout::interleaved && (o.glu.block == 8 || o.glu.block == 16);
+  const bool bias_ok = !bias.defined() || bias_in_epilogue(x.dtype, bias.dtype(), x.dtype);
+  const bool z_ok = reinterpret_cast<std::uintptr_t>(z.data) % 16 == 0 && z.stride(0) % 8 == 0;
+  return x.dtype == DType::bf16 && is_gated(o.kind) && blocks && bias_ok && x.size(1) > 0 && z_ok;
 }
 
 }  // namespace
@@ -289,6 +344,19 @@ void grouped_gemm_fprop(const TensorView& x, const ExpertWeights& w, const Tenso
   }
   rows_pass(GemmPass::fprop, x, w, counts, y, stream, alloc, "x", "y");
   cuda_backend::grouped_bias_add(y, bias, counts, stream, alloc);
+}
+
+void grouped_gemm_fprop_activation(const TensorView& x, const ExpertWeights& w, const TensorView& counts,
+                                   const TensorView& h, const TensorView& z, const ActivationOptions& options,
+                                   const TensorView& probs, Stream stream, Allocator& alloc,
+                                   const ExpertBias& bias) {
+  if (!activation_fusable(x, bias, z, options)) {
+    cuda_backend::grouped_gemm_fprop(x, w, counts, h, stream, alloc, bias);
+    cuda_backend::grouped_activation_forward(h, counts, z, options, probs, stream, alloc);
+    return;
+  }
+  const FusedActivation act{z, options, probs};
+  rows_pass(GemmPass::fprop, x, w, counts, h, stream, alloc, "x", "h", bias.defined() ? &bias : nullptr, &act);
 }
 
 void grouped_gemm_dgrad(const TensorView& dy, const ExpertWeights& w, const TensorView& counts,

@@ -37,6 +37,21 @@ struct GroupShape {
   int32_t m, n, k;
 };
 
+/// A gated activation fused into the fprop epilogue (GroupedGemmKernel<..., Glu = true>): besides
+/// D = h, the epilogue writes z[r, j] = act(gate, up) · p[r] for each gate/up column pair of the
+/// tile, computed from h as stored (rounded to D's dtype), exactly as grouped_activation_forward
+/// would from h. h's 2F columns are interleaved in blocks of `block` (8 or 16) columns, so that the
+/// pair lies in one thread's accumulator fragment (see sm90_grouped_gemm.cuh).
+struct GluEpilogue {
+  void* const* ptr_z = nullptr;             ///< [E] group e's first row of z
+  const int64_t* stride_z = nullptr;        ///< [E] z's row stride, elements
+  const float* const* ptr_probs = nullptr;  ///< [E] group e's first router probability; nullptr: none
+  int32_t kind = 0;                         ///< ActivationKind (a gated one)
+  int32_t block = 0;                        ///< interleave block: 8 or 16
+  float alpha = 1.702f, limit = 7.0f;       ///< clamped_swiglu
+  bool gelu_tanh = false;                   ///< geglu
+};
+
 /// Device arrays (length num_groups, written by the argument-preparation kernels) and scalars that
 /// one grouped GEMM launch reads. Strides are the one non-unit stride of each operand in elements
 /// (rows of a row-major matrix): CUTLASS's per-group stride types hold exactly one int64.
@@ -54,6 +69,7 @@ struct GroupedGemmLaunch {
   const int64_t* stride_c = nullptr;
   const int64_t* stride_d = nullptr;
   const void* const* ptr_bias = nullptr;  ///< [E] bias vectors of N (fprop with a fused bias)
+  GluEpilogue glu;                        ///< fprop with a fused gated activation
   float alpha = 1.0f;
   float beta = 0.0f;              ///< 1 accumulates into C (= D); needs a C-capable instantiation
   void* workspace = nullptr;      ///< CUTLASS's workspace (tensor maps per SM), 128-byte aligned
@@ -62,8 +78,9 @@ struct GroupedGemmLaunch {
 
 /// One compiled grouped GEMM. Defined (explicitly instantiated) only in the sm90_*.cu files; the
 /// dispatcher sees declarations alone. Bias: D = A·B + bias_e (a row vector of N per group, of the
-/// input dtype) in the epilogue, before the output's rounding (fprop only).
-template <DType In, DType Out, GemmPass Pass, TileConfig Tile, bool Bias = false>
+/// input dtype) in the epilogue, before the output's rounding (fprop only). Glu: the gated
+/// activation of GluEpilogue in the epilogue too (bf16 fprop only).
+template <DType In, DType Out, GemmPass Pass, TileConfig Tile, bool Bias = false, bool Glu = false>
 struct GroupedGemmKernel {
   /// Bytes of CUTLASS workspace for a persistent grid of sm_count CTAs.
   static std::size_t workspace_bytes(int sm_count);

@@ -149,6 +149,11 @@ __global__ void __launch_bounds__(kPrepareThreads)
       if (out.ptr_bias != nullptr && p.bias.base != nullptr) {
         out.ptr_bias[e] = offset_ptr(p.bias.base, e * p.bias.expert_stride, p.bias.elem_bytes);
       }
+      if (out.ptr_z != nullptr) {
+        out.ptr_z[e] = const_cast<void*>(offset_ptr(p.rows_z.base, begin * p.rows_z.ld, p.rows_z.elem_bytes));
+        out.stride_z[e] = p.rows_z.ld;
+        if (out.ptr_probs != nullptr) out.ptr_probs[e] = p.probs + begin;
+      }
       if (out.ptr_sfa != nullptr) {
         out.ptr_sfa[e] = scale_start(p.scale_a, e, begin);
         out.ptr_sfb[e] = scale_start(p.scale_b, e, begin);
@@ -328,6 +333,9 @@ PreparedCall prepare_call(const CallPlan& plan, std::size_t cutlass_bytes, cudaS
   const std::size_t o_total = take(sizeof(int64_t));
   const std::size_t o_zero = take(e * sizeof(int32_t));
   const std::size_t o_bias = take(plan.bias != nullptr ? e * sizeof(void*) : 0);
+  const bool probs = plan.glu && plan.prep.probs != nullptr;
+  const std::size_t o_glu = take(plan.glu ? e * (sizeof(void*) + sizeof(int64_t)) : 0);
+  const std::size_t o_probs = take(probs ? e * sizeof(float*) : 0);
   const std::size_t o_scale_ptrs = take(plan.block_scales ? 2 * e * sizeof(float*) : 0);
   const std::size_t o_alpha = take(plan.alpha ? e * sizeof(float) : 0);
   const std::size_t o_alpha_ptrs = take(plan.alpha ? e * sizeof(float*) : 0);
@@ -351,6 +359,11 @@ PreparedCall prepare_call(const CallPlan& plan, std::size_t cutlass_bytes, cudaS
   a.total = reinterpret_cast<int64_t*>(base + o_total);
   a.zero_expert = reinterpret_cast<int32_t*>(base + o_zero);
   if (plan.bias != nullptr) a.ptr_bias = reinterpret_cast<const void**>(base + o_bias);
+  if (plan.glu) {
+    a.ptr_z = reinterpret_cast<void**>(base + o_glu);
+    a.stride_z = reinterpret_cast<int64_t*>(base + o_glu + e * sizeof(void*));
+    if (probs) a.ptr_probs = reinterpret_cast<const float**>(base + o_probs);
+  }
   if (plan.block_scales) {
     auto** sf = reinterpret_cast<const float**>(base + o_scale_ptrs);
     a.ptr_sfa = sf;
@@ -388,6 +401,11 @@ PreparedCall prepare_call(const CallPlan& plan, std::size_t cutlass_bytes, cudaS
   } else {
     launch_zero_rows(plan.out_base, plan.out_ld_bytes, plan.out_row_bytes, plan.prep.capacity,
                      plan.zero_all_rows ? nullptr : a.total, sms, stream);
+    if (plan.glu) {
+      const RowsOperand& z = plan.prep.rows_z;
+      launch_zero_rows(const_cast<void*>(z.base), z.ld * z.elem_bytes, plan.z_row_bytes, plan.prep.capacity,
+                       plan.zero_all_rows ? nullptr : a.total, sms, stream);
+    }
   }
 
   GroupedGemmLaunch& l = call.launch;
@@ -404,6 +422,9 @@ PreparedCall prepare_call(const CallPlan& plan, std::size_t cutlass_bytes, cudaS
   l.stride_c = a.stride_c;
   l.stride_d = a.stride_d;
   l.ptr_bias = a.ptr_bias;
+  l.glu.ptr_z = a.ptr_z;
+  l.glu.stride_z = a.stride_z;
+  l.glu.ptr_probs = a.ptr_probs;
   l.workspace = base + o_cutlass;
   l.workspace_bytes = cutlass_bytes;
   return call;

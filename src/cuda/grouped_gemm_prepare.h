@@ -35,6 +35,10 @@ struct GroupedGemmArrays {
   int64_t* total = nullptr;           ///< [1] the clamped real total of rows
   int32_t* zero_expert = nullptr;     ///< [E] wgrad: 1 where dW_e must be written as zeros
   const void** ptr_bias = nullptr;    ///< [E] fprop with a fused bias: expert e's bias vector
+  // fprop with a fused gated activation (GluEpilogue); absent otherwise.
+  void** ptr_z = nullptr;             ///< [E] group e's first row of z
+  int64_t* stride_z = nullptr;        ///< [E] z's row stride, elements
+  const float** ptr_probs = nullptr;  ///< [E] group e's first router probability (absent: no probs)
   // FP8 only (fp8_grouped_gemm.cu); absent (nullptr) for the 16-bit GEMMs.
   const float** ptr_sfa = nullptr;    ///< [E] blockwise: group e's first scale of A
   const float** ptr_sfb = nullptr;    ///< [E] blockwise: group e's first scale of B
@@ -97,6 +101,10 @@ struct PrepareParams {
   /// fprop with a fused grouped [E, N] bias: expert e's vector at base + e * expert_stride
   /// (elements; ld unused). base == nullptr: no bias, or a list (written by write_expert_pointers).
   StackedOperand bias;
+  /// fprop with a fused gated activation: its output z (grouped rows like D), and the router
+  /// probabilities (f32 [capacity], or nullptr).
+  RowsOperand rows_z;
+  const float* probs = nullptr;
   // FP8 only (fp8_grouped_gemm.cu):
   ScaleOperand scale_a, scale_b;   ///< blockwise: where group e's scales of A and B start
   const float* alpha_a = nullptr;  ///< tensorwise: [E] per-expert scale_inv of A (device)
@@ -144,6 +152,7 @@ struct CallPlan {
   /// written by value; nullptr or stacked: the preparation kernel computes them.
   const ExpertWeights* experts = nullptr;
   const ExpertBias* bias = nullptr;  ///< fprop with a bias fused into the epilogue
+  bool glu = false;                  ///< fprop with a gated activation fused (prep.rows_z, prep.probs)
   bool block_scales = false;         ///< FP8 blockwise: per-group scale pointers
   bool alpha = false;                ///< FP8 tensorwise: per-group alpha
   bool run_gemm = false;             ///< false: every extent empty, only the zeros are written
@@ -152,13 +161,15 @@ struct CallPlan {
   void* out_base = nullptr;
   int64_t out_ld_bytes = 0, out_row_bytes = 0;
   bool zero_all_rows = false;
+  int64_t z_row_bytes = 0;  ///< glu: z's rows past the real total too (z at prep.rows_z)
   int32_t dw_elem_bytes = 0;
   int64_t dw_rows = 0, dw_row_bytes = 0;
 };
 
 /// What prepare_call leaves: the workspace (released on the call's stream when this goes), the
 /// arrays in it, and the launch arguments of the grouped kernel (shapes, pointers, strides, bias,
-/// CUTLASS's workspace; alpha 1, beta 0: the caller sets what differs).
+/// the fused activation's pointers, CUTLASS's workspace; alpha 1, beta 0, no activation scalars:
+/// the caller sets what differs).
 struct PreparedCall {
   Buffer workspace;
   GroupedGemmArrays arrays;

@@ -72,16 +72,24 @@ template <> struct TileTraits<TileConfig::pingpong_128x128> {
   using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
 };
 
+// The gated activation in the epilogue (GluEpilogue): the root node of the fusion tree, defined in
+// sm90_glu_epilogue.cuh, which only the fused-activation instantiations include (so that the
+// activation's math, shared with the activation kernels, recompiles nothing else).
+template <class ElementZ>
+struct Sm90GatedActivation;
+
 // The epilogue's fusion: D = alpha·acc + beta·C (LinearCombination), or, with a bias, an
 // epilogue visitor tree D = acc + bias_e, the bias a row vector of N per group broadcast over the
 // tile's rows: Sm90RowBroadcast with an array of pointers reads group l's vector through
 // ptr_bias[l] (its L stride is 0), loading the tile's N slice into shared memory once per tile.
-template <class ElementD, class ElementC, class ElementBias, class TileShape, bool Bias>
+// With the gated activation, its node (above) is the root over either tree: the accumulators, or
+// acc + bias_e.
+template <class ElementD, class ElementC, class ElementBias, class TileShape, bool Bias, bool Glu>
 struct EpilogueFusion {
   using type = cutlass::epilogue::fusion::LinearCombination<ElementD, float, ElementC, float>;
 };
-template <class ElementD, class ElementC, class ElementBias, class TileShape>
-struct EpilogueFusion<ElementD, ElementC, ElementBias, TileShape, true> {
+template <class ElementD, class ElementBias, class TileShape>
+struct BiasTree {
   using RowBias = cutlass::epilogue::fusion::Sm90RowBroadcast<
       0, TileShape, ElementBias*, float, cute::Stride<cute::_0, cute::_1, cute::_0>,
       128 / cutlass::sizeof_bits_v<ElementBias>>;
@@ -89,8 +97,21 @@ struct EpilogueFusion<ElementD, ElementC, ElementBias, TileShape, true> {
                                                      cutlass::FloatRoundStyle::round_to_nearest>;
   using type = cutlass::epilogue::fusion::Sm90EVT<Add, cutlass::epilogue::fusion::Sm90AccFetch, RowBias>;
 };
+template <class ElementD, class ElementC, class ElementBias, class TileShape>
+struct EpilogueFusion<ElementD, ElementC, ElementBias, TileShape, true, false> {
+  using type = typename BiasTree<ElementD, ElementBias, TileShape>::type;
+};
+template <class ElementD, class ElementC, class ElementBias, class TileShape>
+struct EpilogueFusion<ElementD, ElementC, ElementBias, TileShape, false, true> {
+  using type = cutlass::epilogue::fusion::Sm90EVT<Sm90GatedActivation<ElementD>, cutlass::epilogue::fusion::Sm90AccFetch>;
+};
+template <class ElementD, class ElementC, class ElementBias, class TileShape>
+struct EpilogueFusion<ElementD, ElementC, ElementBias, TileShape, true, true> {
+  using type = cutlass::epilogue::fusion::Sm90EVT<Sm90GatedActivation<ElementD>,
+                                                  typename BiasTree<ElementD, ElementBias, TileShape>::type>;
+};
 
-template <DType In, DType Out, GemmPass Pass, TileConfig Tile, bool Bias = false>
+template <DType In, DType Out, GemmPass Pass, TileConfig Tile, bool Bias = false, bool Glu = false>
 struct GemmTypes {
   using ElementIn = typename CutlassElement<In>::type;
   using ElementD = typename CutlassElement<Out>::type;
@@ -98,6 +119,7 @@ struct GemmTypes {
   // no source operand at all, which frees the shared memory CUTLASS would stage C in.
   static constexpr bool kHasSource = Pass == GemmPass::wgrad && Out == DType::f32;
   static_assert(!Bias || (Pass == GemmPass::fprop && !kHasSource), "a fused bias is an fprop epilogue");
+  static_assert(!Glu || (Pass == GemmPass::fprop && Out == DType::bf16), "the fused activation is a bf16 fprop epilogue");
   using ElementC = std::conditional_t<kHasSource, ElementD, void>;
   using ElementAccumulator = float;
   using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
@@ -114,7 +136,9 @@ struct GemmTypes {
       typename Traits::ClusterShape, cutlass::epilogue::collective::EpilogueTileAuto,
       ElementAccumulator, ElementAccumulator, ElementC, LayoutD*, kAlignD, ElementD, LayoutD*,
       kAlignD, typename Traits::EpilogueSchedule,
-      typename EpilogueFusion<ElementD, ElementC, ElementIn, typename Traits::TileShape, Bias>::type>::CollectiveOp;
+      typename EpilogueFusion<ElementD, ElementC, ElementIn, typename Traits::TileShape, Bias, Glu>::type>::CollectiveOp;
+  static_assert(!Glu || cute::size<1>(typename CollectiveEpilogue::EpilogueTile{}) == 32,
+                "the fused activation pairs gate and up columns inside a 32-column epilogue subtile");
 
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementIn, LayoutA*, kAlignIn,
@@ -161,7 +185,13 @@ struct GemmTypes {
     args.mainloop.dA = reinterpret_cast<StrideA*>(const_cast<int64_t*>(l.stride_a));
     args.mainloop.ptr_B = reinterpret_cast<ElementIn const**>(const_cast<void const**>(l.ptr_b));
     args.mainloop.dB = reinterpret_cast<StrideB*>(const_cast<int64_t*>(l.stride_b));
-    if constexpr (Bias) {
+    if constexpr (Bias && Glu) {
+      // {{AccFetch, RowBroadcast {ptr_row, null_default, dRow}, Compute}, GatedActivation}
+      args.epilogue.thread = {{{}, {reinterpret_cast<ElementIn const* const*>(l.ptr_bias), ElementIn(0), {}}, {}},
+                              l.glu};
+    } else if constexpr (Glu) {
+      args.epilogue.thread = {{}, l.glu};  // {AccFetch, GatedActivation}
+    } else if constexpr (Bias) {
       // {AccFetch, RowBroadcast {ptr_row, null_default, dRow}, Compute}
       args.epilogue.thread = {{}, {reinterpret_cast<ElementIn const* const*>(l.ptr_bias), ElementIn(0), {}}, {}};
     } else {
@@ -186,21 +216,24 @@ struct GemmTypes {
 
 }  // namespace sm90
 
-template <DType In, DType Out, GemmPass Pass, TileConfig Tile, bool Bias>
-std::size_t GroupedGemmKernel<In, Out, Pass, Tile, Bias>::workspace_bytes(int sm_count) {
-  using Types = sm90::GemmTypes<In, Out, Pass, Tile, Bias>;
+template <DType In, DType Out, GemmPass Pass, TileConfig Tile, bool Bias, bool Glu>
+std::size_t GroupedGemmKernel<In, Out, Pass, Tile, Bias, Glu>::workspace_bytes(int sm_count) {
+  using Types = sm90::GemmTypes<In, Out, Pass, Tile, Bias, Glu>;
   GroupedGemmLaunch l;
   l.sm_count = sm_count;
   return Types::Gemm::get_workspace_size(Types::make_arguments(l));
 }
 
-template <DType In, DType Out, GemmPass Pass, TileConfig Tile, bool Bias>
-void GroupedGemmKernel<In, Out, Pass, Tile, Bias>::run(const GroupedGemmLaunch& l, cudaStream_t stream) {
-  using Types = sm90::GemmTypes<In, Out, Pass, Tile, Bias>;
+template <DType In, DType Out, GemmPass Pass, TileConfig Tile, bool Bias, bool Glu>
+void GroupedGemmKernel<In, Out, Pass, Tile, Bias, Glu>::run(const GroupedGemmLaunch& l, cudaStream_t stream) {
+  using Types = sm90::GemmTypes<In, Out, Pass, Tile, Bias, Glu>;
   using Gemm = typename Types::Gemm;
   GMOE_CHECK(Types::kHasSource || l.beta == 0.0f, "grouped GEMM: this instantiation has no source "
              "operand, but beta = ", l.beta);
   GMOE_CHECK(!Bias || l.ptr_bias != nullptr, "grouped GEMM: a fused-bias kernel without bias pointers");
+  GMOE_CHECK(!Glu || ((l.glu.block == 8 || l.glu.block == 16) && l.glu.ptr_z != nullptr),
+             "grouped GEMM: a fused-activation kernel needs z pointers and an interleave block of 8 or 16, got ",
+             l.glu.block);
   const typename Gemm::Arguments args = Types::make_arguments(l);
   const std::size_t need = Gemm::get_workspace_size(args);
   GMOE_CHECK(l.workspace_bytes >= need, "grouped GEMM: workspace of ", l.workspace_bytes,

@@ -179,6 +179,11 @@ Allocator& GroupedLinear::allocator() const {
 
 Tensor GroupedLinear::forward(const TensorView& x, const TensorView& counts, GroupedLinearContext& ctx,
                               Stream stream, const TensorView& out) {
+  return forward_impl(x, counts, ctx, stream, out, nullptr);
+}
+
+Tensor GroupedLinear::forward_impl(const TensorView& x, const TensorView& counts, GroupedLinearContext& ctx,
+                                   Stream stream, const TensorView& out, const ActivationOut* act) {
   GroupedLinearContext::State& st = *ctx.state_;
   GMOE_CHECK(!st.active, "ctx: still holds a forward whose weight gradient was not computed (call backward",
              st.wgrad_pending ? "_dw" : "", " first, or use one context per forward in flight)");
@@ -209,6 +214,9 @@ Tensor GroupedLinear::forward(const TensorView& x, const TensorView& counts, Gro
       st.x_cols.q.scale_inv = TensorView();
     }
     if (bias_.defined()) grouped_bias_add(y, bias_, counts, stream, &alloc);
+    if (act != nullptr) grouped_activation_forward(y, counts, act->z, act->options, act->probs, stream, &alloc);
+  } else if (act != nullptr) {
+    grouped_gemm_fprop_activation(x, weight_, bias_, counts, y, act->z, act->options, act->probs, stream, &alloc);
   } else {
     grouped_gemm_fprop(x, weight_, bias_, counts, y, stream, &alloc);  // the bias in the epilogue
   }

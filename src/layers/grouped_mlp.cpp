@@ -178,9 +178,11 @@ Tensor GroupedMLP::forward(const TensorView& x, const TensorView& counts, const 
   if (out.defined()) check_like_rows(out, "out", cap, H, dt, dev);
 
   Allocator& alloc = allocator();
-  Tensor h = fc1_.forward(x, counts, st.fc1, stream);
+  // FC1 and the activation: in FC1's epilogue where the kernels allow it (gmoe/grouped_gemm.h,
+  // grouped_gemm_fprop_activation), bitwise the same as the two in turn.
   Tensor z = Tensor::empty({cap, F}, dt, alloc, stream);
-  grouped_activation_forward(h, counts, z, options_.activation, probs, stream, &alloc);
+  const GroupedLinear::ActivationOut act{z.view(), options_.activation, probs};
+  Tensor h = fc1_.forward_impl(x, counts, st.fc1, stream, {}, &act);
   Tensor y = fc2_.forward(z, counts, st.fc2, stream, out);
   // Recompute: FC2's context keeps a view of the freed z until backward hands it the rebuilt one
   // (set_saved_input); nothing reads it in between (FC2's dgrad needs only dy and W2).

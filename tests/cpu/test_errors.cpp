@@ -5,6 +5,7 @@
 #include "common/expect_error.h"
 #include "common/gemm_fixture.h"
 #include "common/harness.h"
+#include "gmoe/activation.h"
 #include "gmoe/grouped_gemm.h"
 
 namespace gmoe::test {
@@ -143,6 +144,52 @@ TEST(Errors, CudaTensorsWithoutCuda) {
                                        on_gpu(s.p.counts.view()), on_gpu(s.y.view())),
                     "grouped_gemm_fprop", "built without CUDA");
 #endif
+}
+
+// grouped_gemm_fprop_activation: bitwise grouped_gemm_fprop then grouped_activation_forward (the
+// CPU backend runs exactly that; CUDA, which fuses, is held to it in its suite), and every refusal
+// names the argument before anything is written.
+TEST(FpropActivation, BitwiseTheCompositionAndRefusalsNameTheArgument) {
+  Rng rng;
+  ShapeCase c = make_case("skewed", rng);
+  c.N = 2 * 48;
+  const GemmProblem p(c, DType::bf16, rng);
+  HostTensor bias(DType::bf16, {c.E, c.N}), probs(DType::f32, {c.capacity});
+  fill_random(bias, rng);
+  fill_random(probs, rng, 0.0, 1.0);
+  ActivationOptions act;
+  act.kind = ActivationKind::clamped_swiglu;
+  act.limit = 0.75f;
+  act.glu = {GluLayout::interleaved, 16};
+  const ExpertBias b = ExpertBias::from_grouped(bias.view());
+  HostTensor h(DType::bf16, {c.capacity, c.N}), z(DType::bf16, {c.capacity, 48});
+  HostTensor h_ref(DType::bf16, {c.capacity, c.N}), z_ref(DType::bf16, {c.capacity, 48});
+  for (HostTensor* t : {&h, &z, &h_ref, &z_ref}) poison(*t);
+  const ExpertWeights w = p.weights(Layout::kStacked);
+  grouped_gemm_fprop_activation(p.x.view(), w, b, p.counts.view(), h.view(), z.view(), act, probs.view());
+  grouped_gemm_fprop(p.x.view(), w, b, p.counts.view(), h_ref.view());
+  grouped_activation_forward(h_ref.view(), p.counts.view(), z_ref.view(), act, probs.view());
+  EXPECT_TRUE(bitwise_equal(h, h_ref, "h"));
+  EXPECT_TRUE(bitwise_equal(z, z_ref, "z"));
+
+  HostTensor h2(DType::bf16, {c.capacity, c.N}), z2(DType::bf16, {c.capacity, 48});
+  poison(h2);
+  poison(z2);
+  HostTensor z_bad(DType::bf16, {c.capacity, 32}), h_f32(DType::f32, {c.capacity, c.N});
+  GMOE_EXPECT_ERROR(grouped_gemm_fprop_activation(p.x.view(), w, b, p.counts.view(), h2.view(), z_bad.view(), act),
+                    "h:", "input columns");
+  GMOE_EXPECT_ERROR(grouped_gemm_fprop_activation(p.x.view(), w, b, p.counts.view(), h_f32.view(), z2.view(), act),
+                    "h:", "x's dtype");
+  ActivationOptions odd = act;
+  odd.glu = {GluLayout::interleaved, 32};  // does not divide F = 48
+  GMOE_EXPECT_ERROR(grouped_gemm_fprop_activation(p.x.view(), w, b, p.counts.view(), h2.view(), z2.view(), odd),
+                    "options.glu.block", "must divide");
+  // z over x: the epilogue would write what the GEMM still reads.
+  const TensorView x_as_z = contiguous_view(const_cast<void*>(p.x.data()), DType::bf16, Device::cpu(), {c.capacity, 48});
+  GMOE_EXPECT_ERROR(grouped_gemm_fprop_activation(p.x.view(), w, b, p.counts.view(), h2.view(), x_as_z, act),
+                    "z and x overlap");
+  for (int64_t i = 0; i < h2.numel(); ++i) ASSERT_TRUE(std::isnan(h2.get(i)));
+  for (int64_t i = 0; i < z2.numel(); ++i) ASSERT_TRUE(std::isnan(z2.get(i)));
 }
 
 }  // namespace

@@ -96,6 +96,20 @@ class CapturedGraph {
   }
   CapturedGraph(const CapturedGraph&) = delete;
   CapturedGraph& operator=(const CapturedGraph&) = delete;
+  /// How many kernel nodes the capture holds (launches per call).
+  std::size_t kernel_nodes() const {
+    std::size_t n = 0;
+    test_cuda_check(cudaGraphGetNodes(graph_, nullptr, &n), "cudaGraphGetNodes");
+    std::vector<cudaGraphNode_t> nodes(n);
+    test_cuda_check(cudaGraphGetNodes(graph_, nodes.data(), &n), "cudaGraphGetNodes");
+    std::size_t kernels = 0;
+    for (cudaGraphNode_t node : nodes) {
+      cudaGraphNodeType type;
+      test_cuda_check(cudaGraphNodeGetType(node, &type), "cudaGraphNodeGetType");
+      kernels += type == cudaGraphNodeTypeKernel ? 1 : 0;
+    }
+    return kernels;
+  }
   /// One replay on `stream`, waited for.
   void replay(cudaStream_t stream) const {
     test_cuda_check(cudaGraphLaunch(exec_, stream), "cudaGraphLaunch");

@@ -39,6 +39,7 @@ std::vector<ResultRow> run_gemm_case_cpu(const BenchCase& c, const BenchOptions&
   };
   std::vector<ResultRow> rows;
   for (const Pass& p : passes) {
+    if (!o.runs_pass(p.name)) continue;
     // Correctness first, on a poisoned output (0xff bytes are NaN in bf16 and f16); on the CPU
     // the checked run is also the first timed one (a run here is long, and there is no warm-up
     // effect worth a second).

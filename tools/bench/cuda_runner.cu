@@ -160,6 +160,7 @@ std::vector<ResultRow> run_gemm_case_cuda(const BenchCase& c, const BenchOptions
     rows.push_back(timed_row(c.name, pass, impl, dtype_name(dt), ms, flops, ok, std::move(note)));
   };
   for (Pass& p : passes) {
+    if (!o.runs_pass(p.name)) continue;
     // Correctness first: poisoned output (0xff bytes are NaN), one run, sampled fp64 check.
     BENCH_CUDA(cudaMemsetAsync(p.out->ptr, 0xff, p.out_elems * es, stream));
     p.gmoe(0);

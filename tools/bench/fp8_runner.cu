@@ -314,6 +314,7 @@ std::vector<ResultRow> run_fp8_gemm_case_cuda(const BenchCase& c, const BenchOpt
   auto add = [&](const char* pass, const std::string& name, double ms, std::optional<bool> ok,
                  std::string note) { rows.push_back(timed_row(c.name, pass, name, "fp8", ms, flops, ok, std::move(note))); };
   for (Pass& p : passes) {
+    if (!o.runs_pass(p.name)) continue;
     const size_t out_bytes = static_cast<size_t>(p.out_elems) * dtype_size(p.out_dtype);
     BENCH_CUDA(cudaMemsetAsync(p.out, 0xff, out_bytes, stream));  // NaN in bf16 and f32
     p.gemm(0);

@@ -16,7 +16,8 @@ namespace gmoe::bench {
 ActivationOptions mlp_activation(const BenchCase& c) {
   ActivationOptions o;
   o.kind = activation_from_name(c.activation.empty() ? "swiglu" : c.activation);
-  return o;  // alpha 1.702, limit 7: gpt-oss's (BENCHMARKS.md); gate/up concatenated
+  if (is_gated(o.kind) && c.ffn % kMlpGluBlock == 0) o.glu = {GluLayout::interleaved, kMlpGluBlock};
+  return o;  // alpha 1.702, limit 7: gpt-oss's (BENCHMARKS.md)
 }
 
 int64_t mlp_fc1_rows(const BenchCase& c) { return activation_input_cols(mlp_activation(c).kind, c.ffn); }
@@ -25,17 +26,20 @@ namespace {
 
 GroupedLinearOptions fc_options(const TensorView& main_grad, bool keep_input_reference) {
   GroupedLinearOptions o;
-  o.main_grad = ExpertWeights::from_stacked(main_grad);
-  o.accumulate = true;
+  if (main_grad.defined()) {  // else fresh gradients
+    o.main_grad = ExpertWeights::from_stacked(main_grad);
+    o.accumulate = true;
+  }
   o.save_original_input = keep_input_reference;
   return o;
 }
 
 }  // namespace
 
-GroupedMLP make_bench_mlp(const BenchCase& c, const MlpParams& p) {
+GroupedMLP make_bench_mlp(const BenchCase& c, const MlpParams& p, LinearRecipe recipe) {
   GroupedMLPOptions o;
   o.activation = mlp_activation(c);
+  o.recipe = recipe;
   o.fc1 = fc_options(p.mg1, true);
   o.fc2 = fc_options(p.mg2, true);
   return GroupedMLP(ExpertWeights::from_stacked(p.w1), ExpertWeights::from_stacked(p.w2), {}, {}, o);
@@ -261,6 +265,43 @@ CheckResult check_rows_against(const MlpHostData& d, const MlpReference& ref, co
 
 }  // namespace
 
+namespace {
+
+CheckResult check_rows_relative(const MlpHostData& d, const MlpReference& ref, const std::vector<double>& exact,
+                                const void* out, const char* name, double max_rel) {
+  const int64_t nonfinite = count_nonfinite(out, d.dtype, d.rows * d.H);
+  double err_sq = 0, ref_sq = 0;
+  for (size_t s = 0; s < ref.rows.size(); ++s) {
+    for (int64_t n = 0; n < d.H; ++n) {
+      const size_t i = s * size_t(d.H) + size_t(n);
+      const double e = load_float(out, d.dtype, ref.rows[s] * d.H + n) - exact[i];
+      err_sq += e * e;
+      ref_sq += exact[i] * exact[i];
+    }
+  }
+  const double rel = ref_sq > 0 ? std::sqrt(err_sq / ref_sq) : std::sqrt(err_sq);
+  CheckResult r;
+  r.ok = nonfinite == 0 && rel <= max_rel;
+  std::ostringstream os;
+  os << name << ": relative Frobenius error " << rel << " (bound " << max_rel << ") over " << ref.rows.size()
+     << " rows";
+  if (nonfinite) os << ", " << nonfinite << " non-finite outputs";
+  r.detail = os.str();
+  return r;
+}
+
+}  // namespace
+
+MlpCheck check_mlp_quantized(const MlpHostData& d, const MlpReference& ref, const void* y, const void* dx,
+                             double max_rel) {
+  MlpCheck chk;
+  chk.forward = check_rows_relative(d, ref, ref.y_exact, y, "y", max_rel);
+  const CheckResult cdx = check_rows_relative(d, ref, ref.dx_exact, dx, "dx", max_rel);
+  chk.backward.ok = chk.forward.ok && cdx.ok;
+  chk.backward.detail = chk.forward.detail + "; " + cdx.detail;
+  return chk;
+}
+
 MlpCheck check_mlp(const MlpHostData& d, const MlpReference& ref, const void* y, const void* dx) {
   MlpCheck chk;
   chk.forward = check_rows_against(d, ref, ref.y_exact, ref.y_own, y, "y");
@@ -271,10 +312,11 @@ MlpCheck check_mlp(const MlpHostData& d, const MlpReference& ref, const void* y,
 }
 
 std::vector<ResultRow> mlp_rows(const BenchCase& c, DType dt, const std::string& impl, const MlpTimes& t,
-                                const MlpCheck& chk) {
+                                const MlpCheck& chk, bool main_grad) {
   const double flops = mlp_flops(c);
+  const std::string config = main_grad ? "; dW accumulated in f32 main_grads" : "; dW fresh bf16";
   auto row = [&](const char* pass, double pass_flops, double ms, const CheckResult& check) {
-    return timed_row(c.name, pass, impl, dtype_name(dt), ms, pass_flops, check.ok, check.detail);
+    return timed_row(c.name, pass, impl, dtype_name(dt), ms, pass_flops, check.ok, check.detail + config);
   };
   return {row("forward", flops, t.forward_ms, chk.forward),
           row("forward_backward", 3 * flops, t.forward_backward_ms, chk.backward)};

@@ -2,10 +2,14 @@
 // the expert MLP, the unfused composition it is compared with, the sampled fp64 checks of y and
 // dx, and the result rows.
 //
-// An mlp run times the expert MLP of an mlp case as Megatron-style training uses it: stacked bf16
-// weights FC1 [E, 2·ffn, hidden] (gate and up concatenated, as bench/torch_baseline.py splits them
-// with chunk(2)) and FC2 [E, hidden, ffn], no bias, no router probabilities, weight gradients
-// accumulated in f32 into one stacked main_grad per FC, x kept by reference (save_original_input).
+// An mlp run times the expert MLP of an mlp case: stacked bf16 weights FC1 [E, 2·ffn, hidden] (gate
+// and up interleaved in blocks of 16 rows, the layout in which FC1's epilogue computes the
+// activation; bench/torch_baseline.py's composition splits [gate | up] with chunk(2): the same
+// work) and FC2 [E, hidden, ffn], no bias, no router probabilities, x kept by reference
+// (save_original_input). Weight gradients: fresh bf16 tensors, as torch's autograd returns them
+// (the default, so that the comparison with torch is like for like), or with --mlp-main-grad
+// accumulated in f32 into one stacked main_grad per FC (Megatron's training configuration: the
+// f32 read and write of dW cost 2·4 bytes per weight on top).
 // Two implementations, each timed `forward` and `forward_backward` (forward, then backward: dx
 // and both weight gradients):
 //   gmoe          GroupedMLP
@@ -34,19 +38,21 @@
 namespace gmoe::bench {
 
 /// The activation of an mlp case (its "activation" name; clamped_swiglu with gpt-oss's alpha 1.702
-/// and limit 7), FC1's gate/up halves concatenated. Throws gmoe::Error on an unknown name.
+/// and limit 7), FC1's gate/up rows interleaved in blocks of kMlpGluBlock. Throws gmoe::Error on an
+/// unknown name.
+constexpr int64_t kMlpGluBlock = 16;
 ActivationOptions mlp_activation(const BenchCase& c);
 /// FC1's output rows: 2·ffn for gated activations, ffn for squared_relu.
 int64_t mlp_fc1_rows(const BenchCase& c);
 
 /// The parameters of an mlp run: w1 [E, fc1 rows, hidden], w2 [E, hidden, ffn] (input dtype),
-/// mg1, mg2 their f32 main_grads (accumulated into).
+/// mg1, mg2 their f32 main_grads (accumulated into), or absent: fresh gradients of w's dtype.
 struct MlpParams {
   TensorView w1, w2, mg1, mg2;
 };
 
-/// GroupedMLP in the configuration of the header comment.
-GroupedMLP make_bench_mlp(const BenchCase& c, const MlpParams& p);
+/// GroupedMLP in the configuration of the header comment, with `recipe` for both FCs.
+GroupedMLP make_bench_mlp(const BenchCase& c, const MlpParams& p, LinearRecipe recipe = LinearRecipe::native);
 
 /// The unfused composition of separate public ops, in the same configuration.
 class UnfusedMlp {
@@ -60,7 +66,7 @@ class UnfusedMlp {
   UnfusedMlp(const BenchCase& c, const MlpParams& p);
   /// y = FC2(act(FC1(x))) into `y` [rows, hidden].
   void forward(const TensorView& x, const TensorView& counts, Context& ctx, Stream stream, const TensorView& y);
-  /// dx into `dx` [rows, hidden]; both weight gradients accumulated into the main_grads.
+  /// dx into `dx` [rows, hidden]; both weight gradients (into the main_grads, if any).
   void backward(Context& ctx, const TensorView& dy, Stream stream, const TensorView& dx);
 
  private:
@@ -96,6 +102,12 @@ struct MlpCheck {
 };
 /// y [rows, H] and dx [rows, H] (input dtype) of one run against the reference.
 MlpCheck check_mlp(const MlpHostData& d, const MlpReference& ref, const void* y, const void* dx);
+/// The same for an FP8 recipe, whose quantization error the rule above does not allow: no
+/// non-finite element, and the relative Frobenius error of y and dx over the sampled rows against
+/// the exact values at most `max_rel` (a sanity bound; the FP8 test suites hold the layers to each
+/// recipe's error bound). The measured errors are in the details.
+MlpCheck check_mlp_quantized(const MlpHostData& d, const MlpReference& ref, const void* y, const void* dx,
+                             double max_rel);
 
 /// The times of one implementation on one case.
 struct MlpTimes {
@@ -105,6 +117,6 @@ struct MlpTimes {
 /// The rows of a case for one implementation ("gmoe" or "gmoe_unfused"): `forward` (mlp_flops)
 /// and `forward_backward` (3× that).
 std::vector<ResultRow> mlp_rows(const BenchCase& c, DType dt, const std::string& impl, const MlpTimes& t,
-                                const MlpCheck& chk);
+                                const MlpCheck& chk, bool main_grad);
 
 }  // namespace gmoe::bench

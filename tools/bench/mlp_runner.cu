@@ -82,7 +82,11 @@ struct MlpBuffers {
 
   TensorView x(int i) const { return TensorView(xs[i % sets]->ptr, dt, gpu, {rows, H}); }
   TensorView dy(int i) const { return TensorView(dys[i % sets]->ptr, dt, gpu, {rows, H}); }
-  MlpParams params(int i) const {
+  MlpParams params(int i, bool main_grad) const {
+    if (!main_grad) {
+      return {TensorView(w1s[i % sets]->ptr, dt, gpu, {E, R1, H}), TensorView(w2s[i % sets]->ptr, dt, gpu, {E, H, F}),
+              {}, {}};
+    }
     return {TensorView(w1s[i % sets]->ptr, dt, gpu, {E, R1, H}), TensorView(w2s[i % sets]->ptr, dt, gpu, {E, H, F}),
             TensorView(mg1->ptr, DType::f32, gpu, {E, R1, H}), TensorView(mg2->ptr, DType::f32, gpu, {E, H, F})};
   }
@@ -125,8 +129,8 @@ std::vector<ResultRow> run_mlp_case_cuda(const BenchCase& c, const BenchOptions&
   std::vector<GroupedMLP> mlps;
   std::vector<UnfusedMlp> unfused;
   for (int s = 0; s < b.sets; ++s) {
-    mlps.push_back(make_bench_mlp(c, b.params(s)));
-    unfused.emplace_back(c, b.params(s));
+    mlps.push_back(make_bench_mlp(c, b.params(s, o.mlp_main_grad)));
+    unfused.emplace_back(c, b.params(s, o.mlp_main_grad));
   }
 
   // The reference of sampled rows, from host copies of set 0.
@@ -193,10 +197,48 @@ std::vector<ResultRow> run_mlp_case_cuda(const BenchCase& c, const BenchOptions&
       },
       o.warmup, o.iters, stream);
   check_device_errors(stream);
-  BENCH_CUDA(cudaStreamDestroy(stream));
-  std::vector<ResultRow> rows = mlp_rows(c, dt, "gmoe", {fwd[0], fb[0]}, chk_mlp);
-  const std::vector<ResultRow> u = mlp_rows(c, dt, "gmoe_unfused", {fwd[1], fb[1]}, chk_unfused);
+  std::vector<ResultRow> rows = mlp_rows(c, dt, "gmoe", {fwd[0], fb[0]}, chk_mlp, o.mlp_main_grad);
+  const std::vector<ResultRow> u = mlp_rows(c, dt, "gmoe_unfused", {fwd[1], fb[1]}, chk_unfused, o.mlp_main_grad);
   rows.insert(rows.end(), u.begin(), u.end());
+
+  // FP8 recipes (--layer-fp8): GroupedMLP with the recipe on both FCs (weights quantized in every
+  // forward, as after each optimizer step), checked by check_mlp_quantized, timed interleaved with
+  // the bf16 GroupedMLP (whose time goes to bare_ms: the speedup is bare_ms / ms).
+  for (const std::string& name : o.layer_recipes) {
+    const LinearRecipe recipe = linear_recipe_from_name(name);
+    std::vector<GroupedMLP> fp8;
+    for (int s = 0; s < b.sets; ++s) fp8.push_back(make_bench_mlp(c, b.params(s, o.mlp_main_grad), recipe));
+    auto invalidate = [&](int i) { fp8[i % b.sets].invalidate_fp8_weight(); };
+    // checked_run leaves y and dx in hy, hdx; the bf16 rule it applies does not hold for FP8.
+    checked_run([&] {
+      invalidate(0);
+      mlp_forward_backward(fp8[0], b, 0, stream);
+    });
+    const MlpCheck quantized =
+        check_mlp_quantized(d, ref, hy.data(), hdx.data(), recipe == LinearRecipe::mxfp8 ? 0.25 : 0.15);
+    const std::vector<double> f = time_interleaved_ms(
+        {[&](int i) {
+           invalidate(i);
+           mlp_forward(fp8[i % b.sets], b, i, stream);
+         },
+         [&](int i) { mlp_forward(mlps[i % b.sets], b, i, stream); }},
+        o.warmup, o.iters, stream);
+    const std::vector<double> g = time_interleaved_ms(
+        {[&](int i) {
+           invalidate(i);
+           mlp_forward_backward(fp8[i % b.sets], b, i, stream);
+         },
+         [&](int i) { mlp_forward_backward(mlps[i % b.sets], b, i, stream); }},
+        o.warmup, o.iters, stream);
+    std::vector<ResultRow> r = mlp_rows(c, dt, std::string("gmoe_") + name, {f[0], g[0]}, quantized, o.mlp_main_grad);
+    r[0].bare_ms = f[1];
+    r[1].bare_ms = g[1];
+    for (ResultRow& row : r) row.dtype = "fp8";
+    rows.insert(rows.end(), r.begin(), r.end());
+    fp8.clear();
+    check_device_errors(stream);
+  }
+  BENCH_CUDA(cudaStreamDestroy(stream));
   for (const auto& [pass, ms] : {std::pair{"forward", act_fwd}, std::pair{"forward_backward", act_fb}}) {
     rows.push_back(timed_row(c.name, pass, "gmoe_activation", dtype_name(dt), ms, 0, std::nullopt,
                              "the activation kernels alone (no FLOPs counted)"));

@@ -40,8 +40,8 @@ std::vector<ResultRow> run_mlp_case_cpu(const BenchCase& c, const BenchOptions& 
   const TensorView yv(y.data(), dt, cpu, {rows, H}), dxv(dx.data(), dt, cpu, {rows, H});
   const TensorView cv(counts.data(), DType::i32, cpu, {E});
   const MlpParams params{TensorView(w1.data(), dt, cpu, {E, R1, H}), TensorView(w2.data(), dt, cpu, {E, H, F}),
-                         TensorView(mg1.data(), DType::f32, cpu, {E, R1, H}),
-                         TensorView(mg2.data(), DType::f32, cpu, {E, H, F})};
+                         o.mlp_main_grad ? TensorView(mg1.data(), DType::f32, cpu, {E, R1, H}) : TensorView(),
+                         o.mlp_main_grad ? TensorView(mg2.data(), DType::f32, cpu, {E, H, F}) : TensorView()};
 
   MlpHostData d;
   d.dtype = dt;
@@ -90,7 +90,7 @@ std::vector<ResultRow> run_mlp_case_cpu(const BenchCase& c, const BenchOptions& 
     MlpTimes t;
     t.forward_ms = median(fwd);
     t.forward_backward_ms = median(fb);
-    const std::vector<ResultRow> r = mlp_rows(c, dt, impl.name, t, chk);
+    const std::vector<ResultRow> r = mlp_rows(c, dt, impl.name, t, chk, o.mlp_main_grad);
     out.insert(out.end(), r.begin(), r.end());
   }
   return out;

@@ -26,6 +26,12 @@ struct BenchOptions {
   /// FP8 gemm rows: dW's dtype in the wgrad pass. bf16 (the default) is what the bf16 grouped
   /// GEMM row and torch write, so the ratios compare like with like; f32 is the main_grad kernel.
   DType fp8_wgrad_out = DType::bf16;
+  /// mlp mode: weight gradients accumulated in f32 into main_grads (Megatron's configuration)
+  /// instead of fresh bf16 ones (torch's autograd's, the default).
+  bool mlp_main_grad = false;
+  /// gemm mode: only this pass (fprop, dgrad or wgrad; empty: all three), e.g. to profile one kernel.
+  std::string only_pass;
+  bool runs_pass(const std::string& pass) const { return only_pass.empty() || only_pass == pass; }
 };
 
 /// CPU reference backend on the case as given (the caller scales rows down first). Wall-clock

@@ -1,0 +1,155 @@
+// src/cuda/sm90_glu_epilogue.cuh — the gated activation in the epilogue of the bf16 fprop grouped
+// GEMM (GluEpilogue of grouped_gemm_kernels.h): the visitor node Sm90GatedActivation that
+// sm90_grouped_gemm.cuh declares. Included (before sm90_grouped_gemm.cuh) only by the
+// sm90_bf16_grouped_gemm_fprop*_glu_*.cu instantiations.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cute/tensor.hpp>
+#include <cutlass/cutlass.h>
+#include <cutlass/epilogue/fusion/sm90_callbacks_tma_warpspecialized.hpp>
+#include <cutlass/numeric_conversion.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
+
+#include "common/activation_math.h"
+#include "cuda/grouped_gemm_kernels.h"
+
+namespace gmoe::cuda_backend {
+namespace sm90 {
+
+// The gated activation in the epilogue (GluEpilogue): a visitor node at the root of the fusion
+// tree. It receives each thread's fragment of the 32-column epilogue subtile (16 values: for an
+// 8-column group g = 0..3, the thread holds columns 8g + 2q, 8g + 2q + 1 of rows r and r + 8, as
+// element 4g + 2·(row half) + column parity), rounds it to D's type (h as the TMA store writes
+// it, returned unchanged), and for every gate element i whose up partner is in the fragment
+// writes z = act(gate, up) · p straight from registers to global memory (two adjacent z columns,
+// 4 bytes, per store). With h interleaved in blocks of B columns, gate columns c (c mod 2B < B)
+// pair with c + B: for B = 8 the partner is element i + 4, for B = 16 element i + 8. That layout
+// (CUTLASS 4.2's wgmma accumulators and its automatic 32-wide epilogue subtile for both tiles) is
+// pinned by static_asserts below; the tests compare every z with grouped_activation_forward's.
+// The activation is act::gated_value of activation_math.h, the very code of the activation
+// kernels, on the same bf16 values, so z is bitwise what the separate kernel would write.
+template <class ElementZ>
+struct Sm90GatedActivation {
+  static_assert(std::is_same_v<ElementZ, cutlass::bfloat16_t>, "the fused activation writes bf16");
+  struct SharedStorage {};
+  using Arguments = GluEpilogue;
+  using Params = GluEpilogue;
+
+  template <class ProblemShape>
+  static constexpr Params to_underlying_arguments(ProblemShape const&, Arguments const& a, void*) {
+    return a;
+  }
+  template <class ProblemShape>
+  static bool can_implement(ProblemShape const&, Arguments const& a) {
+    return (a.block == 8 || a.block == 16) && a.ptr_z != nullptr && a.stride_z != nullptr;
+  }
+  template <class ProblemShape>
+  static std::size_t get_workspace_size(ProblemShape const&, Arguments const&) {
+    return 0;
+  }
+  template <class ProblemShape>
+  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*, cudaStream_t,
+                                              cutlass::CudaHostAdapter* = nullptr) {
+    return cutlass::Status::kSuccess;
+  }
+
+  CUTLASS_HOST_DEVICE Sm90GatedActivation() {}
+  CUTLASS_HOST_DEVICE Sm90GatedActivation(Params const& params, SharedStorage const&) : params_ptr(&params) {}
+  Params const* params_ptr = nullptr;
+
+  CUTLASS_DEVICE bool is_producer_load_needed() const { return false; }
+  CUTLASS_DEVICE bool is_C_load_needed() const { return false; }
+  template <class... Args>
+  CUTLASS_DEVICE auto get_producer_load_callbacks(cutlass::epilogue::fusion::ProducerLoadArgs<Args...> const&) {
+    return cutlass::epilogue::fusion::EmptyProducerLoadCallbacks{};
+  }
+
+  template <class CoordTensor>
+  struct ConsumerStoreCallbacks : cutlass::epilogue::fusion::EmptyConsumerStoreCallbacks {
+    CUTLASS_DEVICE ConsumerStoreCallbacks(CoordTensor coords, Params const& p, int group, int m, int n)
+        : tC_cH(coords),
+          z(static_cast<__nv_bfloat16*>(p.ptr_z[group])),
+          ldz(p.stride_z[group]),
+          probs(p.ptr_probs != nullptr ? p.ptr_probs[group] : nullptr),
+          kind(p.kind),
+          block(p.block),
+          prm{p.alpha, p.limit, p.gelu_tanh},
+          rows(m),
+          cols(n) {}
+    CoordTensor tC_cH;  // (CPY, CPY_M, CPY_N, EPI_M, EPI_N) -> (row, column) of h within the group
+    __nv_bfloat16* z;
+    int64_t ldz;
+    const float* probs;
+    int32_t kind, block;
+    act::Params prm;
+    int rows, cols;
+
+    CUTLASS_DEVICE float activation(float g, float u) const {
+      switch (static_cast<ActivationKind>(kind)) {
+        case ActivationKind::geglu: return act::gated_value<ActivationKind::geglu>(g, u, prm);
+        case ActivationKind::clamped_swiglu: return act::gated_value<ActivationKind::clamped_swiglu>(g, u, prm);
+        default: return act::gated_value<ActivationKind::swiglu>(g, u, prm);
+      }
+    }
+
+    // kHalf = B / 2: the distance from a gate element to its up partner in the fragment; elements
+    // with that bit set are up elements. Compile-time, so the fragment stays in registers.
+    template <int kHalf, class Coords, int N>
+    CUTLASS_DEVICE void store_z(Coords const& c, int base, cutlass::Array<ElementZ, N> const& h) const {
+      constexpr int kBlock = 2 * kHalf;
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < N; i += 2) {
+        if ((i & kHalf) != 0) continue;
+        auto rc = c(base + i);
+        const int r = cute::get<0>(rc), col = cute::get<1>(rc);
+        if (r < rows && col < cols) {
+          const float p = probs != nullptr ? probs[r] : 1.0f;
+          const int zc = (col / (2 * kBlock)) * kBlock + col % kBlock;
+          __nv_bfloat162 v;
+          v.x = __float2bfloat16_rn(activation(float(h[i]), float(h[i + kHalf])) * p);
+          v.y = __float2bfloat16_rn(activation(float(h[i + 1]), float(h[i + 1 + kHalf])) * p);
+          *reinterpret_cast<__nv_bfloat162*>(z + int64_t(r) * ldz + zc) = v;
+        }
+      }
+    }
+
+    template <class ElementAccumulator, class ElementInput, int FragmentSize>
+    CUTLASS_DEVICE cutlass::Array<ElementZ, FragmentSize> visit(
+        cutlass::Array<ElementAccumulator, FragmentSize> const&, int epi_v, int epi_m, int epi_n,
+        cutlass::Array<ElementInput, FragmentSize> const& input) {
+      static_assert(FragmentSize == 16, "the fused activation expects 16 values (four 8-column groups, two rows) "
+                                        "per thread and epilogue subtile");
+      // h as the epilogue stores it: one round to nearest, as the unfused GEMM's conversion.
+      const cutlass::Array<ElementZ, FragmentSize> h =
+          cutlass::NumericArrayConverter<ElementZ, ElementInput, FragmentSize,
+                                         cutlass::FloatRoundStyle::round_to_nearest>{}(input);
+      auto c = tC_cH(cute::_, cute::_, cute::_, epi_m, epi_n);
+      if (block == 8) {
+        store_z<4>(c, epi_v * FragmentSize, h);
+      } else {
+        store_z<8>(c, epi_v * FragmentSize, h);
+      }
+      return h;
+    }
+  };
+
+  template <bool ReferenceSrc, class... Args>
+  CUTLASS_DEVICE auto get_consumer_store_callbacks(cutlass::epilogue::fusion::ConsumerStoreArgs<Args...> const& args) {
+    auto [M, N, K, L] = args.problem_shape_mnkl;
+    auto [m, n, k, l] = args.tile_coord_mnkl;  // l: the group of a grouped GEMM
+    auto cH = cute::local_tile(cute::make_identity_tensor(cute::make_shape(M, N)),
+                               cute::take<0, 2>(args.tile_shape_mnk), cute::make_coord(m, n));
+    auto tC_cH = cutlass::epilogue::fusion::sm90_partition_for_epilogue<ReferenceSrc>(
+        cH, args.epi_tile, args.tiled_copy, args.thread_idx);
+    return ConsumerStoreCallbacks<decltype(tC_cH)>(tC_cH, *params_ptr, static_cast<int>(l), static_cast<int>(M),
+                                                   static_cast<int>(N));
+  }
+};
+
+}  // namespace sm90
+}  // namespace gmoe::cuda_backend
