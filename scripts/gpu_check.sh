@@ -12,7 +12,8 @@
 # bench     gmoe-bench on the public suite (gemm and layer modes, cuBLAS baselines in the same run),
 #           then bench/torch_baseline.py on the same cases (gemm, and the mlp composition eager and
 #           compiled), merged by bench/report.py into one table (and the layer table)
-# tiles     gmoe-bench's gemm mode once per forced tile configuration (GMOE_CUDA_TILE), no baselines,
+# tiles     gmoe-bench's gemm mode once per forced tile configuration (GMOE_CUDA_TILE) and weight-gradient
+#           tile order (GMOE_RASTER), no baselines,
 #           beside the heuristic's choice from the bench stage: the data the tile heuristic is tuned on
 # profile   Nsight Compute's speed-of-light and memory sections for the GEMM kernels of the cases that
 #           miss their targets (bf16 wgrad of mixtral_fc1 and small_m, FP8 blockwise wgrad of
@@ -84,6 +85,8 @@ for stage in "${stages[@]}"; do
       pids+=($!)
       forced tile_pingpong GMOE_CUDA_TILE=pingpong "$rows_filter" >"$OUT/forced_status_b.txt" &
       pids+=($!)
+      { forced raster_m GMOE_RASTER=m '*Wgrad*'; forced raster_n GMOE_RASTER=n '*Wgrad*'; } >"$OUT/forced_status_c.txt" &
+      pids+=($!)
       for p in "${pids[@]}"; do wait "$p" || { r=FAILED; status=1; }; done
       cat "$OUT"/forced_status_*.txt | tee -a "$OUT/summary.txt"
       rm -f "$OUT"/forced_status_*.txt
@@ -131,9 +134,14 @@ for stage in "${stages[@]}"; do
       rm -f "$OUT"/gmoe_*.json "$OUT/torch.json"
       summary "bench: done ($(( $(date +%s) - t0 )) s)" ;;
     tiles)
-      for tile in ${GMOE_TILES:-coop pingpong}; do
-        GMOE_CUDA_TILE=$tile "$BUILD/gmoe-bench" --suite bench/suites/public.json --mode gemm --iters 20 \
-          --no-baselines --json "/tmp/gmoe_tile_$tile.json" >>"$OUT/bench.log" 2>&1 || status=1
+      # gmoe-bench's gemm mode once per forced setting (GMOE_TILES, default: each tile config and
+      # each scheduler order of the weight gradient), no baselines, beside the heuristics' choice
+      # from the bench stage: the data the tile and raster heuristics are tuned on.
+      for setting in ${GMOE_TILES:-GMOE_CUDA_TILE=coop GMOE_CUDA_TILE=pingpong GMOE_RASTER=m GMOE_RASTER=n}; do
+        name="${setting#GMOE_}"; name="$(echo "${name}" | tr 'A-Z=' 'a-z_')"
+        env "$setting" "$BUILD/gmoe-bench" --suite bench/suites/public.json --mode gemm --iters 20 \
+          --no-baselines ${GMOE_TILES_PASS:+--pass $GMOE_TILES_PASS} --json "/tmp/gmoe_tile_$name.json" \
+          >>"$OUT/bench.log" 2>&1 || status=1
       done
       python3 - "$OUT/results.json" /tmp/gmoe_tile_*.json >"$OUT/tiles.md" <<'PY' || status=1
 import json, sys
@@ -151,8 +159,9 @@ for path in sys.argv[1:]:
             rows.append(dict(r, impl="gmoe_" + tile) if tile else r)
     if tile:
         tiles.append("gmoe_" + tile)
-lines = report.table(rows, ["gmoe"], tiles, {"fprop", "dgrad", "wgrad"})
-print("# Forced tiles (gmoe: the heuristic's choice, from the bench stage)\n")
+base = ["gmoe"] if any(r["impl"] == "gmoe" for r in rows) else tiles[:1]
+lines = report.table(rows, base, [t for t in tiles if t not in base], {"fprop", "dgrad", "wgrad"})
+print("# Forced settings (gmoe: the heuristics' choice, from the bench stage)\n")
 report.write_markdown_table(sys.stdout, lines)
 PY
       cat "$OUT/tiles.md"

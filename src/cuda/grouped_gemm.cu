@@ -144,6 +144,24 @@ TileConfig choose_rows_tile(DType in, GemmPass pass, int64_t capacity, int64_t n
 // wgrad, and 1x2 / 2x1 clustered cooperative tiles for all passes, were measured on the public
 // suite at 1.00-1.02x the cooperative tile in the geometric mean on an H100, inside the run-to-run
 // noise of about 10%, and were dropped to keep the build small).
+// The tile order of the weight gradient, whose M (the layer's N) and N (its K) are host-known
+// extents: along N when an expert has more tiles along M than along N (CUTLASS's heuristic for
+// single GEMMs, which it does not apply to grouped ones), so that consecutive tiles share A (dy's
+// columns) and the whole of B (x_e, tokens x K) stays in L2. Along M, mixtral_fc1's dW (M = 28672,
+// N = 4096, 2048 tokens per expert) re-read dy once per N tile: ncu measured 2.66 TB/s of DRAM
+// traffic (79% of peak, 17 GB for 3 GB of operands and output) at 0.78x dense cuBLAS (H100,
+// 2026-11-23). GMOE_RASTER=m|n forces an order (benchmarks, tests).
+bool choose_wgrad_raster_along_n(int64_t m, int64_t n, TileConfig tile) {
+  static const int forced = [] {
+    const char* env = std::getenv("GMOE_RASTER");
+    if (env == nullptr) return -1;
+    return std::strcmp(env, "n") == 0 ? 1 : std::strcmp(env, "m") == 0 ? 0 : -1;
+  }();
+  if (forced >= 0) return forced == 1;
+  const int64_t tile_n = tile == TileConfig::coop_128x256 ? 256 : 128;
+  return (m + 127) / 128 > (n + tile_n - 1) / tile_n;
+}
+
 TileConfig choose_wgrad_tile(DType out, int64_t capacity, int64_t num_experts) {
   TileConfig forced;
   if (forced_tile(out, GemmPass::wgrad, &forced)) return forced;
@@ -208,6 +226,7 @@ struct Plan : CallPlan {
   DType in = DType::bf16, out = DType::bf16;
   float beta = 0.0f;
   TileConfig tile = TileConfig::coop_128x256;
+  bool raster_along_n = false;
   GluEpilogue glu_scalars;  ///< glu: the activation's kind, block and parameters (pointers: prepare_call)
 };
 
@@ -225,6 +244,7 @@ void execute(const Plan& plan, Stream stream, Allocator& alloc) {
       prepare_call(plan, plan.run_gemm ? kernel.workspace_bytes(sm_count(current_device())) : 0, stream, alloc);
   if (plan.run_gemm) {
     call.launch.beta = plan.beta;
+    call.launch.raster_along_n = plan.raster_along_n;
     if (plan.glu) {
       GluEpilogue& g = call.launch.glu;
       g.kind = plan.glu_scalars.kind;
@@ -315,17 +335,28 @@ void rows_pass(GemmPass pass, const TensorView& a, const ExpertWeights& w, const
   execute(plan, stream, alloc);
 }
 
+// GMOE_FUSED_ACTIVATION=1 (read at each call, host-side only) enables the activation in FC1's
+// epilogue. Off by default: measured on an H100 (2026-11-23, qwen3_30b_a3b) the first version,
+// which switched at run time between every gated activation, made FC1 3.3x slower (1.99 ms against
+// ~0.6 ms: its replicated activation code thrashed the instruction cache); this SwiGLU-only one is
+// to be measured before it becomes the default (docs/architecture.md).
+bool fused_activation_enabled() {
+  const char* env = std::getenv("GMOE_FUSED_ACTIVATION");
+  return env != nullptr && std::strcmp(env, "1") == 0;
+}
+
 // The fused path's conditions (else: the GEMM, then the activation kernel, which is what the fused
-// path reproduces bit for bit): bf16; a gated activation with gate and up interleaved in blocks of
-// 8 or 16 columns (the pairs one epilogue fragment holds); no bias or a bf16 one (fused too); a
-// non-empty reduction (K = 0 makes h all zeros, which the activation kernel then maps); z 16-byte
-// aligned with 16-byte rows (the rows past the total are zeroed with 16-byte stores).
+// path reproduces bit for bit): enabled (above); bf16; SwiGLU with gate and up interleaved in
+// blocks of 8 or 16 columns (the pairs one epilogue fragment holds); no bias or a bf16 one (fused
+// too); a non-empty reduction (K = 0 makes h all zeros, which the activation kernel then maps); z
+// 16-byte aligned with 16-byte rows (the rows past the total are zeroed with 16-byte stores).
 bool activation_fusable(const TensorView& x, const ExpertBias& bias, const TensorView& z,
                         const ActivationOptions& o) {
   const bool blocks = o.glu.layout == GluLayout::interleaved && (o.glu.block == 8 || o.glu.block == 16);
   const bool bias_ok = !bias.defined() || bias_in_epilogue(x.dtype, bias.dtype(), x.dtype);
   const bool z_ok = reinterpret_cast<std::uintptr_t>(z.data) % 16 == 0 && z.stride(0) % 8 == 0;
-  return x.dtype == DType::bf16 && is_gated(o.kind) && blocks && bias_ok && x.size(1) > 0 && z_ok;
+  return fused_activation_enabled() && x.dtype == DType::bf16 && o.kind == ActivationKind::swiglu && blocks &&
+         bias_ok && x.size(1) > 0 && z_ok;
 }
 
 }  // namespace
@@ -394,6 +425,7 @@ void grouped_gemm_wgrad(const TensorView& dy, const TensorView& x, const TensorV
   plan.run_gemm = capacity > 0 && n > 0 && k > 0;
   plan.beta = options.accumulate ? 1.0f : 0.0f;
   plan.tile = choose_wgrad_tile(dw.dtype(), capacity, counts.size(0));
+  plan.raster_along_n = choose_wgrad_raster_along_n(n, k, plan.tile);
   plan.dw_elem_bytes = static_cast<int32_t>(dtype_size(dw.dtype()));
   plan.dw_rows = n;
   plan.dw_row_bytes = k * static_cast<int64_t>(dtype_size(dw.dtype()));

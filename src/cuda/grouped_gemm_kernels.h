@@ -70,6 +70,11 @@ struct GroupedGemmLaunch {
   const int64_t* stride_d = nullptr;
   const void* const* ptr_bias = nullptr;  ///< [E] bias vectors of N (fprop with a fused bias)
   GluEpilogue glu;                        ///< fprop with a fused gated activation
+  /// The persistent scheduler's tile order inside a group: false, along M (consecutive tiles down
+  /// the M dimension, the same N tile: B's tile reused, A re-read once per N tile); true, along N
+  /// (A's tile reused, B re-read once per M tile). CUTLASS applies no heuristic to grouped
+  /// problems; the host chooses from what it knows (grouped_gemm.cu).
+  bool raster_along_n = false;
   float alpha = 1.0f;
   float beta = 0.0f;              ///< 1 accumulates into C (= D); needs a C-capable instantiation
   void* workspace = nullptr;      ///< CUTLASS's workspace (tensor maps per SM), 128-byte aligned

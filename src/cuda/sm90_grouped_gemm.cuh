@@ -209,6 +209,8 @@ struct GemmTypes {
     }
     args.epilogue.ptr_D = reinterpret_cast<ElementD**>(const_cast<void**>(l.ptr_d));
     args.epilogue.dD = reinterpret_cast<StrideD*>(const_cast<int64_t*>(l.stride_d));
+    using RasterOrderOptions = cutlass::gemm::kernel::detail::RasterOrderOptions;
+    args.scheduler.raster_order = l.raster_along_n ? RasterOrderOptions::AlongN : RasterOrderOptions::AlongM;
     args.hw_info = hw_info;
     return args;
   }

@@ -1,7 +1,8 @@
 // tests/cuda/test_grouped_gemm_activation_cuda.cpp — grouped_gemm_fprop_activation on the device:
 // h and z bitwise equal to grouped_gemm_fprop followed by grouped_activation_forward, for every
-// gated activation, gate/up interleaved in blocks of 8 and 16 (the activation in the GEMM's
-// epilogue) and in blocks of 32 or concatenated (the two ops in turn), without and with a bias
+// gated activation, gate/up interleaved in blocks of 8 and 16 (SwiGLU: the activation in the
+// GEMM's epilogue, enabled here with GMOE_FUSED_ACTIVATION=1) and in blocks of 32 or concatenated
+// (the two ops in turn), without and with a bias
 // (bf16: fused too; f32: a second pass), with and without router probabilities, on the named
 // cases at GPU scale. Outputs are NaN-poisoned first, so unwritten elements (rows past the total
 // included) fail. Also: the fused path launches fewer kernels than the composition (it is taken),
@@ -12,6 +13,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <functional>
 #include <string>
 #include <tuple>
@@ -50,7 +52,9 @@ const std::vector<GluFormat>& layouts() {
   return kLayouts;
 }
 
+// The fused path (SwiGLU, blocks of 8 or 16), which these tests enable (GMOE_FUSED_ACTIVATION=1).
 bool fused_layout(const GluFormat& g) { return g.layout == GluLayout::interleaved && (g.block == 8 || g.block == 16); }
+void enable_fusion() { setenv("GMOE_FUSED_ACTIVATION", "1", 1); }
 
 enum class BiasMode { kNone, kGroupedBf16, kListBf16, kGroupedF32 };
 const char* bias_name(BiasMode m) {
@@ -133,7 +137,10 @@ using Param = std::tuple<int, std::string>;  // index into layouts(), named case
 
 class CudaGroupedGemmActivation : public ::testing::TestWithParam<Param> {
  protected:
-  void SetUp() override { GMOE_SKIP_WITHOUT_GPU(); }
+  void SetUp() override {
+    GMOE_SKIP_WITHOUT_GPU();
+    enable_fusion();
+  }
   const GluFormat& glu() const { return layouts()[std::get<0>(GetParam())]; }
   const std::string& case_name() const { return std::get<1>(GetParam()); }
 };
@@ -193,6 +200,7 @@ INSTANTIATE_TEST_SUITE_P(Cases, CudaGroupedGemmActivation,
 // experts, all in one expert, all empty) are bitwise the eager composition of each routing.
 TEST(CudaGroupedGemmActivationGraph, FusedLaunchesFewerKernelsAndReplaysUnderChangingCounts) {
   GMOE_SKIP_WITHOUT_GPU();
+  enable_fusion();
   Rng rng;
   cudaStream_t stream;
   GMOE_TEST_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));

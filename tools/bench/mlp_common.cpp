@@ -13,10 +13,10 @@
 
 namespace gmoe::bench {
 
-ActivationOptions mlp_activation(const BenchCase& c) {
+ActivationOptions mlp_activation(const BenchCase& c, int64_t glu_block) {
   ActivationOptions o;
   o.kind = activation_from_name(c.activation.empty() ? "swiglu" : c.activation);
-  if (is_gated(o.kind) && c.ffn % kMlpGluBlock == 0) o.glu = {GluLayout::interleaved, kMlpGluBlock};
+  if (is_gated(o.kind) && glu_block > 0 && c.ffn % glu_block == 0) o.glu = {GluLayout::interleaved, glu_block};
   return o;  // alpha 1.702, limit 7: gpt-oss's (BENCHMARKS.md)
 }
 
@@ -38,7 +38,7 @@ GroupedLinearOptions fc_options(const TensorView& main_grad, bool keep_input_ref
 
 GroupedMLP make_bench_mlp(const BenchCase& c, const MlpParams& p, LinearRecipe recipe) {
   GroupedMLPOptions o;
-  o.activation = mlp_activation(c);
+  o.activation = mlp_activation(c, p.glu_block);
   o.recipe = recipe;
   o.fc1 = fc_options(p.mg1, true);
   o.fc2 = fc_options(p.mg2, true);
@@ -46,7 +46,7 @@ GroupedMLP make_bench_mlp(const BenchCase& c, const MlpParams& p, LinearRecipe r
 }
 
 UnfusedMlp::UnfusedMlp(const BenchCase& c, const MlpParams& p)
-    : act_(mlp_activation(c)),
+    : act_(mlp_activation(c, p.glu_block)),
       fc1_(ExpertWeights::from_stacked(p.w1), {}, fc_options(p.mg1, true)),
       fc2_(ExpertWeights::from_stacked(p.w2), {}, fc_options(p.mg2, true)) {}
 

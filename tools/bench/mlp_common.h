@@ -3,9 +3,9 @@
 // dx, and the result rows.
 //
 // An mlp run times the expert MLP of an mlp case: stacked bf16 weights FC1 [E, 2·ffn, hidden] (gate
-// and up interleaved in blocks of 16 rows, the layout in which FC1's epilogue computes the
-// activation; bench/torch_baseline.py's composition splits [gate | up] with chunk(2): the same
-// work) and FC2 [E, hidden, ffn], no bias, no router probabilities, x kept by reference
+// and up concatenated, as bench/torch_baseline.py splits them with chunk(2); or with
+// --mlp-glu-block B interleaved in blocks of B rows, the layout in which FC1's epilogue can compute
+// the activation) and FC2 [E, hidden, ffn], no bias, no router probabilities, x kept by reference
 // (save_original_input). Weight gradients: fresh bf16 tensors, as torch's autograd returns them
 // (the default, so that the comparison with torch is like for like), or with --mlp-main-grad
 // accumulated in f32 into one stacked main_grad per FC (Megatron's training configuration: the
@@ -38,10 +38,9 @@
 namespace gmoe::bench {
 
 /// The activation of an mlp case (its "activation" name; clamped_swiglu with gpt-oss's alpha 1.702
-/// and limit 7), FC1's gate/up rows interleaved in blocks of kMlpGluBlock. Throws gmoe::Error on an
-/// unknown name.
-constexpr int64_t kMlpGluBlock = 16;
-ActivationOptions mlp_activation(const BenchCase& c);
+/// and limit 7), FC1's gate/up rows concatenated (glu_block 0) or interleaved in blocks of
+/// glu_block (when it divides ffn). Throws gmoe::Error on an unknown name.
+ActivationOptions mlp_activation(const BenchCase& c, int64_t glu_block = 0);
 /// FC1's output rows: 2·ffn for gated activations, ffn for squared_relu.
 int64_t mlp_fc1_rows(const BenchCase& c);
 
@@ -49,6 +48,7 @@ int64_t mlp_fc1_rows(const BenchCase& c);
 /// mg1, mg2 their f32 main_grads (accumulated into), or absent: fresh gradients of w's dtype.
 struct MlpParams {
   TensorView w1, w2, mg1, mg2;
+  int64_t glu_block = 0;  ///< FC1's gate/up layout (mlp_activation)
 };
 
 /// GroupedMLP in the configuration of the header comment, with `recipe` for both FCs.

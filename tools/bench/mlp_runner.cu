@@ -82,13 +82,14 @@ struct MlpBuffers {
 
   TensorView x(int i) const { return TensorView(xs[i % sets]->ptr, dt, gpu, {rows, H}); }
   TensorView dy(int i) const { return TensorView(dys[i % sets]->ptr, dt, gpu, {rows, H}); }
-  MlpParams params(int i, bool main_grad) const {
-    if (!main_grad) {
-      return {TensorView(w1s[i % sets]->ptr, dt, gpu, {E, R1, H}), TensorView(w2s[i % sets]->ptr, dt, gpu, {E, H, F}),
-              {}, {}};
+  MlpParams params(int i, const BenchOptions& o) const {
+    MlpParams p{TensorView(w1s[i % sets]->ptr, dt, gpu, {E, R1, H}), TensorView(w2s[i % sets]->ptr, dt, gpu, {E, H, F}),
+                {}, {}, o.mlp_glu_block};
+    if (o.mlp_main_grad) {
+      p.mg1 = TensorView(mg1->ptr, DType::f32, gpu, {E, R1, H});
+      p.mg2 = TensorView(mg2->ptr, DType::f32, gpu, {E, H, F});
     }
-    return {TensorView(w1s[i % sets]->ptr, dt, gpu, {E, R1, H}), TensorView(w2s[i % sets]->ptr, dt, gpu, {E, H, F}),
-            TensorView(mg1->ptr, DType::f32, gpu, {E, R1, H}), TensorView(mg2->ptr, DType::f32, gpu, {E, H, F})};
+    return p;
   }
   TensorView yv() const { return TensorView(y->ptr, dt, gpu, {rows, H}); }
   TensorView dxv() const { return TensorView(dx->ptr, dt, gpu, {rows, H}); }
@@ -129,8 +130,8 @@ std::vector<ResultRow> run_mlp_case_cuda(const BenchCase& c, const BenchOptions&
   std::vector<GroupedMLP> mlps;
   std::vector<UnfusedMlp> unfused;
   for (int s = 0; s < b.sets; ++s) {
-    mlps.push_back(make_bench_mlp(c, b.params(s, o.mlp_main_grad)));
-    unfused.emplace_back(c, b.params(s, o.mlp_main_grad));
+    mlps.push_back(make_bench_mlp(c, b.params(s, o)));
+    unfused.emplace_back(c, b.params(s, o));
   }
 
   // The reference of sampled rows, from host copies of set 0.
@@ -146,7 +147,7 @@ std::vector<ResultRow> run_mlp_case_cuda(const BenchCase& c, const BenchOptions&
   d.H = c.hidden;
   d.F = c.ffn;
   d.R1 = R1;
-  d.act = mlp_activation(c);
+  d.act = mlp_activation(c, o.mlp_glu_block);
   d.offsets = prefix_offsets(c.counts);
   d.x = hx.data();
   d.w1 = hw1.data();
@@ -186,7 +187,7 @@ std::vector<ResultRow> run_mlp_case_cuda(const BenchCase& c, const BenchOptions&
   BENCH_CUDA(cudaDeviceSynchronize());
   const TensorView hv(h.ptr, dt, b.gpu, {c.rows, R1}), zv(z.ptr, dt, b.gpu, {c.rows, c.ffn}),
       dzv(dz.ptr, dt, b.gpu, {c.rows, c.ffn}), dhv(dh.ptr, dt, b.gpu, {c.rows, R1});
-  const ActivationOptions act = mlp_activation(c);
+  const ActivationOptions act = mlp_activation(c, o.mlp_glu_block);
   auto act_forward = [&](int) { grouped_activation_forward(hv, b.cv(), zv, act, {}, stream); };
   auto act_backward = [&](int) { grouped_activation_backward(hv, dzv, b.cv(), dhv, act, {}, {}, {}, stream); };
   const double act_fwd = time_ms(act_forward, o.warmup, o.iters, stream);
@@ -207,7 +208,7 @@ std::vector<ResultRow> run_mlp_case_cuda(const BenchCase& c, const BenchOptions&
   for (const std::string& name : o.layer_recipes) {
     const LinearRecipe recipe = linear_recipe_from_name(name);
     std::vector<GroupedMLP> fp8;
-    for (int s = 0; s < b.sets; ++s) fp8.push_back(make_bench_mlp(c, b.params(s, o.mlp_main_grad), recipe));
+    for (int s = 0; s < b.sets; ++s) fp8.push_back(make_bench_mlp(c, b.params(s, o), recipe));
     auto invalidate = [&](int i) { fp8[i % b.sets].invalidate_fp8_weight(); };
     // checked_run leaves y and dx in hy, hdx; the bf16 rule it applies does not hold for FP8.
     checked_run([&] {

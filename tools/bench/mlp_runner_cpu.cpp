@@ -41,7 +41,8 @@ std::vector<ResultRow> run_mlp_case_cpu(const BenchCase& c, const BenchOptions& 
   const TensorView cv(counts.data(), DType::i32, cpu, {E});
   const MlpParams params{TensorView(w1.data(), dt, cpu, {E, R1, H}), TensorView(w2.data(), dt, cpu, {E, H, F}),
                          o.mlp_main_grad ? TensorView(mg1.data(), DType::f32, cpu, {E, R1, H}) : TensorView(),
-                         o.mlp_main_grad ? TensorView(mg2.data(), DType::f32, cpu, {E, H, F}) : TensorView()};
+                         o.mlp_main_grad ? TensorView(mg2.data(), DType::f32, cpu, {E, H, F}) : TensorView(),
+                         o.mlp_glu_block};
 
   MlpHostData d;
   d.dtype = dt;
@@ -50,7 +51,7 @@ std::vector<ResultRow> run_mlp_case_cpu(const BenchCase& c, const BenchOptions& 
   d.H = H;
   d.F = F;
   d.R1 = R1;
-  d.act = mlp_activation(c);
+  d.act = mlp_activation(c, o.mlp_glu_block);
   d.offsets = prefix_offsets(c.counts);
   d.x = x.data();
   d.w1 = w1.data();

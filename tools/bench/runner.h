@@ -29,6 +29,8 @@ struct BenchOptions {
   /// mlp mode: weight gradients accumulated in f32 into main_grads (Megatron's configuration)
   /// instead of fresh bf16 ones (torch's autograd's, the default).
   bool mlp_main_grad = false;
+  /// mlp mode: FC1's gate/up rows interleaved in blocks of this many (0: concatenated).
+  int64_t mlp_glu_block = 0;
   /// gemm mode: only this pass (fprop, dgrad or wgrad; empty: all three), e.g. to profile one kernel.
   std::string only_pass;
   bool runs_pass(const std::string& pass) const { return only_pass.empty() || only_pass == pass; }
