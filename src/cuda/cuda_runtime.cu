@@ -60,6 +60,19 @@ int sm_count(int device) {
   return n;
 }
 
+int64_t l2_bytes(int device) {
+  GMOE_CHECK(device >= 0 && device < kMaxCachedDevices, "CUDA device ", device,
+             " out of the supported range [0, ", kMaxCachedDevices, ")");
+  static std::array<std::atomic<int>, kMaxCachedDevices> cache{};  // 0 = not read yet
+  int n = cache[device].load(std::memory_order_relaxed);
+  if (n == 0) {
+    GMOE_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrL2CacheSize, device));
+    GMOE_CHECK(n > 0, "CUDA device ", device, " reports an L2 cache of ", n, " bytes");
+    cache[device].store(n, std::memory_order_relaxed);
+  }
+  return n;
+}
+
 DeviceGuard::DeviceGuard(int device) {
   const int now = current_device();
   if (now != device) {

@@ -13,6 +13,7 @@
 // graph-capturable: the counts may change between replays of one captured graph.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <climits>
 #include <cstdint>
 #include <cstdlib>
@@ -144,22 +145,27 @@ TileConfig choose_rows_tile(DType in, GemmPass pass, int64_t capacity, int64_t n
 // wgrad, and 1x2 / 2x1 clustered cooperative tiles for all passes, were measured on the public
 // suite at 1.00-1.02x the cooperative tile in the geometric mean on an H100, inside the run-to-run
 // noise of about 10%, and were dropped to keep the build small).
-// The tile order of the weight gradient, whose M (the layer's N) and N (its K) are host-known
-// extents: along N when an expert has more tiles along M than along N (CUTLASS's heuristic for
-// single GEMMs, which it does not apply to grouped ones), so that consecutive tiles share A (dy's
-// columns) and the whole of B (x_e, tokens x K) stays in L2. Along M, mixtral_fc1's dW (M = 28672,
-// N = 4096, 2048 tokens per expert) re-read dy once per N tile: ncu measured 2.66 TB/s of DRAM
-// traffic (79% of peak, 17 GB for 3 GB of operands and output) at 0.78x dense cuBLAS (H100,
-// 2026-11-23). GMOE_RASTER=m|n forces an order (benchmarks, tests).
-bool choose_wgrad_raster_along_n(int64_t m, int64_t n, TileConfig tile) {
+// The tile order of the weight gradient (M = the layer's N, N = its K, host-known; K = an expert's
+// tokens, on the device only). Tiles along M share B's tile and re-read A (dy_e, M x tokens) once
+// per N tile unless all of A stays in L2; along N they share A's tile and need all of B (x_e,
+// N x tokens) to stay in L2 instead. So along N when, at the average tokens per expert, A does not
+// fit in half the L2 and B does. Measured on an H100 (2026-11-23, wgrad of the public suite, both
+// orders forced in one run): mixtral_fc1 (A 117 MB, B 17 MB) along N 675 vs 586 TFLOP/s (uniform;
+// skewed, whose larger experts overflow, 579 vs 607), dsv3_fc2 (A 59 MB, B 17 MB) 758 vs 740 and
+// 676 vs 657; dsv3_fc1 (A 34 MB, B 59 MB) along M 771 vs 623 and 735 vs 483; qwen3moe and small_m
+// (both operands fit) within 5% either way, along M kept. Along M is also CUTLASS's default for
+// grouped problems. GMOE_RASTER=m|n forces an order (benchmarks, tests).
+bool choose_wgrad_raster_along_n(int64_t m, int64_t n, int64_t capacity, int64_t num_experts, DType in) {
   static const int forced = [] {
     const char* env = std::getenv("GMOE_RASTER");
     if (env == nullptr) return -1;
     return std::strcmp(env, "n") == 0 ? 1 : std::strcmp(env, "m") == 0 ? 0 : -1;
   }();
   if (forced >= 0) return forced == 1;
-  const int64_t tile_n = tile == TileConfig::coop_128x256 ? 256 : 128;
-  return (m + 127) / 128 > (n + tile_n - 1) / tile_n;
+  const int64_t tokens = capacity / std::max<int64_t>(num_experts, 1);
+  const int64_t elem = static_cast<int64_t>(dtype_size(in));
+  const int64_t half_l2 = l2_bytes(current_device()) / 2;
+  return m * tokens * elem > half_l2 && n * tokens * elem <= half_l2;
 }
 
 TileConfig choose_wgrad_tile(DType out, int64_t capacity, int64_t num_experts) {
@@ -425,7 +431,7 @@ void grouped_gemm_wgrad(const TensorView& dy, const TensorView& x, const TensorV
   plan.run_gemm = capacity > 0 && n > 0 && k > 0;
   plan.beta = options.accumulate ? 1.0f : 0.0f;
   plan.tile = choose_wgrad_tile(dw.dtype(), capacity, counts.size(0));
-  plan.raster_along_n = choose_wgrad_raster_along_n(n, k, plan.tile);
+  plan.raster_along_n = choose_wgrad_raster_along_n(n, k, capacity, counts.size(0), dy.dtype);
   plan.dw_elem_bytes = static_cast<int32_t>(dtype_size(dw.dtype()));
   plan.dw_rows = n;
   plan.dw_row_bytes = k * static_cast<int64_t>(dtype_size(dw.dtype()));
