@@ -35,6 +35,18 @@ void check_layout_view(const TensorView& given, const TensorView& expected, cons
   GMOE_CHECK(given.data != nullptr || given.numel() == 0, name, ": null data for ", given.shape_str());
 }
 
+namespace {
+
+// The rowwise copy (data, scale_inv) of an Fp8Grouped or Fp8Weights against its layout `l`.
+template <class Q>
+void check_rowwise_copy(const Q& q, const Q& l, const char* name, const char* reader) {
+  GMOE_CHECK(q.data.defined(), name, ": the rowwise copy (data) is absent", reader);
+  check_layout_view(q.data, l.data, std::string(name) + ".data");
+  check_layout_view(q.scale_inv, l.scale_inv, std::string(name) + ".scale_inv");
+}
+
+}  // namespace
+
 void check_fp8_grouped(const Fp8Grouped& q, int64_t E, Fp8Copy which, Device device, const char* name,
                        const char* reader) {
   check_recipe(q.recipe, q.format, name);
@@ -42,9 +54,7 @@ void check_fp8_grouped(const Fp8Grouped& q, int64_t E, Fp8Copy which, Device dev
   const Fp8Grouped l = fp8_grouped_layout(q.capacity, q.cols, E, copy_options(q.recipe, q.format, which), device);
   const std::string n(name);
   if (which == Fp8Copy::rowwise) {
-    GMOE_CHECK(q.data.defined(), name, ": the rowwise copy (data) is absent", reader);
-    check_layout_view(q.data, l.data, n + ".data");
-    check_layout_view(q.scale_inv, l.scale_inv, n + ".scale_inv");
+    check_rowwise_copy(q, l, name, reader);
   } else {
     GMOE_CHECK(q.data_t.defined(), name, ": the columnwise copy (data_t) is absent", reader);
     GMOE_CHECK(q.padded_capacity == l.padded_capacity, name, ".padded_capacity: expected ", l.padded_capacity,
@@ -67,9 +77,7 @@ void check_fp8_weights(const Fp8Weights& q, int64_t E, Fp8Copy which, Device dev
   const Fp8Weights l = fp8_weights_layout(q.experts, q.rows, q.cols, copy_options(q.recipe, q.format, which), device);
   const std::string n(name);
   if (which == Fp8Copy::rowwise) {
-    GMOE_CHECK(q.data.defined(), name, ": the rowwise copy (data) is absent", reader);
-    check_layout_view(q.data, l.data, n + ".data");
-    check_layout_view(q.scale_inv, l.scale_inv, n + ".scale_inv");
+    check_rowwise_copy(q, l, name, reader);
   } else {
     GMOE_CHECK(q.data_t.defined(), name, ": the transposed copy (data_t) is absent", reader);
     check_layout_view(q.data_t, l.data_t, n + ".data_t");

@@ -46,32 +46,29 @@ int current_device() {
   return device;
 }
 
-int sm_count(int device) {
+namespace {
+
+// A positive integer attribute of CUDA device `device`, read on first use and cached per device
+// and attribute slot (0 = not read yet; racing first readers store the same value).
+template <int kSlot>
+int cached_attribute(int device, cudaDeviceAttr attr, const char* what) {
   GMOE_CHECK(device >= 0 && device < kMaxCachedDevices, "CUDA device ", device,
              " out of the supported range [0, ", kMaxCachedDevices, ")");
-  // 0 = not read yet; racing first readers store the same value.
   static std::array<std::atomic<int>, kMaxCachedDevices> cache{};
   int n = cache[device].load(std::memory_order_relaxed);
   if (n == 0) {
-    GMOE_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
-    GMOE_CHECK(n > 0, "CUDA device ", device, " reports ", n, " multiprocessors");
+    GMOE_CUDA_CHECK(cudaDeviceGetAttribute(&n, attr, device));
+    GMOE_CHECK(n > 0, "CUDA device ", device, " reports ", n, " ", what);
     cache[device].store(n, std::memory_order_relaxed);
   }
   return n;
 }
 
-int64_t l2_bytes(int device) {
-  GMOE_CHECK(device >= 0 && device < kMaxCachedDevices, "CUDA device ", device,
-             " out of the supported range [0, ", kMaxCachedDevices, ")");
-  static std::array<std::atomic<int>, kMaxCachedDevices> cache{};  // 0 = not read yet
-  int n = cache[device].load(std::memory_order_relaxed);
-  if (n == 0) {
-    GMOE_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrL2CacheSize, device));
-    GMOE_CHECK(n > 0, "CUDA device ", device, " reports an L2 cache of ", n, " bytes");
-    cache[device].store(n, std::memory_order_relaxed);
-  }
-  return n;
-}
+}  // namespace
+
+int sm_count(int device) { return cached_attribute<0>(device, cudaDevAttrMultiProcessorCount, "multiprocessors"); }
+
+int64_t l2_bytes(int device) { return cached_attribute<1>(device, cudaDevAttrL2CacheSize, "bytes of L2 cache"); }
 
 DeviceGuard::DeviceGuard(int device) {
   const int now = current_device();
