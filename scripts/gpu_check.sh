@@ -85,7 +85,8 @@ for stage in "${stages[@]}"; do
       pids+=($!)
       forced tile_pingpong GMOE_CUDA_TILE=pingpong "$rows_filter" >"$OUT/forced_status_b.txt" &
       pids+=($!)
-      { forced raster_m GMOE_RASTER=m '*Wgrad*'; forced raster_n GMOE_RASTER=n '*Wgrad*'; } >"$OUT/forced_status_c.txt" &
+      { forced raster_m GMOE_RASTER=m '*Wgrad*'; forced raster_n GMOE_RASTER=n '*Wgrad*';
+        forced fused_activation GMOE_FUSED_ACTIVATION=1 '*CudaGroupedMlp*'; } >"$OUT/forced_status_c.txt" &
       pids+=($!)
       for p in "${pids[@]}"; do wait "$p" || { r=FAILED; status=1; }; done
       cat "$OUT"/forced_status_*.txt | tee -a "$OUT/summary.txt"

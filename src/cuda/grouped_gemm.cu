@@ -233,7 +233,7 @@ struct Plan : CallPlan {
   float beta = 0.0f;
   TileConfig tile = TileConfig::coop_128x256;
   bool raster_along_n = false;
-  GluEpilogue glu_scalars;  ///< glu: the activation's kind, block and parameters (pointers: prepare_call)
+  int32_t glu_kind = 0, glu_block = 0;  ///< glu: the activation and interleave block (pointers: prepare_call)
 };
 
 KernelEntry kernel_of(const Plan& plan) {
@@ -252,12 +252,8 @@ void execute(const Plan& plan, Stream stream, Allocator& alloc) {
     call.launch.beta = plan.beta;
     call.launch.raster_along_n = plan.raster_along_n;
     if (plan.glu) {
-      GluEpilogue& g = call.launch.glu;
-      g.kind = plan.glu_scalars.kind;
-      g.block = plan.glu_scalars.block;
-      g.alpha = plan.glu_scalars.alpha;
-      g.limit = plan.glu_scalars.limit;
-      g.gelu_tanh = plan.glu_scalars.gelu_tanh;
+      call.launch.glu.kind = plan.glu_kind;
+      call.launch.glu.block = plan.glu_block;
     }
     kernel.run(call.launch, stream);
   }
@@ -325,11 +321,8 @@ void rows_pass(GemmPass pass, const TensorView& a, const ExpertWeights& w, const
     plan.prep.rows_z = rows_operand(fused_act->z);
     plan.prep.probs = static_cast<const float*>(fused_act->probs.data);
     plan.z_row_bytes = fused_act->z.size(1) * static_cast<int64_t>(dtype_size(fused_act->z.dtype));
-    plan.glu_scalars.kind = static_cast<int32_t>(o.kind);
-    plan.glu_scalars.block = static_cast<int32_t>(o.glu.block);
-    plan.glu_scalars.alpha = o.alpha;
-    plan.glu_scalars.limit = o.limit;
-    plan.glu_scalars.gelu_tanh = o.gelu_tanh;
+    plan.glu_kind = static_cast<int32_t>(o.kind);
+    plan.glu_block = static_cast<int32_t>(o.glu.block);
   }
   plan.run_gemm = capacity > 0 && gemm_n > 0 && gemm_k > 0;
   plan.tile = choose_rows_tile(a.dtype, pass, capacity, counts.size(0), gemm_n,

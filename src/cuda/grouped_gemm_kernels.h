@@ -46,10 +46,8 @@ struct GluEpilogue {
   void* const* ptr_z = nullptr;             ///< [E] group e's first row of z
   const int64_t* stride_z = nullptr;        ///< [E] z's row stride, elements
   const float* const* ptr_probs = nullptr;  ///< [E] group e's first router probability; nullptr: none
-  int32_t kind = 0;                         ///< ActivationKind (a gated one)
+  int32_t kind = 0;                         ///< ActivationKind: swiglu (the one the node computes)
   int32_t block = 0;                        ///< interleave block: 8 or 16
-  float alpha = 1.702f, limit = 7.0f;       ///< clamped_swiglu
-  bool gelu_tanh = false;                   ///< geglu
 };
 
 /// Device arrays (length num_groups, written by the argument-preparation kernels) and scalars that

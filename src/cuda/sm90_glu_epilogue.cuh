@@ -78,7 +78,6 @@ struct Sm90GatedActivation {
           ldz(p.stride_z[group]),
           probs(p.ptr_probs != nullptr ? p.ptr_probs[group] : nullptr),
           block(p.block),
-          prm{p.alpha, p.limit, p.gelu_tanh},
           rows(m),
           cols(n) {}
     CoordTensor tC_cH;  // (CPY, CPY_M, CPY_N, EPI_M, EPI_N) -> (row, column) of h within the group
@@ -86,7 +85,6 @@ struct Sm90GatedActivation {
     int64_t ldz;
     const float* probs;
     int32_t block;
-    act::Params prm;
     int rows, cols;
 
     // SwiGLU only: the epilogue loop is unrolled over every subtile, so each activation's code is
@@ -94,7 +92,7 @@ struct Sm90GatedActivation {
     // tanhf) that code thrashed the instruction cache (ncu: 14.7 of 31 cycles per issued
     // instruction waiting for instruction fetch, qwen3's fused FC1 at 1.99 ms against ~0.6 ms for the plain GEMM).
     CUTLASS_DEVICE float activation(float g, float u) const {
-      return act::gated_value<ActivationKind::swiglu>(g, u, prm);
+      return act::gated_value<ActivationKind::swiglu>(g, u, act::Params{});  // SwiGLU has no parameters
     }
 
     // kHalf = B / 2: the distance from a gate element to its up partner in the fragment; elements

@@ -1,8 +1,8 @@
 // tests/cuda/test_grouped_gemm_activation_cuda.cpp — grouped_gemm_fprop_activation on the device:
-// h and z bitwise equal to grouped_gemm_fprop followed by grouped_activation_forward, for every
-// gated activation, gate/up interleaved in blocks of 8 and 16 (SwiGLU: the activation in the
-// GEMM's epilogue, enabled here with GMOE_FUSED_ACTIVATION=1) and in blocks of 32 or concatenated
-// (the two ops in turn), without and with a bias
+// h and z bitwise equal to grouped_gemm_fprop followed by grouped_activation_forward: SwiGLU with
+// gate/up interleaved in blocks of 8 and 16 (the activation in the GEMM's epilogue, enabled here
+// with GMOE_FUSED_ACTIVATION=1), and, through the fallback to the two ops in turn, SwiGLU in blocks
+// of 32 or concatenated and clamped SwiGLU (the epilogue computes SwiGLU only), without and with a bias
 // (bf16: fused too; f32: a second pass), with and without router probabilities, on the named
 // cases at GPU scale. Outputs are NaN-poisoned first, so unwritten elements (rows past the total
 // included) fail. Also: the fused path launches fewer kernels than the composition (it is taken),
@@ -29,14 +29,13 @@
 namespace gmoe::test {
 namespace {
 
-// The gated activations (clamped SwiGLU with a limit that unit-sized h exceeds, so both sides of
-// the clamp are exercised) in one gate/up layout.
+// SwiGLU, the activation the epilogue computes, and clamped SwiGLU (a limit that unit-sized h
+// exceeds), which must take the fallback, in one gate/up layout.
 std::vector<ActivationOptions> variants_for(const GluFormat& glu) {
   std::vector<ActivationOptions> v;
-  for (int k = 0; k < 4; ++k) {
+  for (ActivationKind kind : {ActivationKind::swiglu, ActivationKind::clamped_swiglu}) {
     ActivationOptions o;
-    o.kind = k == 0 ? ActivationKind::swiglu : k == 3 ? ActivationKind::clamped_swiglu : ActivationKind::geglu;
-    o.gelu_tanh = k == 2;
+    o.kind = kind;
     o.limit = 0.75f;
     o.glu = glu;
     v.push_back(o);
@@ -52,9 +51,11 @@ const std::vector<GluFormat>& layouts() {
   return kLayouts;
 }
 
-// The fused path (SwiGLU, blocks of 8 or 16), which these tests enable (GMOE_FUSED_ACTIVATION=1).
+// The fused path (SwiGLU, blocks of 8 or 16), which these tests enable (GMOE_FUSED_ACTIVATION=1)
+// and disable again, so that the other suites of the process run the default.
 bool fused_layout(const GluFormat& g) { return g.layout == GluLayout::interleaved && (g.block == 8 || g.block == 16); }
 void enable_fusion() { setenv("GMOE_FUSED_ACTIVATION", "1", 1); }
+void disable_fusion() { unsetenv("GMOE_FUSED_ACTIVATION"); }
 
 enum class BiasMode { kNone, kGroupedBf16, kListBf16, kGroupedF32 };
 const char* bias_name(BiasMode m) {
@@ -141,6 +142,7 @@ class CudaGroupedGemmActivation : public ::testing::TestWithParam<Param> {
     GMOE_SKIP_WITHOUT_GPU();
     enable_fusion();
   }
+  void TearDown() override { disable_fusion(); }
   const GluFormat& glu() const { return layouts()[std::get<0>(GetParam())]; }
   const std::string& case_name() const { return std::get<1>(GetParam()); }
 };
@@ -194,10 +196,11 @@ INSTANTIATE_TEST_SUITE_P(Cases, CudaGroupedGemmActivation,
                          ::testing::Combine(::testing::Range(0, int(layouts().size())), ::testing::ValuesIn(cases())),
                          param_name);
 
-// The fused path is taken where it should be: captured in global mode (any host sync fails the
-// capture), it launches fewer kernels than the composition (no activation kernel; one more
-// zeroing launch). Replays of the one capture under changing counts (uniform, skewed with empty
-// experts, all in one expert, all empty) are bitwise the eager composition of each routing.
+// The fused path is taken where it should be and only there: captured in global mode (any host
+// sync fails the capture), SwiGLU in blocks of 8 or 16 launches fewer kernels than the composition
+// (no activation kernel; one more zeroing launch), every other case the same kernels. Replays of
+// the one capture under changing counts (uniform, skewed with empty experts, all in one expert,
+// all empty) are bitwise the composition's replays.
 TEST(CudaGroupedGemmActivationGraph, FusedLaunchesFewerKernelsAndReplaysUnderChangingCounts) {
   GMOE_SKIP_WITHOUT_GPU();
   enable_fusion();
@@ -217,10 +220,11 @@ TEST(CudaGroupedGemmActivationGraph, FusedLaunchesFewerKernelsAndReplaysUnderCha
   poison(h0);
   poison(z0);
   DeviceTensor h(h0), z(z0), h_ref(h0), z_ref(z0);
-  for (const GluFormat& glu : layouts()) {
-    ActivationOptions act;
-    act.kind = ActivationKind::swiglu;
-    act.glu = glu;
+  std::vector<ActivationOptions> acts;
+  for (const GluFormat& glu : layouts()) acts.push_back(variants_for(glu)[0]);  // SwiGLU in every layout
+  acts.push_back(variants_for({GluLayout::interleaved, 16})[1]);             // clamped: not fused
+  for (const ActivationOptions& act : acts) {
+    const GluFormat& glu = act.glu;
     const ExpertBias b = ExpertBias::from_grouped(bias.view());
     const CapturedGraph fused(stream, [&] {
       grouped_gemm_fprop_activation(x.view(), w.view(), b, counts.view(), h.view(), z.view(), act, probs.view(),
@@ -231,7 +235,8 @@ TEST(CudaGroupedGemmActivationGraph, FusedLaunchesFewerKernelsAndReplaysUnderCha
       grouped_activation_forward(h_ref.view(), counts.view(), z_ref.view(), act, probs.view(), stream);
     });
     SCOPED_TRACE(glu.layout == GluLayout::concatenated ? "concatenated" : "interleaved " + std::to_string(glu.block));
-    if (fused_layout(glu)) {
+    SCOPED_TRACE(activation_name(act.kind));
+    if (act.kind == ActivationKind::swiglu && fused_layout(glu)) {
       EXPECT_LT(fused.kernel_nodes(), composed.kernel_nodes()) << "the activation was not fused";
     } else {
       EXPECT_EQ(fused.kernel_nodes(), composed.kernel_nodes());
@@ -250,6 +255,7 @@ TEST(CudaGroupedGemmActivationGraph, FusedLaunchesFewerKernelsAndReplaysUnderCha
     }
   }
   GMOE_TEST_CUDA(cudaStreamDestroy(stream));
+  disable_fusion();
 }
 
 }  // namespace

@@ -217,20 +217,17 @@ std::vector<ResultRow> run_mlp_case_cuda(const BenchCase& c, const BenchOptions&
     });
     const MlpCheck quantized =
         check_mlp_quantized(d, ref, hy.data(), hdx.data(), recipe == LinearRecipe::mxfp8 ? 0.25 : 0.15);
-    const std::vector<double> f = time_interleaved_ms(
-        {[&](int i) {
-           invalidate(i);
-           mlp_forward(fp8[i % b.sets], b, i, stream);
-         },
-         [&](int i) { mlp_forward(mlps[i % b.sets], b, i, stream); }},
-        o.warmup, o.iters, stream);
-    const std::vector<double> g = time_interleaved_ms(
-        {[&](int i) {
-           invalidate(i);
-           mlp_forward_backward(fp8[i % b.sets], b, i, stream);
-         },
-         [&](int i) { mlp_forward_backward(mlps[i % b.sets], b, i, stream); }},
-        o.warmup, o.iters, stream);
+    // One pass (mlp_forward or mlp_forward_backward): the FP8 layer interleaved with the bf16 one.
+    auto against_bf16 = [&](void (*pass)(GroupedMLP&, const MlpBuffers&, int, cudaStream_t)) {
+      return time_interleaved_ms({[&](int i) {
+                                    invalidate(i);
+                                    pass(fp8[i % b.sets], b, i, stream);
+                                  },
+                                  [&](int i) { pass(mlps[i % b.sets], b, i, stream); }},
+                                 o.warmup, o.iters, stream);
+    };
+    const std::vector<double> f = against_bf16(mlp_forward);
+    const std::vector<double> g = against_bf16(mlp_forward_backward);
     std::vector<ResultRow> r = mlp_rows(c, dt, std::string("gmoe_") + name, {f[0], g[0]}, quantized, o.mlp_main_grad);
     r[0].bare_ms = f[1];
     r[1].bare_ms = g[1];
