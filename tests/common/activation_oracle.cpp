@@ -185,6 +185,8 @@ const std::vector<ActivationOptions>& activation_test_variants() {
     std::vector<ActivationOptions> v;
     const GluFormat layouts[] = {{GluLayout::concatenated, 1},
                                  {GluLayout::interleaved, 1},
+                                 {GluLayout::interleaved, 8},
+                                 {GluLayout::interleaved, 16},
                                  {GluLayout::interleaved, 32},
                                  {GluLayout::interleaved, 64}};
     for (int k = 0; k < 4; ++k) {

@@ -1,6 +1,6 @@
 // tests/cpu/test_activation_cpu.cpp — the CPU grouped activations against the exact (fp64) oracle of
 // tests/common/activation_oracle.h: every activation (GeGLU in both forms), both gate/up layouts
-// (concatenated; interleaved in blocks of 1, 32, 64), bf16/f16/f32, with and without router
+// (concatenated; interleaved in blocks of 1, 8, 16, 32, 64), bf16/f16/f32, with and without router
 // probabilities, forward, backward with dprobs and the recomputed z (bitwise the forward's), in
 // place (dh over h) and with padded row strides; rows past the real total zero even over NaN
 // inputs, empty experts, zero total, zero capacity. Gradients are also checked against finite
@@ -23,7 +23,7 @@
 namespace gmoe::test {
 namespace {
 
-constexpr int64_t kF = 192;  // divisible by the interleave blocks 32 and 64, and by 3
+constexpr int64_t kF = 192;  // divisible by every test interleave block (1, 8, 16, 32, 64) and by 3
 const double kNaN = std::numeric_limits<double>::quiet_NaN();
 
 const std::vector<ActivationOptions>& variants() { return activation_test_variants(); }
