@@ -34,8 +34,16 @@ import time
 torch = None  # imported in main (not needed by --dry-run)
 
 
-def time_ms(fn, warmup, iters):
+def time_ms(fn, warmup, iters, warm_ms=0.0):
     for _ in range(warmup):
+        fn()
+    # warm_ms: more untimed runs until that much wall-clock time of back-to-back work has passed,
+    # so the timed runs see the clocks of sustained load (gmoe-bench's --mlp-warm-ms does the same).
+    t0 = time.time()
+    while warm_ms > 0:
+        torch.cuda.synchronize()
+        if (time.time() - t0) * 1e3 >= warm_ms:
+            break
         fn()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
@@ -248,7 +256,7 @@ def mlp_rows(case, args, errors):
             continue
         for pass_name, run, pass_flops in (("forward", forward, flops), ("forward_backward", forward_backward, 3 * flops)):
             try:
-                ms = time_ms(run, args.warmup, args.iters)
+                ms = time_ms(run, args.warmup, args.iters, args.mlp_warm_ms)
                 out.append(row(case, pass_name, impl, ms, pass_flops))
             except Exception as e:
                 msg = f"{type(e).__name__}: {e}"
@@ -290,6 +298,8 @@ def main():
     ap.add_argument("--no-compile", action="store_true", help="mlp cases: skip the torch.compile baseline")
     ap.add_argument("--no-fp8", action="store_true", help="gemm cases: skip torch._scaled_grouped_mm")
     ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--mlp-warm-ms", type=float, default=1000.0,
+                    help="mlp cases: ms of back-to-back untimed work before each timing (clocks of sustained load)")
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--dry-run", action="store_true", help="print the cases and what would be timed, then exit")
     args = ap.parse_args()

@@ -108,6 +108,9 @@ int main(int argc, char** argv) {
   app.add_option("--mlp-glu-block", o.mlp_glu_block,
                  "mlp mode: FC1's gate/up rows interleaved in blocks of this many (0: concatenated; 8 or 16: the "
                  "layouts in which FC1's epilogue can compute SwiGLU, GMOE_FUSED_ACTIVATION=1)");
+  app.add_option("--mlp-warm-ms", o.mlp_warm_ms,
+                 "mlp mode (CUDA): milliseconds of back-to-back untimed work before each timing, to time at "
+                 "the clocks of sustained load (as bench/torch_baseline.py's --mlp-warm-ms)");
   app.add_option("--pass", o.only_pass, "gemm mode: only this pass (e.g. to profile one kernel)")
       ->check(CLI::IsMember({"fprop", "dgrad", "wgrad"}));
   CLI11_PARSE(app, argc, argv);

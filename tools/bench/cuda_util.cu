@@ -5,6 +5,7 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <chrono>
 
 namespace gmoe::bench {
 namespace {
@@ -44,11 +45,19 @@ int rotation_sets(size_t set_bytes) {
 }
 
 std::vector<double> time_interleaved_ms(const std::vector<std::function<void(int)>>& runs, int warmup, int iters,
-                                        cudaStream_t stream) {
+                                        cudaStream_t stream, double warm_ms) {
   GMOE_CHECK(iters >= 1, "timing needs at least one timed run, got ", iters);
   const size_t n = runs.size();
+  const auto t0 = std::chrono::steady_clock::now();
   for (int i = 0; i < warmup; ++i) {
     for (const auto& run : runs) run(i);
+  }
+  if (warm_ms > 0) {
+    for (int i = warmup;; ++i) {
+      BENCH_CUDA(cudaStreamSynchronize(stream));
+      if (std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() >= warm_ms) break;
+      for (const auto& run : runs) run(i);
+    }
   }
   std::vector<cudaEvent_t> ev(2 * n * iters);
   for (auto& e : ev) BENCH_CUDA(cudaEventCreate(&e));
@@ -73,8 +82,8 @@ std::vector<double> time_interleaved_ms(const std::vector<std::function<void(int
   return medians;
 }
 
-double time_ms(const std::function<void(int)>& run, int warmup, int iters, cudaStream_t stream) {
-  return time_interleaved_ms({run}, warmup, iters, stream)[0];
+double time_ms(const std::function<void(int)>& run, int warmup, int iters, cudaStream_t stream, double warm_ms) {
+  return time_interleaved_ms({run}, warmup, iters, stream, warm_ms)[0];
 }
 
 }  // namespace gmoe::bench

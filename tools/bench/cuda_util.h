@@ -41,12 +41,16 @@ int rotation_sets(size_t set_bytes);
 
 /// Median over `iters` timed runs (after `warmup`), each bracketed by its own events. run(i) gets
 /// the run's index (to rotate inputs).
-double time_ms(const std::function<void(int)>& run, int warmup, int iters, cudaStream_t stream);
+double time_ms(const std::function<void(int)>& run, int warmup, int iters, cudaStream_t stream, double warm_ms = 0);
 
 /// The same for several functions timed in turn within each iteration (run 0, run 1, ..., run 0,
 /// ...), so that clock and thermal drift during the measurement affect them alike: for ratios of
 /// things measured in the same run. Returns each one's median.
+/// warm_ms > 0: after the `warmup` rounds, more untimed rounds until that much wall-clock time of
+/// back-to-back work has passed, so that the timed runs see the clocks of sustained load (an H100
+/// running GEMMs back to back measured a lone GEMM 18% slower after a few hundred milliseconds
+/// than in its first 60: power management lowers the clocks), whatever ran before.
 std::vector<double> time_interleaved_ms(const std::vector<std::function<void(int)>>& runs, int warmup, int iters,
-                                        cudaStream_t stream);
+                                        cudaStream_t stream, double warm_ms = 0);
 
 }  // namespace gmoe::bench

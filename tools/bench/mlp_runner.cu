@@ -174,11 +174,11 @@ std::vector<ResultRow> run_mlp_case_cuda(const BenchCase& c, const BenchOptions&
   const std::vector<double> fwd = time_interleaved_ms(
       {[&](int i) { mlp_forward(mlps[i % b.sets], b, i, stream); },
        [&](int i) { unfused_forward(unfused[i % b.sets], b, i, stream); }},
-      o.warmup, o.iters, stream);
+      o.warmup, o.iters, stream, o.mlp_warm_ms);
   const std::vector<double> fb = time_interleaved_ms(
       {[&](int i) { mlp_forward_backward(mlps[i % b.sets], b, i, stream); },
        [&](int i) { unfused_forward_backward(unfused[i % b.sets], b, i, stream); }},
-      o.warmup, o.iters, stream);
+      o.warmup, o.iters, stream, o.mlp_warm_ms);
   // The activation alone: h [rows, R1] (FC1's output of set 0, rebuilt by one GroupedMLP forward
   // is not needed: any values time alike), z and dz [rows, F], dh [rows, R1].
   DeviceBuffer h(c.rows * R1 * es), z(c.rows * c.ffn * es), dz(c.rows * c.ffn * es), dh(c.rows * R1 * es);
@@ -224,7 +224,7 @@ std::vector<ResultRow> run_mlp_case_cuda(const BenchCase& c, const BenchOptions&
                                     pass(fp8[i % b.sets], b, i, stream);
                                   },
                                   [&](int i) { pass(mlps[i % b.sets], b, i, stream); }},
-                                 o.warmup, o.iters, stream);
+                                 o.warmup, o.iters, stream, o.mlp_warm_ms);
     };
     const std::vector<double> f = against_bf16(mlp_forward);
     const std::vector<double> g = against_bf16(mlp_forward_backward);
