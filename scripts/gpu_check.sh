@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # scripts/gpu_check.sh — the one command run on the GPU machine (H100/H200).
 #
-#   scripts/gpu_check.sh [stage ...]     stages: build test sanitize bench tiles (default: the first four)
+#   scripts/gpu_check.sh [stage ...]     stages: build test sanitize bench tiles profile timeline
+#                                        (default: the first four)
 #
 # build     configure with CUDA and build the CUDA test suite and gmoe-bench with all cores
 #           (build/gpu; GMOE_BUILD_TARGETS="all" builds everything)
@@ -18,6 +19,8 @@
 # profile   Nsight Compute's speed-of-light and memory sections for the GEMM kernels of the cases that
 #           miss their targets (bf16 wgrad of mixtral_fc1 and small_m, FP8 blockwise wgrad of
 #           dsv3_fc1), one correctness run and one timed run each: ncu.txt
+# timeline  every kernel's duration in launch order (ncu, clocks and caches untouched) for a few
+#           gmoe-bench runs (GMOE_TIMELINE): where a layer's time goes, against its parts alone
 #
 # Logs and results go to $OUT (default /tmp/gmoe_out): results.json results.md tiles.md summary.txt, and
 # logs.tgz (build.log tests.log cuda_tests.log sanitizer.log bench.log). The machine has no package registry: carry .deps (made by
@@ -173,21 +176,58 @@ PY
       # and warp-state sections. The cases are those that miss their targets: bf16 wgrad of
       # mixtral_fc1 (below dense cuBLAS) and small_m/skewed (below torch), FP8 blockwise fprop of
       # dsv3_fc1 (below 1150 TFLOP/s) and its weight gradient (below our bf16).
+      # GMOE_PROFILE_SPECS replaces the list: ';'-separated "kernel regex|gmoe-bench arguments".
       : >"$OUT/ncu.txt"
-      for spec in "mixtral_fc1/uniform|wgrad|device_kernel|" "small_m/skewed|wgrad|device_kernel|" \
-                  "dsv3_fc1/uniform|fprop|e4m3|--fp8 blockwise" "dsv3_fc1/uniform|wgrad|e4m3|--fp8 blockwise --fp8-wgrad-out f32"; do
-        IFS='|' read -r case_name pass kname extra <<<"$spec"
-        echo "== $case_name $pass $extra" >>"$OUT/ncu.txt"
+      specs="${GMOE_PROFILE_SPECS:-device_kernel|--mode gemm --case mixtral_fc1/uniform --pass wgrad --no-baselines;device_kernel|--mode gemm --case small_m/skewed --pass wgrad --no-baselines;e4m3|--mode gemm --case dsv3_fc1/uniform --pass fprop --no-baselines --fp8 blockwise;e4m3|--mode gemm --case dsv3_fc1/uniform --pass wgrad --no-baselines --fp8 blockwise --fp8-wgrad-out f32}"
+      IFS=';' read -r -a spec_list <<<"$specs"
+      for spec in "${spec_list[@]}"; do
+        IFS='|' read -r kname args <<<"$spec"
+        echo "== $kname: $args" >>"$OUT/ncu.txt"
         # shellcheck disable=SC2086
         timeout "${GMOE_PROFILE_TIMEOUT:-120}" ncu --kernel-name-base demangled --kernel-name regex:"$kname" \
           --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
           --section WarpStateStats --section LaunchStats --print-summary none \
-          "$BUILD/gmoe-bench" --suite bench/suites/public.json --mode gemm --case "$case_name" --pass "$pass" \
-          --iters 1 --warmup 0 --no-baselines $extra >>"$OUT/ncu.txt" 2>&1 || status=1
+          "$BUILD/gmoe-bench" --suite bench/suites/public.json $args --iters 1 --warmup 0 \
+          >>"$OUT/ncu.txt" 2>&1 || status=1
       done
       grep -E "^== |Duration|Compute \(SM\) Throughput|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Stall" \
         "$OUT/ncu.txt" | tail -60
       summary "profile: done ($(( $(date +%s) - t0 )) s)" ;;
+    timeline)
+      # Every kernel's duration, in launch order, for the first launches of gmoe-bench runs (one
+      # run per ';'-separated argument list in GMOE_TIMELINE; default the GroupedMLP of dsv3_ep32
+      # and its two GEMMs alone): Nsight Compute with clocks and caches left as they are, so that
+      # the sum of a layer's kernels can be set against its CUDA-event time and against its parts
+      # timed alone. timeline.txt
+      : >"$OUT/timeline.txt"
+      IFS=';' read -r -a runs <<<"${GMOE_TIMELINE:---mode mlp --case dsv3_ep32/uniform;--mode gemm --case dsv3_fc1/uniform --no-baselines;--mode gemm --case dsv3_fc2/uniform --no-baselines}"
+      for args in "${runs[@]}"; do
+        echo "== gmoe-bench $args" >>"$OUT/timeline.txt"
+        # shellcheck disable=SC2086
+        timeout "${GMOE_PROFILE_TIMEOUT:-120}" ncu --csv --print-units base --metrics gpu__time_duration.sum \
+          --clock-control none --cache-control none --launch-count "${GMOE_TIMELINE_LAUNCHES:-60}" \
+          "$BUILD/gmoe-bench" --suite bench/suites/public.json $args --iters 1 --warmup 0 \
+          >/tmp/gmoe_timeline.csv 2>>"$OUT/timeline.log" || status=1
+        cat /tmp/gmoe_timeline.csv >>"$OUT/timeline.log"
+        python3 - /tmp/gmoe_timeline.csv >>"$OUT/timeline.txt" <<'PY' || status=1
+import csv, re, sys
+rows = [r for r in csv.reader(l for l in open(sys.argv[1]) if l.startswith('"'))]
+if not rows:
+    sys.exit("no ncu rows")
+head, body = rows[0], rows[1:]
+name, val = head.index("Kernel Name"), head.index("Metric Value")
+grid = head.index("Grid Size") if "Grid Size" in head else None
+total = 0.0
+for r in body:
+    us = float(r[val].replace(",", "")) / 1e3
+    total += us
+    short = re.sub(r"\(.*", "", r[name])[:90]
+    print(f"{us:10.1f} us  {r[grid] if grid is not None else '':>16}  {short}")
+print(f"{total:10.1f} us  total of {len(body)} kernels")
+PY
+      done
+      cat "$OUT/timeline.txt" | tail -150
+      summary "timeline: done ($(( $(date +%s) - t0 )) s)" ;;
     *) echo "unknown stage '$stage'"; exit 2 ;;
   esac
 done
