@@ -13,6 +13,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <cstdint>
 #include <vector>
 
 #include "common/backend.h"
@@ -64,6 +65,42 @@ __global__ void bias_add_kernel(void* y, DType y_dtype, int64_t ld, int64_t N, i
     for (int64_t n = threadIdx.x; n < N; n += blockDim.x) {
       const int64_t i = row * ld + n;
       store_f(y, y_dtype, i, load_f(y, y_dtype, i) + load_f(b, bias.dtype, n));
+    }
+  }
+}
+
+// The same with 16-byte accesses: 8 elements of y (bf16/f16) per thread and step, the bias in y's
+// type or f32; every element is computed as above (f32 sum, one rounding), so the results are the
+// same. Host-checked: N a multiple of 8, y's rows and every expert's bias 16-byte aligned. The
+// element kernel above ran dsv3_fc2's bias add (32768 x 7168 bf16) at 1.25 TB/s on an H100.
+template <typename T, typename B>
+__global__ void bias_add_vec_kernel(T* y, int64_t ld, int64_t N, int64_t capacity, const int64_t* offsets, int E,
+                                    BiasRef bias) {
+  constexpr int kVec = 8;
+  static_assert(sizeof(T) == 2, "16-bit outputs");
+  const int64_t chunks = N / kVec;
+  for (int64_t row = blockIdx.x; row < capacity; row += gridDim.x) {
+    const int e = find_group(offsets, E, row);
+    if (e == E) return;  // rows past the total stay as they are (zeros)
+    const B* b = static_cast<const B*>(bias.expert(e));
+    T* yr = y + row * ld;
+    for (int64_t c = threadIdx.x; c < chunks; c += blockDim.x) {
+      uint4 yv = reinterpret_cast<const uint4*>(yr)[c];
+      T* ye = reinterpret_cast<T*>(&yv);
+      float bf[kVec];
+      if constexpr (sizeof(B) == 4) {
+        const float4 b0 = reinterpret_cast<const float4*>(b)[2 * c], b1 = reinterpret_cast<const float4*>(b)[2 * c + 1];
+        bf[0] = b0.x; bf[1] = b0.y; bf[2] = b0.z; bf[3] = b0.w;
+        bf[4] = b1.x; bf[5] = b1.y; bf[6] = b1.z; bf[7] = b1.w;
+      } else {
+        const uint4 bv = reinterpret_cast<const uint4*>(b)[c];
+        const B* be = reinterpret_cast<const B*>(&bv);
+#pragma unroll
+        for (int i = 0; i < kVec; ++i) bf[i] = float(be[i]);
+      }
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) ye[i] = T(float(ye[i]) + bf[i]);
+      reinterpret_cast<uint4*>(yr)[c] = yv;
     }
   }
 }
@@ -140,6 +177,19 @@ void check_cuda_args(const ExpertBias& b, const char* name) {
              b.num_experts());
 }
 
+bool aligned16(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
+
+// Every expert's bias starts 16-byte aligned (the vector kernel reads it in 16-byte units).
+bool bias_aligned16(const ExpertBias& b) {
+  if (b.is_grouped()) {
+    return aligned16(b.grouped.data) && (b.grouped.stride(0) * int64_t(dtype_size(b.dtype()))) % 16 == 0;
+  }
+  for (int64_t e = 0; e < b.num_experts(); ++e) {
+    if (!aligned16(b.expert(e).data)) return false;
+  }
+  return true;
+}
+
 }  // namespace
 
 void grouped_bias_add(const TensorView& y, const ExpertBias& bias, const TensorView& counts, Stream stream_,
@@ -154,8 +204,30 @@ void grouped_bias_add(const TensorView& y, const ExpertBias& bias, const TensorV
   const BiasRef ref{bias.is_grouped() ? nullptr : s.ptrs, bias.is_grouped() ? bias.grouped.data : nullptr,
                     bias.is_grouped() ? bias.grouped.stride(0) : 0, bias.dtype()};
   const int blocks = int(std::min<int64_t>(y.size(0), int64_t(sm_count(current_device())) * 16));
-  bias_add_kernel<<<blocks, kThreads, 0, stream>>>(y.data, y.dtype, y.stride(0), y.size(1), y.size(0), s.offsets, E,
-                                                    ref);
+  const int64_t N = y.size(1);
+  const bool vec_y = (y.dtype == DType::bf16 || y.dtype == DType::f16) && N % 8 == 0 && aligned16(y.data) &&
+                     (y.stride(0) * 2) % 16 == 0;
+  const bool vec_b = bias.dtype() == y.dtype || bias.dtype() == DType::f32;
+  if (vec_y && vec_b && bias_aligned16(bias)) {
+    const bool f32 = bias.dtype() == DType::f32;
+    auto go = [&](auto t) {
+      using T = decltype(t);
+      if (f32) {
+        bias_add_vec_kernel<T, float><<<blocks, kThreads, 0, stream>>>(static_cast<T*>(y.data), y.stride(0), N,
+                                                                        y.size(0), s.offsets, E, ref);
+      } else {
+        bias_add_vec_kernel<T, T><<<blocks, kThreads, 0, stream>>>(static_cast<T*>(y.data), y.stride(0), N, y.size(0),
+                                                                    s.offsets, E, ref);
+      }
+    };
+    if (y.dtype == DType::bf16) {
+      go(__nv_bfloat16{});
+    } else {
+      go(__half{});
+    }
+  } else {
+    bias_add_kernel<<<blocks, kThreads, 0, stream>>>(y.data, y.dtype, y.stride(0), N, y.size(0), s.offsets, E, ref);
+  }
   GMOE_CUDA_CHECK(cudaGetLastError());
 }
 

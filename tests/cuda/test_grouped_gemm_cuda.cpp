@@ -9,6 +9,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <numeric>
 #include <limits>
 #include <string>
 #include <tuple>
@@ -18,6 +20,7 @@
 #include "common/harness.h"
 #include "cuda/cuda_test_util.h"
 #include "gmoe/error.h"
+#include "gmoe/grouped_bias.h"
 #include "gmoe/grouped_gemm.h"
 
 namespace gmoe::test {
@@ -254,6 +257,55 @@ INSTANTIATE_TEST_SUITE_P(LargeCases, CudaGroupedGemm,
                                                               "one_expert", "e128"),
                                             ::testing::Values(CaseScale::kLarge)),
                          param_name);
+
+// The second-pass bias add (grouped_bias_add) bitwise against the CPU's: 16-bit y with a bias of
+// its dtype or f32, grouped or a list, N a multiple of 8 (16-byte path) or not (element path), a
+// padded row stride, empty experts and rows past the total (left as they were).
+TEST(CudaGroupedBiasAdd, BitwiseTheCpuOnEveryPath) {
+  GMOE_SKIP_WITHOUT_GPU();
+  Rng rng;
+  const std::vector<int64_t> counts_v = {5, 0, 130, 1, 0, 64};
+  const int64_t total = 200, cap = 203;
+  HostTensor counts(DType::i32, {int64_t(counts_v.size())});
+  for (size_t e = 0; e < counts_v.size(); ++e) counts.set(int64_t(e), double(counts_v[e]));
+  const int64_t E = int64_t(counts_v.size());
+  ASSERT_EQ(std::accumulate(counts_v.begin(), counts_v.end(), int64_t{0}), total);
+  for (DType dt : {DType::bf16, DType::f16}) {
+    for (DType bdt : {dt, DType::f32}) {
+      for (int64_t N : {int64_t{256}, int64_t{40}, int64_t{37}}) {
+        for (int64_t ld : {N, N + 8}) {
+          for (bool as_list : {false, true}) {
+            SCOPED_TRACE(std::string(dtype_name(dt)) + " y, " + dtype_name(bdt) + " bias, N " + std::to_string(N) +
+                         ", ld " + std::to_string(ld) + (as_list ? ", list" : ", grouped"));
+            HostTensor y(dt, {cap, ld}), bias(bdt, {E, N});
+            fill_random(y, rng);
+            fill_random(bias, rng);
+            HostTensor want = y;
+            const TensorView yv_h(want.data(), dt, Device::cpu(), {cap, N}, {ld, 1});
+            std::vector<DeviceTensor> rows_d;
+            std::vector<TensorView> list_h, list_d;
+            for (int64_t e = 0; e < E; ++e) {
+              list_h.emplace_back(static_cast<char*>(bias.data()) + e * N * int64_t(dtype_size(bdt)), bdt,
+                                  Device::cpu(), std::initializer_list<int64_t>{N});
+              HostTensor row(bdt, {N});
+              std::memcpy(row.data(), list_h.back().data, size_t(N) * dtype_size(bdt));
+              rows_d.emplace_back(row);
+            }
+            for (const DeviceTensor& r : rows_d) list_d.push_back(r.view());
+            grouped_bias_add(yv_h, as_list ? ExpertBias::from_list(list_h) : ExpertBias::from_grouped(bias.view()),
+                             counts.view());
+            DeviceTensor yd(y), bd(bias), cd(counts);
+            const TensorView yv_d(yd.data(), dt, Device::cuda(0), {cap, N}, {ld, 1});
+            grouped_bias_add(yv_d, as_list ? ExpertBias::from_list(list_d) : ExpertBias::from_grouped(bd.view()),
+                             cd.view());
+            GMOE_TEST_CUDA(cudaDeviceSynchronize());
+            EXPECT_TRUE(bitwise_equal(yd.download(), want, "y + bias"));
+          }
+        }
+      }
+    }
+  }
+}
 
 // Shapes for which the host heuristics pick the other tiles (named cases are too small for them):
 // with >= 128 rows per expert and >= one tile per SM (132 on H100), fprop/dgrad take the
