@@ -85,9 +85,11 @@ int main(int argc, char** argv) {
   app.add_option("--cpu-mlp-gflop", cpu_mlp_gflop, "CPU backend, mlp mode: GFLOP per forward the rows are scaled to");
   app.add_option("--layer-fp8", o.layer_recipes,
                  "layer mode on CUDA: also GroupedLinear with these FP8 recipes (fp8_blockwise, fp8_tensorwise, "
-                 "mxfp8), rows gmoe_linear_<recipe>, timed interleaved with the native layer")
+                 "mxfp8; with '+native_wgrad' the weight gradient in bf16), rows gmoe_linear_<recipe>, timed "
+                 "interleaved with the native layer")
       ->delimiter(',')
-      ->check(CLI::IsMember({"fp8_blockwise", "fp8_tensorwise", "mxfp8"}));
+      ->check(CLI::IsMember({"fp8_blockwise", "fp8_tensorwise", "mxfp8", "fp8_blockwise+native_wgrad",
+                             "fp8_tensorwise+native_wgrad", "mxfp8+native_wgrad"}));
   app.add_flag("--layer-copy-input", o.layer_copy_input,
                "layer mode: GroupedLinear copies x in forward (its default) instead of keeping a reference");
   app.add_flag("--no-baselines", no_baselines, "skip the cuBLAS baselines");

@@ -60,6 +60,9 @@ Fp8Recipe fp8_recipe_of(LinearRecipe recipe);
 //             W  -> rowwise and transposed copies, cached in the layer (see quantize_weight);
 //   backward  dy -> rowwise (dgrad) and columnwise (wgrad) copies in one pass, in `grad_format`;
 //                   with save_original_input, x is quantized again (columnwise) for the weight gradient.
+// With fp8_wgrad = false the weight gradient is the native GEMM of the bf16 dy and x (as Transformer
+// Engine's override_linear_precision for wgrad): no columnwise copies are made, x is kept in bf16
+// (copied, or by reference with save_original_input), and dW is exactly the native layer's.
 // The bias and its gradient stay in the weights' precision (db is reduced from the bf16 dy).
 // y and dx are bf16 (f32 on the CPU with f32 weights), so FP8 recipes need bf16 weights on CUDA,
 // and in_features and out_features multiples of 16 (FP8 rows are read by TMA in 16-byte units).
@@ -91,6 +94,10 @@ struct GroupedLinearOptions {
   DType grad_format = DType::e4m3;
   /// fp8_tensorwise / fp8_blockwise: round every scale down to a power of two.
   bool fp8_pow2_scales = false;
+  /// FP8 recipes: the weight gradient in FP8 (true) or as the native GEMM of bf16 dy and x (false;
+  /// see above): the blockwise FP8 wgrad measured 0.94-1.14x our bf16 one on an H100, before the
+  /// columnwise quantizations it needs.
+  bool fp8_wgrad = true;
 };
 
 /// What forward saves for backward (and backward for backward_dw). One per forward in flight.
@@ -179,6 +186,8 @@ class GroupedLinear {
   Allocator& allocator() const;
 
   bool fp8() const { return options_.recipe != LinearRecipe::native; }
+  /// Forward keeps x's columnwise FP8 copy for the weight gradient instead of x.
+  bool fp8_keeps_x_cols() const { return fp8() && options_.fp8_wgrad && !options_.save_original_input; }
   Fp8QuantizeOptions fp8_options(DType format, bool rowwise, bool columnwise) const;
 
   ExpertWeights weight_;

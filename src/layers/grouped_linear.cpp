@@ -198,8 +198,8 @@ Tensor GroupedLinear::forward_impl(const TensorView& x, const TensorView& counts
   if (fp8()) {
     if (!fp8_weight_valid_) quantize_weight(stream);
     // One pass: the rowwise copy for fprop, and the columnwise one that the weight gradient reads
-    // (unless x itself is kept), each in its own allocation.
-    const bool keep_cols = !options_.save_original_input;
+    // (unless x itself is kept, or the weight gradient is native), each in its own allocation.
+    const bool keep_cols = fp8_keeps_x_cols();
     Fp8Grouped q = fp8_grouped_layout(cap, x.size(1), num_experts(), fp8_options(DType::e4m3, true, keep_cols),
                                       x.device);
     Fp8GroupedTensor rows;  // (padded_offsets are always written: with the copy that is kept)
@@ -221,7 +221,7 @@ Tensor GroupedLinear::forward_impl(const TensorView& x, const TensorView& counts
     grouped_gemm_fprop(x, weight_, bias_, counts, y, stream, &alloc);  // the bias in the epilogue
   }
 
-  if (fp8() && !options_.save_original_input) {
+  if (fp8_keeps_x_cols()) {
     st.x = TensorView(nullptr, x.dtype, x.device, {cap, x.size(1)});  // shape only: x_cols is what is kept
   } else if (options_.save_original_input) {
     st.x = x;
@@ -295,7 +295,7 @@ void GroupedLinear::compute_wgrad(GroupedLinearContext& ctx, GroupedLinearGrads&
   const bool main_grad = options_.main_grad.is_stacked() || !options_.main_grad.list.empty();
   opt.accumulate = main_grad && options_.accumulate;
   opt.expert_mask = options_.expert_mask;
-  if (!fp8()) {
+  if (!fp8() || !options_.fp8_wgrad) {
     grouped_gemm_wgrad(st.dy, st.x, st.counts, grads.weight, opt, stream, &allocator());
     return;
   }
@@ -322,17 +322,21 @@ GroupedLinearBackward GroupedLinear::backward(GroupedLinearContext& ctx, const T
   if (fp8()) {
     GMOE_CHECK(dy.dtype == weight_.dtype(), "dy: expected dtype ", dtype_name(weight_.dtype()), " (the weight's), got ",
                dtype_name(dy.dtype));
-    // One pass over dy: the rowwise copy for dgrad, the columnwise one for the weight gradient.
-    const Fp8QuantizeOptions qo = fp8_options(options_.grad_format, true, true);
+    // One pass over dy: the rowwise copy for dgrad, the columnwise one for an FP8 weight gradient.
+    const bool cols = options_.fp8_wgrad;
+    const Fp8QuantizeOptions qo = fp8_options(options_.grad_format, true, cols);
     Fp8Grouped q = fp8_grouped_layout(dy.size(0), dy.size(1), num_experts(), qo, dy.device);
     Fp8GroupedTensor rows;
-    rows.storage = place({&q.data, &q.scale_inv}, alloc, stream);
-    st.dy_cols.storage = place({&q.data_t, &q.scale_inv_t, &q.padded_offsets}, alloc, stream);
+    rows.storage = cols ? place({&q.data, &q.scale_inv}, alloc, stream)
+                        : place({&q.data, &q.scale_inv, &q.padded_offsets}, alloc, stream);
+    if (cols) st.dy_cols.storage = place({&q.data_t, &q.scale_inv_t, &q.padded_offsets}, alloc, stream);
     quantize_grouped(GroupedRows{dy, st.counts}, qo, stream, &alloc, &q);
     fp8_grouped_gemm_dgrad(q, fp8_weight_.q, st.counts, result.dx, stream, &alloc);
-    st.dy_cols.q = q;
-    st.dy_cols.q.data = TensorView();
-    st.dy_cols.q.scale_inv = TensorView();
+    if (cols) {
+      st.dy_cols.q = q;
+      st.dy_cols.q.data = TensorView();
+      st.dy_cols.q.scale_inv = TensorView();
+    }
   } else {
     grouped_gemm_dgrad(dy, weight_, st.counts, result.dx, stream, &alloc);
   }

@@ -2,7 +2,8 @@
 // backend. The layer quantizes inside; the quantizer is bit-exact between the backends, so the
 // layer must give BITWISE the results of the CUDA ops run on the operands quantized on the host by
 // tests/common/fp8_fixture.h (fprop + bias add, dgrad, wgrad, bias gradient): immediate, delayed on
-// a second stream, and with save_original_input. dx and dW are also checked against the
+// a second stream, and with save_original_input; with fp8_wgrad off, dW is bitwise the native
+// wgrad of the bf16 dy and x. dx and dW are also checked against the
 // unquantized bf16 source within the recipe's documented bound. A CUDA graph of forward + backward
 // + backward_dw with the weights quantized inside it, replayed under changing counts and changing
 // weights, is bitwise equal to eager runs.
@@ -18,6 +19,7 @@
 #include "cuda/cuda_test_util.h"
 #include "cuda/fp8_device.h"
 #include "gmoe/fp8_gemm.h"
+#include "gmoe/grouped_gemm.h"
 #include "gmoe/grouped_linear.h"
 
 namespace gmoe::test {
@@ -49,19 +51,28 @@ TEST_P(CudaGroupedLinearFp8, BitwiseTheOpCompositionAndWithinTheRecipeBound) {
   fp8_grouped_gemm_dgrad(qdy.q, qw.q, counts.view(), dx_ref.view());
   fp8_grouped_gemm_wgrad(qdy.q, qx.q, counts.view(), ExpertWeights::from_stacked(dw_ref.view()));
   grouped_bias_grad(dy.view(), counts.view(), ExpertBias::from_grouped(db_ref.view()));
+  // fp8_wgrad = false: the native weight gradient of the bf16 dy and x.
+  DeviceTensor dw_native(DType::bf16, {c.E, c.N, c.K});
+  grouped_gemm_wgrad(dy.view(), x.view(), counts.view(), ExpertWeights::from_stacked(dw_native.view()));
   GMOE_TEST_CUDA(cudaDeviceSynchronize());
   const std::vector<double> want_y = values(y_ref.view()), want_dx = values(dx_ref.view()),
-                            want_dw = values(dw_ref.view()), want_db = values(db_ref.view());
+                            want_dw = values(dw_ref.view()), want_db = values(db_ref.view()),
+                            want_dw_native = values(dw_native.view());
 
   const ForkedStreams streams;
   const cudaStream_t s1 = streams.main(), s2 = streams.side();
-  for (bool save_original : {false, true}) {
-    for (bool delayed : {false, true}) {
-      SCOPED_TRACE(std::string(save_original ? "save_original_input " : "saved fp8 copy ") +
+  for (int variant = 0; variant < 6; ++variant) {
+    // Four with the FP8 weight gradient, two with the native one (its saved-x forms).
+    const bool fp8_wgrad = variant < 4, save_original = variant % 2 == 1;
+    const bool delayed = fp8_wgrad ? variant / 2 % 2 == 1 : variant == 5;
+    {
+      SCOPED_TRACE(std::string(fp8_wgrad ? "fp8 wgrad, " : "native wgrad, ") +
+                   (save_original ? "save_original_input " : "saved copy ") +
                    (delayed ? "delayed (second stream)" : "immediate"));
       int hooks = 0;
       GroupedLinearOptions opt;
       opt.recipe = recipe;
+      opt.fp8_wgrad = fp8_wgrad;
       opt.save_original_input = save_original;
       opt.delay_wgrad = delayed;
       opt.wgrad_hook = [&hooks](const GroupedLinearGrads&, Stream) { ++hooks; };
@@ -75,7 +86,7 @@ TEST_P(CudaGroupedLinearFp8, BitwiseTheOpCompositionAndWithinTheRecipeBound) {
       EXPECT_EQ(hooks, 1);
       EXPECT_EQ(values(y.view()), want_y) << "y";
       EXPECT_EQ(values(b.dx.view()), want_dx) << "dx";
-      EXPECT_EQ(values(g.weight), want_dw) << "dW";
+      EXPECT_EQ(values(g.weight), fp8_wgrad ? want_dw : want_dw_native) << "dW";
       EXPECT_EQ(values(b.grads.bias.grouped), want_db) << "db";
     }
   }

@@ -6,7 +6,7 @@
 // bias gradient. On top, the tolerance of each recipe against the unquantized bf16 source (the
 // documented per-recipe bound of fp8_fixture.h: fp8_relative_error per operand element) for dx and
 // dW; delayed dW bitwise equal to immediate; save_original_input (x quantized again in backward)
-// bitwise equal to the saved columnwise copy; main_grad accumulate with a mask; the weight cache
+// bitwise equal to the saved columnwise copy; with fp8_wgrad off, dW bitwise the native wgrad; main_grad accumulate with a mask; the weight cache
 // and its invalidation; e5m2 gradients; the argument checks.
 #include <gtest/gtest.h>
 
@@ -19,6 +19,7 @@
 #include "common/gemm_fixture.h"
 #include "common/harness.h"
 #include "gmoe/fp8_gemm.h"
+#include "gmoe/grouped_gemm.h"
 #include "gmoe/grouped_linear.h"
 
 namespace gmoe::test {
@@ -90,21 +91,29 @@ TEST_P(CpuGroupedLinearFp8, BitwiseTheOpCompositionAndWithinTheRecipeBound) {
   fp8_grouped_gemm_wgrad(p.dy.q, p.x.q, base.counts.view(), dw_ref.view());
   HostTensor db_ref(DType::bf16, {c.E, c.N});
   grouped_bias_grad(base.dy.view(), base.counts.view(), ExpertBias::from_grouped(db_ref.view()));
+  // fp8_wgrad = false: the native weight gradient of the bf16 dy and x.
+  HostExpertTensor dw_native(layout(), DType::bf16, c.E, c.N, c.K);
+  dw_native.poison_all();
+  grouped_gemm_wgrad(base.dy.view(), base.x.view(), base.counts.view(), dw_native.view());
 
   GroupedLinearOptions opt;
   opt.recipe = recipe();
-  for (bool save_original : {false, true}) {
-    for (bool delayed : {false, true}) {
-      SCOPED_TRACE(std::string(save_original ? "save_original_input " : "saved fp8 copy ") +
-                   (delayed ? "delayed" : "immediate"));
-      opt.save_original_input = save_original;
-      opt.delay_wgrad = delayed;
-      const LayerRun r = run_layer(base, layout(), bias, opt);
-      EXPECT_EQ(r.hooks, 1);
-      EXPECT_EQ(r.y, y_ref.to_double()) << "y differs from fprop + bias add on the same FP8 operands";
-      EXPECT_EQ(r.dx, dx_ref.to_double()) << "dx differs from dgrad on the same FP8 operands";
-      EXPECT_EQ(r.dw, dw_ref.to_double()) << "dW differs from wgrad on the same FP8 operands";
-      EXPECT_EQ(r.db, db_ref.to_double()) << "db differs from the bias gradient of dy";
+  for (bool fp8_wgrad : {true, false}) {
+    for (bool save_original : {false, true}) {
+      for (bool delayed : {false, true}) {
+        SCOPED_TRACE(std::string(fp8_wgrad ? "fp8 wgrad, " : "native wgrad, ") +
+                     (save_original ? "save_original_input " : "saved copy ") + (delayed ? "delayed" : "immediate"));
+        opt.fp8_wgrad = fp8_wgrad;
+        opt.save_original_input = save_original;
+        opt.delay_wgrad = delayed;
+        const LayerRun r = run_layer(base, layout(), bias, opt);
+        EXPECT_EQ(r.hooks, 1);
+        EXPECT_EQ(r.y, y_ref.to_double()) << "y differs from fprop + bias add on the same FP8 operands";
+        EXPECT_EQ(r.dx, dx_ref.to_double()) << "dx differs from dgrad on the same FP8 operands";
+        EXPECT_EQ(r.dw, (fp8_wgrad ? dw_ref : dw_native).to_double())
+            << (fp8_wgrad ? "dW differs from wgrad on the same FP8 operands" : "dW differs from the native wgrad");
+        EXPECT_EQ(r.db, db_ref.to_double()) << "db differs from the bias gradient of dy";
+      }
     }
   }
 

@@ -3,16 +3,34 @@
 
 #include <string>
 
+#include "gmoe/error.h"
+
 namespace gmoe::bench {
 
 GroupedLinear make_bench_layer(const TensorView& w, const TensorView& bias, const TensorView& main_grad,
-                               const BenchOptions& o, LinearRecipe recipe) {
+                               const BenchOptions& o, LinearRecipe recipe, bool fp8_wgrad) {
   GroupedLinearOptions opt;
   opt.recipe = recipe;
+  opt.fp8_wgrad = fp8_wgrad;
   opt.main_grad = ExpertWeights::from_stacked(main_grad);
   opt.accumulate = true;
   opt.save_original_input = !o.layer_copy_input;
   return GroupedLinear(ExpertWeights::from_stacked(w), ExpertBias::from_grouped(bias), opt);
+}
+
+BenchRecipe bench_recipe_from_name(const std::string& name) {
+  static const std::string kNativeWgrad = "+native_wgrad";
+  BenchRecipe r;
+  r.name = name;
+  std::string base = name;
+  if (base.size() > kNativeWgrad.size() &&
+      base.compare(base.size() - kNativeWgrad.size(), kNativeWgrad.size(), kNativeWgrad) == 0) {
+    base.resize(base.size() - kNativeWgrad.size());
+    r.fp8_wgrad = false;
+  }
+  r.recipe = linear_recipe_from_name(base);
+  GMOE_CHECK(r.recipe != LinearRecipe::native, "--layer-fp8: '", name, "' is not an FP8 recipe");
+  return r;
 }
 
 double recipe_quant_u(LinearRecipe recipe) {
@@ -47,13 +65,12 @@ LayerCheck check_layer(const GemmHostData& d, const LayerOutputs& out, const Ben
 }
 
 std::vector<ResultRow> layer_rows(const BenchCase& c, DType dt, const LayerTimes& t, const LayerCheck& chk,
-                                  LinearRecipe recipe) {
+                                  const std::string& recipe_name) {
   const double flops = gemm_flops(c);
   auto row = [&](const char* pass, double pass_flops, double ms, double bare_ms, const CheckResult& check,
                  const std::optional<GraphNodeCounts>& nodes) {
-    const bool native = recipe == LinearRecipe::native;
-    ResultRow r = timed_row(c.name, pass,
-                            native ? std::string("gmoe_linear") : std::string("gmoe_linear_") + linear_recipe_name(recipe),
+    const bool native = recipe_name.empty();
+    ResultRow r = timed_row(c.name, pass, native ? std::string("gmoe_linear") : "gmoe_linear_" + recipe_name,
                             native ? dtype_name(dt) : "fp8", ms, pass_flops, check.ok, check.detail);
     r.bare_ms = bare_ms;
     r.launches = nodes;

@@ -24,7 +24,17 @@ namespace gmoe::bench {
 /// (accumulated into). The input is kept by reference (save_original_input), as an autograd
 /// framework keeps a saved tensor, unless o.layer_copy_input.
 GroupedLinear make_bench_layer(const TensorView& w, const TensorView& bias, const TensorView& main_grad,
-                               const BenchOptions& o, LinearRecipe recipe = LinearRecipe::native);
+                               const BenchOptions& o, LinearRecipe recipe = LinearRecipe::native,
+                               bool fp8_wgrad = true);
+
+/// A --layer-fp8 entry: a recipe name (linear_recipe_name), optionally followed by "+native_wgrad"
+/// (GroupedLinearOptions::fp8_wgrad = false: the weight gradient in bf16).
+struct BenchRecipe {
+  LinearRecipe recipe = LinearRecipe::native;
+  bool fp8_wgrad = true;
+  std::string name;  ///< as given: the rows' impl suffix
+};
+BenchRecipe bench_recipe_from_name(const std::string& name);
 
 /// Host copies of the outputs of one forward + backward, main_grad accumulated from zero.
 struct LayerOutputs {
@@ -58,7 +68,8 @@ struct LayerTimes {
 /// The rows of a case: `forward` (FLOPs 2·rows·N·K) and `forward_backward` (3× that), impl
 /// gmoe_linear (native), or gmoe_linear_<recipe> with dtype fp8, whose bare_ms is then the native
 /// layer timed interleaved with it.
+/// recipe_name: empty for native, else the --layer-fp8 entry.
 std::vector<ResultRow> layer_rows(const BenchCase& c, DType dt, const LayerTimes& t, const LayerCheck& chk,
-                                  LinearRecipe recipe = LinearRecipe::native);
+                                  const std::string& recipe_name = "");
 
 }  // namespace gmoe::bench

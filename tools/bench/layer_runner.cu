@@ -191,10 +191,12 @@ std::vector<ResultRow> run_layer_case_cuda(const BenchCase& c, const BenchOption
   // The weights are quantized in every forward (invalidated before it), as with one microbatch per
   // optimizer step: the conservative case (more microbatches reuse the cached weights).
   for (const std::string& name : o.layer_recipes) {
-    const LinearRecipe recipe = linear_recipe_from_name(name);
+    const BenchRecipe br = bench_recipe_from_name(name);
     std::vector<GroupedLinear> fp8_layers;
-    for (int s = 0; s < b.sets; ++s) fp8_layers.push_back(make_bench_layer(b.w(s), b.b(), b.mg(), o, recipe));
-    const LayerCheck fchk = check_run(fp8_layers[0], recipe_quant_u(recipe));
+    for (int s = 0; s < b.sets; ++s) {
+      fp8_layers.push_back(make_bench_layer(b.w(s), b.b(), b.mg(), o, br.recipe, br.fp8_wgrad));
+    }
+    const LayerCheck fchk = check_run(fp8_layers[0], recipe_quant_u(br.recipe));
     auto fp8_forward = [&](int i) {
       GroupedLinear& layer = fp8_layers[i % b.sets];
       layer.invalidate_fp8_weight();
@@ -215,7 +217,7 @@ std::vector<ResultRow> run_layer_case_cuda(const BenchCase& c, const BenchOption
     ft.forward_bare_ms = ffwd[1];
     ft.forward_backward_ms = ffb[0];
     ft.forward_backward_bare_ms = ffb[1];
-    const std::vector<ResultRow> r = layer_rows(c, dt, ft, fchk, recipe);
+    const std::vector<ResultRow> r = layer_rows(c, dt, ft, fchk, br.name);
     rows.insert(rows.end(), r.begin(), r.end());
   }
   check_device_errors(stream);

@@ -36,12 +36,13 @@ GroupedLinearOptions fc_options(const TensorView& main_grad, bool keep_input_ref
 
 }  // namespace
 
-GroupedMLP make_bench_mlp(const BenchCase& c, const MlpParams& p, LinearRecipe recipe) {
+GroupedMLP make_bench_mlp(const BenchCase& c, const MlpParams& p, LinearRecipe recipe, bool fp8_wgrad) {
   GroupedMLPOptions o;
   o.activation = mlp_activation(c, p.glu_block);
   o.recipe = recipe;
   o.fc1 = fc_options(p.mg1, true);
   o.fc2 = fc_options(p.mg2, true);
+  o.fc1.fp8_wgrad = o.fc2.fp8_wgrad = fp8_wgrad;
   return GroupedMLP(ExpertWeights::from_stacked(p.w1), ExpertWeights::from_stacked(p.w2), {}, {}, o);
 }
 

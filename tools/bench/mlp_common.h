@@ -52,7 +52,8 @@ struct MlpParams {
 };
 
 /// GroupedMLP in the configuration of the header comment, with `recipe` for both FCs.
-GroupedMLP make_bench_mlp(const BenchCase& c, const MlpParams& p, LinearRecipe recipe = LinearRecipe::native);
+GroupedMLP make_bench_mlp(const BenchCase& c, const MlpParams& p, LinearRecipe recipe = LinearRecipe::native,
+                          bool fp8_wgrad = true);
 
 /// The unfused composition of separate public ops, in the same configuration.
 class UnfusedMlp {

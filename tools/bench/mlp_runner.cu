@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "bench/cuda_util.h"
+#include "bench/layer_common.h"
 #include "bench/mlp_common.h"
 #include "gmoe/activation.h"
 #include "gmoe/error.h"
@@ -206,9 +207,10 @@ std::vector<ResultRow> run_mlp_case_cuda(const BenchCase& c, const BenchOptions&
   // forward, as after each optimizer step), checked by check_mlp_quantized, timed interleaved with
   // the bf16 GroupedMLP (whose time goes to bare_ms: the speedup is bare_ms / ms).
   for (const std::string& name : o.layer_recipes) {
-    const LinearRecipe recipe = linear_recipe_from_name(name);
+    const BenchRecipe br = bench_recipe_from_name(name);
+    const LinearRecipe recipe = br.recipe;
     std::vector<GroupedMLP> fp8;
-    for (int s = 0; s < b.sets; ++s) fp8.push_back(make_bench_mlp(c, b.params(s, o), recipe));
+    for (int s = 0; s < b.sets; ++s) fp8.push_back(make_bench_mlp(c, b.params(s, o), recipe, br.fp8_wgrad));
     auto invalidate = [&](int i) { fp8[i % b.sets].invalidate_fp8_weight(); };
     // checked_run leaves y and dx in hy, hdx; the bf16 rule it applies does not hold for FP8.
     checked_run([&] {
