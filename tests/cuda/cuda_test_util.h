@@ -152,8 +152,13 @@ class DeviceTensor {
   ~DeviceTensor() {
     if (data_ != nullptr) cudaFree(data_);
   }
+  // cudaMemcpy from pageable memory returns once the data is staged, possibly before its DMA has
+  // landed; work on a non-blocking stream is not ordered after it. So wait for the copy: without
+  // this, a kernel on another stream could run before the upload finished, and a poisoned output
+  // uploaded last could overwrite what the kernel wrote (seen once on an H100 under load).
   void upload(const HostTensor& h) {
-    if (bytes_ > 0 && cudaMemcpy(data_, h.data(), bytes_, cudaMemcpyHostToDevice) != cudaSuccess) {
+    if (bytes_ > 0 && (cudaMemcpy(data_, h.data(), bytes_, cudaMemcpyHostToDevice) != cudaSuccess ||
+                       cudaStreamSynchronize(cudaStreamLegacy) != cudaSuccess)) {
       throw std::runtime_error("upload failed");
     }
   }

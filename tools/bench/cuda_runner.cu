@@ -92,6 +92,7 @@ std::vector<ResultRow> run_gemm_case_cuda(const BenchCase& c, const BenchOptions
   DeviceBuffer y(ndy * es), dx(nx * es), dw(nw * es), counts_d(c.E * sizeof(int32_t));
   std::vector<int32_t> counts(c.counts.begin(), c.counts.end());
   BENCH_CUDA(cudaMemcpy(counts_d.ptr, counts.data(), c.E * sizeof(int32_t), cudaMemcpyHostToDevice));
+  BENCH_CUDA(cudaStreamSynchronize(cudaStreamLegacy));  // a pageable upload may return before it lands
   const std::vector<int64_t> off = prefix_offsets(c.counts);
 
   // Host copies of set 0 for the sampled checks.

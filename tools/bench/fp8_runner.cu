@@ -215,6 +215,7 @@ std::vector<ResultRow> run_fp8_gemm_case_cuda(const BenchCase& c, const BenchOpt
   DeviceBuffer counts_d(c.E * sizeof(int32_t));
   const std::vector<int32_t> counts(c.counts.begin(), c.counts.end());
   BENCH_CUDA(cudaMemcpy(counts_d.ptr, counts.data(), c.E * sizeof(int32_t), cudaMemcpyHostToDevice));
+  BENCH_CUDA(cudaStreamSynchronize(cudaStreamLegacy));  // a pageable upload may return before it lands
   const TensorView cv(counts_d.ptr, DType::i32, gpu, {c.E});
   const std::vector<int64_t> off = prefix_offsets(c.counts);
 
