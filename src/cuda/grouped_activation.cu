@@ -228,23 +228,21 @@ __global__ void __launch_bounds__(kThreads) activation_backward_kernel(ActArgs a
     const float p = a.probs != nullptr ? a.probs[r] : 1.0f;
     float dp = 0.0f;
     if constexpr (kGated && kRegroup) {
-      {
-        // Whole rounds of 32 chunks, every lane in each (the stores shuffle across the warp).
-        for (int base = 0; base < chunks; base += 32) {
-          const int c = base + lane;
-          const bool active = c < chunks;
-          const int j = c * VEC;
-          const int gc = act::gate_column(j, a.block);
-          Pack<T, VEC> dg = zero_pack<T, VEC>(), du = zero_pack<T, VEC>(), zo;
-          if (active) {
-            gated_backward_chunk<T, VEC, K>(h + gc, h + gc + up, dz + j, p, a.prm, dg, du, zo, dp);
-            if (z != nullptr) store_pack<T, VEC>(z + j, zo);
-          }
-          // Every lane has read its h above; the shuffles order those reads before any store
-          // over them (dh may alias h).
-          const int valid = 2 * min(32, chunks - base);
-          regroup_store_row<T, VEC>(dh + 2 * base * VEC, dg, du, a.regroup, lane, valid);
+      // Whole rounds of 32 chunks, every lane in each (the stores shuffle across the warp).
+      for (int base = 0; base < chunks; base += 32) {
+        const int c = base + lane;
+        const bool active = c < chunks;
+        const int j = c * VEC;
+        const int gc = act::gate_column(j, a.block);
+        Pack<T, VEC> dg = zero_pack<T, VEC>(), du = zero_pack<T, VEC>(), zo;
+        if (active) {
+          gated_backward_chunk<T, VEC, K>(h + gc, h + gc + up, dz + j, p, a.prm, dg, du, zo, dp);
+          if (z != nullptr) store_pack<T, VEC>(z + j, zo);
         }
+        // Every lane has read its h above; the shuffles order those reads before any store
+        // over them (dh may alias h).
+        const int valid = 2 * min(32, chunks - base);
+        regroup_store_row<T, VEC>(dh + 2 * base * VEC, dg, du, a.regroup, lane, valid);
       }
     }
     for (int c = kRegroup ? chunks : lane; c < chunks; c += 32) {
