@@ -36,6 +36,7 @@
 
 #include "common/backend.h"
 #include "common/fp8_rules.h"
+#include "cuda/alignment.h"
 #include "cuda/cuda_check.h"
 #include "cuda/device_info.h"
 #include "cuda/fp8_grouped_gemm_kernels.h"
@@ -79,7 +80,7 @@ Fp8KernelEntry find_kernel(Fp8Scaling scaling, Fp8Operands ops, DType out) {
 // CUDA-specific argument checks (the public edge has checked the layouts, shapes and devices).
 
 void check_aligned(const void* p, std::size_t bytes, const char* name) {
-  GMOE_CHECK(reinterpret_cast<std::uintptr_t>(p) % bytes == 0, name, ": the CUDA backend needs ",
+  GMOE_CHECK(aligned(p, bytes), name, ": the CUDA backend needs ",
              bytes, "-byte aligned data, got address ", p);
 }
 

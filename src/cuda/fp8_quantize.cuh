@@ -29,6 +29,7 @@
 #include <cstdint>
 
 #include "common/fp8_rules.h"
+#include "cuda/alignment.h"
 #include "cuda/cuda_check.h"
 #include "cuda/group_offsets.cuh"
 #include "gmoe/error.h"
@@ -549,8 +550,6 @@ constexpr int tile_smem_bytes() {
 
 // ---------------------------------------------------------------------------------------------
 // Host side, shared by quantize_grouped and quantize_weights.
-
-inline bool aligned(const void* p, std::size_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
 
 /// f32 scales must be 4-byte aligned (checked before anything is launched).
 template <class Q>

@@ -24,7 +24,7 @@ void quantize_grouped(const GroupedRows& x, const Fp8QuantizeOptions& o, const F
   const int64_t col_tiles = std::max<int64_t>(1, (cols + fp8::kTile - 1) / fp8::kTile);
   GMOE_CHECK(col_tiles <= 65535, "x.data: at most ", 65535 * fp8::kTile, " columns on CUDA, got ", cols);
   fp8::check_scales_aligned(q, o);
-  GMOE_CHECK(fp8::aligned(q.padded_offsets.data, 8), "out.padded_offsets: must be 8-byte aligned");
+  GMOE_CHECK(aligned(q.padded_offsets.data, 8), "out.padded_offsets: must be 8-byte aligned");
 
   // Scratch: real offsets [E+1] i64, tensorwise amax [E] u32.
   Buffer scratch(alloc, sizeof(int64_t) * (E + 1) + sizeof(uint32_t) * E, stream_);
@@ -51,9 +51,9 @@ void quantize_grouped(const GroupedRows& x, const Fp8QuantizeOptions& o, const F
     p.scale_t_ld = q.padded_capacity / kMxBlock;
   }
   p.amax_bits = amax;
-  p.vec = fp8::aligned(x.data.data, 16) && (cap <= 1 || (x.data.stride(0) * es) % 16 == 0) && cols % 16 == 0 &&
-          (p.data == nullptr || fp8::aligned(p.data, 16));
-  p.vec_t = p.data_t == nullptr || fp8::aligned(p.data_t, 16);
+  p.vec = aligned(x.data.data, 16) && (cap <= 1 || (x.data.stride(0) * es) % 16 == 0) && cols % 16 == 0 &&
+          (p.data == nullptr || aligned(p.data, 16));
+  p.vec_t = p.data_t == nullptr || aligned(p.data_t, 16);
 
   const dim3 grid(static_cast<unsigned>(q.padded_capacity / fp8::kTile), static_cast<unsigned>(col_tiles));
   fp8::launch_quantize<false>(x.data.dtype, o.recipe, p, grid, amax, stream, "quantize_grouped: x.data");

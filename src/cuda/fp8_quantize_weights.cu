@@ -13,7 +13,6 @@
 
 namespace gmoe::cuda_backend {
 using fp8::QuantParams;
-using fp8::aligned;
 
 void quantize_weights(const ExpertWeights& w, const Fp8QuantizeOptions& o, const Fp8Weights& q,
                       Stream stream_, Allocator& alloc) {

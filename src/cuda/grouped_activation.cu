@@ -32,6 +32,7 @@
 
 #include "common/activation_math.h"
 #include "common/backend.h"
+#include "cuda/alignment.h"
 #include "cuda/cuda_check.h"
 #include "cuda/device_info.h"
 #include "cuda/group_offsets.cuh"
@@ -158,13 +159,6 @@ __device__ __forceinline__ void gated_backward_values(const Pack<T, VEC>& g, con
     dp += gi * ev.value;
   }
 }
-template <typename T, int VEC, ActivationKind K>
-__device__ __forceinline__ void gated_backward_chunk(const T* hg, const T* hu, const T* dz, float p,
-                                                     const act::Params& prm, Pack<T, VEC>& dg, Pack<T, VEC>& du,
-                                                     Pack<T, VEC>& zo, float& dp) {
-  gated_backward_values<T, VEC, K>(load_pack<T, VEC>(dz), load_pack<T, VEC>(hg), load_pack<T, VEC>(hu), p, prm, dg,
-                                   du, zo, dp);
-}
 
 // Lane `src`'s pack (16 bytes as 32-bit words) to every lane that asks: all 32 lanes call it.
 template <typename T, int VEC>
@@ -236,7 +230,8 @@ __global__ void __launch_bounds__(kThreads) activation_backward_kernel(ActArgs a
         const int gc = act::gate_column(j, a.block);
         Pack<T, VEC> dg = zero_pack<T, VEC>(), du = zero_pack<T, VEC>(), zo;
         if (active) {
-          gated_backward_chunk<T, VEC, K>(h + gc, h + gc + up, dz + j, p, a.prm, dg, du, zo, dp);
+          gated_backward_values<T, VEC, K>(load_pack<T, VEC>(dz + j), load_pack<T, VEC>(h + gc),
+                                           load_pack<T, VEC>(h + gc + up), p, a.prm, dg, du, zo, dp);
           if (z != nullptr) store_pack<T, VEC>(z + j, zo);
         }
         // Every lane has read its h above; the shuffles order those reads before any store
@@ -309,8 +304,6 @@ void with_kind(ActivationKind kind, F&& f) {
   GMOE_FAIL("grouped activation on CUDA: unknown activation");
 }
 
-bool aligned16(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
-
 // The 16-byte path needs every row start of every tensor 16-byte aligned, and VEC-element chunks
 // that never straddle a gate/up block.
 bool can_vectorize(const ActArgs& a, int vec, const TensorView* const* views, int n_views) {
@@ -318,7 +311,7 @@ bool can_vectorize(const ActArgs& a, int vec, const TensorView* const* views, in
   for (int i = 0; i < n_views; ++i) {
     const TensorView& t = *views[i];
     if (!t.defined()) continue;
-    if (!aligned16(t.data) || t.stride(0) % vec != 0) return false;
+    if (!aligned(t.data, 16) || t.stride(0) % vec != 0) return false;
   }
   return true;
 }
@@ -493,7 +486,7 @@ void permute_glu_rows(const TensorView& src, const TensorView& dst, const GluFor
   a.from_block = from.layout == GluLayout::interleaved ? from.block : 0;
   a.to_block = to.layout == GluLayout::interleaved ? to.block : 0;
   if (a.outer == 0 || a.rows == 0 || a.row_bytes == 0) return;
-  const bool vec = aligned16(a.src) && aligned16(a.dst) && a.row_bytes % 16 == 0 && a.src_outer % 16 == 0 &&
+  const bool vec = aligned(a.src, 16) && aligned(a.dst, 16) && a.row_bytes % 16 == 0 && a.src_outer % 16 == 0 &&
                    a.src_row % 16 == 0 && a.dst_outer % 16 == 0 && a.dst_row % 16 == 0;
   const int64_t rows = a.outer * a.rows;
   const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(rows, int64_t(sm_count(current_device())) * 16));

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "common/backend.h"
+#include "cuda/alignment.h"
 #include "cuda/cuda_check.h"
 #include "cuda/device_info.h"
 #include "cuda/group_offsets.cuh"
@@ -177,15 +178,13 @@ void check_cuda_args(const ExpertBias& b, const char* name) {
              b.num_experts());
 }
 
-bool aligned16(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
-
 // Every expert's bias starts 16-byte aligned (the vector kernel reads it in 16-byte units).
 bool bias_aligned16(const ExpertBias& b) {
   if (b.is_grouped()) {
-    return aligned16(b.grouped.data) && (b.grouped.stride(0) * int64_t(dtype_size(b.dtype()))) % 16 == 0;
+    return aligned(b.grouped.data, 16) && (b.grouped.stride(0) * int64_t(dtype_size(b.dtype()))) % 16 == 0;
   }
   for (int64_t e = 0; e < b.num_experts(); ++e) {
-    if (!aligned16(b.expert(e).data)) return false;
+    if (!aligned(b.expert(e).data, 16)) return false;
   }
   return true;
 }
@@ -205,7 +204,7 @@ void grouped_bias_add(const TensorView& y, const ExpertBias& bias, const TensorV
                     bias.is_grouped() ? bias.grouped.stride(0) : 0, bias.dtype()};
   const int blocks = int(std::min<int64_t>(y.size(0), int64_t(sm_count(current_device())) * 16));
   const int64_t N = y.size(1);
-  const bool vec_y = (y.dtype == DType::bf16 || y.dtype == DType::f16) && N % 8 == 0 && aligned16(y.data) &&
+  const bool vec_y = (y.dtype == DType::bf16 || y.dtype == DType::f16) && N % 8 == 0 && aligned(y.data, 16) &&
                      (y.stride(0) * 2) % 16 == 0;
   const bool vec_b = bias.dtype() == y.dtype || bias.dtype() == DType::f32;
   if (vec_y && vec_b && bias_aligned16(bias)) {

@@ -20,6 +20,7 @@
 #include <cstring>
 
 #include "common/backend.h"
+#include "cuda/alignment.h"
 #include "cuda/cuda_check.h"
 #include "cuda/device_info.h"
 #include "cuda/grouped_gemm_kernels.h"
@@ -185,7 +186,7 @@ void check_input_dtype_cuda(DType t, const char* name) {
 }
 
 void check_aligned(const void* p, const char* name) {
-  GMOE_CHECK(reinterpret_cast<std::uintptr_t>(p) % 16 == 0, name,
+  GMOE_CHECK(aligned(p, 16), name,
              ": the CUDA backend needs 16-byte aligned data (TMA), got address ", p);
 }
 
@@ -353,7 +354,7 @@ bool activation_fusable(const TensorView& x, const ExpertBias& bias, const Tenso
                         const ActivationOptions& o) {
   const bool blocks = o.glu.layout == GluLayout::interleaved && (o.glu.block == 8 || o.glu.block == 16);
   const bool bias_ok = !bias.defined() || bias_in_epilogue(x.dtype, bias.dtype(), x.dtype);
-  const bool z_ok = reinterpret_cast<std::uintptr_t>(z.data) % 16 == 0 && z.stride(0) % 8 == 0;
+  const bool z_ok = aligned(z.data, 16) && z.stride(0) % 8 == 0;
   return fused_activation_enabled() && x.dtype == DType::bf16 && o.kind == ActivationKind::swiglu && blocks &&
          bias_ok && x.size(1) > 0 && z_ok;
 }
