@@ -61,34 +61,36 @@ TEST_P(CudaGroupedLinearFp8, BitwiseTheOpCompositionAndWithinTheRecipeBound) {
 
   const ForkedStreams streams;
   const cudaStream_t s1 = streams.main(), s2 = streams.side();
-  for (int variant = 0; variant < 6; ++variant) {
-    // Four with the FP8 weight gradient, two with the native one (its saved-x forms).
-    const bool fp8_wgrad = variant < 4, save_original = variant % 2 == 1;
-    const bool delayed = fp8_wgrad ? variant / 2 % 2 == 1 : variant == 5;
-    {
-      SCOPED_TRACE(std::string(fp8_wgrad ? "fp8 wgrad, " : "native wgrad, ") +
-                   (save_original ? "save_original_input " : "saved copy ") +
-                   (delayed ? "delayed (second stream)" : "immediate"));
-      int hooks = 0;
-      GroupedLinearOptions opt;
-      opt.recipe = recipe;
-      opt.fp8_wgrad = fp8_wgrad;
-      opt.save_original_input = save_original;
-      opt.delay_wgrad = delayed;
-      opt.wgrad_hook = [&hooks](const GroupedLinearGrads&, Stream) { ++hooks; };
-      GroupedLinear layer(w.view(), bias_v, opt);
-      GroupedLinearContext ctx;
-      Tensor y = layer.forward(x.view(), counts.view(), ctx, s1);
-      GroupedLinearBackward b = layer.backward(ctx, dy.view(), s1);
-      const GroupedLinearGrads g = delayed ? layer.backward_dw(ctx, s2) : b.grads;
-      GMOE_TEST_CUDA(cudaDeviceSynchronize());
-      check_device_errors(s1);
-      EXPECT_EQ(hooks, 1);
-      EXPECT_EQ(values(y.view()), want_y) << "y";
-      EXPECT_EQ(values(b.dx.view()), want_dx) << "dx";
-      EXPECT_EQ(values(g.weight), fp8_wgrad ? want_dw : want_dw_native) << "dW";
-      EXPECT_EQ(values(b.grads.bias.grouped), want_db) << "db";
-    }
+  struct Variant {
+    bool fp8_wgrad, save_original, delayed;
+  };
+  // Every saved-x form with the FP8 weight gradient; with the native one, each saved-x form once
+  // (the copy immediate, the reference delayed on the second stream).
+  const Variant variants[] = {{true, false, false}, {true, true, false}, {true, false, true},
+                              {true, true, true},   {false, false, false}, {false, true, true}};
+  for (const auto& [fp8_wgrad, save_original, delayed] : variants) {
+    SCOPED_TRACE(std::string(fp8_wgrad ? "fp8 wgrad, " : "native wgrad, ") +
+                 (save_original ? "save_original_input " : "saved copy ") +
+                 (delayed ? "delayed (second stream)" : "immediate"));
+    int hooks = 0;
+    GroupedLinearOptions opt;
+    opt.recipe = recipe;
+    opt.fp8_wgrad = fp8_wgrad;
+    opt.save_original_input = save_original;
+    opt.delay_wgrad = delayed;
+    opt.wgrad_hook = [&hooks](const GroupedLinearGrads&, Stream) { ++hooks; };
+    GroupedLinear layer(w.view(), bias_v, opt);
+    GroupedLinearContext ctx;
+    Tensor y = layer.forward(x.view(), counts.view(), ctx, s1);
+    GroupedLinearBackward b = layer.backward(ctx, dy.view(), s1);
+    const GroupedLinearGrads g = delayed ? layer.backward_dw(ctx, s2) : b.grads;
+    GMOE_TEST_CUDA(cudaDeviceSynchronize());
+    check_device_errors(s1);
+    EXPECT_EQ(hooks, 1);
+    EXPECT_EQ(values(y.view()), want_y) << "y";
+    EXPECT_EQ(values(b.dx.view()), want_dx) << "dx";
+    EXPECT_EQ(values(g.weight), fp8_wgrad ? want_dw : want_dw_native) << "dW";
+    EXPECT_EQ(values(b.grads.bias.grouped), want_db) << "db";
   }
 
   const double u = fp8_relative_error(fp8_recipe_of(recipe), DType::e4m3);

@@ -6,8 +6,9 @@
 // bias gradient. On top, the tolerance of each recipe against the unquantized bf16 source (the
 // documented per-recipe bound of fp8_fixture.h: fp8_relative_error per operand element) for dx and
 // dW; delayed dW bitwise equal to immediate; save_original_input (x quantized again in backward)
-// bitwise equal to the saved columnwise copy; with fp8_wgrad off, dW bitwise the native wgrad; main_grad accumulate with a mask; the weight cache
-// and its invalidation; e5m2 gradients; the argument checks.
+// bitwise equal to the saved columnwise copy; with fp8_wgrad off, dW bitwise the native wgrad;
+// main_grad accumulate with a mask; the weight cache and its invalidation; e5m2 gradients; the
+// argument checks.
 #include <gtest/gtest.h>
 
 #include <cstring>

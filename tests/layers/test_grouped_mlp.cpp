@@ -14,6 +14,7 @@
 #include <cstring>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "common/activation_oracle.h"
@@ -313,21 +314,28 @@ INSTANTIATE_TEST_SUITE_P(NamedCases, CpuGroupedMlp,
 // layers of that recipe around the bf16 activation (FC2 keeping its input by reference, as the MLP
 // does); and close to the exact MLP, within what quantizing x, z, the weights and both gradients
 // costs (relative Frobenius error; each quantized element within u = 2^-4, or 2^-3 for mxfp8, of
-// its source, two GEMMs deep in each direction).
+// its source, two GEMMs deep in each direction). The blockwise recipe also with fp8_wgrad off on
+// both FCs (the options reach the layers: the composition is built with the same).
 TEST(CpuGroupedMlpFp8, EachRecipeIsTheCompositionOfFp8LayersAndCloseToTheExactMlp) {
   Rng rng;
-  for (LinearRecipe recipe : {LinearRecipe::fp8_tensorwise, LinearRecipe::fp8_blockwise, LinearRecipe::mxfp8}) {
+  const std::pair<LinearRecipe, bool> recipes[] = {{LinearRecipe::fp8_tensorwise, true},
+                                                   {LinearRecipe::fp8_blockwise, true},
+                                                   {LinearRecipe::fp8_blockwise, false},
+                                                   {LinearRecipe::mxfp8, true}};
+  for (const auto& [recipe, fp8_wgrad] : recipes) {
     for (int v : {0, 6, 8}) {  // swiglu, clamped swiglu, squared relu
       for (const char* case_name : {"skewed", "ragged", "all_empty"}) {
-        SCOPED_TRACE(std::string(linear_recipe_name(recipe)) + " " + activation_case_name(variants()[v]) + " " +
-                     case_name);
+        SCOPED_TRACE(std::string(linear_recipe_name(recipe)) + (fp8_wgrad ? "" : " (native wgrad)") + " " +
+                     activation_case_name(variants()[v]) + " " + case_name);
         const MlpProblem p(case_name, with_unreached_limit(variants()[v]), rng);
         GroupedLinearOptions f1, f2;
         f1.recipe = f2.recipe = recipe;
+        f1.fp8_wgrad = f2.fp8_wgrad = fp8_wgrad;
         f2.save_original_input = true;
         const MlpOutputs ref = run_unfused(p, Layout::kStacked, BiasMode::kGrouped, true, f1, f2);
         MlpRunOptions ro;
         ro.mlp.recipe = recipe;
+        ro.mlp.fc1.fp8_wgrad = ro.mlp.fc2.fp8_wgrad = fp8_wgrad;
         const MlpOutputs got = run_mlp(p, Layout::kStacked, BiasMode::kGrouped, true, ro);
         EXPECT_TRUE(same_outputs(got, ref, "FP8 GroupedMLP vs the composition of FP8 layers"));
         const ExactMlp ex = exact_mlp(p, true, true);
