@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "bench/fp8_runner.h"
+#include "bench/layer_common.h"
 #include "bench/results.h"
 #include "bench/runner.h"
 #include "bench/suite.h"
@@ -88,8 +89,14 @@ int main(int argc, char** argv) {
                  "mxfp8; with '+native_wgrad' the weight gradient in bf16), rows gmoe_linear_<recipe>, timed "
                  "interleaved with the native layer")
       ->delimiter(',')
-      ->check(CLI::IsMember({"fp8_blockwise", "fp8_tensorwise", "mxfp8", "fp8_blockwise+native_wgrad",
-                             "fp8_tensorwise+native_wgrad", "mxfp8+native_wgrad"}));
+      ->check([](const std::string& name) {
+        try {
+          gmoe::bench::bench_recipe_from_name(name);
+          return std::string();
+        } catch (const gmoe::Error& e) {
+          return std::string(e.what());
+        }
+      });
   app.add_flag("--layer-copy-input", o.layer_copy_input,
                "layer mode: GroupedLinear copies x in forward (its default) instead of keeping a reference");
   app.add_flag("--no-baselines", no_baselines, "skip the cuBLAS baselines");

@@ -41,7 +41,8 @@ double recipe_quant_u(LinearRecipe recipe) {
   }
 }
 
-LayerCheck check_layer(const GemmHostData& d, const LayerOutputs& out, const BenchOptions& o, double quant_u) {
+LayerCheck check_layer(const GemmHostData& d, const LayerOutputs& out, const BenchOptions& o, double quant_u,
+                       bool fp8_wgrad) {
   struct Part {
     const char* name;
     const char* pass;
@@ -55,7 +56,8 @@ LayerCheck check_layer(const GemmHostData& d, const LayerOutputs& out, const Ben
   LayerCheck chk;
   chk.backward.ok = true;
   for (const Part& p : parts) {
-    const double u = std::string(p.pass) == "bias_grad" ? 0 : quant_u;
+    const std::string pass = p.pass;
+    const double u = pass == "bias_grad" || (pass == "wgrad" && !fp8_wgrad) ? 0 : quant_u;
     const CheckResult r = check_pass(d, p.pass, p.data, p.dtype, o.samples, o.seed + 7, u);
     if (&p == &parts[0]) chk.forward = r;
     chk.backward.ok = chk.backward.ok && r.ok;

@@ -51,8 +51,10 @@ struct LayerCheck {
 
 /// Sampled checks of a layer's outputs against the fp64 reference (d.bias set: y includes it).
 /// quant_u > 0 (FP8 recipes): y, dx and dW against the unquantized inputs within the quantization
-/// bound of check_pass; db (reduced from the unquantized dy) by the usual rule.
-LayerCheck check_layer(const GemmHostData& d, const LayerOutputs& out, const BenchOptions& o, double quant_u = 0);
+/// bound of check_pass; db (reduced from the unquantized dy) by the usual rule, and so is dW when
+/// !fp8_wgrad (the native weight gradient of the unquantized dy and x).
+LayerCheck check_layer(const GemmHostData& d, const LayerOutputs& out, const BenchOptions& o, double quant_u = 0,
+                       bool fp8_wgrad = true);
 
 /// Per-element relative quantization error of a recipe's operands (e4m3 round to nearest; mxfp8's
 /// power-of-two scale may also saturate the block maximum): the quant_u of check_layer.

@@ -140,7 +140,7 @@ std::vector<ResultRow> run_layer_case_cuda(const BenchCase& c, const BenchOption
   hd.bias_dtype = dt;
 
   // Correctness first: poisoned outputs (0xff bytes are NaN), main_grad from zero, one run.
-  auto check_run = [&](GroupedLinear& layer, double quant_u) {
+  auto check_run = [&](GroupedLinear& layer, double quant_u, bool fp8_wgrad = true) {
     std::vector<uint8_t> hy(ndy * es), hdx(nx * es), hdb(nb * es);
     std::vector<float> hmg(nw);
     BENCH_CUDA(cudaMemsetAsync(b.y->ptr, 0xff, ndy * es, stream));
@@ -155,7 +155,7 @@ std::vector<ResultRow> run_layer_case_cuda(const BenchCase& c, const BenchOption
     BENCH_CUDA(cudaMemcpy(hdx.data(), b.dx->ptr, nx * es, cudaMemcpyDeviceToHost));
     BENCH_CUDA(cudaMemcpy(hmg.data(), b.main_grad->ptr, nw * sizeof(float), cudaMemcpyDeviceToHost));
     BENCH_CUDA(cudaMemcpy(hdb.data(), back.grads.bias.grouped.data, nb * es, cudaMemcpyDeviceToHost));
-    return check_layer(hd, {hy.data(), hdx.data(), hmg.data(), hdb.data()}, o, quant_u);
+    return check_layer(hd, {hy.data(), hdx.data(), hmg.data(), hdb.data()}, o, quant_u, fp8_wgrad);
   };
   const LayerCheck chk = check_run(layers[0], 0);
 
@@ -196,7 +196,7 @@ std::vector<ResultRow> run_layer_case_cuda(const BenchCase& c, const BenchOption
     for (int s = 0; s < b.sets; ++s) {
       fp8_layers.push_back(make_bench_layer(b.w(s), b.b(), b.mg(), o, br.recipe, br.fp8_wgrad));
     }
-    const LayerCheck fchk = check_run(fp8_layers[0], recipe_quant_u(br.recipe));
+    const LayerCheck fchk = check_run(fp8_layers[0], recipe_quant_u(br.recipe), br.fp8_wgrad);
     auto fp8_forward = [&](int i) {
       GroupedLinear& layer = fp8_layers[i % b.sets];
       layer.invalidate_fp8_weight();
