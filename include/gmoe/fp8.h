@@ -63,8 +63,10 @@ struct Fp8Grouped {
   /// of its padded range (up to padded_offsets[e+1]) and everything past padded_offsets[E] is 0.
   TensorView data_t;
   /// tensorwise [E] f32 (the same values as scale_inv; may view the same memory);
-  /// blockwise [cols, padded_capacity/128] f32, expert e's token blocks start at column
-  /// padded_offsets[e]/128 (blocks past padded_offsets[E]: 1.0);
+  /// blockwise [padded_capacity/128, cols] f32, token-block-major: row b holds every column's
+  /// scale over tokens [128b, 128b + 128), expert e's blocks start at row padded_offsets[e]/128
+  /// (blocks past padded_offsets[E]: 1.0). One k-tile of the weight-gradient GEMM reads one
+  /// contiguous run of them (see fp8_cols_scale_index);
   /// mxfp8 [cols, padded_capacity/32] e8m0 (blocks past padded_offsets[E]: 127).
   TensorView scale_inv_t;
   /// [E+1] i64 on the device: padded_offsets[e] = Σ_{j<e} roundup(counts[j], 128) (counts clamped
@@ -108,6 +110,16 @@ enum class Fp8Copy : uint8_t { rowwise, columnwise };
 const char* fp8_recipe_name(Fp8Recipe recipe);
 /// Largest finite value of an fp8 format: 448 (e4m3), 57344 (e5m2). Throws on other dtypes.
 float fp8_max(DType format);
+
+/// Element index in Fp8Grouped::scale_inv_t (blockwise or mxfp8) of column `col`'s scale over
+/// token block `block` (tokens [block·B, block·B + B), B = 128 or 32) of a columnwise copy with
+/// `cols` columns and `padded_capacity` tokens: blockwise block·cols + col, mxfp8
+/// col·(padded_capacity/32) + block.
+constexpr int64_t fp8_cols_scale_index(Fp8Recipe recipe, int64_t col, int64_t block, int64_t cols,
+                                       int64_t padded_capacity) {
+  return recipe == Fp8Recipe::mxfp8 ? col * (padded_capacity / kMxBlock) + block
+                                    : block * cols + col;
+}
 
 /// Host-known padded token bound of the columnwise copy: roundup(capacity, 128) + 128 * experts.
 int64_t fp8_padded_capacity(int64_t capacity, int64_t experts);

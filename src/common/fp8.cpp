@@ -141,7 +141,7 @@ Fp8Grouped fp8_grouped_layout(int64_t capacity, int64_t cols, int64_t experts,
     switch (o.recipe) {
       case Fp8Recipe::tensorwise: q.scale_inv_t = shaped(sd, device, {experts}); break;
       case Fp8Recipe::blockwise:
-        q.scale_inv_t = shaped(sd, device, {cols, q.padded_capacity / kFp8Block});
+        q.scale_inv_t = shaped(sd, device, {q.padded_capacity / kFp8Block, cols});
         break;
       case Fp8Recipe::mxfp8:
         q.scale_inv_t = shaped(sd, device, {cols, q.padded_capacity / kMxBlock});

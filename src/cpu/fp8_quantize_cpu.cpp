@@ -153,7 +153,9 @@ void quantize_grouped(const GroupedRows& x, const Fp8QuantizeOptions& o, const F
     const int64_t nb = P / block;
     zero(q.data_t);
     for (int64_t c = 0; c < cols; ++c) {
-      for (int64_t b = 0; b < nb; ++b) rule.store_one(q.scale_inv_t, c * nb + b);
+      for (int64_t b = 0; b < nb; ++b) {
+        rule.store_one(q.scale_inv_t, fp8_cols_scale_index(o.recipe, c, b, cols, P));
+      }
     }
     for (int64_t e = 0; e < E; ++e) {
       const int64_t count = off[e + 1] - off[e];
@@ -164,7 +166,7 @@ void quantize_grouped(const GroupedRows& x, const Fp8QuantizeOptions& o, const F
           float amax = 0.0f;
           for (int64_t t = t0; t < t1; ++t) amax = std::max(amax, finite_abs(X(off[e] + t, c)));
           const Rule::Scale s = rule.from_amax(amax);
-          rule.store(q.scale_inv_t, c * nb + b, s);
+          rule.store(q.scale_inv_t, fp8_cols_scale_index(o.recipe, c, b, cols, P), s);
           for (int64_t t = t0; t < t1; ++t) {
             bytes(q.data_t)[c * P + padded[e] + t] = rule.quantize(X(off[e] + t, c), s);
           }
@@ -279,14 +281,15 @@ void dequantize_grouped(const Fp8Grouped& q, const TensorView& counts, const Ten
     return;
   }
   const int64_t P = q.padded_capacity;
-  const int64_t nb = P / block;
   const int64_t* padded = static_cast<const int64_t*>(q.padded_offsets.data);
   for (int64_t e = 0; e < E; ++e) {
     for (int64_t r = off[e]; r < off[e + 1]; ++r) {
       const int64_t p = padded[e] + (r - off[e]);
       for (int64_t c = 0; c < cols; ++c) {
-        const float inv = q.recipe == Fp8Recipe::tensorwise ? rule.load_inv(q.scale_inv_t, e)
-                                                            : rule.load_inv(q.scale_inv_t, c * nb + p / block);
+        const float inv =
+            q.recipe == Fp8Recipe::tensorwise
+                ? rule.load_inv(q.scale_inv_t, e)
+                : rule.load_inv(q.scale_inv_t, fp8_cols_scale_index(q.recipe, c, p / block, cols, P));
         put(r, c, fp8_to_float(bytes(q.data_t)[c * P + p], rule.e5m2) * inv);
       }
     }

@@ -60,7 +60,8 @@ __global__ void dequant_grouped_kernel(const GroupedDequant d) {
           v = __fmul_rn(fp8_rules::fp8_to_float(d.data[r * d.cols + c], d.e5m2), load_inv(d.scales, d.recipe, si));
         } else {
           const int64_t t = d.padded[e] + (r - d.offsets[e]);
-          const int64_t si = d.recipe == Fp8Recipe::tensorwise ? e : c * (d.P / block) + t / block;
+          const int64_t si =
+              d.recipe == Fp8Recipe::tensorwise ? e : fp8_cols_scale_index(d.recipe, c, t / block, d.cols, d.P);
           v = __fmul_rn(fp8_rules::fp8_to_float(d.data[c * d.P + t], d.e5m2), load_inv(d.scales, d.recipe, si));
         }
       }

@@ -475,10 +475,14 @@ void fp8_grouped_gemm_wgrad(const Fp8Grouped& dy, const Fp8Grouped& x, const Ten
   plan.prep.mask = static_cast<const int32_t*>(options.expert_mask.data);
   plan.prep.accumulate = options.accumulate;
   if (plan.scaling == Fp8Scaling::blockwise) {
-    plan.prep.scale_a = {static_cast<const float*>(dy.scale_inv_t.data), ScaleStart::columns, 0, 0};
-    plan.prep.scale_b = {static_cast<const float*>(x.scale_inv_t.data), ScaleStart::columns, 0, 0};
-    plan.sfa_ld = static_cast<int32_t>(pc / kFp8Block);
-    plan.sfb_ld = static_cast<int32_t>(pc / kFp8Block);
+    // Token-block-major scales [padded/128, cols]: a k-tile's scales of A (B) are one contiguous
+    // run of the tile's rows (columns), the layout the kernel's MN-major scale loads read.
+    plan.prep.scale_a = {static_cast<const float*>(dy.scale_inv_t.data), ScaleStart::columns,
+                         dy.cols, 0};
+    plan.prep.scale_b = {static_cast<const float*>(x.scale_inv_t.data), ScaleStart::columns,
+                         x.cols, 0};
+    plan.sfa_ld = static_cast<int32_t>(dy.cols);
+    plan.sfb_ld = static_cast<int32_t>(x.cols);
   } else {
     plan.prep.alpha_a = static_cast<const float*>(dy.scale_inv_t.data);
     plan.prep.alpha_b = static_cast<const float*>(x.scale_inv_t.data);

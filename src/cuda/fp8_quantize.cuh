@@ -312,11 +312,13 @@ __device__ void zero_tail(const QuantParams& p, const Tile& g, int64_t col0, int
         for (int j = 0; j < 16; ++j) d[j] = 0;
       }
     }
-    if (R != Fp8Recipe::tensorwise) {
-      const int per_col = R == Fp8Recipe::mxfp8 ? 4 : 1;
-      const int64_t first = R == Fp8Recipe::mxfp8 ? g.tok0 / 32 : g.tile_index;
-      for (int idx = tid; idx < ncols * per_col; idx += kThreads) {
-        store_scale_one<R>(p.scale_t, (col0 + idx / per_col) * p.scale_t_ld + first + idx % per_col);
+    if (R == Fp8Recipe::blockwise) {  // [padded/128, cols]: this tile's block row
+      for (int idx = tid; idx < ncols; idx += kThreads) {
+        store_scale_one<R>(p.scale_t, g.tile_index * p.scale_t_ld + col0 + idx);
+      }
+    } else if (R == Fp8Recipe::mxfp8) {  // [cols, padded/32]: 4 blocks per column
+      for (int idx = tid; idx < ncols * 4; idx += kThreads) {
+        store_scale_one<R>(p.scale_t, (col0 + idx / 4) * p.scale_t_ld + g.tok0 / 32 + idx % 4);
       }
     }
   }
@@ -501,7 +503,7 @@ __global__ void __launch_bounds__(kThreads)
         }
       }
       if (R == Fp8Recipe::blockwise && !kWeights && k == 0) {
-        store_scale<R>(p.scale_t, orow * p.scale_t_ld + g.tile_index, s);
+        store_scale<R>(p.scale_t, g.tile_index * p.scale_t_ld + orow, s);  // [padded/128, cols]
       } else if (R == Fp8Recipe::mxfp8 && (k & 1) == 0 && 16 * k < g.tokens) {
         store_scale<R>(p.scale_t, orow * p.scale_t_ld + (g.tok0 + 16 * k) / 32, s);
       }

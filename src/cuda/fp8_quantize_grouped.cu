@@ -45,7 +45,7 @@ void quantize_grouped(const GroupedRows& x, const Fp8QuantizeOptions& o, const F
   p.data_t_ld = q.padded_capacity;
   if (o.recipe == Fp8Recipe::blockwise) {
     p.scale_ld = (cols + kFp8Block - 1) / kFp8Block;
-    p.scale_t_ld = q.padded_capacity / kFp8Block;
+    p.scale_t_ld = cols;  // token-block-major [padded_capacity/128, cols]
   } else if (o.recipe == Fp8Recipe::mxfp8) {
     p.scale_ld = (cols + kMxBlock - 1) / kMxBlock;
     p.scale_t_ld = q.padded_capacity / kMxBlock;

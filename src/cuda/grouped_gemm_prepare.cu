@@ -55,7 +55,7 @@ __device__ __forceinline__ int64_t columnwise_start(const RowsOperand& op, int e
 __device__ __forceinline__ const float* scale_start(const ScaleOperand& s, int e, int64_t begin) {
   switch (s.start) {
     case ScaleStart::rows: return s.base + begin * s.ld;
-    case ScaleStart::columns: return s.base + begin / 128;
+    case ScaleStart::columns: return s.base + begin / 128 * s.ld;
     case ScaleStart::expert: return s.base + e * s.expert_stride;
     default: return nullptr;
   }

@@ -58,18 +58,18 @@ struct RowsOperand {
   int64_t padded_capacity = 0;  ///< columns of the columnwise operand
 };
 
-/// Where group e's FP8 block scales start (f32 scale matrices, K-major).
+/// Where group e's FP8 block scales start (f32 scale matrices).
 enum class ScaleStart : int32_t {
   none,     ///< no block scales
-  rows,     ///< scales of grouped rows [capacity, kb]: base + offset_e * ld
-  columns,  ///< token-block scales of a columnwise operand [cols, padded/128]:
-            ///< base + padded_offsets[e] / 128 (the operand's padded_offsets)
+  rows,     ///< scales of grouped rows [capacity, kb] (K-major): base + offset_e * ld
+  columns,  ///< token-block scales of a columnwise operand [padded/128, cols] (token-block-major):
+            ///< base + padded_offsets[e] / 128 * ld (the operand's padded_offsets, ld = cols)
   expert    ///< expert weights' scales [E, nb, kb]: base + e * expert_stride
 };
 struct ScaleOperand {
   const float* base = nullptr;
   ScaleStart start = ScaleStart::none;
-  int64_t ld = 0;             ///< rows: elements between the scales of consecutive rows
+  int64_t ld = 0;             ///< rows, columns: elements between consecutive scale rows
   int64_t expert_stride = 0;  ///< expert: elements between experts
 };
 

@@ -5,21 +5,28 @@
 //
 // Two mainloops, both with fp32 accumulation that is promoted out of the tensor cores every
 // 128-long k-tile (Hopper's FP8 wgmma accumulates with fewer than fp32's bits):
-//   blockwise   CUTLASS's MainloopSm90ArrayTmaGmmaWarpSpecializedBlockwise: after each k-tile the
-//               partial sums are multiplied by the A scale of their row (granularity 1 along M)
-//               and the B scale of their column block (128 for weights, 1 for wgrad's x) and
-//               added to the accumulators. Scales are loaded by a producer warp with 4-byte
-//               cp.async, so any 4-byte aligned scale pointer works.
+//   blockwise   CUTLASS's MainloopSm90ArrayTmaGmmaWarpSpecializedBlockwise (its producer: TMA for
+//               the operands, 4-byte cp.async for the scales, so any 4-byte aligned scale pointer
+//               works) with gmoe's own consumer loop (BlockwiseMainloop::mma): after each k-tile
+//               the partial sums are multiplied by the A scale of their row (granularity 1 along
+//               M) and the B scale of their column block (128 for weights, 1 for wgrad's x) and
+//               added to the accumulators, while the next k-tile's wgmmas run.
 //   tensorwise  CUTLASS's FP8 pointer-array mainloop (no scales); the epilogue multiplies by the
 //               group's alpha_e = sa[e]·sb[e], read through a per-group pointer array.
 //
 // The scale layout of a group. In CUTLASS 4.2 the grouped blockwise mainloop derives each group's
-// scale layout from its problem shape alone (K-major: row stride ceil(K/128)), ignoring the
-// per-group layouts passed in its arguments. That fits fprop/dgrad (scales [rows, ceil(K/128)]
-// row-major) but not wgrad, whose token-block scales are the columns [padded_offsets[e]/128, ...)
-// of a [cols, padded_capacity/128] matrix: row stride padded_capacity/128. BlockwiseMainloop below
-// derives from CUTLASS's collective and changes only that: the row strides of the A and B scale
-// matrices become launch arguments (they are the same for every group of a launch).
+// scale layout from its problem shape alone (K-major: row stride ceil(K/128); MN-major: k-block
+// stride M or N), ignoring the per-group layouts passed in its arguments. BlockwiseMainloop below
+// derives from CUTLASS's collective and makes those strides launch arguments (the same for every
+// group of a launch), so that they are the buffers' own: fprop/dgrad read K-major scales
+// [rows, ceil(K/128)]; wgrad reads MN-major ones, the rows [padded_offsets[e]/128, ...) of the
+// token-block-major [padded_capacity/128, cols] scales of the columnwise copies.
+//
+// Why wgrad's are MN-major: a k-tile needs 128 scales of A and 128 of B. K-major, they are 256
+// floats in 256 different cache lines, loaded 4 bytes at a time by the producer warp; the lines
+// (32 KB per k-tile) do not fit in what the 200+ KB of shared memory leave of L1, so every k-tile
+// missed again (15% L1 hit rate, L1 throughput 81%, ncu on an H100, dsv3_fc1 wgrad) and the kernel
+// ran at 0.67x the tensorwise one. MN-major, they are two contiguous 512-byte runs.
 //
 // Everything else follows sm90_grouped_gemm.cuh: device-only problem shapes (the group scheduler
 // walks them on the device), empty groups as M = 0, TMA clipping partial tiles.
@@ -46,16 +53,13 @@ namespace gmoe::cuda_backend {
 namespace sm90fp8 {
 
 /// CUTLASS's grouped blockwise FP8 mainloop with each group's scale layout built from its problem
-/// shape and the per-launch row strides `sfa_ld` / `sfb_ld` (see the file comment). Only the
-/// arguments, the parameters and the per-group tensor update differ from the base collective.
+/// shape and the per-launch strides `sfa_ld` / `sfb_ld` (see the file comment), and its own
+/// consumer loop (mma, below).
 template <class Base>
 struct BlockwiseMainloop : Base {
-  static_assert(!Base::MMajorSFA && !Base::NMajorSFB,
-                "gmoe's FP8 scale matrices are K-major (one row of k-block scales per row)");
-
   struct Arguments : Base::Arguments {
-    int32_t sfa_ld = 0;  ///< elements between the scales of two consecutive rows of A
-    int32_t sfb_ld = 0;  ///< elements between two consecutive scale rows of B
+    int32_t sfa_ld = 0;  ///< A's scales: elements between rows (K-major) or k-blocks (MN-major)
+    int32_t sfb_ld = 0;  ///< B's scales: likewise
   };
   struct Params : Base::Params {
     int32_t sfa_ld = 0;
@@ -69,20 +73,23 @@ struct BlockwiseMainloop : Base {
                   args.sfb_ld};
   }
 
-  // The base collective's scale tensor of a group with its K-major row stride replaced.
-  template <class ScaleTensor>
-  CUTLASS_DEVICE static auto with_row_stride(ScaleTensor const& t, int32_t ld) {
+  // The base collective's scale tensor of a group with its run-time stride replaced: between rows
+  // (K-major: ((_0, ld), (_0, _1), batch)) or between k-blocks (MN-major: ((_0, _1), (_0, ld),
+  // batch)).
+  template <bool kMnMajor, class ScaleTensor>
+  CUTLASS_DEVICE static auto with_ld(ScaleTensor const& t, int32_t ld) {
+    constexpr int kMode = kMnMajor ? 1 : 0;
     auto layout = t.layout();
-    auto stride = layout.stride();  // ((_0, ld), (_0, _1), batch)
-    auto new_stride = cute::replace<0>(stride, cute::replace<1>(cute::get<0>(stride), ld));
+    auto stride = layout.stride();
+    auto new_stride = cute::replace<kMode>(stride, cute::replace<1>(cute::get<kMode>(stride), ld));
     auto new_layout = cute::make_layout(layout.shape(), new_stride);
     static_assert(std::is_same_v<decltype(new_layout), decltype(layout)>,
-                  "the scale layout's row stride must be a run-time int");
+                  "the scale layout's replaced stride must be a run-time int");
     return cute::make_tensor(t.data(), new_layout);
   }
 
   // Called by the kernel whenever a CTA moves to another group: the base version (problem-shape
-  // layouts) with the launch's row strides.
+  // layouts) with the launch's strides.
   template <class InputTensors, class ProblemShape_MNKL>
   CUTLASS_DEVICE InputTensors tensors_perform_update(InputTensors const&, Params const& params,
                                                      ProblemShape_MNKL problem_shape_mnkl,
@@ -90,9 +97,199 @@ struct BlockwiseMainloop : Base {
     auto tensors = Base::load_init(problem_shape_mnkl, params, params.ptr_SFA[next_batch],
                                    params.ptr_SFB[next_batch]);
     return cute::make_tuple(cute::get<0>(tensors), cute::get<1>(tensors),
-                            with_row_stride(cute::get<2>(tensors), params.sfa_ld),
-                            with_row_stride(cute::get<3>(tensors), params.sfb_ld));
+                            with_ld<Base::MMajorSFA>(cute::get<2>(tensors), params.sfa_ld),
+                            with_ld<Base::NMajorSFB>(cute::get<3>(tensors), params.sfb_ld));
   }
+
+  using TiledMma = typename Base::TiledMma;
+  using TileShape = typename Base::TileShape;
+  using ElementBlockScale = typename Base::ElementBlockScale;
+  using MainloopPipeline = typename Base::MainloopPipeline;
+  using PipelineState = typename Base::PipelineState;
+  using TensorStorage = typename Base::TensorStorage;
+  using SmemLayoutA = typename Base::SmemLayoutA;
+  using SmemLayoutB = typename Base::SmemLayoutB;
+  using SmemLayoutSFA = typename Base::SmemLayoutSFA;
+  using SmemLayoutSFB = typename Base::SmemLayoutSFB;
+  static_assert(Base::ScaleMsPerTile == cute::size<0>(TileShape{}),
+                "A is scaled row by row (1x128 blocks)");
+  static_assert(Base::ScaleNsPerTile == 1 || Base::ScaleNsPerTile == cute::size<1>(TileShape{}),
+                "B is scaled per 128-column block (weights) or column by column (wgrad's x)");
+  static_assert(Base::ScalePromotionInterval * cute::size<2>(typename TiledMma::AtomShape_MNK{}) ==
+                    cute::size<2>(TileShape{}),
+                "one scale block along K per k-tile: every k-tile is promoted");
+
+  /// The consumer mainloop, replacing the base collective's. The base issues a k-tile's wgmmas,
+  /// waits for them, and only then multiplies the partial sums by the scales and adds them to the
+  /// accumulators, so the tensor cores idle through every promotion (both consumer warpgroups
+  /// reach it together). Here the partial sums alternate between two register fragments: the
+  /// wgmmas of k-tile t+1 are issued into one before k-tile t's partial sums in the other are
+  /// promoted, so the promotion's FMAs run while the tensor cores work (the same register
+  /// pipelining as FlashAttention-3's softmax). Cost: one more 64-float fragment per thread.
+  /// Each stage goes back to the producer as soon as its partial sums and scales have been read,
+  /// so mma_tail has nothing left to release. The accumulators start from zero here (the base
+  /// collective leaves them as they were when a tile has no k-tiles).
+  ///
+  /// Measured against the base loop on an H100 (public suite, two runs each, same session): the
+  /// fprop/dgrad kernel 0.95-1.07x per case (qwen3 +2-5%, dsv3 -3% to +7%, about 1.01x overall);
+  /// the wgrad kernel 1.00-1.02x alone, its time then going to the K-major scale loads (see the
+  /// file comment), and 1.10-1.30x together with the MN-major scales.
+  template <class FrgTensorC>
+  CUTLASS_DEVICE void mma(MainloopPipeline pipeline, PipelineState smem_pipe_read,
+                          FrgTensorC& accum, int k_tile_count, int thread_idx,
+                          TensorStorage& shared_tensors, Params const& /*params*/) {
+    using namespace cute;
+    static_assert(is_rmem<FrgTensorC>::value, "C tensor must be rmem resident.");
+    constexpr int kNumThreadsPerWarpGroup = 128;
+
+    Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()), SmemLayoutA{});
+    Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), SmemLayoutB{});
+    // The scales as (BLK_M, BLK_N, (BLK_K, PIPE)) views broadcast along the other operand's mode,
+    // partitioned like the accumulators (as in the base collective).
+    Tensor sSFA = make_tensor(
+        make_smem_ptr(shared_tensors.smem_SFA.data()),
+        make_layout(make_shape(shape<0>(SmemLayoutSFA{}), get<1>(TileShape{}),
+                               make_shape(shape<1>(SmemLayoutSFA{}), shape<2>(SmemLayoutSFA{}))),
+                    make_stride(stride<0>(SmemLayoutSFA{}), _0{},
+                                make_stride(stride<1>(SmemLayoutSFA{}), stride<2>(SmemLayoutSFA{})))));
+    Tensor sSFB = make_tensor(
+        make_smem_ptr(shared_tensors.smem_SFB.data()),
+        make_layout(make_shape(get<0>(TileShape{}), shape<0>(SmemLayoutSFB{}),
+                               make_shape(shape<1>(SmemLayoutSFB{}), shape<2>(SmemLayoutSFB{}))),
+                    make_stride(_0{}, stride<0>(SmemLayoutSFB{}),
+                                make_stride(stride<1>(SmemLayoutSFB{}), stride<2>(SmemLayoutSFB{})))));
+
+    constexpr int kMmaWarpGroups = size(TiledMma{}) / kNumThreadsPerWarpGroup;
+    Layout warp_group_thread_layout =
+        make_layout(Int<kMmaWarpGroups>{}, Int<kNumThreadsPerWarpGroup>{});
+    int warp_group_idx = __shfl_sync(0xFFFFFFFF, thread_idx / kNumThreadsPerWarpGroup, 0);
+    TiledMma tiled_mma;
+    auto thread_mma = tiled_mma.get_slice(warp_group_thread_layout(warp_group_idx));
+
+    Tensor tCsSFA = tiled_mma.get_slice(thread_idx).partition_C(sSFA);  // (MMA,MMA_M,MMA_N,(K,PIPE))
+    Tensor tCsSFB = tiled_mma.get_slice(thread_idx).partition_C(sSFB);
+    Tensor tCrA = thread_mma.make_fragment_A(thread_mma.partition_A(sA));  // (MMA,MMA_M,MMA_K,PIPE)
+    Tensor tCrB = thread_mma.make_fragment_B(thread_mma.partition_B(sB));  // (MMA,MMA_N,MMA_K,PIPE)
+    // This thread's distinct row scales (the column mode stays a stride-0 broadcast).
+    Tensor tCrSFA = make_tensor_like<ElementBlockScale>(tCsSFA(_, _, _, _0{}));
+
+    Tensor part0 = make_fragment_like(accum);
+    Tensor part1 = make_fragment_like(accum);
+    clear(accum);
+    warpgroup_fence_operand(accum);
+    if (k_tile_count <= 0) return;  // an empty reduction (a wgrad group without tokens): zeros
+
+    // Issue one k-tile's wgmmas into `part` (overwriting it) and commit them as one batch.
+    auto issue = [&](auto& part, int stage) {
+      tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
+      warpgroup_fence_operand(part);
+      warpgroup_arrive();
+      CUTLASS_PRAGMA_UNROLL
+      for (int k_block = 0; k_block < size<2>(tCrA); ++k_block) {
+        cute::gemm(tiled_mma, tCrA(_, _, k_block, stage), tCrB(_, _, k_block, stage), part);
+        tiled_mma.accumulate_ = GMMA::ScaleOut::One;
+      }
+      warpgroup_commit_batch();
+      warpgroup_fence_operand(part);
+    };
+    // Read k-tile `stage`'s row scales of A into registers (while wgmmas may still run), folding
+    // in B's one scale where B has a single scale per tile.
+    auto load_scales = [&](int stage) {
+      copy(tCsSFA(_, _, _, make_coord(_0{}, stage)), tCrSFA);
+      if constexpr (Base::ScaleNsPerTile == 1) {
+        const ElementBlockScale scale_b = tCsSFB(_0{}, _0{}, _0{}, make_coord(_0{}, stage));
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < size(filter_zeros(tCrSFA)); ++i) {
+          filter_zeros(tCrSFA)(i) = filter_zeros(tCrSFA)(i) * scale_b;
+        }
+      }
+    };
+    // accum += part · scales, once part's wgmmas have completed.
+    //
+    // Column scales (wgrad) are read from shared memory where they are used (32 more live
+    // registers per thread spilled), two at a time: in wgmma's accumulator fragment, elements
+    // 4j..4j+3 are rows (r, r, r+8, r+8) by columns (c, c+1, c, c+1) with c = 8j + 2·(lane % 4)
+    // even, so one 8-byte load serves four elements (half the loads of one per column; not
+    // measurably faster alone: 0.99-1.01x on the dsv3 wgrad cases, H100).
+    auto promote = [&](auto& part, int stage) {
+      warpgroup_fence_operand(part);
+      warpgroup_fence_operand(accum);
+      if constexpr (Base::ScaleNsPerTile == 1) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < size(accum); ++i) {
+          accum(i) = fmaf(part(i), tCrSFA(i), accum(i));
+        }
+      } else {
+        Tensor sfb = tCsSFB(_, _, _, make_coord(_0{}, stage));  // (MMA,MMA_M,MMA_N)
+        static_assert(cosize(typename FrgTensorC::layout_type{}) % 4 == 0,
+                      "wgmma accumulators come in 2x2 quads");
+        CUTLASS_PRAGMA_UNROLL
+        for (int j = 0; j < size(accum) / 4; ++j) {
+          const float2 sb = *reinterpret_cast<const float2*>(&sfb(4 * j));
+          accum(4 * j + 0) = fmaf(part(4 * j + 0) * sb.x, tCrSFA(4 * j + 0), accum(4 * j + 0));
+          accum(4 * j + 1) = fmaf(part(4 * j + 1) * sb.y, tCrSFA(4 * j + 1), accum(4 * j + 1));
+          accum(4 * j + 2) = fmaf(part(4 * j + 2) * sb.x, tCrSFA(4 * j + 2), accum(4 * j + 2));
+          accum(4 * j + 3) = fmaf(part(4 * j + 3) * sb.y, tCrSFA(4 * j + 3), accum(4 * j + 3));
+        }
+      }
+      warpgroup_fence_operand(accum);
+      warpgroup_fence_operand(part);
+    };
+
+    PipelineState smem_pipe_release = smem_pipe_read;
+    // Wait for the next k-tile's stage and issue its wgmmas into `part`; returns the stage.
+    auto issue_next = [&](auto& part) {
+      auto barrier_token = pipeline.consumer_try_wait(smem_pipe_read);
+      pipeline.consumer_wait(smem_pipe_read, barrier_token);
+      const int stage = smem_pipe_read.index();
+      issue(part, stage);
+      ++smem_pipe_read;
+      return stage;
+    };
+    auto release = [&]() {  // the oldest k-tile's operands and scales have been read
+      pipeline.consumer_release(smem_pipe_release);
+      ++smem_pipe_release;
+    };
+
+    // k-tile t's wgmmas run into one fragment while t-1's partial sums in the other are promoted.
+    // The steady state takes two k-tiles per trip so that the fragments are named statically and
+    // every wgmma wait is unconditional (ptxas serializes wgmmas it cannot prove are waited for).
+    int stage0 = issue_next(part0);
+    int t = 0;
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (; t + 2 < k_tile_count; t += 2) {
+      const int stage1 = issue_next(part1);
+      load_scales(stage0);
+      warpgroup_wait<1>();
+      promote(part0, stage0);
+      release();
+      stage0 = issue_next(part0);
+      load_scales(stage1);
+      warpgroup_wait<1>();
+      promote(part1, stage1);
+      release();
+    }
+    if (t + 1 < k_tile_count) {  // two k-tiles left: t in part0, t+1 still to issue
+      const int stage1 = issue_next(part1);
+      load_scales(stage0);
+      warpgroup_wait<1>();
+      promote(part0, stage0);
+      release();
+      load_scales(stage1);
+      warpgroup_wait<0>();
+      promote(part1, stage1);
+      release();
+    } else {  // one k-tile left
+      load_scales(stage0);
+      warpgroup_wait<0>();
+      promote(part0, stage0);
+      release();
+    }
+    warpgroup_fence_operand(accum);
+  }
+
+  /// mma() has released every stage it consumed.
+  CUTLASS_DEVICE void mma_tail(MainloopPipeline, PipelineState, int) {}
 };
 
 template <Fp8Scaling S, Fp8Operands Ops, DType Out>
@@ -128,10 +325,13 @@ struct Fp8GemmTypes {
   static constexpr int kAlignD = 16 / sizeof(ElementD);
 
   // Scale granularity (M, N, K): A rows are scaled one by one (1x128 blocks along K); B by
-  // 128x128 blocks (weights) or row by row (wgrad's x, 1x128 along tokens).
+  // 128x128 blocks (weights) or row by row (wgrad's x, 1x128 along tokens). fprop/dgrad scales
+  // are K-major, wgrad's MN-major (token-block-major, see the file comment).
   static constexpr int kScaleN = Ops == Fp8Operands::rows ? 128 : 1;
-  using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, kScaleN, 128, cute::GMMA::Major::K,
-                                                                cute::GMMA::Major::K>;
+  static constexpr auto kScaleMajor =
+      Ops == Fp8Operands::rows ? cute::GMMA::Major::K : cute::GMMA::Major::MN;
+  using ScaleConfig =
+      cutlass::detail::Sm90BlockwiseScaleConfig<1, kScaleN, 128, kScaleMajor, kScaleMajor>;
   using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
   using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
   using GmemLayoutA =

@@ -84,6 +84,8 @@ HostTensor decode_grouped(const Fp8Grouped& q, const std::vector<int64_t>& count
           const int64_t p = static_cast<const int64_t*>(q.padded_offsets.data)[e] + (r - off[e]);
           const double s = q.recipe == Fp8Recipe::tensorwise
                                ? scale_at(q.scale_inv_t, static_cast<int64_t>(e))
+                           : q.recipe == Fp8Recipe::blockwise  // [P/128, cols]
+                               ? scale_at(q.scale_inv_t, p / block * cols + c)
                                : scale_at(q.scale_inv_t, c * (P / block) + p / block);
           v = fp8_at(q.data_t, c * P + p, q.format) * s;
         }

@@ -193,9 +193,12 @@ Expected oracle_grouped(const HostTensor& x, const std::vector<int64_t>& counts,
   if (o.columnwise) {
     const int64_t nb = P / B;
     ex.data_t = HostTensor(o.format, {cols, P});
-    ex.scale_inv_t = HostTensor(sd, {cols, nb});
+    // blockwise: token-block-major [nb, cols]; mxfp8: [cols, nb]
+    const bool block_major = o.recipe == Fp8Recipe::blockwise;
+    auto scale_index = [&](int64_t c, int64_t b) { return block_major ? b * cols + c : c * nb + b; };
+    ex.scale_inv_t = block_major ? HostTensor(sd, {nb, cols}) : HostTensor(sd, {cols, nb});
     for (int64_t c = 0; c < cols; ++c) {
-      for (int64_t b = 0; b < nb; ++b) put_one(ex.scale_inv_t, c * nb + b, o.recipe);
+      for (int64_t b = 0; b < nb; ++b) put_one(ex.scale_inv_t, scale_index(c, b), o.recipe);
     }
     for (int64_t e = 0; e < E; ++e) {
       for (int64_t t0 = 0; t0 < counts[e]; t0 += B) {
@@ -204,7 +207,7 @@ Expected oracle_grouped(const HostTensor& x, const std::vector<int64_t>& counts,
           float amax = 0.0f;
           for (int64_t t = t0; t < t1; ++t) amax = std::max(amax, abs_finite(X(off[e] + t, c)));
           const Scale s = make_scale(amax, o);
-          put_scale(ex.scale_inv_t, c * nb + (pad[e] + t0) / B, s, o.recipe);
+          put_scale(ex.scale_inv_t, scale_index(c, (pad[e] + t0) / B), s, o.recipe);
           for (int64_t t = t0; t < t1; ++t) {
             bytes(ex.data_t)[c * P + pad[e] + t] = encode(X(off[e] + t, c) * s.mult, o.format);
           }

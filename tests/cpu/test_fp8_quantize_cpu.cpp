@@ -171,7 +171,8 @@ double row_scale_inv(const Fp8Grouped& q, const std::vector<int64_t>& off, int64
       i = r * s.size(1) + c / B;
     } else {
       const int64_t t = static_cast<const int64_t*>(q.padded_offsets.data)[e] + (r - off[e]);
-      i = c * s.size(1) + t / B;
+      // blockwise: token-block-major [P/128, cols]; mxfp8 [cols, P/32]
+      i = q.recipe == Fp8Recipe::blockwise ? t / B * s.size(1) + c : c * s.size(1) + t / B;
     }
   }
   if (q.recipe == Fp8Recipe::mxfp8) return fp8_rules::e8m0_to_float(static_cast<const uint8_t*>(s.data)[i]);

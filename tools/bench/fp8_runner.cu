@@ -45,18 +45,21 @@ struct HostFp8Matrix {
   int64_t cols = 0;
   bool e5m2 = false, e8m0 = false;
   // Scale index of (r, c): one per expert (tensorwise: the caller's index), or 1 x block_c
-  // blocks with `scale_ld` scales per row.
+  // blocks with `scale_ld` scales per row, or (block_major) per block of columns.
   int64_t block_c = 0, scale_ld = 0;
+  bool block_major = false;
   double at(int64_t r, int64_t c, int64_t single_index) const {
     const uint8_t b = bytes[static_cast<size_t>(r * cols + c)];
-    const int64_t si = block_c == 0 ? single_index : r * scale_ld + c / block_c;
+    const int64_t si = block_c == 0 ? single_index
+                       : block_major ? c / block_c * scale_ld + r
+                                     : r * scale_ld + c / block_c;
     const double s = e8m0 ? fp8_rules::e8m0_to_float(scales[si])
                           : reinterpret_cast<const float*>(scales.data())[si];
     return fp8_rules::fp8_to_float(b, e5m2) * s;
   }
 };
 
-// The two copies of a grouped operand: rowwise [capacity, cols], columnwise [cols, padded].
+// The two copies of a grouped operand: rowwise [capacity, cols], columnwise data [cols, padded].
 HostFp8Matrix host_rows(const Fp8Grouped& q) {
   HostFp8Matrix m;
   m.bytes = to_host(q.data);
@@ -79,7 +82,9 @@ HostFp8Matrix host_cols(const Fp8Grouped& q) {
   m.e8m0 = q.recipe == Fp8Recipe::mxfp8;
   if (q.recipe != Fp8Recipe::tensorwise) {
     m.block_c = q.recipe == Fp8Recipe::mxfp8 ? kMxBlock : kFp8Block;
-    m.scale_ld = q.padded_capacity / m.block_c;
+    // blockwise: token-block-major [padded/128, cols]; mxfp8 [cols, padded/32]
+    m.block_major = q.recipe == Fp8Recipe::blockwise;
+    m.scale_ld = m.block_major ? q.cols : q.padded_capacity / m.block_c;
   }
   return m;
 }
