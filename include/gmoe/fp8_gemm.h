@@ -44,6 +44,13 @@ namespace gmoe {
 void fp8_grouped_gemm_fprop(const Fp8Grouped& x, const Fp8Weights& w, const TensorView& counts,
                             const TensorView& y, Stream stream = nullptr,
                             Allocator* alloc = nullptr);
+/// The same plus a per-expert bias: y[rows of e] += bias_e (grouped [E, N] or a list of E
+/// vectors of N, y's dtype). CUDA: blockwise with a bf16 bias adds it in the GEMM's epilogue (to
+/// the f32 accumulators, before the one rounding to bf16); tensorwise and mxfp8 add it in a
+/// second pass over y, as grouped_bias_add does.
+void fp8_grouped_gemm_fprop(const Fp8Grouped& x, const Fp8Weights& w, const ExpertBias& bias,
+                            const TensorView& counts, const TensorView& y, Stream stream = nullptr,
+                            Allocator* alloc = nullptr);
 
 /// dgrad: dx[rows of e] = dequant(dy)[rows of e] · dequant(W_e); rows past the real total are
 /// zeroed. dy: rowwise copy (data [capacity, N]); w: transposed copy (data_t [E, K, N],

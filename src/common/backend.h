@@ -51,7 +51,7 @@ void dequantize_grouped(const Fp8Grouped& q, const TensorView& counts, const Ten
 void dequantize_weights(const Fp8Weights& q, const ExpertWeights& out, Fp8Copy which);
 /// FP8 grouped GEMM reference: dequantize to f32, then the grouped GEMM above.
 void fp8_grouped_gemm_fprop(const Fp8Grouped& x, const Fp8Weights& w, const TensorView& counts,
-                            const TensorView& y);
+                            const TensorView& y, const ExpertBias& bias);
 void fp8_grouped_gemm_dgrad(const Fp8Grouped& dy, const Fp8Weights& w, const TensorView& counts,
                             const TensorView& dx);
 void fp8_grouped_gemm_wgrad(const Fp8Grouped& dy, const Fp8Grouped& x, const TensorView& counts,
@@ -116,7 +116,7 @@ void dequantize_weights(const Fp8Weights& q, const ExpertWeights& out, Fp8Copy w
                         Stream stream, Allocator& alloc);
 /// FP8 grouped GEMM (see the cpu_backend twins); counts stay on the device.
 void fp8_grouped_gemm_fprop(const Fp8Grouped& x, const Fp8Weights& w, const TensorView& counts,
-                            const TensorView& y, Stream stream, Allocator& alloc);
+                            const TensorView& y, Stream stream, Allocator& alloc, const ExpertBias& bias);
 void fp8_grouped_gemm_dgrad(const Fp8Grouped& dy, const Fp8Weights& w, const TensorView& counts,
                             const TensorView& dx, Stream stream, Allocator& alloc);
 void fp8_grouped_gemm_wgrad(const Fp8Grouped& dy, const Fp8Grouped& x, const TensorView& counts,

@@ -37,6 +37,12 @@ void after_op(Device device, Stream stream) {
 
 void fp8_grouped_gemm_fprop(const Fp8Grouped& x, const Fp8Weights& w, const TensorView& counts,
                             const TensorView& y, Stream stream, Allocator* alloc) {
+  fp8_grouped_gemm_fprop(x, w, ExpertBias(), counts, y, stream, alloc);
+}
+
+void fp8_grouped_gemm_fprop(const Fp8Grouped& x, const Fp8Weights& w, const ExpertBias& bias,
+                            const TensorView& counts, const TensorView& y, Stream stream,
+                            Allocator* alloc) {
   GMOE_CHECK(x.data.defined(), "x: the rowwise copy (data) is absent; fprop reads it");
   const Device device = x.data.device;
   check_counts(counts, "counts", device);
@@ -47,11 +53,12 @@ void fp8_grouped_gemm_fprop(const Fp8Grouped& x, const Fp8Weights& w, const Tens
   GMOE_CHECK(w.cols == x.cols, "w: experts of [N, K] = [", w.rows, ", ", w.cols,
              "], but x has K = ", x.cols, " columns");
   check_rows_output(y, x.capacity, w.rows, device, "y");
+  if (bias.defined()) check_expert_bias(bias, "bias", E, w.rows, y.dtype, device);
   if (device.is_cpu()) {
-    cpu_backend::fp8_grouped_gemm_fprop(x, w, counts, y);
+    cpu_backend::fp8_grouped_gemm_fprop(x, w, counts, y, bias);
   } else {
     check_cuda_compiled("fp8_grouped_gemm_fprop");
-    cuda_backend::fp8_grouped_gemm_fprop(x, w, counts, y, stream, pick_allocator(alloc, device));
+    cuda_backend::fp8_grouped_gemm_fprop(x, w, counts, y, stream, pick_allocator(alloc, device), bias);
   }
   after_op(device, stream);
 }

@@ -25,13 +25,13 @@ struct F32Buffer {
 }  // namespace
 
 void fp8_grouped_gemm_fprop(const Fp8Grouped& x, const Fp8Weights& w, const TensorView& counts,
-                            const TensorView& y) {
+                            const TensorView& y, const ExpertBias& bias) {
   F32Buffer xf({x.capacity, x.cols});
   F32Buffer wf({w.experts, w.rows, w.cols});
   cpu_backend::dequantize_grouped(x, counts, xf.view, Fp8Copy::rowwise);
   const ExpertWeights ws = ExpertWeights::from_stacked(wf.view);
   cpu_backend::dequantize_weights(w, ws, Fp8Copy::rowwise);
-  cpu_backend::grouped_gemm_fprop(xf.view, ws, counts, y);
+  cpu_backend::grouped_gemm_fprop(xf.view, ws, counts, y, bias);
 }
 
 void fp8_grouped_gemm_dgrad(const Fp8Grouped& dy, const Fp8Weights& w, const TensorView& counts,

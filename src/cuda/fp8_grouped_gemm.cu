@@ -54,16 +54,18 @@ struct Fp8KernelEntry {
   void (*run)(const Fp8GemmLaunch&, cudaStream_t) = nullptr;
 };
 
-template <Fp8Scaling S, Fp8Operands Ops, DType Out>
+template <Fp8Scaling S, Fp8Operands Ops, DType Out, bool Bias = false>
 Fp8KernelEntry entry() {
-  using K = Fp8GroupedGemmKernel<S, Ops, Out>;
+  using K = Fp8GroupedGemmKernel<S, Ops, Out, Bias>;
   return {&K::workspace_bytes, &K::run};
 }
 
-Fp8KernelEntry find_kernel(Fp8Scaling scaling, Fp8Operands ops, DType out) {
+// bias: fprop with a bf16 bias in the epilogue (blockwise only, see fp8_grouped_gemm_fprop).
+Fp8KernelEntry find_kernel(Fp8Scaling scaling, Fp8Operands ops, DType out, bool bias) {
   if (scaling == Fp8Scaling::blockwise) {
     if (ops == Fp8Operands::rows) {
-      return entry<Fp8Scaling::blockwise, Fp8Operands::rows, DType::bf16>();
+      return bias ? entry<Fp8Scaling::blockwise, Fp8Operands::rows, DType::bf16, true>()
+                  : entry<Fp8Scaling::blockwise, Fp8Operands::rows, DType::bf16>();
     }
     return out == DType::f32 ? entry<Fp8Scaling::blockwise, Fp8Operands::wgrad, DType::f32>()
                              : entry<Fp8Scaling::blockwise, Fp8Operands::wgrad, DType::bf16>();
@@ -169,7 +171,7 @@ struct Fp8Plan : CallPlan {
 };
 
 void execute(Fp8Plan& plan, Stream stream, Allocator& alloc) {
-  const Fp8KernelEntry kernel = find_kernel(plan.scaling, plan.ops, plan.out);
+  const Fp8KernelEntry kernel = find_kernel(plan.scaling, plan.ops, plan.out, plan.bias != nullptr);
   plan.block_scales = plan.scaling == Fp8Scaling::blockwise;
   plan.alpha = !plan.block_scales;
   PreparedCall call =
@@ -196,10 +198,11 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // fprop and dgrad: A = grouped rows (rowwise copy), B = one copy of the weights, D = rows.
 // `b_data` [E, n, k] and its scales `b_scale` (blockwise [E, ceil(n/128), ceil(k/128)] or
-// tensorwise [E]), where n is the GEMM's N (y's columns) and k its reduction.
+// tensorwise [E]), where n is the GEMM's N (y's columns) and k its reduction. `fused_bias`
+// (blockwise fprop, bf16): D = A·Bᵀ + bias_e in the epilogue.
 void rows_pass(GemmPass pass, const Fp8Grouped& a, const TensorView& b_data,
                const TensorView& b_scale, const TensorView& counts, const TensorView& d,
-               Stream stream, Allocator& alloc) {
+               Stream stream, Allocator& alloc, const ExpertBias* fused_bias = nullptr) {
   const int64_t capacity = a.capacity;
   const int64_t gemm_n = d.size(1);
   const int64_t gemm_k = a.cols;
@@ -215,6 +218,15 @@ void rows_pass(GemmPass pass, const Fp8Grouped& a, const TensorView& b_data,
   plan.prep.rows_d = {d.data, d.stride(0), static_cast<int32_t>(dtype_size(d.dtype))};
   plan.prep.expert_stacked = true;
   plan.prep.expert = {b_data.data, b_data.stride(0), b_data.stride(1), 1};
+  if (fused_bias != nullptr) {
+    GMOE_CHECK(plan.scaling == Fp8Scaling::blockwise && pass == GemmPass::fprop,
+               "FP8 grouped GEMM: a fused bias is a blockwise fprop epilogue");
+    plan.bias = fused_bias;  // a list's pointers are written by prepare_call
+    if (fused_bias->is_grouped()) {
+      const TensorView& b = fused_bias->grouped;
+      plan.prep.bias = {b.data, b.stride(0), 0, static_cast<int32_t>(dtype_size(b.dtype))};
+    }
+  }
   if (plan.scaling == Fp8Scaling::blockwise) {
     const int64_t kb = ceil_div(gemm_k, kFp8Block);
     plan.prep.scale_a = {static_cast<const float*>(a.scale_inv.data), ScaleStart::rows, kb, 0};
@@ -373,7 +385,7 @@ struct Bf16Scratch {
 // 1x32 along b_cols), both dequantized to bf16 scratch, then the bf16 fprop.
 void mx_rows_pass(const Fp8Grouped& a, const TensorView& b_data, const TensorView& b_scale, int64_t b_rows,
                   int64_t b_cols, DType b_format, const TensorView& counts, const TensorView& d, Stream stream,
-                  Allocator& alloc) {
+                  Allocator& alloc, const ExpertBias& bias = ExpertBias()) {
   DeviceGuard guard(a.data.device.index);
   const int sms = sm_count(a.data.device.index);
   const Device dev = a.data.device;
@@ -384,24 +396,33 @@ void mx_rows_pass(const Fp8Grouped& a, const TensorView& b_data, const TensorVie
                          stream);
   launch_mx_dequant_rows(b_data, b_scale, E * b_rows, b_cols, b_format == DType::e5m2, bb.buffer.data(), sms,
                          stream);
-  cuda_backend::grouped_gemm_fprop(ab.view, ExpertWeights::from_stacked(bb.view), counts, d, stream, alloc);
+  cuda_backend::grouped_gemm_fprop(ab.view, ExpertWeights::from_stacked(bb.view), counts, d, stream, alloc,
+                                   bias);
 }
 
 }  // namespace
 
 void fp8_grouped_gemm_fprop(const Fp8Grouped& x, const Fp8Weights& w, const TensorView& counts,
-                            const TensorView& y, Stream stream, Allocator& alloc) {
+                            const TensorView& y, Stream stream, Allocator& alloc, const ExpertBias& bias) {
   check_grouped_cuda(x, false, "x");
   check_weights_cuda(w, false, "w");
   check_dim16(x.cols, "x", "K (columns)");
   check_dim16(w.rows, "w", "N (rows)");
   check_out_rows_cuda(y, "y");
   check_experts_count(counts.size(0));
-  if (x.recipe != Fp8Recipe::mxfp8) {
-    rows_pass(GemmPass::fprop, x, w.data, w.scale_inv, counts, y, stream, alloc);
+  if (x.recipe == Fp8Recipe::mxfp8) {  // the bf16 fprop, with its own bias handling
+    mx_rows_pass(x, w.data, w.scale_inv, w.rows, w.cols, w.format, counts, y, stream, alloc, bias);
     return;
   }
-  mx_rows_pass(x, w.data, w.scale_inv, w.rows, w.cols, w.format, counts, y, stream, alloc);
+  // Blockwise with a bf16 bias: in the epilogue (acc + bias in f32, one rounding; the bias is read
+  // element-wise into shared memory, so it needs no alignment). Tensorwise (its epilogue already
+  // scales by a per-expert alpha) and other bias dtypes: a second pass over y.
+  if (bias.defined() && x.recipe == Fp8Recipe::blockwise && bias.dtype() == DType::bf16) {
+    rows_pass(GemmPass::fprop, x, w.data, w.scale_inv, counts, y, stream, alloc, &bias);
+    return;
+  }
+  rows_pass(GemmPass::fprop, x, w.data, w.scale_inv, counts, y, stream, alloc);
+  if (bias.defined()) cuda_backend::grouped_bias_add(y, bias, counts, stream, alloc);
 }
 
 void fp8_grouped_gemm_dgrad(const Fp8Grouped& dy, const Fp8Weights& w, const TensorView& counts,

@@ -12,7 +12,7 @@
 // optional source operand, or bf16).
 //
 // Instantiations (one sm90_fp8_*.cu file each; e4m3 x e4m3 only):
-//   blockwise  rows        bf16 out    A scales 1x128, B scales 128x128
+//   blockwise  rows        bf16 out    A scales 1x128, B scales 128x128 (and with a bf16 bias)
 //   blockwise  wgrad       f32 out     A and B scales 1x128 along tokens, C = D for accumulate
 //   blockwise  wgrad       bf16 out
 //   tensorwise rows        bf16 out    per-expert alpha (also serves wgrad to bf16)
@@ -56,8 +56,10 @@ struct Fp8GemmLaunch {
   const float* const* alpha_ptrs = nullptr;
 };
 
-/// One compiled FP8 grouped GEMM (explicit instantiations in sm90_fp8_*.cu only).
-template <Fp8Scaling S, Fp8Operands Ops, DType Out>
+/// One compiled FP8 grouped GEMM (explicit instantiations in sm90_fp8_*.cu only). Bias: D = A·Bᵀ +
+/// bias_e in the epilogue (blockwise rows to bf16 only; gemm.ptr_bias[e] is expert e's bf16
+/// vector of N).
+template <Fp8Scaling S, Fp8Operands Ops, DType Out, bool Bias = false>
 struct Fp8GroupedGemmKernel {
   /// Bytes of CUTLASS workspace for a persistent grid of sm_count CTAs.
   static std::size_t workspace_bytes(int sm_count);

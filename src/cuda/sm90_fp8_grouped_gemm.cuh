@@ -47,6 +47,7 @@
 
 #include "cuda/cuda_check.h"
 #include "cuda/fp8_grouped_gemm_kernels.h"
+#include "cuda/sm90_bias_epilogue.cuh"
 #include "gmoe/error.h"
 
 namespace gmoe::cuda_backend {
@@ -292,8 +293,10 @@ struct BlockwiseMainloop : Base {
   CUTLASS_DEVICE void mma_tail(MainloopPipeline, PipelineState, int) {}
 };
 
-template <Fp8Scaling S, Fp8Operands Ops, DType Out>
+template <Fp8Scaling S, Fp8Operands Ops, DType Out, bool Bias>
 struct Fp8GemmTypes {
+  static_assert(!Bias || (S == Fp8Scaling::blockwise && Ops == Fp8Operands::rows && Out == DType::bf16),
+                "a fused bias is a blockwise fprop epilogue to bf16");
   using ElementA = cutlass::float_e4m3_t;
   using ElementB = cutlass::float_e4m3_t;
   using ElementD = std::conditional_t<Out == DType::f32, float, cutlass::bfloat16_t>;
@@ -339,12 +342,14 @@ struct Fp8GemmTypes {
   using GmemLayoutB =
       std::conditional_t<S == Fp8Scaling::blockwise, cute::tuple<LayoutB*, LayoutSFB*>, LayoutB*>;
 
+  // D = alpha·acc + beta·C, or with a bias D = acc + bias_e (the bf16 path's tree).
+  using Fusion = std::conditional_t<
+      Bias, typename sm90::BiasTree<ElementD, cutlass::bfloat16_t, TileShape>::type,
+      cutlass::epilogue::fusion::LinearCombination<ElementD, ElementAccumulator, ElementC, ElementAccumulator>>;
   using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, ElementAccumulator, ElementAccumulator,
-      ElementC, LayoutD*, kAlignD, ElementD, LayoutD*, kAlignD, EpilogueSchedule,
-      cutlass::epilogue::fusion::LinearCombination<ElementD, ElementAccumulator, ElementC,
-                                                   ElementAccumulator>>::CollectiveOp;
+      ElementC, LayoutD*, kAlignD, ElementD, LayoutD*, kAlignD, EpilogueSchedule, Fusion>::CollectiveOp;
 
   using BuiltMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA, GmemLayoutA, kAlignAB,
@@ -401,20 +406,26 @@ struct Fp8GemmTypes {
       args.mainloop.sfa_ld = f.sfa_ld;
       args.mainloop.sfb_ld = f.sfb_ld;
     }
-    auto& fusion = args.epilogue.thread;
-    fusion.beta = l.beta;
-    fusion.beta_ptr = nullptr;
-    fusion.beta_ptr_array = nullptr;
-    fusion.alpha_ptr = nullptr;
-    if (f.alpha_ptrs != nullptr) {
-      // One alpha per group, through the pointer array (L stride 1: nothing is read in the
-      // epilogue's constructor, each tile reads its group's value).
-      fusion.alpha = 0.0f;
-      fusion.alpha_ptr_array = const_cast<float const* const*>(f.alpha_ptrs);
-      fusion.dAlpha = {cute::_0{}, cute::_0{}, 1};
+    if constexpr (Bias) {
+      // {AccFetch, RowBroadcast {ptr_row, null_default, dRow}, Compute}
+      args.epilogue.thread = {
+          {}, {reinterpret_cast<cutlass::bfloat16_t const* const*>(l.ptr_bias), cutlass::bfloat16_t(0), {}}, {}};
     } else {
-      fusion.alpha = 1.0f;
-      fusion.alpha_ptr_array = nullptr;
+      auto& fusion = args.epilogue.thread;
+      fusion.beta = l.beta;
+      fusion.beta_ptr = nullptr;
+      fusion.beta_ptr_array = nullptr;
+      fusion.alpha_ptr = nullptr;
+      if (f.alpha_ptrs != nullptr) {
+        // One alpha per group, through the pointer array (L stride 1: nothing is read in the
+        // epilogue's constructor, each tile reads its group's value).
+        fusion.alpha = 0.0f;
+        fusion.alpha_ptr_array = const_cast<float const* const*>(f.alpha_ptrs);
+        fusion.dAlpha = {cute::_0{}, cute::_0{}, 1};
+      } else {
+        fusion.alpha = 1.0f;
+        fusion.alpha_ptr_array = nullptr;
+      }
     }
     if constexpr (kHasSource) {
       args.epilogue.ptr_C = reinterpret_cast<ElementC const**>(const_cast<void const**>(l.ptr_c));
@@ -432,17 +443,17 @@ struct Fp8GemmTypes {
 
 }  // namespace sm90fp8
 
-template <Fp8Scaling S, Fp8Operands Ops, DType Out>
-std::size_t Fp8GroupedGemmKernel<S, Ops, Out>::workspace_bytes(int sm_count) {
-  using Types = sm90fp8::Fp8GemmTypes<S, Ops, Out>;
+template <Fp8Scaling S, Fp8Operands Ops, DType Out, bool Bias>
+std::size_t Fp8GroupedGemmKernel<S, Ops, Out, Bias>::workspace_bytes(int sm_count) {
+  using Types = sm90fp8::Fp8GemmTypes<S, Ops, Out, Bias>;
   Fp8GemmLaunch l;
   l.gemm.sm_count = sm_count;
   return Types::Gemm::get_workspace_size(Types::make_arguments(l));
 }
 
-template <Fp8Scaling S, Fp8Operands Ops, DType Out>
-void Fp8GroupedGemmKernel<S, Ops, Out>::run(const Fp8GemmLaunch& l, cudaStream_t stream) {
-  using Types = sm90fp8::Fp8GemmTypes<S, Ops, Out>;
+template <Fp8Scaling S, Fp8Operands Ops, DType Out, bool Bias>
+void Fp8GroupedGemmKernel<S, Ops, Out, Bias>::run(const Fp8GemmLaunch& l, cudaStream_t stream) {
+  using Types = sm90fp8::Fp8GemmTypes<S, Ops, Out, Bias>;
   using Gemm = typename Types::Gemm;
   GMOE_CHECK(Types::kHasSource || l.gemm.beta == 0.0f, "FP8 grouped GEMM: this instantiation "
              "has no source operand, but beta = ", l.gemm.beta);
@@ -450,6 +461,7 @@ void Fp8GroupedGemmKernel<S, Ops, Out>::run(const Fp8GemmLaunch& l, cudaStream_t
              "FP8 grouped GEMM: blockwise scaling without scale pointers");
   GMOE_CHECK(S != Fp8Scaling::tensorwise || l.alpha_ptrs != nullptr,
              "FP8 grouped GEMM: tensorwise scaling without per-expert alpha");
+  GMOE_CHECK(!Bias || l.gemm.ptr_bias != nullptr, "FP8 grouped GEMM: a fused bias without bias pointers");
   const typename Gemm::Arguments args = Types::make_arguments(l);
   const std::size_t need = Gemm::get_workspace_size(args);
   GMOE_CHECK(l.gemm.workspace_bytes >= need, "FP8 grouped GEMM: workspace of ",

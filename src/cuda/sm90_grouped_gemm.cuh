@@ -28,6 +28,7 @@
 #include <type_traits>
 
 #include "cuda/cuda_check.h"
+#include "cuda/sm90_bias_epilogue.cuh"
 #include "cuda/grouped_gemm_kernels.h"
 #include "gmoe/error.h"
 
@@ -78,24 +79,12 @@ template <> struct TileTraits<TileConfig::pingpong_128x128> {
 template <class ElementZ>
 struct Sm90GatedActivation;
 
-// The epilogue's fusion: D = alpha·acc + beta·C (LinearCombination), or, with a bias, an
-// epilogue visitor tree D = acc + bias_e, the bias a row vector of N per group broadcast over the
-// tile's rows: Sm90RowBroadcast with an array of pointers reads group l's vector through
-// ptr_bias[l] (its L stride is 0), loading the tile's N slice into shared memory once per tile.
-// With the gated activation, its node (above) is the root over either tree: the accumulators, or
-// acc + bias_e.
+// The epilogue's fusion: D = alpha·acc + beta·C (LinearCombination), or, with a bias, the tree
+// D = acc + bias_e of sm90_bias_epilogue.cuh. With the gated activation, its node (above) is the
+// root over either tree: the accumulators, or acc + bias_e.
 template <class ElementD, class ElementC, class ElementBias, class TileShape, bool Bias, bool Glu>
 struct EpilogueFusion {
   using type = cutlass::epilogue::fusion::LinearCombination<ElementD, float, ElementC, float>;
-};
-template <class ElementD, class ElementBias, class TileShape>
-struct BiasTree {
-  using RowBias = cutlass::epilogue::fusion::Sm90RowBroadcast<
-      0, TileShape, ElementBias*, float, cute::Stride<cute::_0, cute::_1, cute::_0>,
-      128 / cutlass::sizeof_bits_v<ElementBias>>;
-  using Add = cutlass::epilogue::fusion::Sm90Compute<cutlass::plus, ElementD, float,
-                                                     cutlass::FloatRoundStyle::round_to_nearest>;
-  using type = cutlass::epilogue::fusion::Sm90EVT<Add, cutlass::epilogue::fusion::Sm90AccFetch, RowBias>;
 };
 template <class ElementD, class ElementC, class ElementBias, class TileShape>
 struct EpilogueFusion<ElementD, ElementC, ElementBias, TileShape, true, false> {

@@ -207,13 +207,12 @@ Tensor GroupedLinear::forward_impl(const TensorView& x, const TensorView& counts
                              : place({&q.data, &q.scale_inv, &q.padded_offsets}, alloc, stream);
     if (keep_cols) st.x_cols.storage = place({&q.data_t, &q.scale_inv_t, &q.padded_offsets}, alloc, stream);
     quantize_grouped(GroupedRows{x, counts}, fp8_options(DType::e4m3, true, keep_cols), stream, &alloc, &q);
-    fp8_grouped_gemm_fprop(q, fp8_weight_.q, counts, y, stream, &alloc);
+    fp8_grouped_gemm_fprop(q, fp8_weight_.q, bias_, counts, y, stream, &alloc);  // bias: see there
     if (keep_cols) {
       st.x_cols.q = q;
       st.x_cols.q.data = TensorView();
       st.x_cols.q.scale_inv = TensorView();
     }
-    if (bias_.defined()) grouped_bias_add(y, bias_, counts, stream, &alloc);
     if (act != nullptr) grouped_activation_forward(y, counts, act->z, act->options, act->probs, stream, &alloc);
   } else if (act != nullptr) {
     grouped_gemm_fprop_activation(x, weight_, bias_, counts, y, act->z, act->options, act->probs, stream, &alloc);

@@ -43,6 +43,26 @@ TEST_P(CpuFp8Gemm, Fprop) {
   }
 }
 
+// With a bias: the same product plus bias_e on expert e's rows (f32 out: one rounding).
+TEST_P(CpuFp8Gemm, FpropBias) {
+  Rng rng;
+  const ShapeCase c = make(rng);
+  const Fp8Problem p(c, recipe(), rng);
+  ExactResult exact = exact_fprop(p.x_rows, p.w_data, c.counts);
+  HostTensor bias(DType::f32, {c.E, c.N});
+  fill_random(bias, rng, -2.0, 2.0);
+  int64_t row = 0;
+  for (int64_t e = 0; e < c.E; ++e) {
+    for (int64_t r = 0; r < c.counts[e]; ++r, ++row) {
+      for (int64_t n = 0; n < c.N; ++n) exact.value[row * c.N + n] += bias.get(e * c.N + n);
+    }
+  }
+  HostTensor y(DType::f32, {c.capacity, c.N});
+  poison(y);
+  fp8_grouped_gemm_fprop(p.x.q, p.w.q, ExpertBias::from_grouped(bias.view()), p.base.counts.view(), y.view());
+  EXPECT_TRUE(within_reference_bound(y.to_double(), exact, DType::f32, "fprop + bias"));
+}
+
 TEST_P(CpuFp8Gemm, Dgrad) {
   Rng rng;
   const ShapeCase c = make(rng);
@@ -182,6 +202,14 @@ TEST_F(CpuFp8GemmErrors, Fprop) {
                     std::to_string(c.N).c_str());
   HostTensor y_f16(DType::f16, {c.capacity, c.N});
   GMOE_EXPECT_ERROR(fp8_grouped_gemm_fprop(p.x.q, p.w.q, counts, y_f16.view()), "y", "f16");
+  HostTensor bias_short(DType::bf16, {c.E, c.N - 1});
+  GMOE_EXPECT_ERROR(fp8_grouped_gemm_fprop(p.x.q, p.w.q, ExpertBias::from_grouped(bias_short.view()), counts,
+                                           y.view()),
+                    "bias");
+  HostTensor bias_f16(DType::f16, {c.E, c.N});
+  GMOE_EXPECT_ERROR(fp8_grouped_gemm_fprop(p.x.q, p.w.q, ExpertBias::from_grouped(bias_f16.view()), counts,
+                                           y.view()),
+                    "bias", "f16");
   const HostTensor counts4 = make_counts({10, 20, 5, 0});
   GMOE_EXPECT_ERROR(fp8_grouped_gemm_fprop(p.x.q, p.w.q, counts4.view(), y.view()), "experts");
   // Weights of another K.

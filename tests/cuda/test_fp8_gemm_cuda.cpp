@@ -1,5 +1,5 @@
 // tests/cuda/test_fp8_gemm_cuda.cpp — the sm_90a FP8 grouped GEMM (blockwise, tensorwise, mxfp8)
-// on every named shape case, all three passes, checked twice:
+// on every named shape case, all three passes (fprop also with a bias), checked twice:
 //   tight   against the exact (fp64) GEMM of the dequantized operands, decoded independently
 //           from the format (tests/common/fp8_fixture.h): only the output's rounding and the fp32
 //           accumulation of the tensor cores may separate them;
@@ -55,23 +55,61 @@ const char* recipe_str(Fp8Recipe r) { return fp8_recipe_name(r); }
 // ---------------------------------------------------------------------------------------------
 // The passes.
 
-void check_fprop(const ShapeCase& c, Fp8Recipe recipe, Rng& rng) {
+// with_bias: a per-expert bf16 bias, grouped [E, N] or a list. Blockwise adds it in the epilogue
+// (to the f32 accumulators, one rounding); tensorwise and mxfp8 in a second pass over y (the
+// bound allows the product's own rounding too).
+void check_fprop(const ShapeCase& c, Fp8Recipe recipe, Rng& rng, bool with_bias = false) {
   const Fp8Problem p(c, recipe, rng, rng.integer(0, 1) ? DType::i32 : DType::i64);
+  HostTensor bias(DType::bf16, {c.E, c.N});
+  fill_random(bias, rng, -2.0, 2.0);
+  const bool as_list = rng.integer(0, 1) == 1;
+  DeviceTensor bias_d(bias);
+  std::vector<DeviceTensor> rows_d;
+  std::vector<TensorView> list_d;
+  for (int64_t e = 0; e < c.E; ++e) {
+    HostTensor v(DType::bf16, {c.N});
+    for (int64_t n = 0; n < c.N; ++n) v.set(n, bias.get(e * c.N + n));
+    rows_d.emplace_back(v);
+  }
+  for (DeviceTensor& r : rows_d) list_d.push_back(r.view());
+  const ExpertBias bias_v = !with_bias ? ExpertBias()
+                            : as_list  ? ExpertBias::from_list(list_d)
+                                       : ExpertBias::from_grouped(bias_d.view());
   DeviceGrouped x(p.x.q);
   DeviceWeights w(p.w.q);
   DeviceTensor counts(p.base.counts);
   HostTensor y_h(DType::bf16, {c.capacity, c.N});
   poison(y_h);
   DeviceTensor y(y_h);
-  fp8_grouped_gemm_fprop(x.q, w.q, counts.view(), y.view());
+  if (with_bias) {
+    fp8_grouped_gemm_fprop(x.q, w.q, bias_v, counts.view(), y.view());
+  } else {
+    fp8_grouped_gemm_fprop(x.q, w.q, counts.view(), y.view());
+  }
   GMOE_TEST_CUDA(cudaDeviceSynchronize());
   check_device_errors(nullptr);
   const std::vector<double> got = y.download().to_double();
-  const ExactResult exact = exact_fprop(p.x_rows, p.w_data, c.counts);
-  EXPECT_TRUE(within_bound(got, exact.value, tight_bound(exact, DType::bf16), "fprop tight"));
-  const double u = fp8_relative_error(recipe, p.format);
-  EXPECT_TRUE(within_bound(got, exact_fprop(p.base.x, p.base.w, c.counts).value,
-                           recipe_bound_fprop(p, u, DType::bf16), "fprop vs bf16 source"));
+  ExactResult exact = exact_fprop(p.x_rows, p.w_data, c.counts);
+  if (!with_bias) {
+    EXPECT_TRUE(within_bound(got, exact.value, tight_bound(exact, DType::bf16), "fprop tight"));
+    const double u = fp8_relative_error(recipe, p.format);
+    EXPECT_TRUE(within_bound(got, exact_fprop(p.base.x, p.base.w, c.counts).value,
+                             recipe_bound_fprop(p, u, DType::bf16), "fprop vs bf16 source"));
+    return;
+  }
+  const std::vector<double> product = exact.value;
+  int64_t row = 0;
+  for (int64_t e = 0; e < c.E; ++e) {
+    for (int64_t r = 0; r < c.counts[e]; ++r, ++row) {
+      for (int64_t n = 0; n < c.N; ++n) exact.value[row * c.N + n] += bias.get(e * c.N + n);
+    }
+  }
+  std::vector<double> bound = tight_bound(exact, DType::bf16);
+  if (recipe != Fp8Recipe::blockwise) {  // y rounded to bf16 once before the bias is added
+    for (size_t i = 0; i < bound.size(); ++i) bound[i] += unit_roundoff(DType::bf16) * std::abs(product[i]);
+  }
+  EXPECT_TRUE(within_bound(got, exact.value, bound,
+                           std::string("fprop + bias (") + (as_list ? "list)" : "grouped)")));
 }
 
 void check_dgrad(const ShapeCase& c, Fp8Recipe recipe, Rng& rng) {
@@ -185,6 +223,11 @@ class CudaFp8Gemm : public ::testing::TestWithParam<Param> {
 TEST_P(CudaFp8Gemm, Fprop) {
   Rng rng;
   check_fprop(make(rng), recipe(), rng);
+}
+
+TEST_P(CudaFp8Gemm, FpropBias) {
+  Rng rng;
+  check_fprop(make(rng), recipe(), rng, /*with_bias=*/true);
 }
 
 TEST_P(CudaFp8Gemm, Dgrad) {
