@@ -86,8 +86,9 @@ int main(int argc, char** argv) {
   app.add_option("--cpu-mlp-gflop", cpu_mlp_gflop, "CPU backend, mlp mode: GFLOP per forward the rows are scaled to");
   app.add_option("--layer-fp8", o.layer_recipes,
                  "layer mode on CUDA: also GroupedLinear with these FP8 recipes (fp8_blockwise, fp8_tensorwise, "
-                 "mxfp8; with '+native_wgrad' the weight gradient in bf16), rows gmoe_linear_<recipe>, timed "
-                 "interleaved with the native layer")
+                 "mxfp8; with '+native_wgrad' the weight gradient in bf16, with '+cached_weights' the weights "
+                 "quantized once instead of before every forward), rows gmoe_linear_<recipe>, timed "
+                 "interleaved with the native layer; mlp mode: GroupedMLP with the recipe on both FCs")
       ->delimiter(',')
       ->check([](const std::string& name) {
         try {

@@ -19,14 +19,22 @@ GroupedLinear make_bench_layer(const TensorView& w, const TensorView& bias, cons
 }
 
 BenchRecipe bench_recipe_from_name(const std::string& name) {
-  static const std::string kNativeWgrad = "+native_wgrad";
   BenchRecipe r;
   r.name = name;
-  std::string base = name;
-  if (base.size() > kNativeWgrad.size() &&
-      base.compare(base.size() - kNativeWgrad.size(), kNativeWgrad.size(), kNativeWgrad) == 0) {
-    base.resize(base.size() - kNativeWgrad.size());
-    r.fp8_wgrad = false;
+  const std::size_t plus = name.find('+');
+  const std::string base = name.substr(0, plus);
+  for (std::size_t at = plus; at != std::string::npos;) {
+    const std::size_t next = name.find('+', at + 1);
+    const std::string option = name.substr(at + 1, next == std::string::npos ? std::string::npos : next - at - 1);
+    if (option == "native_wgrad") {
+      r.fp8_wgrad = false;
+    } else if (option == "cached_weights") {
+      r.cached_weights = true;
+    } else {
+      GMOE_CHECK(false, "--layer-fp8: '", name, "': unknown option '+", option,
+                 "' (native_wgrad, cached_weights)");
+    }
+    at = next;
   }
   r.recipe = linear_recipe_from_name(base);
   GMOE_CHECK(r.recipe != LinearRecipe::native, "--layer-fp8: '", name, "' is not an FP8 recipe");

@@ -28,10 +28,13 @@ GroupedLinear make_bench_layer(const TensorView& w, const TensorView& bias, cons
                                bool fp8_wgrad = true);
 
 /// A --layer-fp8 entry: a recipe name (linear_recipe_name), optionally followed by "+native_wgrad"
-/// (GroupedLinearOptions::fp8_wgrad = false: the weight gradient in bf16).
+/// (GroupedLinearOptions::fp8_wgrad = false: the weight gradient in bf16) and/or "+cached_weights"
+/// (the FP8 weights quantized once, as in every microbatch after a step's first, instead of
+/// invalidated before each timed forward as after every optimizer step).
 struct BenchRecipe {
   LinearRecipe recipe = LinearRecipe::native;
   bool fp8_wgrad = true;
+  bool cached_weights = false;
   std::string name;  ///< as given: the rows' impl suffix
 };
 BenchRecipe bench_recipe_from_name(const std::string& name);

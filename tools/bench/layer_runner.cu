@@ -189,7 +189,8 @@ std::vector<ResultRow> run_layer_case_cuda(const BenchCase& c, const BenchOption
 
   // FP8 recipes: the same layer with quantization inside, timed interleaved with the native layer.
   // The weights are quantized in every forward (invalidated before it), as with one microbatch per
-  // optimizer step: the conservative case (more microbatches reuse the cached weights).
+  // optimizer step: the conservative case. With "+cached_weights" they are quantized once (by the
+  // checked run), as in every later microbatch of a step.
   for (const std::string& name : o.layer_recipes) {
     const BenchRecipe br = bench_recipe_from_name(name);
     std::vector<GroupedLinear> fp8_layers;
@@ -197,14 +198,17 @@ std::vector<ResultRow> run_layer_case_cuda(const BenchCase& c, const BenchOption
       fp8_layers.push_back(make_bench_layer(b.w(s), b.b(), b.mg(), o, br.recipe, br.fp8_wgrad));
     }
     const LayerCheck fchk = check_run(fp8_layers[0], recipe_quant_u(br.recipe), br.fp8_wgrad);
+    if (br.cached_weights) {
+      for (GroupedLinear& layer : fp8_layers) layer.quantize_weight(stream);
+    }
     auto fp8_forward = [&](int i) {
       GroupedLinear& layer = fp8_layers[i % b.sets];
-      layer.invalidate_fp8_weight();
+      if (!br.cached_weights) layer.invalidate_fp8_weight();
       layer_forward(layer, b, i, stream);
     };
     auto fp8_forward_backward = [&](int i) {
       GroupedLinear& layer = fp8_layers[i % b.sets];
-      layer.invalidate_fp8_weight();
+      if (!br.cached_weights) layer.invalidate_fp8_weight();
       layer_forward_backward(layer, b, i, stream);
     };
     LayerTimes ft;

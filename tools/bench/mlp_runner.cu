@@ -211,10 +211,12 @@ std::vector<ResultRow> run_mlp_case_cuda(const BenchCase& c, const BenchOptions&
     const LinearRecipe recipe = br.recipe;
     std::vector<GroupedMLP> fp8;
     for (int s = 0; s < b.sets; ++s) fp8.push_back(make_bench_mlp(c, b.params(s, o), recipe, br.fp8_wgrad));
-    auto invalidate = [&](int i) { fp8[i % b.sets].invalidate_fp8_weight(); };
+    auto invalidate = [&](int i) {
+      if (!br.cached_weights) fp8[i % b.sets].invalidate_fp8_weight();
+    };
     // checked_run leaves y and dx in hy, hdx; the bf16 rule it applies does not hold for FP8.
     checked_run([&] {
-      invalidate(0);
+      fp8[0].invalidate_fp8_weight();
       mlp_forward_backward(fp8[0], b, 0, stream);
     });
     const MlpCheck quantized =
