@@ -191,13 +191,14 @@ std::vector<ResultRow> run_mlp_case_cuda(const BenchCase& c, const BenchOptions&
   const ActivationOptions act = mlp_activation(c, o.mlp_glu_block);
   auto act_forward = [&](int) { grouped_activation_forward(hv, b.cv(), zv, act, {}, stream); };
   auto act_backward = [&](int) { grouped_activation_backward(hv, dzv, b.cv(), dhv, act, {}, {}, {}, stream); };
-  const double act_fwd = time_ms(act_forward, o.warmup, o.iters, stream);
+  // After the same sustained warm-up as the MLP rows, so that the share compares like with like.
+  const double act_fwd = time_ms(act_forward, o.warmup, o.iters, stream, o.mlp_warm_ms);
   const double act_fb = time_ms(
       [&](int i) {
         act_forward(i);
         act_backward(i);
       },
-      o.warmup, o.iters, stream);
+      o.warmup, o.iters, stream, o.mlp_warm_ms);
   check_device_errors(stream);
   std::vector<ResultRow> rows = mlp_rows(c, dt, "gmoe", {fwd[0], fb[0]}, chk_mlp, o.mlp_main_grad);
   const std::vector<ResultRow> u = mlp_rows(c, dt, "gmoe_unfused", {fwd[1], fb[1]}, chk_unfused, o.mlp_main_grad);
