@@ -67,7 +67,7 @@ void dequantize_weights(const Fp8Weights&, const ExpertWeights&, Fp8Copy, Stream
   unavailable();
 }
 void fp8_grouped_gemm_fprop(const Fp8Grouped&, const Fp8Weights&, const TensorView&,
-                            const TensorView&, Stream, Allocator&) {
+                            const TensorView&, Stream, Allocator&, const ExpertBias&) {
   unavailable();
 }
 void fp8_grouped_gemm_dgrad(const Fp8Grouped&, const Fp8Weights&, const TensorView&,
