@@ -168,6 +168,7 @@ struct Fp8Plan : CallPlan {
   DType out = DType::bf16;
   int32_t sfa_ld = 0, sfb_ld = 0;  // blockwise: the scale matrices' row strides
   float beta = 0.0f;
+  bool raster_along_n = false;  // wgrad: the tile order (choose_wgrad_raster_along_n)
 };
 
 void execute(Fp8Plan& plan, Stream stream, Allocator& alloc) {
@@ -180,6 +181,7 @@ void execute(Fp8Plan& plan, Stream stream, Allocator& alloc) {
     Fp8GemmLaunch launch;
     launch.gemm = call.launch;
     launch.gemm.beta = plan.beta;
+    launch.gemm.raster_along_n = plan.raster_along_n;
     launch.ptr_sfa = call.arrays.ptr_sfa;
     launch.ptr_sfb = call.arrays.ptr_sfb;
     launch.sfa_ld = plan.sfa_ld;
@@ -510,6 +512,7 @@ void fp8_grouped_gemm_wgrad(const Fp8Grouped& dy, const Fp8Grouped& x, const Ten
   }
   plan.run_gemm = dy.capacity > 0 && dy.cols > 0 && x.cols > 0;
   plan.beta = options.accumulate ? 1.0f : 0.0f;
+  plan.raster_along_n = choose_wgrad_raster_along_n(dy.cols, x.cols, pc, counts.size(0), DType::e4m3);
   plan.experts = &dw;
   plan.dw_elem_bytes = static_cast<int32_t>(dtype_size(dw.dtype()));
   plan.dw_rows = dy.cols;

@@ -146,29 +146,6 @@ TileConfig choose_rows_tile(DType in, GemmPass pass, int64_t capacity, int64_t n
 // wgrad, and 1x2 / 2x1 clustered cooperative tiles for all passes, were measured on the public
 // suite at 1.00-1.02x the cooperative tile in the geometric mean on an H100, inside the run-to-run
 // noise of about 10%, and were dropped to keep the build small).
-// The tile order of the weight gradient (M = the layer's N, N = its K, host-known; K = an expert's
-// tokens, on the device only). Tiles along M share B's tile and re-read A (dy_e, M x tokens) once
-// per N tile unless all of A stays in L2; along N they share A's tile and need all of B (x_e,
-// N x tokens) to stay in L2 instead. So along N when, at the average tokens per expert, A does not
-// fit in half the L2 and B does. Measured on an H100 (2026-11-23, wgrad of the public suite, both
-// orders forced in one run): mixtral_fc1 (A 117 MB, B 17 MB) along N 675 vs 586 TFLOP/s (uniform;
-// skewed, whose larger experts overflow, 579 vs 607), dsv3_fc2 (A 59 MB, B 17 MB) 758 vs 740 and
-// 676 vs 657; dsv3_fc1 (A 34 MB, B 59 MB) along M 771 vs 623 and 735 vs 483; qwen3moe and small_m
-// (both operands fit) within 5% either way, along M kept. Along M is also CUTLASS's default for
-// grouped problems. GMOE_RASTER=m|n forces an order (benchmarks, tests).
-bool choose_wgrad_raster_along_n(int64_t m, int64_t n, int64_t capacity, int64_t num_experts, DType in) {
-  static const int forced = [] {
-    const char* env = std::getenv("GMOE_RASTER");
-    if (env == nullptr) return -1;
-    return std::strcmp(env, "n") == 0 ? 1 : std::strcmp(env, "m") == 0 ? 0 : -1;
-  }();
-  if (forced >= 0) return forced == 1;
-  const int64_t tokens = capacity / std::max<int64_t>(num_experts, 1);
-  const int64_t elem = static_cast<int64_t>(dtype_size(in));
-  const int64_t half_l2 = l2_bytes(current_device()) / 2;
-  return m * tokens * elem > half_l2 && n * tokens * elem <= half_l2;
-}
-
 TileConfig choose_wgrad_tile(DType out, int64_t capacity, int64_t num_experts) {
   TileConfig forced;
   if (forced_tile(out, GemmPass::wgrad, &forced)) return forced;

@@ -180,4 +180,10 @@ struct PreparedCall {
 /// enqueues on `stream`: the preparation kernel, a list's pointers (experts and bias), the zeros.
 PreparedCall prepare_call(const CallPlan& plan, std::size_t cutlass_bytes, cudaStream_t stream, Allocator& alloc);
 
+/// Whether the weight gradient D[M, N] (M = the layer's N, N = its K; reductions over each
+/// expert's tokens) walks its tiles along N rather than M: along N when, at the average tokens per
+/// expert, the A operand does not fit in half the L2 and B does (measurements in the definition).
+/// GMOE_RASTER=m|n forces an order.
+bool choose_wgrad_raster_along_n(int64_t m, int64_t n, int64_t capacity, int64_t num_experts, DType in);
+
 }  // namespace gmoe::cuda_backend

@@ -436,6 +436,9 @@ struct Fp8GemmTypes {
     }
     args.epilogue.ptr_D = reinterpret_cast<ElementD**>(const_cast<void**>(l.ptr_d));
     args.epilogue.dD = reinterpret_cast<StrideD*>(const_cast<int64_t*>(l.stride_d));
+    // The group scheduler's tile order (its default, AlongM, unless the dispatcher chose N: wgrad).
+    using RasterOrderOptions = cutlass::gemm::kernel::detail::RasterOrderOptions;
+    args.scheduler.raster_order = l.raster_along_n ? RasterOrderOptions::AlongN : RasterOrderOptions::AlongM;
     args.hw_info = hw_info;
     return args;
   }
