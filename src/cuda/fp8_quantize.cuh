@@ -312,9 +312,9 @@ __device__ void zero_tail(const QuantParams& p, const Tile& g, int64_t col0, int
         for (int j = 0; j < 16; ++j) d[j] = 0;
       }
     }
-    if (R == Fp8Recipe::blockwise) {  // [padded/128, cols]: this tile's block row
+    if (R == Fp8Recipe::blockwise) {  // [padded/128, cols] (scale_t_ld = cols): this tile's block row
       for (int idx = tid; idx < ncols; idx += kThreads) {
-        store_scale_one<R>(p.scale_t, g.tile_index * p.scale_t_ld + col0 + idx);
+        store_scale_one<R>(p.scale_t, fp8_cols_scale_index(R, col0 + idx, g.tile_index, p.scale_t_ld, 0));
       }
     } else if (R == Fp8Recipe::mxfp8) {  // [cols, padded/32]: 4 blocks per column
       for (int idx = tid; idx < ncols * 4; idx += kThreads) {
@@ -503,7 +503,7 @@ __global__ void __launch_bounds__(kThreads)
         }
       }
       if (R == Fp8Recipe::blockwise && !kWeights && k == 0) {
-        store_scale<R>(p.scale_t, g.tile_index * p.scale_t_ld + orow, s);  // [padded/128, cols]
+        store_scale<R>(p.scale_t, fp8_cols_scale_index(R, orow, g.tile_index, p.scale_t_ld, 0), s);
       } else if (R == Fp8Recipe::mxfp8 && (k & 1) == 0 && 16 * k < g.tokens) {
         store_scale<R>(p.scale_t, orow * p.scale_t_ld + (g.tok0 + 16 * k) / 32, s);
       }
