@@ -181,6 +181,31 @@ class GroupedLinear {
   };
   Tensor forward_impl(const TensorView& x, const TensorView& counts, GroupedLinearContext& ctx, Stream stream,
                       const TensorView& out, const ActivationOut* act);
+  /// An FP8 quantization of [rows, cols] laid out for `o`, its copies placed in two allocations:
+  /// the rowwise one (with padded_offsets when there is no columnwise copy), which can go as soon
+  /// as its GEMM has read it, and the columnwise one, which the weight gradient keeps.
+  struct Fp8Placed {
+    Fp8Grouped q;
+    std::shared_ptr<Buffer> rows, cols;
+  };
+  Fp8Placed place_fp8(int64_t rows, int64_t cols, const Fp8QuantizeOptions& o, Device device, Stream stream) const;
+  /// What forward and backward quantize x and dy with.
+  Fp8QuantizeOptions fp8_input_options() const { return fp8_options(DType::e4m3, true, fp8_keeps_x_cols()); }
+  Fp8QuantizeOptions fp8_grad_options() const { return fp8_options(options_.grad_format, true, options_.fp8_wgrad); }
+  /// forward once the input ([capacity, in_features] of dtype `dt`) is quantized into `xq`: the FP8
+  /// fprop (+ bias, + `act`), its columnwise copy (if any) kept for the weight gradient. ctx keeps
+  /// the input's shape only: without a columnwise copy, the caller hands the input over with
+  /// set_saved_input (save_original_input) before the weight gradient.
+  Tensor forward_fp8(Fp8Placed xq, DType dt, const TensorView& counts, GroupedLinearContext& ctx, Stream stream,
+                     const TensorView& out, const ActivationOut* act);
+  /// backward once dy ([capacity, out_features] of dtype `dt`) is quantized into `dyq` (with
+  /// fp8_grad_options()): needs the FP8 weight gradient and no bias (whose gradient reads dy).
+  GroupedLinearBackward backward_fp8(GroupedLinearContext& ctx, Fp8Placed dyq, DType dt, Stream stream,
+                                     const TensorView& dgrad_out);
+  // The shared tails: x kept (by reference or as a copy), the FP8 dgrad, and everything after dx.
+  void save_input(GroupedLinearContext& ctx, const TensorView& x, Stream stream) const;
+  void fp8_dgrad(GroupedLinearContext& ctx, Fp8Placed dyq, const TensorView& dx, Stream stream) const;
+  GroupedLinearBackward finish_backward(GroupedLinearContext& ctx, const TensorView& dy, Tensor dx, Stream stream);
   GroupedLinearGrads allocate_grads(Stream stream) const;
   void compute_wgrad(GroupedLinearContext& ctx, GroupedLinearGrads& grads, Stream stream) const;
   Allocator& allocator() const;

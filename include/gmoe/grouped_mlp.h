@@ -71,6 +71,17 @@ struct GroupedMLPOptions {
   /// recipe with its constraints: bf16 weights, and on CUDA hidden and ffn multiples of 16). It
   /// sets fc1.recipe and fc2.recipe, which must be left native (or equal to it).
   LinearRecipe recipe = LinearRecipe::native;
+  /// FP8 recipes: quantize FC2's input inside the activation (z is never written in bf16, nor
+  /// read back, nor quantized again for dW2), on CUDA in one pass where the kernel allows it
+  /// (docs/architecture.md); used when FC2's weight gradient is FP8 or z is recomputed. Bitwise
+  /// the values of the activation followed by the quantization (false: those two ops).
+  bool fp8_quantize_in_activation = true;
+  /// FP8 recipes: quantize FC1's output gradient inside the activation's backward (dh is not
+  /// written in bf16); used when FC1 also has an FP8 weight gradient and no bias (whose gradient
+  /// reads dh) and z is not recomputed. Bitwise the same values except dprobs (summed in another
+  /// order). Off by default: on an H100 the fused kernel measured slower than the activation's
+  /// backward followed by the quantizer (dsv3_ep32: 536 µs against about 460).
+  bool fp8_quantize_in_activation_backward = false;
   /// Scratch, saved tensors and fresh gradients; nullptr: the device's default allocator.
   Allocator* allocator = nullptr;
 };
@@ -149,6 +160,16 @@ class GroupedMLP {
 
  private:
   Allocator& allocator() const;
+  /// FP8 under the conditions of fp8_quantize_in_activation(_backward): forward quantizes z inside
+  /// the activation, backward dh inside its backward.
+  bool fp8_quantize_z() const {
+    return options_.recipe != LinearRecipe::native && options_.fp8_quantize_in_activation &&
+           (fc2_.options().fp8_wgrad || options_.recompute_activation);
+  }
+  bool fp8_quantize_dh() const {
+    return options_.recipe != LinearRecipe::native && options_.fp8_quantize_in_activation_backward &&
+           fc1_.options().fp8_wgrad && !fc1_.bias().defined() && !options_.recompute_activation;
+  }
 
   GroupedMLPOptions options_;
   GroupedLinear fc1_;

@@ -174,4 +174,31 @@ void grouped_activation_backward(const TensorView& h, const TensorView& dz, cons
   after_op(h.device, stream);
 }
 
+void quantize_activation_forward(const TensorView& h, const TensorView& counts, const ActivationOptions& act,
+                                 const TensorView& probs, const Fp8QuantizeOptions& options, const Fp8Grouped& q,
+                                 bool fused, Stream stream, Allocator& alloc) {
+  if (fused && h.device.is_cuda() &&
+      cuda_backend::quantize_activation_forward(h, counts, act, probs, options, q, stream, alloc)) {
+    after_op(h.device, stream);
+    return;
+  }
+  Tensor z = Tensor::empty({h.size(0), q.cols}, h.dtype, alloc, stream);
+  grouped_activation_forward(h, counts, z, act, probs, stream, &alloc);
+  quantize_grouped(GroupedRows{z, counts}, options, stream, &alloc, &q);
+  z.release_on(stream);
+}
+
+void quantize_activation_backward(const TensorView& h, const TensorView& dz, const TensorView& counts,
+                                  const ActivationOptions& act, const TensorView& probs, const TensorView& dprobs,
+                                  const Fp8QuantizeOptions& options, const Fp8Grouped& q, const TensorView& dh_scratch,
+                                  bool fused, Stream stream, Allocator& alloc) {
+  if (fused && h.device.is_cuda() &&
+      cuda_backend::quantize_activation_backward(h, dz, counts, act, probs, dprobs, options, q, stream, alloc)) {
+    after_op(h.device, stream);
+    return;
+  }
+  grouped_activation_backward(h, dz, counts, dh_scratch, act, probs, dprobs, {}, stream, &alloc);
+  quantize_grouped(GroupedRows{dh_scratch, counts}, options, stream, &alloc, &q);
+}
+
 }  // namespace gmoe

@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "gmoe/activation.h"
+#include "gmoe/fp8.h"
 
 namespace gmoe {
 
@@ -19,5 +20,20 @@ void check_activation_forward(const TensorView& h, const TensorView& counts, con
 /// Throws gmoe::Error naming both when the bytes that views `a` and `b` touch overlap (absent or
 /// empty views overlap nothing).
 void check_disjoint(const TensorView& a, const char* a_name, const TensorView& b, const char* b_name);
+
+/// GroupedMLP's FP8 path, arguments checked by the layer. z = act(h)·probs ([capacity, q.cols])
+/// quantized into q (every view placed, per fp8_grouped_layout(capacity, F, E, options)): on CUDA in
+/// one pass from h where the fused kernel applies (cuda_backend::quantize_activation_forward),
+/// else grouped_activation_forward into scratch then quantize_grouped; bitwise the same. `fused`
+/// false: always the composition (for comparisons).
+void quantize_activation_forward(const TensorView& h, const TensorView& counts, const ActivationOptions& act,
+                                 const TensorView& probs, const Fp8QuantizeOptions& options, const Fp8Grouped& q,
+                                 bool fused, Stream stream, Allocator& alloc);
+/// The backward's twin: dh (h's shape) quantized into q, and dprobs when defined (equal up to
+/// the order of its sum). The composition writes dh into `dh_scratch` (h's shape; may be h itself).
+void quantize_activation_backward(const TensorView& h, const TensorView& dz, const TensorView& counts,
+                                  const ActivationOptions& act, const TensorView& probs, const TensorView& dprobs,
+                                  const Fp8QuantizeOptions& options, const Fp8Grouped& q, const TensorView& dh_scratch,
+                                  bool fused, Stream stream, Allocator& alloc);
 
 }  // namespace gmoe

@@ -324,48 +324,54 @@ __device__ void zero_tail(const QuantParams& p, const Tile& g, int64_t col0, int
   }
 }
 
-/// Quantizes one tile. kWeights: expert weights (blockwise = one 128x128 block per tile) instead
-/// of grouped rows (blockwise = 1x128 and 128x1 blocks).
-template <typename T, Fp8Recipe R, bool kWeights>
-__global__ void __launch_bounds__(kThreads)
-    quantize_tile_kernel(const QuantParams p) {
-  extern __shared__ uint4 smem_tile[];  // [128][NV] granules, swizzled; only when columnwise
+/// The default tile source: the tile's rows of T as stored (grouped rows or expert weights), one
+/// pass over the column tile blockIdx.y. A source supplies the tile's values granule by granule, so
+/// that a kernel producing them (an activation, fp8_quantize_activation.cu) can quantize them
+/// without writing them out first: passes() column tiles per CTA, the first output column of
+/// each, and granule(pass) with a per-row sum (dp) and a 16-byte shared-memory slot (kStashBytes
+/// of them per CTA, one per thread and load slot: what a pass computes for a later one) per load
+/// slot; finish() sees the per-row sums.
+struct RowsSource {
+  static constexpr int kMaxPasses = 1;
+  __device__ int passes() const { return 1; }
+  __device__ int64_t col0(int) const { return static_cast<int64_t>(blockIdx.y) * kTile; }
+  static constexpr int kStashBytes = 0;
+  template <typename T>
+  __device__ uint4 granule(const QuantParams& p, const Tile& g, int i, int v, int ncols, int64_t col0, int, float&,
+                           uint4*) const {
+    return load_granule<T>(p, g, i, v, ncols, col0);
+  }
+  template <int kIters>
+  __device__ void finish(const QuantParams&, const Tile&, const float (&)[kIters]) const {}
+};
+
+/// Quantizes the tile's columns [col0, col0 + ncols) (ncols > 0, g.nrows > 0). kWeights: expert
+/// weights (blockwise = one 128x128 block per tile) instead of grouped rows (blockwise = 1x128 and
+/// 128x1 blocks). dp: the source's per-row sums (one per load slot).
+template <typename T, Fp8Recipe R, bool kWeights, class Src, int kIters>
+__device__ __forceinline__ void quantize_tile(const QuantParams& p, const Tile& g, int64_t col0, int ncols,
+                                              const Src& src, int pass, float (&dp)[kIters]) {
+  extern __shared__ uint4 smem_tile[];  // [128][NV] granules, swizzled; then the source's stash
   __shared__ float warp_amax[kWarps];
   constexpr int V = 16 / sizeof(T);          // elements per granule
   constexpr int NV = kTile / V;              // granules per tile row (16 or 32)
-  constexpr int kIters = kTile * NV / kThreads;
+  static_assert(kIters == kTile * NV / kThreads, "load slots per thread");
   constexpr int kWordCols = Elem<T>::kPerWord;  // columns per 4-byte word
   constexpr int kLanesPerRow = NV;              // lanes sharing one row in the rowwise phase
 
   const int tid = threadIdx.x;
   const int lane = tid & 31;
   const int warp = tid >> 5;
-  const int64_t col0 = static_cast<int64_t>(blockIdx.y) * kTile;
-  const int ncols = static_cast<int>(max64(0, min64(kTile, p.cols - col0)));
-
-  // Tensorwise: one CTA writes every expert's scale (also for experts without a tile).
-  if (R == Fp8Recipe::tensorwise && blockIdx.x == 0 && blockIdx.y == 0) {
-    for (int e = tid; e < p.num_experts; e += kThreads) {
-      const BlockScale s = block_scale<R>(__uint_as_float(p.amax_bits[e]), p);
-      if (p.scale != nullptr) static_cast<float*>(p.scale)[e] = s.inv;
-      if (p.scale_t != nullptr) static_cast<float*>(p.scale_t)[e] = s.inv;
-    }
-  }
-
-  const Tile g = kWeights ? weights_tile<T>(p, blockIdx.x) : grouped_tile<T>(p, blockIdx.x);
-  if (!kWeights && g.tail) {
-    zero_tail<R>(p, g, col0, ncols);
-    return;
-  }
-  if (ncols == 0 || g.nrows <= 0) return;  // empty matrices (CTA-uniform)
+  const int64_t col_tile = static_cast<int64_t>(static_cast<uint64_t>(col0) / kTile);
   const bool do_cols = p.data_t != nullptr;
 
   // (1) Load.
   uint4 raw[kIters];
+  uint4* stash = smem_tile + kTile * NV;
 #pragma unroll
   for (int it = 0; it < kIters; ++it) {
     const int idx = it * kThreads + tid;
-    raw[it] = load_granule<T>(p, g, idx / NV, idx % NV, ncols, col0);
+    raw[it] = src.template granule<T>(p, g, idx / NV, idx % NV, ncols, col0, pass, dp[it], stash + idx);
   }
   if (do_cols) {
 #pragma unroll
@@ -400,7 +406,7 @@ __global__ void __launch_bounds__(kThreads)
   const BlockScale tile_scale = block_scale<R>(tensor_amax, p);
   if (R == Fp8Recipe::blockwise && kWeights && tid == 0) {
     const int64_t nbk = (p.cols + kTile - 1) / kTile;
-    const int64_t nb = g.tile_index, kb = blockIdx.y;
+    const int64_t nb = g.tile_index, kb = col_tile;
     if (p.scale != nullptr) store_scale<R>(p.scale, (g.e * p.row_tiles + nb) * nbk + kb, tile_scale);
     if (p.scale_t != nullptr) store_scale<R>(p.scale_t, (g.e * nbk + kb) * p.row_tiles + nb, tile_scale);
   }
@@ -451,7 +457,7 @@ __global__ void __launch_bounds__(kThreads)
         }
       }
       if (R == Fp8Recipe::blockwise && !kWeights && v == 0) {
-        store_scale<R>(p.scale, orow * p.scale_ld + blockIdx.y, s);
+        store_scale<R>(p.scale, orow * p.scale_ld + col_tile, s);
       } else if (R == Fp8Recipe::mxfp8 && (v % (32 / V)) == 0) {
         store_scale<R>(p.scale, orow * p.scale_ld + (col0 + v * V) / 32, s);
       }
@@ -511,27 +517,69 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+/// One CTA: one 128-row tile (blockIdx.x) and src.passes() column tiles of it (blockIdx.y).
+/// __launch_bounds__ names no minimum of CTAs per SM: naming 1 let ptxas take 134 registers for
+/// the columnwise kernels (85 without), and on an H100 they ran 1.5x slower at 12% of the warp
+/// slots; minimums of 3-5 made them spill and run slower too.
+template <typename T, Fp8Recipe R, bool kWeights, class Src = RowsSource>
+__global__ void __launch_bounds__(kThreads)
+    quantize_tile_kernel(const QuantParams p, const Src src) {
+  constexpr int kIters = kTile * (kTile * static_cast<int>(sizeof(T)) / 16) / kThreads;
+  // Tensorwise: one CTA writes every expert's scale (also for experts without a tile).
+  if (R == Fp8Recipe::tensorwise && blockIdx.x == 0 && blockIdx.y == 0) {
+    for (int e = threadIdx.x; e < p.num_experts; e += kThreads) {
+      const BlockScale s = block_scale<R>(__uint_as_float(p.amax_bits[e]), p);
+      if (p.scale != nullptr) static_cast<float*>(p.scale)[e] = s.inv;
+      if (p.scale_t != nullptr) static_cast<float*>(p.scale_t)[e] = s.inv;
+    }
+  }
+  const Tile g = kWeights ? weights_tile<T>(p, blockIdx.x) : grouped_tile<T>(p, blockIdx.x);
+  float dp[kIters];
+#pragma unroll
+  for (int it = 0; it < kIters; ++it) dp[it] = 0.0f;
+  const int passes = src.passes();
+#pragma unroll
+  for (int pass = 0; pass < Src::kMaxPasses; ++pass) {
+    if (pass >= passes) break;
+    if (pass > 0) __syncthreads();  // the previous pass is done with the shared tile
+    const int64_t col0 = src.col0(pass);
+    const int ncols = static_cast<int>(max64(0, min64(kTile, p.cols - col0)));
+    if (!kWeights && g.tail) {
+      zero_tail<R>(p, g, col0, ncols);
+    } else if (ncols > 0 && g.nrows > 0) {  // (not: empty matrices; CTA-uniform)
+      quantize_tile<T, R, kWeights>(p, g, col0, ncols, src, pass, dp);
+    }
+  }
+  if (!g.tail && g.nrows > 0) src.finish(p, g, dp);
+}
+
 /// Tensorwise, pass 1: amax_bits[e] = max over expert e's elements (finite values) as f32 bits;
 /// atomicMax on the bits of non-negative floats is order-independent, so deterministic.
 /// amax_bits must be zeroed before.
-template <typename T, bool kWeights>
-__global__ void __launch_bounds__(kThreads) amax_tile_kernel(const QuantParams p, uint32_t* amax_bits) {
+template <typename T, bool kWeights, class Src = RowsSource>
+__global__ void __launch_bounds__(kThreads) amax_tile_kernel(const QuantParams p, uint32_t* amax_bits, const Src src) {
   __shared__ float warp_amax[kWarps];
+  extern __shared__ uint4 amax_stash[];  // the source's stash
   constexpr int V = 16 / sizeof(T);
   constexpr int NV = kTile / V;
   constexpr int kIters = kTile * NV / kThreads;
-  const int64_t col0 = static_cast<int64_t>(blockIdx.y) * kTile;
-  const int ncols = static_cast<int>(max64(0, min64(kTile, p.cols - col0)));
   const Tile g = kWeights ? weights_tile<T>(p, blockIdx.x) : grouped_tile<T>(p, blockIdx.x);
-  if (g.tail || g.nrows == 0 || ncols == 0) return;
+  if (g.tail || g.nrows == 0) return;
   float m = 0.0f;
+  float dp = 0.0f;  // (unused: sums are the quantization pass's)
+  for (int pass = 0; pass < src.passes(); ++pass) {
+    const int64_t col0 = src.col0(pass);
+    const int ncols = static_cast<int>(max64(0, min64(kTile, p.cols - col0)));
+    if (ncols == 0) continue;
 #pragma unroll
-  for (int it = 0; it < kIters; ++it) {
-    const int idx = it * kThreads + threadIdx.x;
-    float f[V];
-    granule_to_float<T>(load_granule<T>(p, g, idx / NV, idx % NV, ncols, col0), f);
+    for (int it = 0; it < kIters; ++it) {
+      const int idx = it * kThreads + threadIdx.x;
+      float f[V];
+      granule_to_float<T>(src.template granule<T>(p, g, idx / NV, idx % NV, ncols, col0, pass, dp, amax_stash + idx),
+                          f);
 #pragma unroll
-    for (int j = 0; j < V; ++j) m = fmaxf(m, fp8_rules::finite_abs(f[j]));
+      for (int j = 0; j < V; ++j) m = fmaxf(m, fp8_rules::finite_abs(f[j]));
+    }
   }
   m = warp_max_xor(m, 32);
   if ((threadIdx.x & 31) == 0) warp_amax[threadIdx.x >> 5] = m;
@@ -579,28 +627,40 @@ void set_outputs(QuantParams& p, const Q& q, const Fp8QuantizeOptions& o) {
   p.pow2 = o.pow2_scales;
 }
 
-template <typename T, Fp8Recipe R, bool kWeights>
-void launch_tile(const QuantParams& p, dim3 grid, cudaStream_t stream) {
-  const int smem = p.data_t != nullptr ? tile_smem_bytes<T>() : 0;
-  auto kernel = quantize_tile_kernel<T, R, kWeights>;
+template <typename T, Fp8Recipe R, bool kWeights, class Src>
+void launch_tile(const QuantParams& p, dim3 grid, const Src& src, cudaStream_t stream) {
+  const int smem = (p.data_t != nullptr || Src::kStashBytes > 0 ? tile_smem_bytes<T>() : 0) + Src::kStashBytes;
+  auto kernel = quantize_tile_kernel<T, R, kWeights, Src>;
   GMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  kernel<<<grid, kThreads, smem, stream>>>(p);
+  kernel<<<grid, kThreads, smem, stream>>>(p, src);
   GMOE_CUDA_CHECK(cudaGetLastError());
 }
 
-template <typename T, bool kWeights>
-void launch_typed(Fp8Recipe r, const QuantParams& p, dim3 grid, uint32_t* amax, cudaStream_t stream) {
+/// The quantization of recipe r from `src` (tensorwise: amax first, into `amax`, [E] u32 of scratch).
+template <typename T, bool kWeights, class Src = RowsSource>
+void launch_typed(Fp8Recipe r, const QuantParams& p, dim3 grid, uint32_t* amax, cudaStream_t stream,
+                  const Src& src = Src()) {
   switch (r) {
     case Fp8Recipe::tensorwise:
       GMOE_CUDA_CHECK(cudaMemsetAsync(amax, 0, sizeof(uint32_t) * p.num_experts, stream));
-      amax_tile_kernel<T, kWeights><<<grid, kThreads, 0, stream>>>(p, amax);
+      if (Src::kStashBytes > 0) {
+        GMOE_CUDA_CHECK(cudaFuncSetAttribute(amax_tile_kernel<T, kWeights, Src>,
+                                             cudaFuncAttributeMaxDynamicSharedMemorySize, Src::kStashBytes));
+      }
+      amax_tile_kernel<T, kWeights, Src><<<grid, kThreads, Src::kStashBytes, stream>>>(p, amax, src);
       GMOE_CUDA_CHECK(cudaGetLastError());
-      launch_tile<T, Fp8Recipe::tensorwise, kWeights>(p, grid, stream);
+      launch_tile<T, Fp8Recipe::tensorwise, kWeights>(p, grid, src, stream);
       return;
-    case Fp8Recipe::blockwise: launch_tile<T, Fp8Recipe::blockwise, kWeights>(p, grid, stream); return;
-    case Fp8Recipe::mxfp8: launch_tile<T, Fp8Recipe::mxfp8, kWeights>(p, grid, stream); return;
+    case Fp8Recipe::blockwise: launch_tile<T, Fp8Recipe::blockwise, kWeights>(p, grid, src, stream); return;
+    case Fp8Recipe::mxfp8: launch_tile<T, Fp8Recipe::mxfp8, kWeights>(p, grid, src, stream); return;
   }
 }
+
+/// Grouped rows [cap, cols] split by `counts` into q (gmoe/fp8.h's layout): every parameter but the
+/// source's (src, src_ld, vec), after launching the offsets into `scratch` (which also holds the
+/// tensorwise amax, p.amax_bits); `grid` gets the tile grid. fp8_quantize_grouped.cu.
+QuantParams grouped_params(const TensorView& counts, int64_t cap, int64_t cols, const Fp8QuantizeOptions& o,
+                           const Fp8Grouped& q, Buffer& scratch, Allocator& alloc, Stream stream, dim3& grid);
 
 /// The quantization kernels (tensorwise: amax first, into `amax`, [E] u32 of scratch) for a
 /// source of dtype `src` (bf16, f16, f32); `op` names the call in errors.

@@ -15,33 +15,29 @@
 namespace gmoe::cuda_backend {
 using fp8::QuantParams;
 
-void quantize_grouped(const GroupedRows& x, const Fp8QuantizeOptions& o, const Fp8Grouped& q,
-                      Stream stream_, Allocator& alloc) {
-  cudaStream_t stream = stream_;
-  const int E = static_cast<int>(x.num_groups());
-  const int64_t cap = x.capacity(), cols = x.cols();
-  const int64_t es = static_cast<int64_t>(dtype_size(x.data.dtype));
-  const int64_t col_tiles = std::max<int64_t>(1, (cols + fp8::kTile - 1) / fp8::kTile);
-  GMOE_CHECK(col_tiles <= 65535, "x.data: at most ", 65535 * fp8::kTile, " columns on CUDA, got ", cols);
-  fp8::check_scales_aligned(q, o);
+namespace fp8 {
+
+QuantParams grouped_params(const TensorView& counts, int64_t cap, int64_t cols, const Fp8QuantizeOptions& o,
+                           const Fp8Grouped& q, Buffer& scratch, Allocator& alloc, Stream stream_, dim3& grid) {
+  const int E = static_cast<int>(counts.size(0));
+  const int64_t col_tiles = std::max<int64_t>(1, (cols + kTile - 1) / kTile);
+  GMOE_CHECK(col_tiles <= 65535, "x.data: at most ", 65535 * kTile, " columns on CUDA, got ", cols);
+  check_scales_aligned(q, o);
   GMOE_CHECK(aligned(q.padded_offsets.data, 8), "out.padded_offsets: must be 8-byte aligned");
 
   // Scratch: real offsets [E+1] i64, tensorwise amax [E] u32.
-  Buffer scratch(alloc, sizeof(int64_t) * (E + 1) + sizeof(uint32_t) * E, stream_);
+  scratch = Buffer(alloc, sizeof(int64_t) * (E + 1) + sizeof(uint32_t) * E, stream_);
   int64_t* offsets = static_cast<int64_t*>(scratch.data());
-  uint32_t* amax = reinterpret_cast<uint32_t*>(offsets + E + 1);
   int64_t* padded = static_cast<int64_t*>(q.padded_offsets.data);
-  launch_group_offsets(x.counts, cap, offsets, padded, kFp8TokenPad, kFp8TokenPad, stream);
+  launch_group_offsets(counts, cap, offsets, padded, kFp8TokenPad, kFp8TokenPad, stream_);
 
   QuantParams p;
-  p.src = x.data.data;
-  p.src_ld = x.data.stride(0);
   p.rows = cap;
   p.cols = cols;
   p.num_experts = E;
   p.offsets = offsets;
   p.padded = padded;
-  fp8::set_outputs(p, q, o);
+  set_outputs(p, q, o);
   p.data_t_ld = q.padded_capacity;
   if (o.recipe == Fp8Recipe::blockwise) {
     p.scale_ld = (cols + kFp8Block - 1) / kFp8Block;
@@ -50,13 +46,27 @@ void quantize_grouped(const GroupedRows& x, const Fp8QuantizeOptions& o, const F
     p.scale_ld = (cols + kMxBlock - 1) / kMxBlock;
     p.scale_t_ld = q.padded_capacity / kMxBlock;
   }
-  p.amax_bits = amax;
+  p.amax_bits = reinterpret_cast<uint32_t*>(offsets + E + 1);
+  p.vec_t = p.data_t == nullptr || aligned(p.data_t, 16);
+  grid = dim3(static_cast<unsigned>(q.padded_capacity / kTile), static_cast<unsigned>(col_tiles));
+  return p;
+}
+
+}  // namespace fp8
+
+void quantize_grouped(const GroupedRows& x, const Fp8QuantizeOptions& o, const Fp8Grouped& q,
+                      Stream stream_, Allocator& alloc) {
+  const int64_t cap = x.capacity(), cols = x.cols();
+  const int64_t es = static_cast<int64_t>(dtype_size(x.data.dtype));
+  Buffer scratch;
+  dim3 grid;
+  QuantParams p = fp8::grouped_params(x.counts, cap, cols, o, q, scratch, alloc, stream_, grid);
+  p.src = x.data.data;
+  p.src_ld = x.data.stride(0);
   p.vec = aligned(x.data.data, 16) && (cap <= 1 || (x.data.stride(0) * es) % 16 == 0) && cols % 16 == 0 &&
           (p.data == nullptr || aligned(p.data, 16));
-  p.vec_t = p.data_t == nullptr || aligned(p.data_t, 16);
-
-  const dim3 grid(static_cast<unsigned>(q.padded_capacity / fp8::kTile), static_cast<unsigned>(col_tiles));
-  fp8::launch_quantize<false>(x.data.dtype, o.recipe, p, grid, amax, stream, "quantize_grouped: x.data");
+  fp8::launch_quantize<false>(x.data.dtype, o.recipe, p, grid, const_cast<uint32_t*>(p.amax_bits), stream_,
+                              "quantize_grouped: x.data");
 }
 
 }  // namespace gmoe::cuda_backend

@@ -192,49 +192,80 @@ Tensor GroupedLinear::forward_impl(const TensorView& x, const TensorView& counts
              dtype_name(x.dtype));
   const int64_t cap = x.size(0), N = out_features();
   Allocator& alloc = allocator();
-  Tensor y = out.defined() ? Tensor::wrap(out) : Tensor::empty({cap, N}, x.dtype, alloc, stream);
-  st.device = x.device;
-  st.counts = counts;
   if (fp8()) {
-    if (!fp8_weight_valid_) quantize_weight(stream);
     // One pass: the rowwise copy for fprop, and the columnwise one that the weight gradient reads
-    // (unless x itself is kept, or the weight gradient is native), each in its own allocation.
-    const bool keep_cols = fp8_keeps_x_cols();
-    Fp8Grouped q = fp8_grouped_layout(cap, x.size(1), num_experts(), fp8_options(DType::e4m3, true, keep_cols),
-                                      x.device);
-    Fp8GroupedTensor rows;  // (padded_offsets are always written: with the copy that is kept)
-    rows.storage = keep_cols ? place({&q.data, &q.scale_inv}, alloc, stream)
-                             : place({&q.data, &q.scale_inv, &q.padded_offsets}, alloc, stream);
-    if (keep_cols) st.x_cols.storage = place({&q.data_t, &q.scale_inv_t, &q.padded_offsets}, alloc, stream);
-    quantize_grouped(GroupedRows{x, counts}, fp8_options(DType::e4m3, true, keep_cols), stream, &alloc, &q);
-    fp8_grouped_gemm_fprop(q, fp8_weight_.q, bias_, counts, y, stream, &alloc);  // bias: see there
-    if (keep_cols) {
-      st.x_cols.q = q;
-      st.x_cols.q.data = TensorView();
-      st.x_cols.q.scale_inv = TensorView();
-    }
-    if (act != nullptr) grouped_activation_forward(y, counts, act->z, act->options, act->probs, stream, &alloc);
-  } else if (act != nullptr) {
+    // (unless x itself is kept, or the weight gradient is native).
+    const Fp8QuantizeOptions qo = fp8_input_options();
+    Fp8Placed xq = place_fp8(cap, x.size(1), qo, x.device, stream);
+    quantize_grouped(GroupedRows{x, counts}, qo, stream, &alloc, &xq.q);
+    Tensor y = forward_fp8(std::move(xq), x.dtype, counts, ctx, stream, out, act);
+    if (!fp8_keeps_x_cols()) save_input(ctx, x, stream);
+    return y;
+  }
+  Tensor y = out.defined() ? Tensor::wrap(out) : Tensor::empty({cap, N}, x.dtype, alloc, stream);
+  if (act != nullptr) {
     grouped_gemm_fprop_activation(x, weight_, bias_, counts, y, act->z, act->options, act->probs, stream, &alloc);
   } else {
     grouped_gemm_fprop(x, weight_, bias_, counts, y, stream, &alloc);  // the bias in the epilogue
   }
-
-  if (fp8_keeps_x_cols()) {
-    st.x = TensorView(nullptr, x.dtype, x.device, {cap, x.size(1)});  // shape only: x_cols is what is kept
-  } else if (options_.save_original_input) {
-    st.x = x;
-  } else {
-    st.x_copy = Tensor::empty({cap, x.size(1)}, x.dtype, alloc, stream);
-    if (x.device.is_cpu()) {
-      cpu_backend::copy_rows(st.x_copy, x);
-    } else {
-      cuda_backend::copy_rows(st.x_copy, x, stream);
-    }
-    st.x = st.x_copy.view();
-  }
+  st.device = x.device;
+  st.counts = counts;
+  save_input(ctx, x, stream);
   st.active = true;
   return y;
+}
+
+GroupedLinear::Fp8Placed GroupedLinear::place_fp8(int64_t rows, int64_t cols, const Fp8QuantizeOptions& o,
+                                                  Device device, Stream stream) const {
+  Fp8Placed r;
+  r.q = fp8_grouped_layout(rows, cols, num_experts(), o, device);
+  Allocator& alloc = allocator();
+  if (o.columnwise) {
+    if (o.rowwise) r.rows = place({&r.q.data, &r.q.scale_inv}, alloc, stream);
+    r.cols = place({&r.q.data_t, &r.q.scale_inv_t, &r.q.padded_offsets}, alloc, stream);
+  } else {
+    r.rows = place({&r.q.data, &r.q.scale_inv, &r.q.padded_offsets}, alloc, stream);
+  }
+  return r;
+}
+
+Tensor GroupedLinear::forward_fp8(Fp8Placed xq, DType dt, const TensorView& counts, GroupedLinearContext& ctx,
+                                  Stream stream, const TensorView& out, const ActivationOut* act) {
+  GroupedLinearContext::State& st = *ctx.state_;
+  GMOE_CHECK(!st.active, "ctx: still holds a forward whose weight gradient was not computed");
+  const Device dev = weight_.device();
+  const int64_t cap = xq.q.capacity;
+  Allocator& alloc = allocator();
+  Tensor y = out.defined() ? Tensor::wrap(out) : Tensor::empty({cap, out_features()}, dt, alloc, stream);
+  if (!fp8_weight_valid_) quantize_weight(stream);
+  fp8_grouped_gemm_fprop(xq.q, fp8_weight_.q, bias_, counts, y, stream, &alloc);  // bias: see there
+  if (xq.q.data_t.defined()) {
+    st.x_cols.q = xq.q;
+    st.x_cols.q.data = TensorView();
+    st.x_cols.q.scale_inv = TensorView();
+    st.x_cols.storage = std::move(xq.cols);
+  }
+  if (act != nullptr) grouped_activation_forward(y, counts, act->z, act->options, act->probs, stream, &alloc);
+  st.device = dev;
+  st.counts = counts;
+  st.x = TensorView(nullptr, dt, dev, {cap, in_features()});  // shape only (see the header)
+  st.active = true;
+  return y;
+}
+
+void GroupedLinear::save_input(GroupedLinearContext& ctx, const TensorView& x, Stream stream) const {
+  GroupedLinearContext::State& st = *ctx.state_;
+  if (options_.save_original_input) {
+    st.x = x;
+    return;
+  }
+  st.x_copy = Tensor::empty({x.size(0), x.size(1)}, x.dtype, allocator(), stream);
+  if (x.device.is_cpu()) {
+    cpu_backend::copy_rows(st.x_copy, x);
+  } else {
+    cuda_backend::copy_rows(st.x_copy, x, stream);
+  }
+  st.x = st.x_copy.view();
 }
 
 GroupedLinearGrads GroupedLinear::allocate_grads(Stream stream) const {
@@ -315,32 +346,56 @@ GroupedLinearBackward GroupedLinear::backward(GroupedLinearContext& ctx, const T
   GMOE_CHECK(dy.size(0) == st.x.size(0) && dy.size(1) == out_features(), "dy: expected [", st.x.size(0), ", ",
              out_features(), "], got ", dy.shape_str());
   Allocator& alloc = allocator();
-  GroupedLinearBackward result;
-  result.dx = dgrad_out.defined() ? Tensor::wrap(dgrad_out)
+  Tensor dx = dgrad_out.defined() ? Tensor::wrap(dgrad_out)
                                   : Tensor::empty({st.x.size(0), in_features()}, dy.dtype, alloc, stream);
   if (fp8()) {
     GMOE_CHECK(dy.dtype == weight_.dtype(), "dy: expected dtype ", dtype_name(weight_.dtype()), " (the weight's), got ",
                dtype_name(dy.dtype));
     // One pass over dy: the rowwise copy for dgrad, the columnwise one for an FP8 weight gradient.
-    const bool cols = options_.fp8_wgrad;
-    const Fp8QuantizeOptions qo = fp8_options(options_.grad_format, true, cols);
-    Fp8Grouped q = fp8_grouped_layout(dy.size(0), dy.size(1), num_experts(), qo, dy.device);
-    Fp8GroupedTensor rows;
-    rows.storage = cols ? place({&q.data, &q.scale_inv}, alloc, stream)
-                        : place({&q.data, &q.scale_inv, &q.padded_offsets}, alloc, stream);
-    if (cols) st.dy_cols.storage = place({&q.data_t, &q.scale_inv_t, &q.padded_offsets}, alloc, stream);
-    quantize_grouped(GroupedRows{dy, st.counts}, qo, stream, &alloc, &q);
-    fp8_grouped_gemm_dgrad(q, fp8_weight_.q, st.counts, result.dx, stream, &alloc);
-    if (cols) {
-      st.dy_cols.q = q;
-      st.dy_cols.q.data = TensorView();
-      st.dy_cols.q.scale_inv = TensorView();
-    }
+    const Fp8QuantizeOptions qo = fp8_grad_options();
+    Fp8Placed dyq = place_fp8(dy.size(0), dy.size(1), qo, dy.device, stream);
+    quantize_grouped(GroupedRows{dy, st.counts}, qo, stream, &alloc, &dyq.q);
+    fp8_dgrad(ctx, std::move(dyq), dx, stream);
   } else {
-    grouped_gemm_dgrad(dy, weight_, st.counts, result.dx, stream, &alloc);
+    grouped_gemm_dgrad(dy, weight_, st.counts, dx, stream, &alloc);
   }
+  return finish_backward(ctx, dy, std::move(dx), stream);
+}
+
+GroupedLinearBackward GroupedLinear::backward_fp8(GroupedLinearContext& ctx, Fp8Placed dyq, DType dt, Stream stream,
+                                                  const TensorView& dgrad_out) {
+  GroupedLinearContext::State& st = *ctx.state_;
+  GMOE_CHECK(st.active && !st.wgrad_pending, "ctx: backward needs a context filled by forward (and not yet ",
+             "consumed by backward)");
+  GMOE_CHECK(fp8() && options_.fp8_wgrad && !bias_.defined(),
+             "backward_fp8: needs an FP8 recipe with the FP8 weight gradient and no bias");
+  const int64_t cap = st.x.size(0);
+  Tensor dx = dgrad_out.defined() ? Tensor::wrap(dgrad_out)
+                                  : Tensor::empty({cap, in_features()}, dt, allocator(), stream);
+  fp8_dgrad(ctx, std::move(dyq), dx, stream);
+  return finish_backward(ctx, TensorView(nullptr, dt, st.device, {cap, out_features()}), std::move(dx), stream);
+}
+
+void GroupedLinear::fp8_dgrad(GroupedLinearContext& ctx, Fp8Placed dyq, const TensorView& dx, Stream stream) const {
+  GroupedLinearContext::State& st = *ctx.state_;
+  Allocator& alloc = allocator();
+  fp8_grouped_gemm_dgrad(dyq.q, fp8_weight_.q, st.counts, dx, stream, &alloc);
+  if (dyq.q.data_t.defined()) {
+    st.dy_cols.q = dyq.q;
+    st.dy_cols.q.data = TensorView();
+    st.dy_cols.q.scale_inv = TensorView();
+    st.dy_cols.storage = std::move(dyq.cols);
+  }
+}
+
+// The bias gradient (from dy), then the weight gradient now or, delayed, dy kept for backward_dw.
+GroupedLinearBackward GroupedLinear::finish_backward(GroupedLinearContext& ctx, const TensorView& dy, Tensor dx,
+                                                     Stream stream) {
+  GroupedLinearContext::State& st = *ctx.state_;
+  GroupedLinearBackward result;
+  result.dx = std::move(dx);
   GroupedLinearGrads grads = allocate_grads(stream);
-  if (bias_.defined()) grouped_bias_grad(dy, st.counts, grads.bias, stream, &alloc);
+  if (bias_.defined()) grouped_bias_grad(dy, st.counts, grads.bias, stream, &allocator());
   st.dy = dy;
   if (options_.delay_wgrad) {
     st.grads = grads;

@@ -178,15 +178,27 @@ Tensor GroupedMLP::forward(const TensorView& x, const TensorView& counts, const 
   if (out.defined()) check_like_rows(out, "out", cap, H, dt, dev);
 
   Allocator& alloc = allocator();
-  // FC1 and the activation: in FC1's epilogue where the kernels allow it (gmoe/grouped_gemm.h,
-  // grouped_gemm_fprop_activation), bitwise the same as the two in turn.
-  Tensor z = Tensor::empty({cap, F}, dt, alloc, stream);
-  const GroupedLinear::ActivationOut act{z.view(), options_.activation, probs};
-  Tensor h = fc1_.forward_impl(x, counts, st.fc1, stream, {}, &act);
-  Tensor y = fc2_.forward(z, counts, st.fc2, stream, out);
-  // Recompute: FC2's context keeps a view of the freed z until backward hands it the rebuilt one
-  // (set_saved_input); nothing reads it in between (FC2's dgrad needs only dy and W2).
-  if (options_.recompute_activation) z.release_on(stream);
+  Tensor h, y, z;
+  if (fp8_quantize_z()) {
+    // FP8: z quantized by the activation itself (rowwise for FC2's fprop, columnwise for its
+    // weight gradient unless z is rebuilt in backward, which then hands it over).
+    h = fc1_.forward_impl(x, counts, st.fc1, stream, {}, nullptr);
+    Fp8QuantizeOptions qo = fc2_.fp8_input_options();
+    qo.columnwise = !options_.recompute_activation;
+    GroupedLinear::Fp8Placed zq = fc2_.place_fp8(cap, F, qo, dev, stream);
+    quantize_activation_forward(h, counts, options_.activation, probs, qo, zq.q, true, stream, alloc);
+    y = fc2_.forward_fp8(std::move(zq), dt, counts, st.fc2, stream, out, nullptr);
+  } else {
+    // FC1 and the activation: in FC1's epilogue where the kernels allow it (gmoe/grouped_gemm.h,
+    // grouped_gemm_fprop_activation), bitwise the same as the two in turn.
+    z = Tensor::empty({cap, F}, dt, alloc, stream);
+    const GroupedLinear::ActivationOut act{z.view(), options_.activation, probs};
+    h = fc1_.forward_impl(x, counts, st.fc1, stream, {}, &act);
+    y = fc2_.forward(z, counts, st.fc2, stream, out);
+    // Recompute: FC2's context keeps a view of the freed z until backward hands it the rebuilt one
+    // (set_saved_input); nothing reads it in between (FC2's dgrad needs only dy and W2).
+    if (options_.recompute_activation) z.release_on(stream);
+  }
   st.h = std::move(h);
   st.z = std::move(z);
   st.counts = counts;
@@ -228,8 +240,18 @@ GroupedMLPBackward GroupedMLP::backward(GroupedMLPContext& ctx, const TensorView
         dprobs_out.defined() ? Tensor::wrap(dprobs_out) : Tensor::empty({cap}, DType::f32, alloc, stream);
   }
   const TensorView h = st.h.view();
-  grouped_activation_backward(h, b2.dx, st.counts, h, options_.activation, st.probs, result.dprobs.view(),
-                              z_rebuilt.view(), stream, &alloc);
+  GroupedLinear::Fp8Placed dhq;
+  const bool quantize_dh = fp8_quantize_dh();
+  if (quantize_dh) {
+    // FP8: dh quantized by the activation's backward itself (h is not read after it).
+    const Fp8QuantizeOptions qo = fc1_.fp8_grad_options();
+    dhq = fc1_.place_fp8(cap, h.size(1), qo, dev, stream);
+    quantize_activation_backward(h, b2.dx, st.counts, options_.activation, st.probs, result.dprobs.view(), qo,
+                                 dhq.q, h, true, stream, alloc);
+  } else {
+    grouped_activation_backward(h, b2.dx, st.counts, h, options_.activation, st.probs, result.dprobs.view(),
+                                z_rebuilt.view(), stream, &alloc);
+  }
   b2.dx.release_on(stream);
   const bool fc2_delayed = options_.fc2.delay_wgrad;
   if (options_.recompute_activation) {
@@ -240,13 +262,14 @@ GroupedMLPBackward GroupedMLP::backward(GroupedMLPContext& ctx, const TensorView
   }
   result.grads.fc2 = std::move(b2.grads);
   if (!fc2_delayed) st.z.release_on(stream);
-  // FC1: dx = dh·W1_e, db1; dW1 now unless delayed (dh stays in st.h until then).
-  GroupedLinearBackward b1 = fc1_.backward(st.fc1, h, stream, dgrad_out);
+  // FC1: dx = dh·W1_e, db1; dW1 now unless delayed (dh stays in st.h until then, unless quantized).
+  GroupedLinearBackward b1 = quantize_dh ? fc1_.backward_fp8(st.fc1, std::move(dhq), dt, stream, dgrad_out)
+                                         : fc1_.backward(st.fc1, h, stream, dgrad_out);
   result.dx = std::move(b1.dx);
   result.grads.fc1 = std::move(b1.grads);
   st.fc1_pending = options_.fc1.delay_wgrad;
   st.fc2_pending = fc2_delayed;
-  if (!st.fc1_pending) st.h.release_on(stream);
+  if (!st.fc1_pending || quantize_dh) st.h.release_on(stream);
   if (st.fc1_pending || st.fc2_pending) {
     st.backward_done = true;
     // backward_dw may run on another stream: order it after all of this backward (FC2's own event

@@ -216,4 +216,28 @@ ExactMlp exact_mlp(const MlpProblem& p, bool with_bias, bool with_probs) {
   return r;
 }
 
+const std::vector<int>& fp8_option_flags() {
+  static const std::vector<int> kFlags = {1, 2, 4, 6, 8, 16, 19, 20, 31, 32, 33, 34, 40, 48};
+  return kFlags;
+}
+
+void apply_fp8_option_flags(GroupedMLPOptions& o, int flags) {
+  o.fc1.delay_wgrad = flags & 1;
+  o.fc2.delay_wgrad = flags & 2;
+  o.recompute_activation = flags & 4;
+  o.fc1.save_original_input = flags & 8;
+  o.fp8_quantize_in_activation = !(flags & 16);
+  o.fp8_quantize_in_activation_backward = flags & 32;
+}
+
+std::string fp8_option_flags_name(int flags) {
+  std::string s = "flags " + std::to_string(flags) + ":";
+  const char* names[] = {" delay fc1", " delay fc2", " recompute", " save_original_input", " z quantized after",
+                         " dh quantized in backward"};
+  for (int b = 0; b < 6; ++b) {
+    if (flags & (1 << b)) s += names[b];
+  }
+  return s;
+}
+
 }  // namespace gmoe::test

@@ -17,6 +17,7 @@
 #include "gmoe/activation.h"
 #include "gmoe/grouped.h"
 #include "gmoe/grouped_bias.h"
+#include "gmoe/grouped_mlp.h"
 
 namespace gmoe::test {
 
@@ -87,5 +88,13 @@ struct ExactMlp {
   std::vector<double> y, dx, dprobs, dw1, dw2, db1, db2;
 };
 ExactMlp exact_mlp(const MlpProblem& p, bool with_bias, bool with_probs);
+
+/// The FP8 option combinations that the delayed/recompute suites run against the immediate run,
+/// as bits: 1 fc1.delay_wgrad, 2 fc2.delay_wgrad, 4 recompute_activation, 8 fc1.save_original_input,
+/// 16 z quantized after the activation (fp8_quantize_in_activation off), 32 dh quantized in the
+/// activation's backward (fp8_quantize_in_activation_backward on).
+const std::vector<int>& fp8_option_flags();
+void apply_fp8_option_flags(GroupedMLPOptions& o, int flags);
+std::string fp8_option_flags_name(int flags);
 
 }  // namespace gmoe::test

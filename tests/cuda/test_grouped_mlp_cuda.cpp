@@ -283,8 +283,48 @@ TEST(CudaGroupedMlpFp8, EachRecipeIsTheCompositionOfFp8Layers) {
         const MlpOutputs want = run_unfused_cuda(p, d, spec, streams.main());
         EXPECT_TRUE(same_outputs(run_cuda(p, d, spec, streams.main(), streams.side()), want,
                                  "FP8 GroupedMLP vs the composition of FP8 layers"));
+        // Without a bias on FC1: bitwise the composition by default and with z quantized after the
+        // activation; with dh quantized inside the activation's backward, all but dprobs (summed in
+        // another order).
+        spec.bias = MlpBias::kNone;
+        const MlpOutputs want_nb = run_unfused_cuda(p, d, spec, streams.main());
+        EXPECT_TRUE(same_outputs(run_cuda(p, d, spec, streams.main(), streams.side()), want_nb,
+                                 "FP8 GroupedMLP without bias vs the composition"));
+        RunSpec unfused = spec;
+        unfused.options.fp8_quantize_in_activation = false;
+        EXPECT_TRUE(same_outputs(run_cuda(p, d, unfused, streams.main(), streams.side()), want_nb,
+                                 "FP8 GroupedMLP, quantization after the activation, vs the composition"));
+        spec.options.fp8_quantize_in_activation_backward = true;
+        MlpOutputs fused = run_cuda(p, d, spec, streams.main(), streams.side());
+        const std::vector<double> a = fused.dprobs.to_double(), b = want_nb.dprobs.to_double();
+        for (int64_t r = 0; r < p.cap; ++r) {
+          ASSERT_NEAR(a[r], b[r], 1e-6 * p.F * (std::abs(b[r]) + 1.0)) << "dprobs row " << r;
+          if (r >= p.c.total()) ASSERT_EQ(a[r], 0.0) << "dprobs row " << r << " past the total";
+        }
+        fused.dprobs = want_nb.dprobs;
+        EXPECT_TRUE(same_outputs(fused, want_nb, "FP8 GroupedMLP, fused quantization, vs the composition"));
       }
     }
+  }
+}
+
+// FP8 (blockwise, no bias, no probs): delayed weight gradients on a second stream,
+// recompute_activation (z rebuilt for dW2 in backward), save_original_input, z quantized after the
+// activation instead of in it, and dh quantized in the activation's backward: bitwise the immediate run.
+TEST_P(CudaGroupedMlpOptions, Fp8DelayedRecomputeAndUnfusedQuantizationBitwise) {
+  GMOE_SKIP_WITHOUT_GPU();
+  Rng rng;
+  const ForkedStreams streams;
+  const MlpProblem p(case_name(), act(), rng, CaseScale::kLarge);
+  const DeviceMlp d(p, Layout::kStacked);
+  RunSpec spec{MlpBias::kNone, false, false, {}};
+  spec.options.recipe = LinearRecipe::fp8_blockwise;
+  const MlpOutputs base = run_cuda(p, d, spec, streams.main(), streams.side());
+  for (int flags : fp8_option_flags()) {
+    RunSpec s = spec;
+    apply_fp8_option_flags(s.options, flags);
+    SCOPED_TRACE(fp8_option_flags_name(flags));
+    EXPECT_TRUE(same_outputs(run_cuda(p, d, s, streams.main(), streams.side()), base, "vs immediate"));
   }
 }
 

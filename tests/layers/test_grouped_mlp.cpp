@@ -315,7 +315,10 @@ INSTANTIATE_TEST_SUITE_P(NamedCases, CpuGroupedMlp,
 // does); and close to the exact MLP, within what quantizing x, z, the weights and both gradients
 // costs (relative Frobenius error; each quantized element within u = 2^-4, or 2^-3 for mxfp8, of
 // its source, two GEMMs deep in each direction). The blockwise recipe also with fp8_wgrad off on
-// both FCs (the options reach the layers: the composition is built with the same).
+// both FCs (the options reach the layers: the composition is built with the same). With a bias on
+// FC1 the MLP quantizes z inside the activation only; without one, dh inside its backward too
+// (GroupedMLPOptions::fp8_quantize_in_activation(_backward), the latter turned on here; on the CPU,
+// the composition): both ways bitwise.
 TEST(CpuGroupedMlpFp8, EachRecipeIsTheCompositionOfFp8LayersAndCloseToTheExactMlp) {
   Rng rng;
   const std::pair<LinearRecipe, bool> recipes[] = {{LinearRecipe::fp8_tensorwise, true},
@@ -325,20 +328,24 @@ TEST(CpuGroupedMlpFp8, EachRecipeIsTheCompositionOfFp8LayersAndCloseToTheExactMl
   for (const auto& [recipe, fp8_wgrad] : recipes) {
     for (int v : {0, 6, 8}) {  // swiglu, clamped swiglu, squared relu
       for (const char* case_name : {"skewed", "ragged", "all_empty"}) {
+       for (BiasMode bias : {BiasMode::kGrouped, BiasMode::kNone}) {
         SCOPED_TRACE(std::string(linear_recipe_name(recipe)) + (fp8_wgrad ? "" : " (native wgrad)") + " " +
-                     activation_case_name(variants()[v]) + " " + case_name);
+                     activation_case_name(variants()[v]) + " " + case_name +
+                     (bias == BiasMode::kNone ? " nobias" : " bias"));
         const MlpProblem p(case_name, with_unreached_limit(variants()[v]), rng);
         GroupedLinearOptions f1, f2;
         f1.recipe = f2.recipe = recipe;
         f1.fp8_wgrad = f2.fp8_wgrad = fp8_wgrad;
         f2.save_original_input = true;
-        const MlpOutputs ref = run_unfused(p, Layout::kStacked, BiasMode::kGrouped, true, f1, f2);
+        const MlpOutputs ref = run_unfused(p, Layout::kStacked, bias, true, f1, f2);
         MlpRunOptions ro;
         ro.mlp.recipe = recipe;
         ro.mlp.fc1.fp8_wgrad = ro.mlp.fc2.fp8_wgrad = fp8_wgrad;
-        const MlpOutputs got = run_mlp(p, Layout::kStacked, BiasMode::kGrouped, true, ro);
+        ro.mlp.fp8_quantize_in_activation_backward = true;
+        const MlpOutputs got = run_mlp(p, Layout::kStacked, bias, true, ro);
         EXPECT_TRUE(same_outputs(got, ref, "FP8 GroupedMLP vs the composition of FP8 layers"));
-        const ExactMlp ex = exact_mlp(p, true, true);
+        const bool with_bias = bias != BiasMode::kNone;
+        const ExactMlp ex = exact_mlp(p, with_bias, true);
         // Measured at most 0.064 (tensorwise, blockwise) and 0.13 (mxfp8) over many seeds: the limits
         // leave 40% of headroom; a misplaced scale or block is off by far more.
         const double limit = recipe == LinearRecipe::mxfp8 ? 0.18 : 0.09;
@@ -348,10 +355,12 @@ TEST(CpuGroupedMlpFp8, EachRecipeIsTheCompositionOfFp8LayersAndCloseToTheExactMl
           EXPECT_EQ(cmp.nan_count, 0) << n;
           EXPECT_LE(cmp.rel_frobenius, limit) << n << ": max err " << cmp.max_abs_err;
         }
+       }
       }
     }
   }
 }
+
 
 // ---------------------------------------------------------------------------------------------
 
@@ -386,6 +395,24 @@ TEST_P(CpuGroupedMlpOptions, DelayedRecomputeBitwiseAndHookOrder) {
       if (bool(flags & 1) == in_dw) order.push_back("fc1");
     }
     EXPECT_EQ(hooks, order);
+  }
+}
+
+// FP8 (blockwise, no bias): delayed weight gradients, recompute_activation (z rows quantized in
+// forward, z rebuilt and quantized columnwise for dW2 in backward), save_original_input, z quantized
+// after the activation instead of in it, and dh quantized in the activation's backward: bitwise the
+// immediate run (on the CPU even dprobs, whose fused sum runs in another order only on CUDA).
+TEST_P(CpuGroupedMlpOptions, Fp8DelayedRecomputeAndUnfusedQuantizationBitwise) {
+  Rng rng;
+  const MlpProblem p(case_name(), act(), rng);
+  MlpRunOptions base_ro;
+  base_ro.mlp.recipe = LinearRecipe::fp8_blockwise;
+  const MlpOutputs base = run_mlp(p, Layout::kStacked, BiasMode::kNone, true, base_ro);
+  for (int flags : fp8_option_flags()) {
+    MlpRunOptions ro = base_ro;
+    apply_fp8_option_flags(ro.mlp, flags);
+    SCOPED_TRACE(fp8_option_flags_name(flags));
+    EXPECT_TRUE(same_outputs(run_mlp(p, Layout::kStacked, BiasMode::kNone, true, ro), base, "vs immediate"));
   }
 }
 

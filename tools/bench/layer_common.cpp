@@ -30,9 +30,13 @@ BenchRecipe bench_recipe_from_name(const std::string& name) {
       r.fp8_wgrad = false;
     } else if (option == "cached_weights") {
       r.cached_weights = true;
+    } else if (option == "quant_after_act") {
+      r.quant_in_act = false;
+    } else if (option == "quant_in_act_bwd") {
+      r.quant_in_act_bwd = true;
     } else {
       GMOE_CHECK(false, "--layer-fp8: '", name, "': unknown option '+", option,
-                 "' (native_wgrad, cached_weights)");
+                 "' (native_wgrad, cached_weights, quant_after_act, quant_in_act_bwd)");
     }
     at = next;
   }

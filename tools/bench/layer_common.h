@@ -35,6 +35,8 @@ struct BenchRecipe {
   LinearRecipe recipe = LinearRecipe::native;
   bool fp8_wgrad = true;
   bool cached_weights = false;
+  bool quant_in_act = true;       ///< mlp mode: fp8_quantize_in_activation ("+quant_after_act": off)
+  bool quant_in_act_bwd = false;  ///< mlp mode: fp8_quantize_in_activation_backward ("+quant_in_act_bwd": on)
   std::string name;  ///< as given: the rows' impl suffix
 };
 BenchRecipe bench_recipe_from_name(const std::string& name);

@@ -51,9 +51,10 @@ struct MlpParams {
   int64_t glu_block = 0;  ///< FC1's gate/up layout (mlp_activation)
 };
 
-/// GroupedMLP in the configuration of the header comment, with `recipe` for both FCs.
+/// GroupedMLP in the configuration of the header comment, with `recipe` for both FCs (FP8: the
+/// weight gradients FP8 or not, and GroupedMLPOptions' fp8_quantize_in_activation(_backward)).
 GroupedMLP make_bench_mlp(const BenchCase& c, const MlpParams& p, LinearRecipe recipe = LinearRecipe::native,
-                          bool fp8_wgrad = true);
+                          bool fp8_wgrad = true, bool quant_in_act = true, bool quant_in_act_bwd = false);
 
 /// The unfused composition of separate public ops, in the same configuration.
 class UnfusedMlp {
