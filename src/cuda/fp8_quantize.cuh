@@ -1,6 +1,6 @@
 // src/cuda/fp8_quantize.cuh — the FP8 quantization tile kernel (grouped rows and expert weights),
-// the tensorwise amax kernel, and their parameters. Instantiated in fp8_quantize_grouped.cu and
-// fp8_quantize_weights.cu.
+// the tensorwise amax kernel, and their parameters. Instantiated in fp8_quantize_grouped.cu,
+// fp8_quantize_weights.cu and, with the activation's sources, fp8_quantize_activation.cu.
 //
 // One CTA (256 threads) quantizes one 128 x 128 tile of the source:
 //   grouped rows: blockIdx.x walks the per-expert PADDED 128-row tiles (expert e owns padded rows
@@ -8,16 +8,17 @@
 //     finds its expert by binary search in the device offsets. Tiles past padded[E] ("tail"
 //     tiles) zero the rows past the real total and the unused columns of data_t.
 //   weights: blockIdx.x = e * ceil(N/128) + n-tile.
-//   blockIdx.y is the 128-column tile.
-// Phases: (1) 16-byte loads of the tile into registers (rows past the expert's count and
+//   blockIdx.y is the 128-column tile (a source may cover several per CTA: passes).
+// Phases: (1) the source's 16-byte granules of the tile into registers (RowsSource: loads of the
+// tensor; an activation's source computes them from h and dz; rows past the expert's count and
 // columns past `cols` read as 0) and into shared memory (16-byte granules XOR-swizzled by
 // (row / 16) % 8); (2) rowwise: amax of each 1x128 (1x32 for mxfp8) block by warp shuffles
 // over the lanes that hold the row, quantize from registers, store; (3) columnwise: each lane
 // reads one 4-byte word (2 bf16/f16 columns, or 1 f32 column) of 16 consecutive rows — the
 // swizzle makes these reads conflict-free — takes the 128x1 (32x1) amax by shuffles over the 8
 // lanes holding one column's 128 tokens, and stores 16 fp8 bytes of the transposed row: 8 lanes
-// write one 128-byte segment of data_t (coalesced). The host side that both callers share
-// (set_outputs, launch_quantize) closes the file.
+// write one 128-byte segment of data_t (coalesced). The host side that the callers share
+// (set_outputs, grouped_params, launch_typed, launch_quantize) closes the file.
 #pragma once
 
 #include <cuda_bf16.h>
