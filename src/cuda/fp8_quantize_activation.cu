@@ -18,11 +18,11 @@
 // second launch adds a row's partials in column-tile order. Deterministic, but summed in another
 // order than grouped_activation_backward's (equal up to rounding).
 //
-// Where these sources do not apply (another dtype than bf16/f16, misaligned views, concatenated
-// halves with F % 128 != 0, interleave blocks that are not a multiple of 8 or neither <= 64 dividing
-// 128 nor a multiple of 128), the entry points return false and the caller composes the two ops.
+// Where these sources do not apply (a dtype other than bf16, the only one the FP8 layers take;
+// misaligned views; concatenated halves with F % 128 != 0; interleave blocks that are not a
+// multiple of 8, or neither <= 64 dividing 128 nor a multiple of 128), the entry points return
+// false and the caller composes the two ops.
 #include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -49,10 +49,8 @@ constexpr int kVec = 8;  // 16-bit elements per granule
 
 template <typename T> __device__ __forceinline__ float to_f(T v);
 template <> __device__ __forceinline__ float to_f<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
-template <> __device__ __forceinline__ float to_f<__half>(__half v) { return __half2float(v); }
 template <typename T> __device__ __forceinline__ T from_f(float v);
 template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
-template <> __device__ __forceinline__ __half from_f<__half>(float v) { return __float2half_rn(v); }
 
 template <typename T>
 struct alignas(16) Pack {
@@ -243,10 +241,10 @@ bool with_kind(ActivationKind kind, F&& f) {
   return false;
 }
 
-// The 16-byte granule loads need 16-bit elements, 16-byte aligned rows, and (gated) interleave
+// The 16-byte granule loads need bf16 elements, 16-byte aligned rows, and (gated) interleave
 // blocks that are multiples of 8 (a granule never straddles gate and up).
 bool loadable(const TensorView& t) {
-  return (t.dtype == DType::bf16 || t.dtype == DType::f16) && aligned(t.data, 16) &&
+  return t.dtype == DType::bf16 && aligned(t.data, 16) &&
          (t.size(0) <= 1 || t.stride(0) % kVec == 0);
 }
 
@@ -273,11 +271,7 @@ void launch_fused(const TensorView& h, ActivationKind kind, const ActSourceArgs&
   uint32_t* amax = const_cast<uint32_t*>(p.amax_bits);
   with_kind(kind, [&](auto k) {
     constexpr ActivationKind K = decltype(k)::value;
-    if (h.dtype == DType::bf16) {
-      fp8::launch_typed<__nv_bfloat16, false>(o.recipe, p, grid, amax, stream, Source<__nv_bfloat16, K>{a});
-    } else {
-      fp8::launch_typed<__half, false>(o.recipe, p, grid, amax, stream, Source<__half, K>{a});
-    }
+    fp8::launch_typed<__nv_bfloat16, false>(o.recipe, p, grid, amax, stream, Source<__nv_bfloat16, K>{a});
   });
 }
 

@@ -5,8 +5,9 @@
 // activation, gate/up layouts the kernels take (concatenated with F a multiple of 128, interleave
 // blocks of 8 to 64 that pair up inside a tile, blocks of 128) and the ones they decline (which must
 // say so, launching nothing), with and without probs, on splits with empty experts, ragged counts,
-// zero total, many experts and slack rows; dprobs within the rounding of a sum in another order,
-// zero past the total. Also one capture replayed under changing counts, bitwise the eager results.
+// zero total, many experts, zero capacity and slack rows; dprobs within the rounding of a sum in
+// another order, zero past the total. Also: f16 declined; one capture replayed under changing
+// counts, bitwise the eager results.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -80,7 +81,8 @@ std::vector<Split> splits(Rng& rng) {
   return {{"skewed_with_empty_experts", zipf_counts(8, 2000, 1.1, 3, rng), 2000 + rng.integer(1, 200)},
           {"ragged", {1, 7, 9, 15, 17, 31, 127, 129, 0, 255}, 600},
           {"zero_total", {0, 0, 0, 0}, 130},
-          {"many_experts", zipf_counts(256, 3000, 1.0, 5, rng), 3000}};
+          {"many_experts", zipf_counts(256, 3000, 1.0, 5, rng), 3000},
+          {"zero_capacity", {0, 0, 0}, 0}};
 }
 
 // Device buffers for every view of a layout, filled with 0xA5 bytes.
@@ -218,6 +220,24 @@ INSTANTIATE_TEST_SUITE_P(Variants, CudaFp8ActivationQuantize,
                                             ::testing::Values(Fp8Recipe::tensorwise, Fp8Recipe::blockwise,
                                                               Fp8Recipe::mxfp8)),
                          param_name);
+
+// The fused kernels take bf16 only (the FP8 layers' dtype): f16 is declined, nothing launched.
+TEST(CudaFp8ActivationQuantizeDtypes, DeclinesF16) {
+  GMOE_SKIP_WITHOUT_GPU();
+  Rng rng;
+  ActivationOptions act;
+  const int64_t cap = 256, F = 128, E = 2;
+  Allocator& alloc = default_allocator(Device::cuda(0));
+  const Fp8QuantizeOptions o = options_for(Fp8Recipe::blockwise, DType::e4m3);
+  HostTensor hh(DType::f16, {cap, 2 * F}), dzh(DType::f16, {cap, F});
+  fill_random(hh, rng);
+  fill_random(dzh, rng);
+  const DeviceTensor h(hh), dz(dzh), counts(make_counts({100, 156}));
+  DeviceQ zq(cap, F, E, o), dhq(cap, 2 * F, E, o);
+  EXPECT_FALSE(cuda_backend::quantize_activation_forward(h.view(), counts.view(), act, {}, o, zq.q, nullptr, alloc));
+  EXPECT_FALSE(cuda_backend::quantize_activation_backward(h.view(), dz.view(), counts.view(), act, {}, {}, o, dhq.q,
+                                                          nullptr, alloc));
+}
 
 // One capture of the fused forward and backward (blockwise, probs), replayed under changing counts:
 // each replay bitwise the eager run on the same counts.
