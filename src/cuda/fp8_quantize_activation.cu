@@ -32,6 +32,7 @@
 
 #include "common/activation_math.h"
 #include "common/backend.h"
+#include "cuda/activation_common.cuh"
 #include "cuda/alignment.h"
 #include "cuda/cuda_check.h"
 #include "cuda/device_info.h"
@@ -47,10 +48,8 @@ using fp8::Tile;
 
 constexpr int kVec = 8;  // 16-bit elements per granule
 
-template <typename T> __device__ __forceinline__ float to_f(T v);
-template <> __device__ __forceinline__ float to_f<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
-template <typename T> __device__ __forceinline__ T from_f(float v);
-template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+using act_common::from_f;
+using act_common::to_f;
 
 template <typename T>
 struct alignas(16) Pack {
@@ -160,28 +159,17 @@ struct ActBackwardSource {
       const int gc = act::gate_column(zc, a.block);
       const Pack<T> gz = load_pack(static_cast<const T*>(a.dz) + row * a.ld_dz + zc);
       const Pack<T> hg = load_pack(h + gc), hu = load_pack(h + gc + act::up_offset(a.F, a.block));
-      if (a.passes == 2) {  // pass 0: the gate tile; the up granule for pass 1
-        Pack<T> up;
-#pragma unroll
-        for (int e = 0; e < kVec; ++e) {
-          const act::Eval ev = act::gated_eval<K>(to_f(hg.v[e]), to_f(hu.v[e]), a.prm);
-          const float gi = to_f(gz.v[e]);
-          const float gp = gi * p;
-          out.v[e] = from_f<T>(gp * ev.d_gate);
-          up.v[e] = from_f<T>(gp * ev.d_up);
-          dp += gi * ev.value;
-        }
-        *slot = as_granule(up);
-        return as_granule(out);
-      }
+      Pack<T> up;  // two passes: pass 0 is the gate tile, and keeps the up granule for pass 1
 #pragma unroll
       for (int e = 0; e < kVec; ++e) {
         const act::Eval ev = act::gated_eval<K>(to_f(hg.v[e]), to_f(hu.v[e]), a.prm);
         const float gi = to_f(gz.v[e]);
         const float gp = gi * p;
-        out.v[e] = from_f<T>(gp * (is_up ? ev.d_up : ev.d_gate));
+        up.v[e] = from_f<T>(gp * ev.d_up);
+        out.v[e] = is_up ? up.v[e] : from_f<T>(gp * ev.d_gate);
         if (!is_up) dp += gi * ev.value;
       }
+      if (a.passes == 2) *slot = as_granule(up);
     } else {
       const Pack<T> gz = load_pack(static_cast<const T*>(a.dz) + row * a.ld_dz + d);
       const Pack<T> x = load_pack(h + d);
@@ -226,21 +214,6 @@ __global__ void dprobs_reduce_kernel(const float* partial, int tiles, int64_t ca
   }
 }
 
-template <typename F>
-bool with_kind(ActivationKind kind, F&& f) {
-  switch (kind) {
-    case ActivationKind::swiglu: f(std::integral_constant<ActivationKind, ActivationKind::swiglu>{}); return true;
-    case ActivationKind::geglu: f(std::integral_constant<ActivationKind, ActivationKind::geglu>{}); return true;
-    case ActivationKind::clamped_swiglu:
-      f(std::integral_constant<ActivationKind, ActivationKind::clamped_swiglu>{});
-      return true;
-    case ActivationKind::squared_relu:
-      f(std::integral_constant<ActivationKind, ActivationKind::squared_relu>{});
-      return true;
-  }
-  return false;
-}
-
 // The 16-byte granule loads need bf16 elements, 16-byte aligned rows, and (gated) interleave
 // blocks that are multiples of 8 (a granule never straddles gate and up).
 bool loadable(const TensorView& t) {
@@ -254,9 +227,9 @@ ActSourceArgs source_args(const TensorView& h, int64_t F, const ActivationOption
   a.ld_h = h.stride(0);
   a.capacity = h.size(0);
   a.F = static_cast<int>(F);
-  a.block = is_gated(o.kind) && o.glu.layout == GluLayout::interleaved ? static_cast<int>(o.glu.block) : 0;
+  a.block = act_common::interleave_block(o);
   a.probs = probs.defined() ? static_cast<const float*>(probs.data) : nullptr;
-  a.prm = act::Params{o.alpha, o.limit, o.gelu_tanh};
+  a.prm = act_common::params_of(o);
   return a;
 }
 
@@ -269,7 +242,7 @@ template <template <typename, ActivationKind> class Source>
 void launch_fused(const TensorView& h, ActivationKind kind, const ActSourceArgs& a, const Fp8QuantizeOptions& o,
                   const QuantParams& p, dim3 grid, cudaStream_t stream) {
   uint32_t* amax = const_cast<uint32_t*>(p.amax_bits);
-  with_kind(kind, [&](auto k) {
+  act_common::with_kind(kind, [&](auto k) {
     constexpr ActivationKind K = decltype(k)::value;
     fp8::launch_typed<__nv_bfloat16, false>(o.recipe, p, grid, amax, stream, Source<__nv_bfloat16, K>{a});
   });
@@ -329,12 +302,9 @@ bool quantize_activation_backward(const TensorView& h, const TensorView& dz, con
   if (dprobs.defined() && cap > 0) {
     const int64_t* total = static_cast<const int64_t*>(scratch.data()) + counts.size(0);  // offsets[E]
     const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((cap + 255) / 256, 4096));
-    if (cols > 0) {
-      dprobs_reduce_kernel<<<blocks, 256, 0, stream>>>(a.partial, static_cast<int>(grid.y), cap, total,
-                                                       static_cast<float*>(dprobs.data));
-    } else {
-      dprobs_reduce_kernel<<<blocks, 256, 0, stream>>>(nullptr, 0, cap, total, static_cast<float*>(dprobs.data));
-    }
+    // (No column tiles: nothing was summed, every row's dprobs is an empty sum.)
+    dprobs_reduce_kernel<<<blocks, 256, 0, stream>>>(a.partial, cols > 0 ? static_cast<int>(grid.y) : 0, cap, total,
+                                                     static_cast<float*>(dprobs.data));
     GMOE_CUDA_CHECK(cudaGetLastError());
   }
   return true;

@@ -32,6 +32,7 @@
 
 #include "common/activation_math.h"
 #include "common/backend.h"
+#include "cuda/activation_common.cuh"
 #include "cuda/alignment.h"
 #include "cuda/cuda_check.h"
 #include "cuda/device_info.h"
@@ -45,14 +46,9 @@ constexpr int kThreads = 256;
 constexpr int kWarpsPerBlock = kThreads / 32;
 constexpr int kMaxThreadsPerSm = 2048;
 
-template <typename T> __device__ __forceinline__ float to_f(T v);
-template <> __device__ __forceinline__ float to_f<float>(float v) { return v; }
-template <> __device__ __forceinline__ float to_f<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
-template <> __device__ __forceinline__ float to_f<__half>(__half v) { return __half2float(v); }
-template <typename T> __device__ __forceinline__ T from_f(float v);
-template <> __device__ __forceinline__ float from_f<float>(float v) { return v; }
-template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
-template <> __device__ __forceinline__ __half from_f<__half>(float v) { return __float2half_rn(v); }
+using act_common::from_f;
+using act_common::to_f;
+using act_common::with_kind;
 
 // VEC elements moved as one load/store (16 bytes when VEC = 16 / sizeof(T)).
 template <typename T, int VEC>
@@ -289,21 +285,6 @@ void with_storage(DType dt, F&& f) {
   }
 }
 
-template <typename F>
-void with_kind(ActivationKind kind, F&& f) {
-  switch (kind) {
-    case ActivationKind::swiglu: f(std::integral_constant<ActivationKind, ActivationKind::swiglu>{}); return;
-    case ActivationKind::geglu: f(std::integral_constant<ActivationKind, ActivationKind::geglu>{}); return;
-    case ActivationKind::clamped_swiglu:
-      f(std::integral_constant<ActivationKind, ActivationKind::clamped_swiglu>{});
-      return;
-    case ActivationKind::squared_relu:
-      f(std::integral_constant<ActivationKind, ActivationKind::squared_relu>{});
-      return;
-  }
-  GMOE_FAIL("grouped activation on CUDA: unknown activation");
-}
-
 // The 16-byte path needs every row start of every tensor 16-byte aligned, and VEC-element chunks
 // that never straddle a gate/up block.
 bool can_vectorize(const ActArgs& a, int vec, const TensorView* const* views, int n_views) {
@@ -323,8 +304,8 @@ ActArgs common_args(const TensorView& h, int64_t F, const ActivationOptions& o) 
   a.ld_h = h.stride(0);
   a.capacity = h.size(0);
   a.F = static_cast<int>(F);
-  a.block = is_gated(o.kind) && o.glu.layout == GluLayout::interleaved ? static_cast<int>(o.glu.block) : 0;
-  a.prm = act::Params{o.alpha, o.limit, o.gelu_tanh};
+  a.block = act_common::interleave_block(o);
+  a.prm = act_common::params_of(o);
   return a;
 }
 

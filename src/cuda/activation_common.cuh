@@ -1,0 +1,50 @@
+// src/cuda/activation_common.cuh — what the device activation kernels share: element conversions
+// to and from f32, the switch from a run-time activation kind onto a compile-time one, and the
+// run-time arguments every activation kernel takes from the options (interleave block, Params).
+// Used by grouped_activation.cu and fp8_quantize_activation.cu.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <type_traits>
+
+#include "common/activation_math.h"
+#include "gmoe/activation.h"
+#include "gmoe/error.h"
+
+namespace gmoe::cuda_backend::act_common {
+
+template <typename T> __device__ __forceinline__ float to_f(T v);
+template <> __device__ __forceinline__ float to_f<float>(float v) { return v; }
+template <> __device__ __forceinline__ float to_f<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <> __device__ __forceinline__ float to_f<__half>(__half v) { return __half2float(v); }
+template <typename T> __device__ __forceinline__ T from_f(float v);
+template <> __device__ __forceinline__ float from_f<float>(float v) { return v; }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+template <> __device__ __forceinline__ __half from_f<__half>(float v) { return __float2half_rn(v); }
+
+/// f(std::integral_constant<ActivationKind, kind>{}) for the compiled kinds; throws on others.
+template <typename F>
+void with_kind(ActivationKind kind, F&& f) {
+  switch (kind) {
+    case ActivationKind::swiglu: f(std::integral_constant<ActivationKind, ActivationKind::swiglu>{}); return;
+    case ActivationKind::geglu: f(std::integral_constant<ActivationKind, ActivationKind::geglu>{}); return;
+    case ActivationKind::clamped_swiglu:
+      f(std::integral_constant<ActivationKind, ActivationKind::clamped_swiglu>{});
+      return;
+    case ActivationKind::squared_relu:
+      f(std::integral_constant<ActivationKind, ActivationKind::squared_relu>{});
+      return;
+  }
+  GMOE_FAIL("grouped activation on CUDA: unknown activation");
+}
+
+/// The interleave block of h's gate/up columns (0: concatenated halves, or not gated).
+inline int interleave_block(const ActivationOptions& o) {
+  return is_gated(o.kind) && o.glu.layout == GluLayout::interleaved ? static_cast<int>(o.glu.block) : 0;
+}
+/// The activation's run-time parameters.
+inline act::Params params_of(const ActivationOptions& o) { return act::Params{o.alpha, o.limit, o.gelu_tanh}; }
+
+}  // namespace gmoe::cuda_backend::act_common
