@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "common/activation_kinds.h"
 #include "common/activation_math.h"
 #include "common/backend.h"
 #include "common/float_convert.h"
@@ -96,20 +97,7 @@ void backward_rows(const TensorView& h, const TensorView& dz, const TensorView& 
   }
 }
 
-template <typename F>
-void with_kind(ActivationKind kind, F&& f) {
-  switch (kind) {
-    case ActivationKind::swiglu: f(std::integral_constant<ActivationKind, ActivationKind::swiglu>{}); return;
-    case ActivationKind::geglu: f(std::integral_constant<ActivationKind, ActivationKind::geglu>{}); return;
-    case ActivationKind::clamped_swiglu:
-      f(std::integral_constant<ActivationKind, ActivationKind::clamped_swiglu>{});
-      return;
-    case ActivationKind::squared_relu:
-      f(std::integral_constant<ActivationKind, ActivationKind::squared_relu>{});
-      return;
-  }
-  GMOE_FAIL("unknown activation");
-}
+using act::with_kind;
 
 }  // namespace
 

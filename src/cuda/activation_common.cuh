@@ -1,17 +1,15 @@
 // src/cuda/activation_common.cuh — what the device activation kernels share: element conversions
-// to and from f32, the switch from a run-time activation kind onto a compile-time one, and the
-// run-time arguments every activation kernel takes from the options (interleave block, Params).
+// to and from f32, the switch from a run-time activation kind onto a compile-time one
+// (common/activation_kinds.h, the CPU backend's too), and the run-time arguments every activation kernel takes from the options (interleave block, Params).
 // Used by grouped_activation.cu and fp8_quantize_activation.cu.
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include <type_traits>
-
+#include "common/activation_kinds.h"
 #include "common/activation_math.h"
 #include "gmoe/activation.h"
-#include "gmoe/error.h"
 
 namespace gmoe::cuda_backend::act_common {
 
@@ -24,21 +22,7 @@ template <> __device__ __forceinline__ float from_f<float>(float v) { return v; 
 template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
 template <> __device__ __forceinline__ __half from_f<__half>(float v) { return __float2half_rn(v); }
 
-/// f(std::integral_constant<ActivationKind, kind>{}) for the compiled kinds; throws on others.
-template <typename F>
-void with_kind(ActivationKind kind, F&& f) {
-  switch (kind) {
-    case ActivationKind::swiglu: f(std::integral_constant<ActivationKind, ActivationKind::swiglu>{}); return;
-    case ActivationKind::geglu: f(std::integral_constant<ActivationKind, ActivationKind::geglu>{}); return;
-    case ActivationKind::clamped_swiglu:
-      f(std::integral_constant<ActivationKind, ActivationKind::clamped_swiglu>{});
-      return;
-    case ActivationKind::squared_relu:
-      f(std::integral_constant<ActivationKind, ActivationKind::squared_relu>{});
-      return;
-  }
-  GMOE_FAIL("grouped activation on CUDA: unknown activation");
-}
+using act::with_kind;
 
 /// The interleave block of h's gate/up columns (0: concatenated halves, or not gated).
 inline int interleave_block(const ActivationOptions& o) {
