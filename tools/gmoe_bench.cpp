@@ -114,6 +114,10 @@ int main(int argc, char** argv) {
                  "FP8 gemm rows: dW dtype of the wgrad pass (bf16 as the bf16 row and torch write; f32: "
                  "the main_grad kernels)")
       ->check(CLI::IsMember({"bf16", "f32"}));
+  std::string fp8_grad_format = "e4m3";
+  app.add_option("--fp8-grad-format", fp8_grad_format,
+                 "FP8 gemm rows: the format of dy in dgrad and wgrad (e5m2: rows gmoe_fp8_<recipe>_e5m2)")
+      ->check(CLI::IsMember({"e4m3", "e5m2"}));
   app.add_flag("--mlp-main-grad", o.mlp_main_grad,
                "mlp mode: weight gradients accumulated in f32 into main_grads (Megatron) instead of fresh bf16 "
                "ones (as torch's autograd returns them)");
@@ -127,6 +131,7 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"fprop", "dgrad", "wgrad"}));
   CLI11_PARSE(app, argc, argv);
   o.fp8_wgrad_out = gmoe::dtype_from_name(fp8_wgrad_out);
+  o.fp8_grad_format = gmoe::dtype_from_name(fp8_grad_format);
   o.baselines = !no_baselines;
   o.dtype = gmoe::dtype_from_name(dtype);
 

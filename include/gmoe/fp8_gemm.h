@@ -20,7 +20,8 @@
 //               alone (it adds the dequantization traffic, the expert weights included, on every
 //               call). It exists for numerics parity with MXFP8 training on Blackwell, not speed.
 //
-// CUDA (sm_90a): e4m3 operands for blockwise/tensorwise (e5m2 is accepted by mxfp8 only); every
+// CUDA (sm_90a), blockwise/tensorwise: the activations x (fprop) and the gradient dy (dgrad, wgrad)
+// in e4m3 or e5m2, the weights and x in wgrad in e4m3 (mxfp8 takes either format anywhere); every
 // K and N a multiple of 16 (16-byte TMA rows of fp8); outputs y/dx in bf16, dW in f32 (a main_grad,
 // optionally accumulated into, with an expert mask) or bf16. Counts stay on the device, nothing
 // synchronises, and every op is CUDA-graph capturable. The CPU backend is the reference:

@@ -90,7 +90,7 @@ struct GroupedLinearOptions {
   /// Precision of the GEMMs (see above).
   LinearRecipe recipe = LinearRecipe::native;
   /// FP8 recipes: the format of the quantized output gradients dy: e4m3 (DeepSeek-V3), or e5m2
-  /// (the wider range; on CUDA only with mxfp8, whose GEMMs take any format).
+  /// (the wider range, Transformer Engine's "hybrid" format), with every recipe and backend.
   DType grad_format = DType::e4m3;
   /// fp8_tensorwise / fp8_blockwise: round every scale down to a power of two.
   bool fp8_pow2_scales = false;

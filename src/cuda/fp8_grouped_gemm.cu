@@ -54,28 +54,39 @@ struct Fp8KernelEntry {
   void (*run)(const Fp8GemmLaunch&, cudaStream_t) = nullptr;
 };
 
-template <Fp8Scaling S, Fp8Operands Ops, DType Out, bool Bias = false>
+template <Fp8Scaling S, Fp8Operands Ops, DType Out, bool Bias = false, DType A = DType::e4m3>
 Fp8KernelEntry entry() {
-  using K = Fp8GroupedGemmKernel<S, Ops, Out, Bias>;
+  using K = Fp8GroupedGemmKernel<S, Ops, Out, Bias, A>;
   return {&K::workspace_bytes, &K::run};
 }
 
-// bias: fprop with a bf16 bias in the epilogue (blockwise only, see fp8_grouped_gemm_fprop).
+template <DType A>
 Fp8KernelEntry find_kernel(Fp8Scaling scaling, Fp8Operands ops, DType out, bool bias) {
   if (scaling == Fp8Scaling::blockwise) {
     if (ops == Fp8Operands::rows) {
-      return bias ? entry<Fp8Scaling::blockwise, Fp8Operands::rows, DType::bf16, true>()
-                  : entry<Fp8Scaling::blockwise, Fp8Operands::rows, DType::bf16>();
+      if constexpr (A == DType::e4m3) {
+        if (bias) return entry<Fp8Scaling::blockwise, Fp8Operands::rows, DType::bf16, true>();
+      }
+      return entry<Fp8Scaling::blockwise, Fp8Operands::rows, DType::bf16, false, A>();
     }
-    return out == DType::f32 ? entry<Fp8Scaling::blockwise, Fp8Operands::wgrad, DType::f32>()
-                             : entry<Fp8Scaling::blockwise, Fp8Operands::wgrad, DType::bf16>();
+    return out == DType::f32 ? entry<Fp8Scaling::blockwise, Fp8Operands::wgrad, DType::f32, false, A>()
+                             : entry<Fp8Scaling::blockwise, Fp8Operands::wgrad, DType::bf16, false, A>();
   }
   if (ops == Fp8Operands::wgrad && out == DType::f32) {
-    return entry<Fp8Scaling::tensorwise, Fp8Operands::wgrad, DType::f32>();
+    return entry<Fp8Scaling::tensorwise, Fp8Operands::wgrad, DType::f32, false, A>();
   }
   // fprop, dgrad and the bf16 weight gradient are the same tensorwise GEMM: TN, bf16 out, no
   // source operand; only the arrays that prepare writes differ.
-  return entry<Fp8Scaling::tensorwise, Fp8Operands::rows, DType::bf16>();
+  return entry<Fp8Scaling::tensorwise, Fp8Operands::rows, DType::bf16, false, A>();
+}
+
+// bias: fprop with a bf16 bias in the epilogue (blockwise with an e4m3 A only, see
+// fp8_grouped_gemm_fprop). format_a: A's format (e4m3 or e5m2; B is always e4m3).
+Fp8KernelEntry find_kernel(Fp8Scaling scaling, Fp8Operands ops, DType out, bool bias, DType format_a) {
+  GMOE_CHECK(!bias || format_a == DType::e4m3, "FP8 grouped GEMM: no fused-bias kernel for an ",
+             dtype_name(format_a), " A operand");
+  return format_a == DType::e5m2 ? find_kernel<DType::e5m2>(scaling, ops, out, bias)
+                                 : find_kernel<DType::e4m3>(scaling, ops, out, bias);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -99,14 +110,18 @@ void check_dim16(int64_t v, const char* name, const char* what) {
              "units (pad the layer's dimensions to multiples of 16)");
 }
 
-void check_format_cuda(Fp8Recipe recipe, DType format, const char* name) {
-  GMOE_CHECK(recipe == Fp8Recipe::mxfp8 || format == DType::e4m3, name, ".format: the CUDA ",
-             fp8_recipe_name(recipe), " FP8 GEMM is compiled for e4m3 operands, got ",
-             dtype_name(format), " (mxfp8 takes e4m3 and e5m2)");
+// Operand roles: A (x in fprop, dy in dgrad and wgrad) may be e4m3 or e5m2 for blockwise and
+// tensorwise; B (the weights, and x in wgrad) must be e4m3, the only B these kernels are compiled
+// for. mxfp8 dequantizes both to bf16 and takes either format anywhere.
+void check_format_cuda(Fp8Recipe recipe, DType format, bool operand_a, const char* name) {
+  if (recipe == Fp8Recipe::mxfp8 || format == DType::e4m3) return;
+  GMOE_CHECK(operand_a && format == DType::e5m2, name, ".format: the CUDA ", fp8_recipe_name(recipe),
+             " FP8 GEMM takes ", operand_a ? "e4m3 or e5m2 here" : "e4m3 here (e5m2 is for gradients)",
+             ", got ", dtype_name(format));
 }
 
-void check_grouped_cuda(const Fp8Grouped& q, bool columnwise, const char* name) {
-  check_format_cuda(q.recipe, q.format, name);
+void check_grouped_cuda(const Fp8Grouped& q, bool columnwise, bool operand_a, const char* name) {
+  check_format_cuda(q.recipe, q.format, operand_a, name);
   check_extent(q.capacity, name, "capacity");
   check_extent(q.cols, name, "column count");
   if (columnwise) {
@@ -121,7 +136,7 @@ void check_grouped_cuda(const Fp8Grouped& q, bool columnwise, const char* name) 
 }
 
 void check_weights_cuda(const Fp8Weights& q, bool transposed, const char* name) {
-  check_format_cuda(q.recipe, q.format, name);
+  check_format_cuda(q.recipe, q.format, false, name);
   check_extent(q.rows, name, "rows (N)");
   check_extent(q.cols, name, "columns (K)");
   check_aligned(transposed ? q.data_t.data : q.data.data, 16, name);
@@ -167,12 +182,13 @@ struct Fp8Plan : CallPlan {
   Fp8Operands ops = Fp8Operands::rows;
   DType out = DType::bf16;
   int32_t sfa_ld = 0, sfb_ld = 0;  // blockwise: the scale matrices' row strides
+  DType format_a = DType::e4m3;    // A's fp8 format (B is e4m3)
   float beta = 0.0f;
   bool raster_along_n = false;  // wgrad: the tile order (choose_wgrad_raster_along_n)
 };
 
 void execute(Fp8Plan& plan, Stream stream, Allocator& alloc) {
-  const Fp8KernelEntry kernel = find_kernel(plan.scaling, plan.ops, plan.out, plan.bias != nullptr);
+  const Fp8KernelEntry kernel = find_kernel(plan.scaling, plan.ops, plan.out, plan.bias != nullptr, plan.format_a);
   plan.block_scales = plan.scaling == Fp8Scaling::blockwise;
   plan.alpha = !plan.block_scales;
   PreparedCall call =
@@ -212,6 +228,7 @@ void rows_pass(GemmPass pass, const Fp8Grouped& a, const TensorView& b_data,
   Fp8Plan plan;
   plan.scaling = scaling_of(a.recipe);
   plan.ops = Fp8Operands::rows;
+  plan.format_a = a.format;
   plan.out = DType::bf16;
   plan.prep = prepare_params(pass, counts, capacity);
   plan.prep.gemm_n = static_cast<int32_t>(gemm_n);
@@ -406,7 +423,7 @@ void mx_rows_pass(const Fp8Grouped& a, const TensorView& b_data, const TensorVie
 
 void fp8_grouped_gemm_fprop(const Fp8Grouped& x, const Fp8Weights& w, const TensorView& counts,
                             const TensorView& y, Stream stream, Allocator& alloc, const ExpertBias& bias) {
-  check_grouped_cuda(x, false, "x");
+  check_grouped_cuda(x, false, true, "x");
   check_weights_cuda(w, false, "w");
   check_dim16(x.cols, "x", "K (columns)");
   check_dim16(w.rows, "w", "N (rows)");
@@ -418,8 +435,9 @@ void fp8_grouped_gemm_fprop(const Fp8Grouped& x, const Fp8Weights& w, const Tens
   }
   // Blockwise with a bf16 bias: in the epilogue (acc + bias in f32, one rounding; the bias is read
   // element-wise into shared memory, so it needs no alignment). Tensorwise (its epilogue already
-  // scales by a per-expert alpha) and other bias dtypes: a second pass over y.
-  if (bias.defined() && x.recipe == Fp8Recipe::blockwise && bias.dtype() == DType::bf16) {
+  // scales by a per-expert alpha), other bias dtypes and an e5m2 x: a second pass over y.
+  if (bias.defined() && x.recipe == Fp8Recipe::blockwise && bias.dtype() == DType::bf16 &&
+      x.format == DType::e4m3) {
     rows_pass(GemmPass::fprop, x, w.data, w.scale_inv, counts, y, stream, alloc, &bias);
     return;
   }
@@ -429,7 +447,7 @@ void fp8_grouped_gemm_fprop(const Fp8Grouped& x, const Fp8Weights& w, const Tens
 
 void fp8_grouped_gemm_dgrad(const Fp8Grouped& dy, const Fp8Weights& w, const TensorView& counts,
                             const TensorView& dx, Stream stream, Allocator& alloc) {
-  check_grouped_cuda(dy, false, "dy");
+  check_grouped_cuda(dy, false, true, "dy");
   check_weights_cuda(w, true, "w");
   check_dim16(dy.cols, "dy", "N (columns)");
   check_dim16(w.cols, "w", "K (columns)");
@@ -447,8 +465,8 @@ void fp8_grouped_gemm_dgrad(const Fp8Grouped& dy, const Fp8Weights& w, const Ten
 void fp8_grouped_gemm_wgrad(const Fp8Grouped& dy, const Fp8Grouped& x, const TensorView& counts,
                             const ExpertWeights& dw, const WgradOptions& options, Stream stream,
                             Allocator& alloc) {
-  check_grouped_cuda(dy, true, "dy");
-  check_grouped_cuda(x, true, "x");
+  check_grouped_cuda(dy, true, true, "dy");
+  check_grouped_cuda(x, true, false, "x");
   check_dim16(dy.cols, "dy", "N (columns)");
   check_dim16(x.cols, "x", "K (columns)");
   check_dw_cuda(dw, "dw");
@@ -483,6 +501,7 @@ void fp8_grouped_gemm_wgrad(const Fp8Grouped& dy, const Fp8Grouped& x, const Ten
   Fp8Plan plan;
   plan.scaling = scaling_of(dy.recipe);
   plan.ops = Fp8Operands::wgrad;
+  plan.format_a = dy.format;
   plan.out = dw.dtype();
   plan.prep = prepare_params(GemmPass::wgrad, counts, dy.capacity);
   plan.prep.gemm_m = static_cast<int32_t>(dy.cols);  // N

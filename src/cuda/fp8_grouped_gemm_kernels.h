@@ -11,8 +11,11 @@
 // scale granularity (1x128 token blocks on both operands) and its output (f32 main_grad with an
 // optional source operand, or bf16).
 //
-// Instantiations (one sm90_fp8_*.cu file each; e4m3 x e4m3 only):
-//   blockwise  rows        bf16 out    A scales 1x128, B scales 128x128 (and with a bf16 bias)
+// Instantiations (one sm90_fp8_*.cu file each), B always e4m3 (weights; x in wgrad), A e4m3 and
+// again with A in e5m2 (the gradient dy of dgrad and wgrad, or an e5m2 x in fprop: wgmma multiplies
+// e5m2 by e4m3 at the same rate):
+//   blockwise  rows        bf16 out    A scales 1x128, B scales 128x128 (and, e4m3 only, with a
+//                                      bf16 bias)
 //   blockwise  wgrad       f32 out     A and B scales 1x128 along tokens, C = D for accumulate
 //   blockwise  wgrad       bf16 out
 //   tensorwise rows        bf16 out    per-expert alpha (also serves wgrad to bf16)
@@ -57,9 +60,9 @@ struct Fp8GemmLaunch {
 };
 
 /// One compiled FP8 grouped GEMM (explicit instantiations in sm90_fp8_*.cu only). Bias: D = A·Bᵀ +
-/// bias_e in the epilogue (blockwise rows to bf16 only; gemm.ptr_bias[e] is expert e's bf16
-/// vector of N).
-template <Fp8Scaling S, Fp8Operands Ops, DType Out, bool Bias = false>
+/// bias_e in the epilogue (blockwise rows to bf16 with an e4m3 A only; gemm.ptr_bias[e] is expert
+/// e's bf16 vector of N). FormatA: A's fp8 format (e4m3 or e5m2); B is e4m3.
+template <Fp8Scaling S, Fp8Operands Ops, DType Out, bool Bias = false, DType FormatA = DType::e4m3>
 struct Fp8GroupedGemmKernel {
   /// Bytes of CUTLASS workspace for a persistent grid of sm_count CTAs.
   static std::size_t workspace_bytes(int sm_count);

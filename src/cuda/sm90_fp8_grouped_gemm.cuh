@@ -293,11 +293,15 @@ struct BlockwiseMainloop : Base {
   CUTLASS_DEVICE void mma_tail(MainloopPipeline, PipelineState, int) {}
 };
 
-template <Fp8Scaling S, Fp8Operands Ops, DType Out, bool Bias>
+template <Fp8Scaling S, Fp8Operands Ops, DType Out, bool Bias, DType FormatA>
 struct Fp8GemmTypes {
-  static_assert(!Bias || (S == Fp8Scaling::blockwise && Ops == Fp8Operands::rows && Out == DType::bf16),
-                "a fused bias is a blockwise fprop epilogue to bf16");
-  using ElementA = cutlass::float_e4m3_t;
+  static_assert(!Bias || (S == Fp8Scaling::blockwise && Ops == Fp8Operands::rows && Out == DType::bf16 &&
+                          FormatA == DType::e4m3),
+                "a fused bias is a blockwise fprop epilogue to bf16, for e4m3 activations");
+  static_assert(FormatA == DType::e4m3 || FormatA == DType::e5m2, "A is e4m3 or e5m2");
+  // A: the activations (fprop) or the gradient dy (dgrad, wgrad), e4m3 or e5m2; B: the weights
+  // (fprop, dgrad) or the activations (wgrad), e4m3. wgmma takes the mixed pair at full rate.
+  using ElementA = std::conditional_t<FormatA == DType::e5m2, cutlass::float_e5m2_t, cutlass::float_e4m3_t>;
   using ElementB = cutlass::float_e4m3_t;
   using ElementD = std::conditional_t<Out == DType::f32, float, cutlass::bfloat16_t>;
   // Only the f32 weight gradient can accumulate into a main_grad (C = D, beta = 1); every other
@@ -446,17 +450,17 @@ struct Fp8GemmTypes {
 
 }  // namespace sm90fp8
 
-template <Fp8Scaling S, Fp8Operands Ops, DType Out, bool Bias>
-std::size_t Fp8GroupedGemmKernel<S, Ops, Out, Bias>::workspace_bytes(int sm_count) {
-  using Types = sm90fp8::Fp8GemmTypes<S, Ops, Out, Bias>;
+template <Fp8Scaling S, Fp8Operands Ops, DType Out, bool Bias, DType FormatA>
+std::size_t Fp8GroupedGemmKernel<S, Ops, Out, Bias, FormatA>::workspace_bytes(int sm_count) {
+  using Types = sm90fp8::Fp8GemmTypes<S, Ops, Out, Bias, FormatA>;
   Fp8GemmLaunch l;
   l.gemm.sm_count = sm_count;
   return Types::Gemm::get_workspace_size(Types::make_arguments(l));
 }
 
-template <Fp8Scaling S, Fp8Operands Ops, DType Out, bool Bias>
-void Fp8GroupedGemmKernel<S, Ops, Out, Bias>::run(const Fp8GemmLaunch& l, cudaStream_t stream) {
-  using Types = sm90fp8::Fp8GemmTypes<S, Ops, Out, Bias>;
+template <Fp8Scaling S, Fp8Operands Ops, DType Out, bool Bias, DType FormatA>
+void Fp8GroupedGemmKernel<S, Ops, Out, Bias, FormatA>::run(const Fp8GemmLaunch& l, cudaStream_t stream) {
+  using Types = sm90fp8::Fp8GemmTypes<S, Ops, Out, Bias, FormatA>;
   using Gemm = typename Types::Gemm;
   GMOE_CHECK(Types::kHasSource || l.gemm.beta == 0.0f, "FP8 grouped GEMM: this instantiation "
              "has no source operand, but beta = ", l.gemm.beta);

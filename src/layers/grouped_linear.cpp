@@ -138,9 +138,6 @@ GroupedLinear::GroupedLinear(ExpertWeights weight, ExpertBias bias, GroupedLinea
     GMOE_CHECK(options_.grad_format == DType::e4m3 || options_.grad_format == DType::e5m2,
                "options.grad_format: expected e4m3 or e5m2, got ", dtype_name(options_.grad_format));
     if (dev.is_cuda()) {
-      GMOE_CHECK(options_.grad_format == DType::e4m3 || options_.recipe == LinearRecipe::mxfp8,
-                 "options.grad_format: the CUDA ", linear_recipe_name(options_.recipe),
-                 " GEMMs take e4m3 gradients only (e5m2 works with mxfp8)");
       GMOE_CHECK(weight_.rows() % 16 == 0 && weight_.cols() % 16 == 0, "weight: the CUDA FP8 GEMMs need ",
                  "in_features and out_features that are multiples of 16, got [", weight_.rows(), ", ",
                  weight_.cols(), "]");

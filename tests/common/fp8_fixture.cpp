@@ -136,15 +136,18 @@ double fp8_relative_error(Fp8Recipe recipe, DType format) {
   return recipe == Fp8Recipe::mxfp8 ? std::max(rounding, 0.125) : rounding;
 }
 
-Fp8Problem::Fp8Problem(const ShapeCase& c, Fp8Recipe r, Rng& rng, DType counts_dtype, DType fmt)
-    : base(c, DType::bf16, rng, counts_dtype), recipe(r), format(fmt) {
+Fp8Problem::Fp8Problem(const ShapeCase& c, Fp8Recipe r, Rng& rng, DType counts_dtype, DType fmt,
+                       std::optional<DType> grad_fmt)
+    : base(c, DType::bf16, rng, counts_dtype), recipe(r), format(fmt), grad_format(grad_fmt.value_or(fmt)) {
   Fp8QuantizeOptions o;
   o.recipe = r;
   o.format = fmt;
   o.rowwise = true;
   o.columnwise = true;
+  Fp8QuantizeOptions og = o;
+  og.format = grad_format;
   x = quantize_grouped(GroupedRows{base.x.view(), base.counts.view()}, o);
-  dy = quantize_grouped(GroupedRows{base.dy.view(), base.counts.view()}, o);
+  dy = quantize_grouped(GroupedRows{base.dy.view(), base.counts.view()}, og);
   w = quantize_weights(base.weights(Layout::kStacked), o);
   x_rows = decode_grouped(x.q, c.counts, Fp8Copy::rowwise);
   dy_rows = decode_grouped(dy.q, c.counts, Fp8Copy::rowwise);
@@ -152,6 +155,12 @@ Fp8Problem::Fp8Problem(const ShapeCase& c, Fp8Recipe r, Rng& rng, DType counts_d
   dy_cols = decode_grouped(dy.q, c.counts, Fp8Copy::columnwise);
   w_data = decode_weights(w.q, Fp8Copy::rowwise);
   w_t = decode_weights(w.q, Fp8Copy::columnwise);
+}
+
+double Fp8Problem::u_fprop() const { return fp8_relative_error(recipe, format); }
+
+double Fp8Problem::u_grads() const {
+  return std::max(fp8_relative_error(recipe, format), fp8_relative_error(recipe, grad_format));
 }
 
 ::testing::AssertionResult within_bound(const std::vector<double>& got,

@@ -5,6 +5,7 @@
 // error bound of a recipe. CPU and CUDA suites build the same problem from it.
 #pragma once
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -30,7 +31,8 @@ double fp8_relative_error(Fp8Recipe recipe, DType format);
 struct Fp8Problem {
   GemmProblem base;  ///< the bf16 source operands and counts
   Fp8Recipe recipe;
-  DType format;
+  DType format;       ///< of x and the weights
+  DType grad_format;  ///< of dy (the same as format unless given)
   Fp8GroupedTensor x, dy;  ///< rowwise + columnwise copies
   Fp8WeightsTensor w;      ///< data + data_t
   // Independently decoded operands, f32 (see decode_*).
@@ -40,7 +42,10 @@ struct Fp8Problem {
   std::vector<HostTensor> w_t;     ///< from data_t, transposed back to [N, K]
 
   Fp8Problem(const ShapeCase& c, Fp8Recipe recipe, Rng& rng, DType counts_dtype = DType::i32,
-             DType format = DType::e4m3);
+             DType format = DType::e4m3, std::optional<DType> grad_format = std::nullopt);
+  /// The error bound's u for a pass whose operands are in these formats: the wider format's.
+  double u_fprop() const;
+  double u_grads() const;  ///< dgrad and wgrad (dy with the weights or x)
 };
 
 /// |got - exact| <= bound[i] for every element (NaN fails); reports the worst ratio.

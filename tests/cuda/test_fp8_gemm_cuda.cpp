@@ -112,8 +112,54 @@ void check_fprop(const ShapeCase& c, Fp8Recipe recipe, Rng& rng, bool with_bias 
                            std::string("fprop + bias (") + (as_list ? "list)" : "grouped)")));
 }
 
-void check_dgrad(const ShapeCase& c, Fp8Recipe recipe, Rng& rng) {
-  const Fp8Problem p(c, recipe, rng, rng.integer(0, 1) ? DType::i32 : DType::i64);
+// grad_format: dy's format (e5m2 runs the kernels whose A operand is e5m2).
+// x in e5m2 (the weights in e4m3): the kernels whose A operand is e5m2, and for a bias its second
+// pass (the fused-bias epilogue is compiled for e4m3 x only).
+void check_fprop_e5m2_x(const ShapeCase& c, Fp8Recipe recipe, Rng& rng) {
+  const Fp8Problem p(c, recipe, rng);
+  Fp8QuantizeOptions o;
+  o.recipe = recipe;
+  o.format = DType::e5m2;
+  const Fp8GroupedTensor x5 = quantize_grouped(GroupedRows{p.base.x.view(), p.base.counts.view()}, o);
+  const HostTensor x5_rows = decode_grouped(x5.q, c.counts, Fp8Copy::rowwise);
+  HostTensor bias(DType::bf16, {c.E, c.N});
+  fill_random(bias, rng, -2.0, 2.0);
+  DeviceTensor bias_d(bias);
+  DeviceGrouped x(x5.q);
+  DeviceWeights w(p.w.q);
+  DeviceTensor counts(p.base.counts);
+  for (bool with_bias : {false, true}) {
+    SCOPED_TRACE(with_bias ? "with a bias" : "no bias");
+    HostTensor y_h(DType::bf16, {c.capacity, c.N});
+    poison(y_h);
+    DeviceTensor y(y_h);
+    if (with_bias) {
+      fp8_grouped_gemm_fprop(x.q, w.q, ExpertBias::from_grouped(bias_d.view()), counts.view(), y.view());
+    } else {
+      fp8_grouped_gemm_fprop(x.q, w.q, counts.view(), y.view());
+    }
+    GMOE_TEST_CUDA(cudaDeviceSynchronize());
+    check_device_errors(nullptr);
+    ExactResult exact = exact_fprop(x5_rows, p.w_data, c.counts);
+    const std::vector<double> product = exact.value;
+    if (with_bias) {
+      int64_t row = 0;
+      for (int64_t e = 0; e < c.E; ++e) {
+        for (int64_t r = 0; r < c.counts[e]; ++r, ++row) {
+          for (int64_t n = 0; n < c.N; ++n) exact.value[row * c.N + n] += bias.get(e * c.N + n);
+        }
+      }
+    }
+    std::vector<double> bound = tight_bound(exact, DType::bf16);
+    if (with_bias) {  // y rounded to bf16 once before the bias is added (second pass)
+      for (size_t i = 0; i < bound.size(); ++i) bound[i] += unit_roundoff(DType::bf16) * std::abs(product[i]);
+    }
+    EXPECT_TRUE(within_bound(y.download().to_double(), exact.value, bound, "fprop (e5m2 x) tight"));
+  }
+}
+
+void check_dgrad(const ShapeCase& c, Fp8Recipe recipe, Rng& rng, DType grad_format = DType::e4m3) {
+  const Fp8Problem p(c, recipe, rng, rng.integer(0, 1) ? DType::i32 : DType::i64, DType::e4m3, grad_format);
   DeviceGrouped dy(p.dy.q);
   DeviceWeights w(p.w.q);
   DeviceTensor counts(p.base.counts);
@@ -126,18 +172,19 @@ void check_dgrad(const ShapeCase& c, Fp8Recipe recipe, Rng& rng) {
   const std::vector<double> got = dx.download().to_double();
   const ExactResult exact = exact_dgrad(p.dy_rows, p.w_t, c.counts);
   EXPECT_TRUE(within_bound(got, exact.value, tight_bound(exact, DType::bf16), "dgrad tight"));
-  const double u = fp8_relative_error(recipe, p.format);
+  const double u = p.u_grads();
   EXPECT_TRUE(within_bound(got, exact_dgrad(p.base.dy, p.base.w, c.counts).value,
                            recipe_bound_dgrad(p, u, DType::bf16), "dgrad vs bf16 source"));
 }
 
-void check_wgrad(const ShapeCase& c, Fp8Recipe recipe, Layout layout, Rng& rng) {
-  const Fp8Problem p(c, recipe, rng, rng.integer(0, 1) ? DType::i32 : DType::i64);
+void check_wgrad(const ShapeCase& c, Fp8Recipe recipe, Layout layout, Rng& rng,
+                 DType grad_format = DType::e4m3) {
+  const Fp8Problem p(c, recipe, rng, rng.integer(0, 1) ? DType::i32 : DType::i64, DType::e4m3, grad_format);
   DeviceGrouped dy(p.dy.q), x(p.x.q);
   DeviceTensor counts(p.base.counts);
   const ExactResult exact = exact_wgrad(p.dy_cols, p.x_cols, c.counts, nullptr, nullptr);
   const ExactResult source = exact_wgrad(p.base.dy, p.base.x, c.counts, nullptr, nullptr);
-  const double u = fp8_relative_error(recipe, p.format);
+  const double u = p.u_grads();
   for (DType out : {DType::f32, DType::bf16}) {
     SCOPED_TRACE(std::string("dW ") + dtype_name(out) + ", " + layout_name(layout));
     HostExpertTensor dw_h(layout, out, c.E, c.N, c.K);
@@ -159,8 +206,9 @@ void check_wgrad(const ShapeCase& c, Fp8Recipe recipe, Layout layout, Rng& rng) 
   }
 }
 
-void check_wgrad_accumulate_mask(const ShapeCase& c, Fp8Recipe recipe, Layout layout, Rng& rng) {
-  const Fp8Problem p(c, recipe, rng);
+void check_wgrad_accumulate_mask(const ShapeCase& c, Fp8Recipe recipe, Layout layout, Rng& rng,
+                                 DType grad_format = DType::e4m3) {
+  const Fp8Problem p(c, recipe, rng, DType::i32, DType::e4m3, grad_format);
   std::vector<int32_t> mask(static_cast<size_t>(c.E));
   for (auto& m : mask) m = static_cast<int32_t>(rng.integer(0, 1));
   HostTensor mask_t(DType::i32, {c.E});
@@ -246,6 +294,28 @@ TEST_P(CudaFp8Gemm, WgradAccumulateWithMask) {
   check_wgrad_accumulate_mask(make(rng), recipe(), layout, rng);
 }
 
+// e5m2 gradients (Transformer Engine's hybrid format): dy in e5m2, x and the weights in e4m3.
+TEST_P(CudaFp8Gemm, DgradE5m2) {
+  Rng rng;
+  check_dgrad(make(rng), recipe(), rng, DType::e5m2);
+}
+
+TEST_P(CudaFp8Gemm, WgradE5m2) {
+  Rng rng;
+  check_wgrad(make(rng), recipe(), rng.integer(0, 1) ? Layout::kStacked : Layout::kList, rng, DType::e5m2);
+}
+
+TEST_P(CudaFp8Gemm, WgradAccumulateWithMaskE5m2) {
+  Rng rng;
+  const Layout layout = rng.integer(0, 1) ? Layout::kStacked : Layout::kList;
+  check_wgrad_accumulate_mask(make(rng), recipe(), layout, rng, DType::e5m2);
+}
+
+TEST_P(CudaFp8Gemm, FpropE5m2Activations) {
+  Rng rng;
+  check_fprop_e5m2_x(make(rng), recipe(), rng);
+}
+
 std::string param_name(const ::testing::TestParamInfo<Param>& info) {
   return std::string(recipe_str(std::get<0>(info.param))) + "_" + std::get<1>(info.param);
 }
@@ -324,12 +394,22 @@ TEST_F(CudaFp8GemmErrors, RefusedBeforeLaunch) {
   DeviceTensor y32(y32_h);
   expect_refused([&] { fp8_grouped_gemm_fprop(x.q, w.q, counts.view(), y32.view()); }, "y", y32);
 
-  // e5m2 operands with the blockwise recipe: not compiled.
+  // e5m2 where the kernels take e4m3 only: the weights (fprop, dgrad) and x in wgrad.
   {
     const Fp8Problem p5(c, Fp8Recipe::blockwise, rng, DType::i32, DType::e5m2);
-    DeviceGrouped x5(p5.x.q);
+    DeviceGrouped x5(p5.x.q), dy5(p5.dy.q);
     DeviceWeights w5(p5.w.q);
-    expect_refused([&] { fp8_grouped_gemm_fprop(x5.q, w5.q, counts.view(), y.view()); }, "e4m3", y);
+    expect_refused([&] { fp8_grouped_gemm_fprop(x.q, w5.q, counts.view(), y.view()); }, "w.format", y);
+    HostTensor dx_h(DType::bf16, {c.capacity, c.K});
+    poison(dx_h);
+    DeviceTensor dx(dx_h);
+    expect_refused([&] { fp8_grouped_gemm_dgrad(dy.q, w5.q, counts.view(), dx.view()); }, "w.format", dx);
+    HostTensor dw_h(DType::bf16, {c.E, c.N, c.K});
+    poison(dw_h);
+    DeviceTensor dw(dw_h);
+    expect_refused([&] {
+      fp8_grouped_gemm_wgrad(dy5.q, x5.q, counts.view(), ExpertWeights::from_stacked(dw.view()));
+    }, "x.format", dw);
   }
 
   // Mixed recipes.

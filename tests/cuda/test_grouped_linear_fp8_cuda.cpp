@@ -1,7 +1,8 @@
 // tests/cuda/test_grouped_linear_fp8_cuda.cpp — GroupedLinear with the FP8 recipes on the CUDA
 // backend. The layer quantizes inside; the quantizer is bit-exact between the backends, so the
 // layer must give BITWISE the results of the CUDA ops run on the operands quantized on the host by
-// tests/common/fp8_fixture.h (fprop + bias add, dgrad, wgrad, bias gradient): immediate, delayed on
+// tests/common/fp8_fixture.h (fprop + bias add, dgrad, wgrad, bias gradient), with e4m3 and with
+// e5m2 output gradients: immediate, delayed on
 // a second stream, and with save_original_input; with fp8_wgrad off, dW is bitwise the native
 // wgrad of the bf16 dy and x. dx and dW are also checked against the
 // unquantized bf16 source within the recipe's documented bound. A CUDA graph of forward + backward
@@ -25,15 +26,16 @@
 namespace gmoe::test {
 namespace {
 
-using Param = std::tuple<LinearRecipe, std::string>;
+// (recipe, case, format of the output gradients: e4m3, or e5m2 as Transformer Engine's hybrid).
+using Param = std::tuple<LinearRecipe, std::string, DType>;
 class CudaGroupedLinearFp8 : public ::testing::TestWithParam<Param> {};
 
 TEST_P(CudaGroupedLinearFp8, BitwiseTheOpCompositionAndWithinTheRecipeBound) {
   GMOE_SKIP_WITHOUT_GPU();
-  const auto [recipe, case_name] = GetParam();
+  const auto [recipe, case_name, grad_format] = GetParam();
   Rng rng;
   const ShapeCase c = make_case(case_name, rng, CaseScale::kLarge);
-  const Fp8Problem p(c, fp8_recipe_of(recipe), rng);
+  const Fp8Problem p(c, fp8_recipe_of(recipe), rng, DType::i32, DType::e4m3, grad_format);
   const GemmProblem& base = p.base;
   HostTensor bias_h(DType::bf16, {c.E, c.N});
   fill_random(bias_h, rng);
@@ -74,6 +76,7 @@ TEST_P(CudaGroupedLinearFp8, BitwiseTheOpCompositionAndWithinTheRecipeBound) {
     int hooks = 0;
     GroupedLinearOptions opt;
     opt.recipe = recipe;
+    opt.grad_format = grad_format;
     opt.fp8_wgrad = fp8_wgrad;
     opt.save_original_input = save_original;
     opt.delay_wgrad = delayed;
@@ -92,7 +95,7 @@ TEST_P(CudaGroupedLinearFp8, BitwiseTheOpCompositionAndWithinTheRecipeBound) {
     EXPECT_EQ(values(b.grads.bias.grouped), want_db) << "db";
   }
 
-  const double u = fp8_relative_error(fp8_recipe_of(recipe), DType::e4m3);
+  const double u = p.u_grads();
   EXPECT_TRUE(within_bound(want_dx, exact_dgrad(base.dy, base.w, c.counts).value,
                            recipe_bound_dgrad(p, u, DType::bf16), "dx vs bf16 source"));
   EXPECT_TRUE(within_bound(want_dw, exact_wgrad(base.dy, base.x, c.counts, nullptr, nullptr).value,
@@ -103,15 +106,25 @@ TEST_P(CudaGroupedLinearFp8, BitwiseTheOpCompositionAndWithinTheRecipeBound) {
   }
 }
 
+std::string param_name(const ::testing::TestParamInfo<Param>& info) {
+  return std::string(linear_recipe_name(std::get<0>(info.param))) + "_" + std::get<1>(info.param) +
+         (std::get<2>(info.param) == DType::e5m2 ? "_e5m2_grads" : "");
+}
+
 INSTANTIATE_TEST_SUITE_P(Cases, CudaGroupedLinearFp8,
                          ::testing::Combine(::testing::Values(LinearRecipe::fp8_tensorwise, LinearRecipe::fp8_blockwise,
                                                               LinearRecipe::mxfp8),
                                             ::testing::Values("uniform", "skewed", "one_expert", "all_empty",
-                                                              "zero_total", "ragged", "e256")),
-                         [](const ::testing::TestParamInfo<Param>& info) {
-                           return std::string(linear_recipe_name(std::get<0>(info.param))) + "_" +
-                                  std::get<1>(info.param);
-                         });
+                                                              "zero_total", "ragged", "e256"),
+                                            ::testing::Values(DType::e4m3)),
+                         param_name);
+
+INSTANTIATE_TEST_SUITE_P(E5m2Grads, CudaGroupedLinearFp8,
+                         ::testing::Combine(::testing::Values(LinearRecipe::fp8_tensorwise, LinearRecipe::fp8_blockwise,
+                                                              LinearRecipe::mxfp8),
+                                            ::testing::Values("skewed", "all_empty", "ragged"),
+                                            ::testing::Values(DType::e5m2)),
+                         param_name);
 
 // forward + backward + backward_dw of an FP8 layer with its weights quantized inside the graph
 // (the cache was invalidated before capture, so every replay quantizes the current weights):

@@ -338,11 +338,22 @@ INSTANTIATE_TEST_SUITE_P(Cases, CudaGroupedMlpOptions,
 // forward + backward + backward_dw of both FCs (delayed, on a second stream forked and joined with
 // events), probs, biases, f32 main_grad accumulated with expert masks, caller-owned y, dx and
 // dprobs: captured once in global capture mode, replayed under four routings, each replay bitwise
-// equal to an eager run of the same calls; once keeping z, once recomputing it.
+// equal to an eager run of the same calls; in bf16 keeping z and recomputing it, and with FP8
+// recipes (weights quantized inside the graph: their caches are invalidated before the capture),
+// blockwise with z quantized inside the activation, tensorwise recomputing z with e5m2 gradients.
 TEST(CudaGroupedMlpGraph, CaptureForwardBackwardDwOnceReplayUnderChangingCounts) {
   GMOE_SKIP_WITHOUT_GPU();
-  for (bool recompute : {false, true}) {
-    SCOPED_TRACE(recompute ? "recompute_activation" : "z kept");
+  struct Config {
+    LinearRecipe recipe;
+    bool recompute;
+    DType grad_format;
+  };
+  for (const auto& [recipe, recompute, grad_format] :
+       {Config{LinearRecipe::native, false, DType::e4m3}, Config{LinearRecipe::native, true, DType::e4m3},
+        Config{LinearRecipe::fp8_blockwise, false, DType::e4m3},
+        Config{LinearRecipe::fp8_tensorwise, true, DType::e5m2}}) {
+    SCOPED_TRACE(std::string(linear_recipe_name(recipe)) + (recompute ? ", recompute_activation" : ", z kept") +
+                 (grad_format == DType::e5m2 ? ", e5m2 gradients" : ""));
     Rng rng;
     const int64_t E = 16, H = 256, F = 128, cap = 16 * 96 + 7;
     ActivationOptions act;
@@ -374,6 +385,8 @@ TEST(CudaGroupedMlpGraph, CaptureForwardBackwardDwOnceReplayUnderChangingCounts)
     GroupedMLPOptions opt;
     opt.activation = act;
     opt.recompute_activation = recompute;
+    opt.recipe = recipe;
+    opt.fc1.grad_format = opt.fc2.grad_format = grad_format;
     opt.fc1.delay_wgrad = opt.fc2.delay_wgrad = true;
     opt.fc1.save_original_input = true;
     opt.fc1.main_grad = mg1.view();
@@ -402,6 +415,7 @@ TEST(CudaGroupedMlpGraph, CaptureForwardBackwardDwOnceReplayUnderChangingCounts)
     step();  // eager once: module loading outside the capture
     GMOE_TEST_CUDA(cudaDeviceSynchronize());
     check_device_errors(s1);
+    mlp.invalidate_fp8_weight();  // FP8: the weights are quantized by every replay
     const CapturedGraph graph(s1, step);
     EXPECT_EQ(hooks, (std::vector<std::string>{"fc2", "fc1", "fc2", "fc1"}))
         << "the hooks fire at capture time too (they are host code)";

@@ -216,6 +216,8 @@ std::vector<ResultRow> run_fp8_gemm_case_cuda(const BenchCase& c, const BenchOpt
   qo.format = DType::e4m3;
   qo.rowwise = true;
   qo.columnwise = true;
+  Fp8QuantizeOptions qo_grad = qo;  // dy: e4m3 or e5m2 (--fp8-grad-format)
+  qo_grad.format = o.fp8_grad_format;
 
   DeviceBuffer counts_d(c.E * sizeof(int32_t));
   const std::vector<int32_t> counts(c.counts.begin(), c.counts.end());
@@ -247,7 +249,7 @@ std::vector<ResultRow> run_fp8_gemm_case_cuda(const BenchCase& c, const BenchOpt
     fp8[s].x = quantize_grouped(GroupedRows{TensorView(xp, DType::bf16, gpu, {c.rows, c.K}), cv}, qo,
                                 stream);
     fp8[s].dy = quantize_grouped(GroupedRows{TensorView(dyp, DType::bf16, gpu, {c.rows, c.N}), cv},
-                                 qo, stream);
+                                 qo_grad, stream);
     fp8[s].w = quantize_weights(
         ExpertWeights::from_stacked(TensorView(wb.ptr, DType::bf16, gpu, {c.E, c.N, c.K})), qo,
         stream);
@@ -265,6 +267,8 @@ std::vector<ResultRow> run_fp8_gemm_case_cuda(const BenchCase& c, const BenchOpt
   Fp8QuantizeOptions rowwise_only = qo, columnwise_only = qo;
   rowwise_only.columnwise = false;
   columnwise_only.rowwise = false;
+  Fp8QuantizeOptions grad_rowwise_only = rowwise_only, grad_columnwise_only = columnwise_only;
+  grad_rowwise_only.format = grad_columnwise_only.format = o.fp8_grad_format;
   auto rows_out = [](const Fp8Grouped& q) {
     Fp8Grouped o = q;
     o.data_t = TensorView();
@@ -300,13 +304,13 @@ std::vector<ResultRow> run_fp8_gemm_case_cuda(const BenchCase& c, const BenchOpt
       {"dgrad", dx.ptr, nx, DType::bf16,
        [&](int i) { fp8_grouped_gemm_dgrad(fp8[i % sets].dy.q, fp8[i % sets].w.q, cv, dxv, stream); },
        [&](int) {
-         quantize_grouped(dy_src, rowwise_only, stream, nullptr, &dy_rows_out);
+         quantize_grouped(dy_src, grad_rowwise_only, stream, nullptr, &dy_rows_out);
          fp8_grouped_gemm_dgrad(s0.dy.q, s0.w.q, cv, dxv, stream);
        }},
       {"wgrad", dw.ptr, nw, dw_dtype,
        [&](int i) { fp8_grouped_gemm_wgrad(fp8[i % sets].dy.q, fp8[i % sets].x.q, cv, dwv, {}, stream); },
        [&](int) {
-         quantize_grouped(dy_src, columnwise_only, stream, nullptr, &dy_cols_out);
+         quantize_grouped(dy_src, grad_columnwise_only, stream, nullptr, &dy_cols_out);
          quantize_grouped(x_src, columnwise_only, stream, nullptr, &x_cols_out);
          fp8_grouped_gemm_wgrad(s0.dy.q, s0.x.q, cv, dwv, {}, stream);
        }},
@@ -330,8 +334,10 @@ std::vector<ResultRow> run_fp8_gemm_case_cuda(const BenchCase& c, const BenchOpt
     BENCH_CUDA(cudaMemcpy(host.data(), p.out, out_bytes, cudaMemcpyDeviceToHost));
     const CheckResult chk = check_fp8_pass(c, off, s0, p.name, host, p.out_dtype, o.samples, o.seed + 7);
     const std::vector<double> ms = time_interleaved_ms({p.gemm, p.with_quant}, o.warmup, o.iters, stream);
-    add(p.name, impl, ms[0], chk.ok, chk.detail);
-    add(p.name, impl + "_with_quant", ms[1], std::nullopt, "quantization of the pass's activations + GEMM");
+    const std::string name =
+        impl + (o.fp8_grad_format == DType::e5m2 && std::string(p.name) != "fprop" ? "_e5m2" : "");
+    add(p.name, name, ms[0], chk.ok, chk.detail);
+    add(p.name, name + "_with_quant", ms[1], std::nullopt, "quantization of the pass's activations + GEMM");
   }
   fp8.clear();  // frees the FP8 operands on `stream`, before it goes
   BENCH_CUDA(cudaStreamSynchronize(stream));

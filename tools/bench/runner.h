@@ -26,6 +26,9 @@ struct BenchOptions {
   /// FP8 gemm rows: dW's dtype in the wgrad pass. bf16 (the default) is what the bf16 grouped
   /// GEMM row and torch write, so the ratios compare like with like; f32 is the main_grad kernel.
   DType fp8_wgrad_out = DType::bf16;
+  /// FP8 gemm rows: the format of dy in the dgrad and wgrad passes (e4m3, or e5m2: rows named
+  /// gmoe_fp8_<recipe>_e5m2 for those passes).
+  DType fp8_grad_format = DType::e4m3;
   /// mlp mode: weight gradients accumulated in f32 into main_grads (Megatron's configuration)
   /// instead of fresh bf16 ones (torch's autograd's, the default).
   bool mlp_main_grad = false;
