@@ -55,7 +55,9 @@ struct Fp8Grouped {
   /// the real total are zero.
   TensorView data;
   /// dequant multipliers: x ≈ float(data) * scale_inv.
-  ///   tensorwise [E] f32; blockwise [capacity, ceil(cols/128)] f32 (rows past the total: 1.0);
+  ///   tensorwise [E] f32; blockwise [ceil(cols/128), capacity] f32, token-major: row b holds
+  ///   every token's scale of columns [128b, 128b + 128), so that one k-tile of the GEMM reads one
+  ///   contiguous run (rows past the total: 1.0; see fp8_rows_scale_index);
   ///   mxfp8 [capacity, ceil(cols/32)] e8m0 (rows past the total: 127, i.e. 1.0).
   TensorView scale_inv;
   /// columnwise (optional; transposed, for the weight gradient): [cols, padded_capacity] fp8;
@@ -110,6 +112,16 @@ enum class Fp8Copy : uint8_t { rowwise, columnwise };
 const char* fp8_recipe_name(Fp8Recipe recipe);
 /// Largest finite value of an fp8 format: 448 (e4m3), 57344 (e5m2). Throws on other dtypes.
 float fp8_max(DType format);
+
+/// Element index in Fp8Grouped::scale_inv (blockwise or mxfp8) of row `row`'s scale over column
+/// block `block` (columns [block·B, block·B + B), B = 128 or 32) of a rowwise copy with `capacity`
+/// rows and `cols` columns: blockwise block·capacity + row (token-major), mxfp8
+/// row·ceil(cols/32) + block.
+constexpr int64_t fp8_rows_scale_index(Fp8Recipe recipe, int64_t row, int64_t block, int64_t capacity,
+                                       int64_t cols) {
+  return recipe == Fp8Recipe::mxfp8 ? row * ((cols + kMxBlock - 1) / kMxBlock) + block
+                                    : block * capacity + row;
+}
 
 /// Element index in Fp8Grouped::scale_inv_t (blockwise or mxfp8) of column `col`'s scale over
 /// token block `block` (tokens [block·B, block·B + B), B = 128 or 32) of a columnwise copy with

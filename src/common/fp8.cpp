@@ -129,7 +129,7 @@ Fp8Grouped fp8_grouped_layout(int64_t capacity, int64_t cols, int64_t experts,
     switch (o.recipe) {
       case Fp8Recipe::tensorwise: q.scale_inv = shaped(sd, device, {experts}); break;
       case Fp8Recipe::blockwise:
-        q.scale_inv = shaped(sd, device, {capacity, ceil_div(cols, kFp8Block)});
+        q.scale_inv = shaped(sd, device, {ceil_div(cols, kFp8Block), capacity});  // token-major
         break;
       case Fp8Recipe::mxfp8:
         q.scale_inv = shaped(sd, device, {capacity, ceil_div(cols, kMxBlock)});

@@ -135,15 +135,16 @@ void quantize_grouped(const GroupedRows& x, const Fp8QuantizeOptions& o, const F
     zero(q.data);
     for (int64_t r = 0; r < cap; ++r) {
       for (int64_t b = 0; b < nb; ++b) {
+        const int64_t si = fp8_rows_scale_index(o.recipe, r, b, cap, cols);
         if (r >= total) {
-          rule.store_one(q.scale_inv, r * nb + b);
+          rule.store_one(q.scale_inv, si);
           continue;
         }
         const int64_t c0 = b * block, c1 = std::min(cols, c0 + block);
         float amax = 0.0f;
         for (int64_t c = c0; c < c1; ++c) amax = std::max(amax, finite_abs(X(r, c)));
         const Rule::Scale s = rule.from_amax(amax);
-        rule.store(q.scale_inv, r * nb + b, s);
+        rule.store(q.scale_inv, si, s);
         for (int64_t c = c0; c < c1; ++c) bytes(q.data)[r * cols + c] = rule.quantize(X(r, c), s);
       }
     }
@@ -268,12 +269,13 @@ void dequantize_grouped(const Fp8Grouped& q, const TensorView& counts, const Ten
   }
   const int64_t block = q.recipe == Fp8Recipe::mxfp8 ? kMxBlock : kFp8Block;
   if (which == Fp8Copy::rowwise) {
-    const int64_t nb = ceil_div(cols, block);
     for (int64_t e = 0; e < E; ++e) {
       for (int64_t r = off[e]; r < off[e + 1]; ++r) {
         for (int64_t c = 0; c < cols; ++c) {
-          const float inv = q.recipe == Fp8Recipe::tensorwise ? rule.load_inv(q.scale_inv, e)
-                                                              : rule.load_inv(q.scale_inv, r * nb + c / block);
+          const float inv =
+              q.recipe == Fp8Recipe::tensorwise
+                  ? rule.load_inv(q.scale_inv, e)
+                  : rule.load_inv(q.scale_inv, fp8_rows_scale_index(q.recipe, r, c / block, cap, cols));
           put(r, c, fp8_to_float(bytes(q.data)[r * cols + c], rule.e5m2) * inv);
         }
       }

@@ -56,7 +56,8 @@ __global__ void dequant_grouped_kernel(const GroupedDequant d) {
       float v = 0.0f;
       if (e < d.E) {
         if (!d.columnwise) {
-          const int64_t si = d.recipe == Fp8Recipe::tensorwise ? e : r * ((d.cols + block - 1) / block) + c / block;
+          const int64_t si =
+              d.recipe == Fp8Recipe::tensorwise ? e : fp8_rows_scale_index(d.recipe, r, c / block, d.cap, d.cols);
           v = __fmul_rn(fp8_rules::fp8_to_float(d.data[r * d.cols + c], d.e5m2), load_inv(d.scales, d.recipe, si));
         } else {
           const int64_t t = d.padded[e] + (r - d.offsets[e]);

@@ -247,11 +247,12 @@ void rows_pass(GemmPass pass, const Fp8Grouped& a, const TensorView& b_data,
     }
   }
   if (plan.scaling == Fp8Scaling::blockwise) {
-    const int64_t kb = ceil_div(gemm_k, kFp8Block);
-    plan.prep.scale_a = {static_cast<const float*>(a.scale_inv.data), ScaleStart::rows, kb, 0};
+    // A's scales are token-major [ceil(K/128), capacity]: group e's start at its first row, and a
+    // k-tile's are one contiguous run of the tile's rows (the MN-major loads of the kernel).
+    plan.prep.scale_a = {static_cast<const float*>(a.scale_inv.data), ScaleStart::rows, 1, 0};
     plan.prep.scale_b = {static_cast<const float*>(b_scale.data), ScaleStart::expert, 0,
                          b_scale.stride(0)};
-    plan.sfa_ld = static_cast<int32_t>(kb);
+    plan.sfa_ld = static_cast<int32_t>(capacity);
     plan.sfb_ld = static_cast<int32_t>(b_scale.stride(1));
   } else {
     plan.prep.alpha_a = static_cast<const float*>(a.scale_inv.data);

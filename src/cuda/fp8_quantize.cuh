@@ -60,7 +60,8 @@ struct QuantParams {
   // Outputs (nullptr: not asked for)
   uint8_t* data = nullptr;                 // rowwise [rows(, E), cols]
   void* scale = nullptr;                   // rowwise scales (or tensorwise [E])
-  int64_t scale_ld = 0;                    // elements per row of `scale`
+  int64_t scale_ld = 0;                    // grouped rows: mxfp8 elements per row of `scale`;
+                                           // blockwise (token-major) elements per column block
   uint8_t* data_t = nullptr;               // columnwise
   int64_t data_t_ld = 0;                   // bytes per row of data_t (padded_capacity, or N)
   void* scale_t = nullptr;                 // columnwise scales (tensorwise: a second [E] array)
@@ -270,6 +271,13 @@ __device__ __forceinline__ uint4 load_granule(const QuantParams& p, const Tile& 
   return r;
 }
 
+/// Index in the rowwise scales of grouped rows of row r's scale over column block b (of 128
+/// columns, blockwise: token-major; of 32, mxfp8: row-major), as fp8_rows_scale_index.
+template <Fp8Recipe R>
+__device__ __forceinline__ int64_t rows_scale_index(const QuantParams& p, int64_t r, int64_t b) {
+  return R == Fp8Recipe::mxfp8 ? r * p.scale_ld + b : b * p.scale_ld + r;
+}
+
 // ---------------------------------------------------------------------------------------------
 // The tile kernel
 
@@ -298,7 +306,7 @@ __device__ void zero_tail(const QuantParams& p, const Tile& g, int64_t col0, int
       const int64_t first = R == Fp8Recipe::mxfp8 ? col0 / 32 : col0 / kTile;
       for (int idx = tid; idx < nr * per_row; idx += kThreads) {
         const int64_t r = g.tail_row0 + idx / per_row;
-        store_scale_one<R>(p.scale, r * p.scale_ld + first + idx % per_row);
+        store_scale_one<R>(p.scale, rows_scale_index<R>(p, r, first + idx % per_row));
       }
     }
   }
@@ -458,9 +466,9 @@ __device__ __forceinline__ void quantize_tile(const QuantParams& p, const Tile& 
         }
       }
       if (R == Fp8Recipe::blockwise && !kWeights && v == 0) {
-        store_scale<R>(p.scale, orow * p.scale_ld + col_tile, s);
+        store_scale<R>(p.scale, rows_scale_index<R>(p, orow, col_tile), s);
       } else if (R == Fp8Recipe::mxfp8 && (v % (32 / V)) == 0) {
-        store_scale<R>(p.scale, orow * p.scale_ld + (col0 + v * V) / 32, s);
+        store_scale<R>(p.scale, rows_scale_index<R>(p, orow, (col0 + v * V) / 32), s);
       }
     }
   }

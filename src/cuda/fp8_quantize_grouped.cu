@@ -40,7 +40,7 @@ QuantParams grouped_params(const TensorView& counts, int64_t cap, int64_t cols, 
   set_outputs(p, q, o);
   p.data_t_ld = q.padded_capacity;
   if (o.recipe == Fp8Recipe::blockwise) {
-    p.scale_ld = (cols + kFp8Block - 1) / kFp8Block;
+    p.scale_ld = cap;     // token-major [ceil(cols/128), capacity]
     p.scale_t_ld = cols;  // token-block-major [padded_capacity/128, cols]
   } else if (o.recipe == Fp8Recipe::mxfp8) {
     p.scale_ld = (cols + kMxBlock - 1) / kMxBlock;

@@ -61,7 +61,7 @@ struct RowsOperand {
 /// Where group e's FP8 block scales start (f32 scale matrices).
 enum class ScaleStart : int32_t {
   none,     ///< no block scales
-  rows,     ///< scales of grouped rows [capacity, kb] (K-major): base + offset_e * ld
+  rows,     ///< scales of grouped rows: base + offset_e * ld (token-major [kb, capacity]: ld 1)
   columns,  ///< token-block scales of a columnwise operand [padded/128, cols] (token-block-major):
             ///< base + padded_offsets[e] / 128 * ld (the operand's padded_offsets, ld = cols)
   expert    ///< expert weights' scales [E, nb, kb]: base + e * expert_stride

@@ -18,15 +18,17 @@
 // scale layout from its problem shape alone (K-major: row stride ceil(K/128); MN-major: k-block
 // stride M or N), ignoring the per-group layouts passed in its arguments. BlockwiseMainloop below
 // derives from CUTLASS's collective and makes those strides launch arguments (the same for every
-// group of a launch), so that they are the buffers' own: fprop/dgrad read K-major scales
-// [rows, ceil(K/128)]; wgrad reads MN-major ones, the rows [padded_offsets[e]/128, ...) of the
-// token-block-major [padded_capacity/128, cols] scales of the columnwise copies.
+// group of a launch), so that they are the buffers' own: fprop/dgrad read A's MN-major scales,
+// the columns [offsets[e], ...) of the token-major [ceil(K/128), capacity] scales of the rowwise
+// copy (k-block stride: capacity), and the weights' K-major ones; wgrad reads MN-major ones for
+// both operands, the rows [padded_offsets[e]/128, ...) of the token-block-major
+// [padded_capacity/128, cols] scales of the columnwise copies.
 //
-// Why wgrad's are MN-major: a k-tile needs 128 scales of A and 128 of B. K-major, they are 256
-// floats in 256 different cache lines, loaded 4 bytes at a time by the producer warp; the lines
-// (32 KB per k-tile) do not fit in what the 200+ KB of shared memory leave of L1, so every k-tile
-// missed again (15% L1 hit rate, L1 throughput 81%, ncu on an H100, dsv3_fc1 wgrad) and the kernel
-// ran at 0.67x the tensorwise one. MN-major, they are two contiguous 512-byte runs.
+// Why MN-major: a k-tile needs 128 scales of A (and, in wgrad, 128 of B). K-major, they are 128
+// floats in 128 different cache lines, loaded 4 bytes at a time by the producer warp; the lines
+// do not fit in what the 200+ KB of shared memory leave of L1 when the reduction is long, so every
+// k-tile missed again (wgrad: 15% L1 hit rate, L1 throughput 81%, ncu on an H100, dsv3_fc1; the
+// kernel ran at 0.67x the tensorwise one). MN-major, they are contiguous 512-byte runs.
 //
 // Everything else follows sm90_grouped_gemm.cuh: device-only problem shapes (the group scheduler
 // walks them on the device), empty groups as M = 0, TMA clipping partial tiles.
@@ -332,13 +334,14 @@ struct Fp8GemmTypes {
   static constexpr int kAlignD = 16 / sizeof(ElementD);
 
   // Scale granularity (M, N, K): A rows are scaled one by one (1x128 blocks along K); B by
-  // 128x128 blocks (weights) or row by row (wgrad's x, 1x128 along tokens). fprop/dgrad scales
-  // are K-major, wgrad's MN-major (token-block-major, see the file comment).
+  // 128x128 blocks (weights) or row by row (wgrad's x, 1x128 along tokens). A's scales are
+  // MN-major in every pass (grouped rows: token-major; wgrad: token-block-major; see the file
+  // comment); the weights' (fprop/dgrad B, one per tile and k-tile) K-major.
   static constexpr int kScaleN = Ops == Fp8Operands::rows ? 128 : 1;
-  static constexpr auto kScaleMajor =
+  static constexpr auto kScaleMajorB =
       Ops == Fp8Operands::rows ? cute::GMMA::Major::K : cute::GMMA::Major::MN;
   using ScaleConfig =
-      cutlass::detail::Sm90BlockwiseScaleConfig<1, kScaleN, 128, kScaleMajor, kScaleMajor>;
+      cutlass::detail::Sm90BlockwiseScaleConfig<1, kScaleN, 128, cute::GMMA::Major::MN, kScaleMajorB>;
   using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
   using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
   using GmemLayoutA =

@@ -77,7 +77,9 @@ HostTensor decode_grouped(const Fp8Grouped& q, const std::vector<int64_t>& count
         if (which == Fp8Copy::rowwise) {
           const double s = q.recipe == Fp8Recipe::tensorwise
                                ? scale_at(q.scale_inv, static_cast<int64_t>(e))
-                               : scale_at(q.scale_inv, r * ceil_div(cols, block) + c / block);
+                               : scale_at(q.scale_inv, q.recipe == Fp8Recipe::blockwise
+                                                           ? c / block * cap + r  // token-major
+                                                           : r * ceil_div(cols, block) + c / block);
           v = fp8_at(q.data, r * cols + c, q.format) * s;
         } else {
           const int64_t P = q.padded_capacity;

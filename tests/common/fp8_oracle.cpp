@@ -173,17 +173,20 @@ Expected oracle_grouped(const HostTensor& x, const std::vector<int64_t>& counts,
   if (o.rowwise) {
     const int64_t nb = ceil_div(cols, B);
     ex.data = HostTensor(o.format, {cap, cols});
-    ex.scale_inv = HostTensor(sd, {cap, nb});
+    // blockwise: token-major [nb, cap]; mxfp8: [cap, nb]
+    const bool token_major = o.recipe == Fp8Recipe::blockwise;
+    ex.scale_inv = token_major ? HostTensor(sd, {nb, cap}) : HostTensor(sd, {cap, nb});
+    auto scale_index = [&](int64_t r, int64_t b) { return token_major ? b * cap + r : r * nb + b; };
     for (int64_t r = 0; r < cap; ++r) {
       for (int64_t b = 0; b < nb; ++b) {
         if (r >= total) {
-          put_one(ex.scale_inv, r * nb + b, o.recipe);
+          put_one(ex.scale_inv, scale_index(r, b), o.recipe);
           continue;
         }
         float amax = 0.0f;
         for (int64_t c = b * B; c < std::min(cols, (b + 1) * B); ++c) amax = std::max(amax, abs_finite(X(r, c)));
         const Scale s = make_scale(amax, o);
-        put_scale(ex.scale_inv, r * nb + b, s, o.recipe);
+        put_scale(ex.scale_inv, scale_index(r, b), s, o.recipe);
         for (int64_t c = b * B; c < std::min(cols, (b + 1) * B); ++c) {
           bytes(ex.data)[r * cols + c] = encode(X(r, c) * s.mult, o.format);
         }

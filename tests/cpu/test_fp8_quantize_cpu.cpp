@@ -168,7 +168,8 @@ double row_scale_inv(const Fp8Grouped& q, const std::vector<int64_t>& off, int64
   const int64_t B = q.recipe == Fp8Recipe::mxfp8 ? kMxBlock : kFp8Block;
   if (q.recipe != Fp8Recipe::tensorwise) {
     if (which == Fp8Copy::rowwise) {
-      i = r * s.size(1) + c / B;
+      // blockwise: token-major [ceil(cols/128), capacity]; mxfp8 [capacity, ceil(cols/32)]
+      i = q.recipe == Fp8Recipe::blockwise ? c / B * s.size(1) + r : r * s.size(1) + c / B;
     } else {
       const int64_t t = static_cast<const int64_t*>(q.padded_offsets.data)[e] + (r - off[e]);
       // blockwise: token-block-major [P/128, cols]; mxfp8 [cols, P/32]

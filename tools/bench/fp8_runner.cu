@@ -69,7 +69,8 @@ HostFp8Matrix host_rows(const Fp8Grouped& q) {
   m.e8m0 = q.recipe == Fp8Recipe::mxfp8;
   if (q.recipe != Fp8Recipe::tensorwise) {
     m.block_c = q.recipe == Fp8Recipe::mxfp8 ? kMxBlock : kFp8Block;
-    m.scale_ld = ceil_div(q.cols, m.block_c);
+    m.block_major = q.recipe == Fp8Recipe::blockwise;  // token-major [ceil(cols/128), capacity]
+    m.scale_ld = m.block_major ? q.capacity : ceil_div(q.cols, m.block_c);
   }
   return m;
 }
