@@ -388,7 +388,7 @@ TEST(CudaFp8Errors, DeviceCountErrorsAndBadArguments) {
   const DeviceTensor counts_d(counts_h);
   DeviceTensor scales(DType::f32, {64 * 2 + 4});
   Fp8Grouped out;
-  out.scale_inv = TensorView(static_cast<char*>(scales.data()) + 2, DType::f32, Device::cuda(0), {64, 1});
+  out.scale_inv = TensorView(static_cast<char*>(scales.data()) + 2, DType::f32, Device::cuda(0), {1, 64});
   GMOE_EXPECT_ERROR(quantize_grouped({xd.view(), counts_d.view()}, o, nullptr, nullptr, &out), "out.scale_inv",
                     "4-byte aligned");
   HostTensor host_out(DType::e4m3, {64, 128});
