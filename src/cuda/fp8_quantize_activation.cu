@@ -66,19 +66,13 @@ __device__ __forceinline__ uint4 as_granule(const Pack<T>& v) {
   return r;
 }
 
-struct ActSourceArgs {
-  const void* h = nullptr;
-  int64_t ld_h = 0;
+struct ActSourceArgs : act_common::HArgs {
   const void* dz = nullptr;  // backward
   int64_t ld_dz = 0;
   const float* probs = nullptr;
   float* partial = nullptr;  // backward with dprobs: [gridDim.y, capacity]
-  int64_t capacity = 0;
-  int F = 0;
-  int block = 0;  // interleave block; 0: concatenated halves
   int passes = 1;
   int pairing = 0;  // backward: 0 one dh tile per CTA, 1 concatenated pair, 2 pair within a block >= 128
-  act::Params prm;
 };
 
 /// z = act(h)·probs: column tile blockIdx.y of z.
@@ -223,13 +217,8 @@ bool loadable(const TensorView& t) {
 
 ActSourceArgs source_args(const TensorView& h, int64_t F, const ActivationOptions& o, const TensorView& probs) {
   ActSourceArgs a;
-  a.h = h.data;
-  a.ld_h = h.stride(0);
-  a.capacity = h.size(0);
-  a.F = static_cast<int>(F);
-  a.block = act_common::interleave_block(o);
+  static_cast<act_common::HArgs&>(a) = act_common::h_args(h, F, o);
   a.probs = probs.defined() ? static_cast<const float*>(probs.data) : nullptr;
-  a.prm = act_common::params_of(o);
   return a;
 }
 

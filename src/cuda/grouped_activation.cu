@@ -78,9 +78,7 @@ __device__ __forceinline__ void zero_row(T* row, int chunks, int lane) {
   for (int c = lane; c < chunks; c += 32) store_pack<T, VEC>(row + c * VEC, z);
 }
 
-struct ActArgs {
-  const void* h = nullptr;
-  int64_t ld_h = 0;
+struct ActArgs : act_common::HArgs {
   const void* dz = nullptr;  // backward
   int64_t ld_dz = 0;
   void* dh = nullptr;        // backward
@@ -90,13 +88,9 @@ struct ActArgs {
   const float* probs = nullptr;
   float* dprobs = nullptr;   // backward, optional
   const int64_t* total = nullptr;  // device: the clamped real total of rows
-  int64_t capacity = 0;
-  int F = 0;                 // output columns (host-checked: 2F < 2^31)
-  int block = 0;             // interleave block; 0: concatenated halves
   // Backward, interleave blocks that tile a round of 32 chunks: block / VEC chunks per block when
   // dh's stores are regrouped into contiguous rounds (see regroup_store_row); 0 = direct stores.
   int regroup = 0;
-  act::Params prm;
 };
 
 template <typename T, int VEC, ActivationKind K>
@@ -300,12 +294,7 @@ bool can_vectorize(const ActArgs& a, int vec, const TensorView* const* views, in
 ActArgs common_args(const TensorView& h, int64_t F, const ActivationOptions& o) {
   GMOE_CHECK(2 * F <= INT32_MAX, "h: ", 2 * F, " columns exceed the 32-bit column indices of the CUDA kernels");
   ActArgs a;
-  a.h = h.data;
-  a.ld_h = h.stride(0);
-  a.capacity = h.size(0);
-  a.F = static_cast<int>(F);
-  a.block = act_common::interleave_block(o);
-  a.prm = act_common::params_of(o);
+  static_cast<act_common::HArgs&>(a) = act_common::h_args(h, F, o);
   return a;
 }
 

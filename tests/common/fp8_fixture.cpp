@@ -159,8 +159,6 @@ Fp8Problem::Fp8Problem(const ShapeCase& c, Fp8Recipe r, Rng& rng, DType counts_d
   w_t = decode_weights(w.q, Fp8Copy::columnwise);
 }
 
-double Fp8Problem::u_fprop() const { return fp8_relative_error(recipe, format); }
-
 double Fp8Problem::u_grads() const {
   return std::max(fp8_relative_error(recipe, format), fp8_relative_error(recipe, grad_format));
 }

@@ -43,9 +43,8 @@ struct Fp8Problem {
 
   Fp8Problem(const ShapeCase& c, Fp8Recipe recipe, Rng& rng, DType counts_dtype = DType::i32,
              DType format = DType::e4m3, std::optional<DType> grad_format = std::nullopt);
-  /// The error bound's u for a pass whose operands are in these formats: the wider format's.
-  double u_fprop() const;
-  double u_grads() const;  ///< dgrad and wgrad (dy with the weights or x)
+  /// The error bound's u for dgrad and wgrad (dy with the weights or x): the wider format's.
+  double u_grads() const;
 };
 
 /// |got - exact| <= bound[i] for every element (NaN fails); reports the worst ratio.
