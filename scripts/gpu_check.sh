@@ -89,7 +89,11 @@ for stage in "${stages[@]}"; do
       forced tile_pingpong GMOE_CUDA_TILE=pingpong "$rows_filter" >"$OUT/forced_status_b.txt" &
       pids+=($!)
       { forced raster_m GMOE_RASTER=m '*Wgrad*'; forced raster_n GMOE_RASTER=n '*Wgrad*';
-        forced fused_activation GMOE_FUSED_ACTIVATION=1 '*CudaGroupedMlp*'; } >"$OUT/forced_status_c.txt" &
+        forced fused_activation GMOE_FUSED_ACTIVATION=1 '*CudaGroupedMlp*';
+        # Row chunks of 256 rows: nearly every fprop/dgrad group split (the named cases stay
+        # below the default 4096 rows per expert).
+        forced row_chunk_256 GMOE_ROW_CHUNK=256 '*CudaGroupedGemm*:*CudaFp8Gemm*:*CudaGroupedLinear*:*CudaGroupedMlp*'; } \
+        >"$OUT/forced_status_c.txt" &
       pids+=($!)
       for p in "${pids[@]}"; do wait "$p" || { r=FAILED; status=1; }; done
       cat "$OUT"/forced_status_*.txt | tee -a "$OUT/summary.txt"

@@ -21,7 +21,10 @@ namespace gmoe::cuda_backend {
 /// Most experts one call takes (the zeroing kernel puts experts on gridDim.y).
 constexpr int64_t kMaxExperts = 65535;
 
-/// The device arrays one grouped GEMM call fills, all carved from one workspace allocation.
+/// The device arrays one grouped GEMM call fills, all carved from one workspace allocation: one
+/// entry per group (an expert, or with row chunks a run of an expert's rows; "[E]" below), except
+/// total, zero_expert (per expert) and alpha (per expert; each group's alpha_ptr points at its
+/// expert's).
 struct GroupedGemmArrays {
   GroupShape* shapes = nullptr;       ///< [E]
   const void** ptr_a = nullptr;       ///< [E]
@@ -109,6 +112,11 @@ struct PrepareParams {
   ScaleOperand scale_a, scale_b;   ///< blockwise: where group e's scales of A and B start
   const float* alpha_a = nullptr;  ///< tensorwise: [E] per-expert scale_inv of A (device)
   const float* alpha_b = nullptr;  ///< tensorwise: [E] per-expert scale_inv of B (device)
+  // Set by prepare_call:
+  /// fprop/dgrad: each expert's rows split into groups of at most this many (row_chunk_rows); 0:
+  /// one group per expert.
+  int32_t row_chunk = 0;
+  int32_t num_groups = 0;  ///< the groups of the launch (E, or E + ceil(capacity / row_chunk))
 };
 
 /// The parameters every call sets alike: the pass, the device counts ([E] i32/i64) and the capacity.
@@ -179,6 +187,12 @@ struct PreparedCall {
 /// Takes one workspace from `alloc` for the arrays and `cutlass_bytes` of CUTLASS workspace, then
 /// enqueues on `stream`: the preparation kernel, a list's pointers (experts and bias), the zeros.
 PreparedCall prepare_call(const CallPlan& plan, std::size_t cutlass_bytes, cudaStream_t stream, Allocator& alloc);
+
+/// The most rows of one expert that one group of an fprop/dgrad launch covers (a multiple of the
+/// 128-row tile; 0: a group per expert). Bigger experts are split into several groups so that the
+/// tiles running at once cover a block of the output rather than a tall strip of it (the
+/// definition has why and the measurements). GMOE_ROW_CHUNK=<rows> sets it (benchmarks, tests).
+int32_t row_chunk_rows();
 
 /// Whether the weight gradient D[M, N] (M = the layer's N, N = its K; reductions over each
 /// expert's tokens) walks its tiles along N rather than M: along N when, at the average tokens per
