@@ -7,14 +7,19 @@
 
 namespace gmoe::bench {
 
+bool bench_keeps_input_reference(LinearRecipe recipe, bool fp8_wgrad, bool requant_input, bool copy_input) {
+  if (recipe != LinearRecipe::native && fp8_wgrad && !requant_input) return false;  // x's FP8 columns
+  return !copy_input;
+}
+
 GroupedLinear make_bench_layer(const TensorView& w, const TensorView& bias, const TensorView& main_grad,
-                               const BenchOptions& o, LinearRecipe recipe, bool fp8_wgrad) {
+                               const BenchOptions& o, LinearRecipe recipe, bool fp8_wgrad, bool requant_input) {
   GroupedLinearOptions opt;
   opt.recipe = recipe;
   opt.fp8_wgrad = fp8_wgrad;
   opt.main_grad = ExpertWeights::from_stacked(main_grad);
   opt.accumulate = true;
-  opt.save_original_input = !o.layer_copy_input;
+  opt.save_original_input = bench_keeps_input_reference(recipe, fp8_wgrad, requant_input, o.layer_copy_input);
   return GroupedLinear(ExpertWeights::from_stacked(w), ExpertBias::from_grouped(bias), opt);
 }
 
@@ -34,9 +39,11 @@ BenchRecipe bench_recipe_from_name(const std::string& name) {
       r.quant_in_act = false;
     } else if (option == "quant_in_act_bwd") {
       r.quant_in_act_bwd = true;
+    } else if (option == "requant_input") {
+      r.requant_input = true;
     } else {
       GMOE_CHECK(false, "--layer-fp8: '", name, "': unknown option '+", option,
-                 "' (native_wgrad, cached_weights, quant_after_act, quant_in_act_bwd)");
+                 "' (native_wgrad, cached_weights, quant_after_act, quant_in_act_bwd, requant_input)");
     }
     at = next;
   }

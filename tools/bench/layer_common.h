@@ -22,10 +22,15 @@ namespace gmoe::bench {
 
 /// The layer of a layer run. w: [E, N, K]; bias: [E, N] of w's dtype; main_grad: f32 [E, N, K]
 /// (accumulated into). The input is kept by reference (save_original_input), as an autograd
-/// framework keeps a saved tensor, unless o.layer_copy_input.
+/// framework keeps a saved tensor, unless o.layer_copy_input; an FP8 layer with an FP8 weight
+/// gradient keeps x's columnwise FP8 copy from forward instead (the layer's default, as
+/// Transformer Engine's), unless requant_input (x by reference, quantized again in backward).
 GroupedLinear make_bench_layer(const TensorView& w, const TensorView& bias, const TensorView& main_grad,
                                const BenchOptions& o, LinearRecipe recipe = LinearRecipe::native,
-                               bool fp8_wgrad = true);
+                               bool fp8_wgrad = true, bool requant_input = false);
+
+/// Whether a bench layer keeps its input by reference (see make_bench_layer).
+bool bench_keeps_input_reference(LinearRecipe recipe, bool fp8_wgrad, bool requant_input, bool copy_input);
 
 /// A --layer-fp8 entry: a recipe name (linear_recipe_name), optionally followed by "+native_wgrad"
 /// (GroupedLinearOptions::fp8_wgrad = false: the weight gradient in bf16) and/or "+cached_weights"
@@ -37,6 +42,7 @@ struct BenchRecipe {
   bool cached_weights = false;
   bool quant_in_act = true;       ///< mlp mode: fp8_quantize_in_activation ("+quant_after_act": off)
   bool quant_in_act_bwd = false;  ///< mlp mode: fp8_quantize_in_activation_backward ("+quant_in_act_bwd": on)
+  bool requant_input = false;     ///< "+requant_input": x (FC1's) by reference, quantized again in backward
   std::string name;  ///< as given: the rows' impl suffix
 };
 BenchRecipe bench_recipe_from_name(const std::string& name);

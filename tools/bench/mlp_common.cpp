@@ -7,6 +7,7 @@
 #include <random>
 #include <sstream>
 
+#include "bench/layer_common.h"
 #include "common/activation_math.h"
 #include "common/float_convert.h"
 #include "gmoe/error.h"
@@ -37,11 +38,11 @@ GroupedLinearOptions fc_options(const TensorView& main_grad, bool keep_input_ref
 }  // namespace
 
 GroupedMLP make_bench_mlp(const BenchCase& c, const MlpParams& p, LinearRecipe recipe, bool fp8_wgrad,
-                          bool quant_in_act, bool quant_in_act_bwd) {
+                          bool quant_in_act, bool quant_in_act_bwd, bool requant_input) {
   GroupedMLPOptions o;
   o.activation = mlp_activation(c, p.glu_block);
   o.recipe = recipe;
-  o.fc1 = fc_options(p.mg1, true);
+  o.fc1 = fc_options(p.mg1, bench_keeps_input_reference(recipe, fp8_wgrad, requant_input, false));
   o.fc2 = fc_options(p.mg2, true);
   o.fc1.fp8_wgrad = o.fc2.fp8_wgrad = fp8_wgrad;
   o.fp8_quantize_in_activation = quant_in_act;

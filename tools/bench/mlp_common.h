@@ -6,7 +6,8 @@
 // and up concatenated, as bench/torch_baseline.py splits them with chunk(2); or with
 // --mlp-glu-block B interleaved in blocks of B rows, the layout in which FC1's epilogue can compute
 // the activation) and FC2 [E, hidden, ffn], no bias, no router probabilities, x kept by reference
-// (save_original_input). Weight gradients: fresh bf16 tensors, as torch's autograd returns them
+// (save_original_input; with an FP8 recipe and FP8 weight gradients FC1 keeps x's columnwise FP8
+// copy from forward instead, its default, unless '+requant_input'). Weight gradients: fresh bf16 tensors, as torch's autograd returns them
 // (the default, so that the comparison with torch is like for like), or with --mlp-main-grad
 // accumulated in f32 into one stacked main_grad per FC (Megatron's training configuration: the
 // f32 read and write of dW cost 2·4 bytes per weight on top).
@@ -52,9 +53,11 @@ struct MlpParams {
 };
 
 /// GroupedMLP in the configuration of the header comment, with `recipe` for both FCs (FP8: the
-/// weight gradients FP8 or not, and GroupedMLPOptions' fp8_quantize_in_activation(_backward)).
+/// weight gradients FP8 or not, and GroupedMLPOptions' fp8_quantize_in_activation(_backward)). FC1
+/// keeps x as make_bench_layer keeps a layer's input (requant_input likewise).
 GroupedMLP make_bench_mlp(const BenchCase& c, const MlpParams& p, LinearRecipe recipe = LinearRecipe::native,
-                          bool fp8_wgrad = true, bool quant_in_act = true, bool quant_in_act_bwd = false);
+                          bool fp8_wgrad = true, bool quant_in_act = true, bool quant_in_act_bwd = false,
+                          bool requant_input = false);
 
 /// The unfused composition of separate public ops, in the same configuration.
 class UnfusedMlp {
