@@ -75,12 +75,15 @@ Fp8KernelEntry find_kernel(Fp8Scaling scaling, Fp8Operands ops, DType out, bool 
   if (ops == Fp8Operands::wgrad && out == DType::f32) {
     return entry<Fp8Scaling::tensorwise, Fp8Operands::wgrad, DType::f32, false, A>();
   }
+  if constexpr (A == DType::e4m3) {
+    if (bias) return entry<Fp8Scaling::tensorwise, Fp8Operands::rows, DType::bf16, true>();
+  }
   // fprop, dgrad and the bf16 weight gradient are the same tensorwise GEMM: TN, bf16 out, no
   // source operand; only the arrays that prepare writes differ.
   return entry<Fp8Scaling::tensorwise, Fp8Operands::rows, DType::bf16, false, A>();
 }
 
-// bias: fprop with a bf16 bias in the epilogue (blockwise with an e4m3 A only, see
+// bias: fprop with a bf16 bias in the epilogue (blockwise or tensorwise, with an e4m3 A only, see
 // fp8_grouped_gemm_fprop). format_a: A's format (e4m3 or e5m2; B is always e4m3).
 Fp8KernelEntry find_kernel(Fp8Scaling scaling, Fp8Operands ops, DType out, bool bias, DType format_a) {
   GMOE_CHECK(!bias || format_a == DType::e4m3, "FP8 grouped GEMM: no fused-bias kernel for an ",
@@ -238,8 +241,7 @@ void rows_pass(GemmPass pass, const Fp8Grouped& a, const TensorView& b_data,
   plan.prep.expert_stacked = true;
   plan.prep.expert = {b_data.data, b_data.stride(0), b_data.stride(1), 1};
   if (fused_bias != nullptr) {
-    GMOE_CHECK(plan.scaling == Fp8Scaling::blockwise && pass == GemmPass::fprop,
-               "FP8 grouped GEMM: a fused bias is a blockwise fprop epilogue");
+    GMOE_CHECK(pass == GemmPass::fprop, "FP8 grouped GEMM: a fused bias is an fprop epilogue");
     plan.bias = fused_bias;  // a list's pointers are written by prepare_call
     if (fused_bias->is_grouped()) {
       const TensorView& b = fused_bias->grouped;
@@ -434,11 +436,10 @@ void fp8_grouped_gemm_fprop(const Fp8Grouped& x, const Fp8Weights& w, const Tens
     mx_rows_pass(x, w.data, w.scale_inv, w.rows, w.cols, w.format, counts, y, stream, alloc, bias);
     return;
   }
-  // Blockwise with a bf16 bias: in the epilogue (acc + bias in f32, one rounding; the bias is read
-  // element-wise into shared memory, so it needs no alignment). Tensorwise (its epilogue already
-  // scales by a per-expert alpha), other bias dtypes and an e5m2 x: a second pass over y.
-  if (bias.defined() && x.recipe == Fp8Recipe::blockwise && bias.dtype() == DType::bf16 &&
-      x.format == DType::e4m3) {
+  // A bf16 bias with an e4m3 x: in the epilogue (blockwise acc + bias, tensorwise alpha_e·acc +
+  // bias, in f32 with one rounding; the bias is read element-wise into shared memory, so it needs
+  // no alignment). Other bias dtypes and an e5m2 x: a second pass over y.
+  if (bias.defined() && bias.dtype() == DType::bf16 && x.format == DType::e4m3) {
     rows_pass(GemmPass::fprop, x, w.data, w.scale_inv, counts, y, stream, alloc, &bias);
     return;
   }

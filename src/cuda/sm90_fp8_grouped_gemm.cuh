@@ -55,6 +55,18 @@
 namespace gmoe::cuda_backend {
 namespace sm90fp8 {
 
+/// The tensorwise fused-bias epilogue: D = alpha_e·acc + bias_e, one FMA in f32 and one rounding.
+/// alpha_e (= sa_e·sb_e) is read through a per-group pointer array (L stride 1, refreshed per
+/// tile), the bias as sm90::BiasTree reads it (a per-group row broadcast).
+template <class ElementD, class ElementBias, class TileShape>
+struct ScaledBiasTree {
+  using RowBias = typename sm90::BiasTree<ElementD, ElementBias, TileShape>::RowBias;
+  using Alpha = cutlass::epilogue::fusion::Sm90ScalarBroadcastPtrArray<float, cute::Stride<cute::_0, cute::_0, int64_t>>;
+  using Fma = cutlass::epilogue::fusion::Sm90Compute<cutlass::homogeneous_multiply_add, ElementD, float,
+                                                     cutlass::FloatRoundStyle::round_to_nearest>;
+  using type = cutlass::epilogue::fusion::Sm90EVT<Fma, Alpha, cutlass::epilogue::fusion::Sm90AccFetch, RowBias>;
+};
+
 /// CUTLASS's grouped blockwise FP8 mainloop with each group's scale layout built from its problem
 /// shape and the per-launch strides `sfa_ld` / `sfb_ld` (see the file comment), and its own
 /// consumer loop (mma, below).
@@ -297,9 +309,8 @@ struct BlockwiseMainloop : Base {
 
 template <Fp8Scaling S, Fp8Operands Ops, DType Out, bool Bias, DType FormatA>
 struct Fp8GemmTypes {
-  static_assert(!Bias || (S == Fp8Scaling::blockwise && Ops == Fp8Operands::rows && Out == DType::bf16 &&
-                          FormatA == DType::e4m3),
-                "a fused bias is a blockwise fprop epilogue to bf16, for e4m3 activations");
+  static_assert(!Bias || (Ops == Fp8Operands::rows && Out == DType::bf16 && FormatA == DType::e4m3),
+                "a fused bias is an fprop epilogue to bf16, for e4m3 activations");
   static_assert(FormatA == DType::e4m3 || FormatA == DType::e5m2, "A is e4m3 or e5m2");
   // A: the activations (fprop) or the gradient dy (dgrad, wgrad), e4m3 or e5m2; B: the weights
   // (fprop, dgrad) or the activations (wgrad), e4m3. wgmma takes the mixed pair at full rate.
@@ -349,9 +360,13 @@ struct Fp8GemmTypes {
   using GmemLayoutB =
       std::conditional_t<S == Fp8Scaling::blockwise, cute::tuple<LayoutB*, LayoutSFB*>, LayoutB*>;
 
-  // D = alpha·acc + beta·C, or with a bias D = acc + bias_e (the bf16 path's tree).
+  // D = alpha·acc + beta·C, or with a bias D = acc + bias_e (blockwise: the bf16 path's tree) or
+  // D = alpha_e·acc + bias_e (tensorwise).
+  using BiasFusion = std::conditional_t<S == Fp8Scaling::blockwise,
+                                        typename sm90::BiasTree<ElementD, cutlass::bfloat16_t, TileShape>::type,
+                                        typename ScaledBiasTree<ElementD, cutlass::bfloat16_t, TileShape>::type>;
   using Fusion = std::conditional_t<
-      Bias, typename sm90::BiasTree<ElementD, cutlass::bfloat16_t, TileShape>::type,
+      Bias, BiasFusion,
       cutlass::epilogue::fusion::LinearCombination<ElementD, ElementAccumulator, ElementC, ElementAccumulator>>;
   using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
@@ -388,6 +403,8 @@ struct Fp8GemmTypes {
                 std::is_trivially_copyable_v<StrideD> &&
                 std::is_trivially_copyable_v<UnderlyingShape>);
 
+  using ScaledAlpha = typename ScaledBiasTree<ElementD, cutlass::bfloat16_t, TileShape>::Alpha;
+
   static typename Gemm::Arguments make_arguments(const Fp8GemmLaunch& f) {
     const GroupedGemmLaunch& l = f.gemm;
     cutlass::KernelHardwareInfo hw_info;
@@ -413,10 +430,18 @@ struct Fp8GemmTypes {
       args.mainloop.sfa_ld = f.sfa_ld;
       args.mainloop.sfb_ld = f.sfb_ld;
     }
-    if constexpr (Bias) {
+    if constexpr (Bias && S == Fp8Scaling::blockwise) {
       // {AccFetch, RowBroadcast {ptr_row, null_default, dRow}, Compute}
       args.epilogue.thread = {
           {}, {reinterpret_cast<cutlass::bfloat16_t const* const*>(l.ptr_bias), cutlass::bfloat16_t(0), {}}, {}};
+    } else if constexpr (Bias) {
+      // {ScalarBroadcastPtrArray {scalars, scalar_ptrs, scalar_ptr_arrays, dScalar}, AccFetch,
+      //  RowBroadcast, Compute}: alpha_e through the per-group array (L stride 1).
+      typename ScaledAlpha::Arguments alpha{};
+      alpha.scalar_ptr_arrays[0] = const_cast<float const* const*>(f.alpha_ptrs);
+      alpha.dScalar[0] = {cute::_0{}, cute::_0{}, 1};
+      args.epilogue.thread = {
+          alpha, {}, {reinterpret_cast<cutlass::bfloat16_t const* const*>(l.ptr_bias), cutlass::bfloat16_t(0), {}}, {}};
     } else {
       auto& fusion = args.epilogue.thread;
       fusion.beta = l.beta;
