@@ -76,7 +76,7 @@ Fp8KernelEntry find_kernel(Fp8Scaling scaling, Fp8Operands ops, DType out, bool 
     return entry<Fp8Scaling::tensorwise, Fp8Operands::wgrad, DType::f32, false, A>();
   }
   if constexpr (A == DType::e4m3) {
-    if (bias) return entry<Fp8Scaling::tensorwise, Fp8Operands::rows, DType::bf16, true>();
+    if (bias && ops == Fp8Operands::rows) return entry<Fp8Scaling::tensorwise, Fp8Operands::rows, DType::bf16, true>();
   }
   // fprop, dgrad and the bf16 weight gradient are the same tensorwise GEMM: TN, bf16 out, no
   // source operand; only the arrays that prepare writes differ.

@@ -66,6 +66,11 @@ __device__ __forceinline__ const float* scale_start(const ScaleOperand& s, int e
   }
 }
 
+// An expert's count read and clamped to [0, capacity] (before the scan: no overflow).
+__device__ __forceinline__ int64_t clamped_count(const PrepareParams& p, int e) {
+  return min(max(read_count(p.counts, p.counts_i64, e), int64_t{0}), p.capacity);
+}
+
 // fprop/dgrad: group g computes rows [begin, begin + rows) of expert e.
 __device__ __forceinline__ void write_rows_group(const PrepareParams& p, const GroupedGemmArrays& out, int g, int e,
                                                  int64_t begin, int32_t rows) {
@@ -129,7 +134,7 @@ __global__ void __launch_bounds__(kPrepareThreads)
     int64_t chunks = 0;
     int64_t rows_before = prefix;  // the rows as the loop below clamps them
     for (int e = first; e < last; ++e) {
-      const int64_t c = min(max(read_count(p.counts, p.counts_i64, e), int64_t{0}), p.capacity);
+      const int64_t c = clamped_count(p, e);
       const int64_t rows = min(rows_before + c, p.capacity) - min(rows_before, p.capacity);
       rows_before += c;
       chunks += (rows + p.row_chunk - 1) / p.row_chunk;
@@ -143,7 +148,7 @@ __global__ void __launch_bounds__(kPrepareThreads)
   }
 
   for (int e = first; e < last; ++e) {
-    const int64_t c = min(max(read_count(p.counts, p.counts_i64, e), int64_t{0}), p.capacity);
+    const int64_t c = clamped_count(p, e);
     const int64_t begin = min(prefix, p.capacity);
     const int64_t end = min(prefix + c, p.capacity);
     if (prefix + c > p.capacity) errors |= kDeviceErrorCountsPastCapacity;
@@ -355,17 +360,17 @@ PreparedCall prepare_call(const CallPlan& plan, std::size_t cutlass_bytes, cudaS
   const int sms = sm_count(device);
   const int E = plan.prep.num_experts;
   const bool wgrad = plan.prep.pass == GemmPass::wgrad;
-  // Row chunks (fprop/dgrad): the preparation kernel reads the experts' pointers itself (stacked
-  // weights, a grouped bias or none); lists are written per expert after it.
+  // Lists of expert tensors or biases: their pointers are written per expert, by value, after the
+  // preparation kernel (which computes stacked and grouped ones itself).
+  const bool experts_list = plan.experts != nullptr && !plan.experts->is_stacked();
+  const bool bias_list = plan.bias != nullptr && !plan.bias->is_grouped();
+  // Row chunks (fprop/dgrad) need every group's pointers from the kernel: not with lists.
   PrepareParams prep = plan.prep;
-  const bool by_value = (plan.experts != nullptr && !plan.experts->is_stacked()) ||
-                        (plan.bias != nullptr && !plan.bias->is_grouped());
-  prep.row_chunk = wgrad || by_value || E == 0 ? 0 : row_chunk_rows();
-  prep.num_groups = prep.row_chunk > 0 ? static_cast<int32_t>(std::min<int64_t>(
-                                             E + (prep.capacity + prep.row_chunk - 1) / prep.row_chunk, INT32_MAX))
-                                       : E;
-  const int G = prep.num_groups;
-  const std::size_t e = static_cast<std::size_t>(G);  // per-group arrays
+  prep.row_chunk = wgrad || experts_list || bias_list || E == 0 ? 0 : row_chunk_rows();
+  prep.num_groups = prep.row_chunk > 0 ? static_cast<int32_t>(E + (prep.capacity + prep.row_chunk - 1) / prep.row_chunk)
+                                       : E;  // (capacity < 2^31, row_chunk >= 128: no overflow)
+  const std::size_t g = static_cast<std::size_t>(prep.num_groups);  // per-group arrays
+  const std::size_t e = static_cast<std::size_t>(E);                // per-expert arrays
 
   // One workspace for every array and for CUTLASS (its tensor maps, one set per SM), each part
   // 128-byte aligned.
@@ -375,18 +380,18 @@ PreparedCall prepare_call(const CallPlan& plan, std::size_t cutlass_bytes, cudaS
     offset = (offset + bytes + 127) / 128 * 128;
     return at;
   };
-  const std::size_t o_shapes = take(e * sizeof(GroupShape));
-  const std::size_t o_ptrs = take(4 * e * sizeof(void*));
-  const std::size_t o_strides = take(4 * e * sizeof(int64_t));
+  const std::size_t o_shapes = take(g * sizeof(GroupShape));
+  const std::size_t o_ptrs = take(4 * g * sizeof(void*));
+  const std::size_t o_strides = take(4 * g * sizeof(int64_t));
   const std::size_t o_total = take(sizeof(int64_t));
   const std::size_t o_zero = take(e * sizeof(int32_t));
-  const std::size_t o_bias = take(plan.bias != nullptr ? e * sizeof(void*) : 0);
+  const std::size_t o_bias = take(plan.bias != nullptr ? g * sizeof(void*) : 0);
   const bool probs = plan.glu && plan.prep.probs != nullptr;
-  const std::size_t o_glu = take(plan.glu ? e * (sizeof(void*) + sizeof(int64_t)) : 0);
-  const std::size_t o_probs = take(probs ? e * sizeof(float*) : 0);
-  const std::size_t o_scale_ptrs = take(plan.block_scales ? 2 * e * sizeof(float*) : 0);
+  const std::size_t o_glu = take(plan.glu ? g * (sizeof(void*) + sizeof(int64_t)) : 0);
+  const std::size_t o_probs = take(probs ? g * sizeof(float*) : 0);
+  const std::size_t o_scale_ptrs = take(plan.block_scales ? 2 * g * sizeof(float*) : 0);
   const std::size_t o_alpha = take(plan.alpha ? e * sizeof(float) : 0);
-  const std::size_t o_alpha_ptrs = take(plan.alpha ? e * sizeof(float*) : 0);
+  const std::size_t o_alpha_ptrs = take(plan.alpha ? g * sizeof(float*) : 0);
   const std::size_t o_cutlass = take(cutlass_bytes);
   PreparedCall call;
   call.workspace = Buffer(alloc, offset, stream);
@@ -396,26 +401,26 @@ PreparedCall prepare_call(const CallPlan& plan, std::size_t cutlass_bytes, cudaS
   a.shapes = reinterpret_cast<GroupShape*>(base + o_shapes);
   auto** ptrs = reinterpret_cast<const void**>(base + o_ptrs);
   a.ptr_a = ptrs;
-  a.ptr_b = ptrs + e;
-  a.ptr_c = ptrs + 2 * e;
-  a.ptr_d = const_cast<void**>(ptrs + 3 * e);
+  a.ptr_b = ptrs + g;
+  a.ptr_c = ptrs + 2 * g;
+  a.ptr_d = const_cast<void**>(ptrs + 3 * g);
   auto* strides = reinterpret_cast<int64_t*>(base + o_strides);
   a.stride_a = strides;
-  a.stride_b = strides + e;
-  a.stride_c = strides + 2 * e;
-  a.stride_d = strides + 3 * e;
+  a.stride_b = strides + g;
+  a.stride_c = strides + 2 * g;
+  a.stride_d = strides + 3 * g;
   a.total = reinterpret_cast<int64_t*>(base + o_total);
   a.zero_expert = reinterpret_cast<int32_t*>(base + o_zero);
   if (plan.bias != nullptr) a.ptr_bias = reinterpret_cast<const void**>(base + o_bias);
   if (plan.glu) {
     a.ptr_z = reinterpret_cast<void**>(base + o_glu);
-    a.stride_z = reinterpret_cast<int64_t*>(base + o_glu + e * sizeof(void*));
+    a.stride_z = reinterpret_cast<int64_t*>(base + o_glu + g * sizeof(void*));
     if (probs) a.ptr_probs = reinterpret_cast<const float**>(base + o_probs);
   }
   if (plan.block_scales) {
     auto** sf = reinterpret_cast<const float**>(base + o_scale_ptrs);
     a.ptr_sfa = sf;
-    a.ptr_sfb = sf + e;
+    a.ptr_sfb = sf + g;
   }
   if (plan.alpha) {
     a.alpha = reinterpret_cast<float*>(base + o_alpha);
@@ -423,12 +428,12 @@ PreparedCall prepare_call(const CallPlan& plan, std::size_t cutlass_bytes, cudaS
   }
 
   launch_prepare(prep, a, stream);
-  if (plan.bias != nullptr && !plan.bias->is_grouped()) {  // a list: its pointers, by value
+  if (bias_list) {  // its pointers, by value (one group per expert)
     std::vector<const void*> host_ptrs(e);
     for (std::size_t i = 0; i < e; ++i) host_ptrs[i] = plan.bias->list[i].data;
     launch_write_pointers(host_ptrs.data(), E, a.ptr_bias, stream);
   }
-  if (plan.experts != nullptr && !plan.experts->is_stacked()) {
+  if (experts_list) {  // one group per expert
     std::vector<const void*> host_ptrs(e);
     std::vector<int64_t> host_lds(e);
     for (std::size_t i = 0; i < e; ++i) {
@@ -457,7 +462,7 @@ PreparedCall prepare_call(const CallPlan& plan, std::size_t cutlass_bytes, cudaS
   }
 
   GroupedGemmLaunch& l = call.launch;
-  l.num_groups = G;
+  l.num_groups = prep.num_groups;
   l.device = device;
   l.sm_count = sms;
   l.shapes = a.shapes;

@@ -430,18 +430,20 @@ struct Fp8GemmTypes {
       args.mainloop.sfa_ld = f.sfa_ld;
       args.mainloop.sfb_ld = f.sfb_ld;
     }
-    if constexpr (Bias && S == Fp8Scaling::blockwise) {
-      // {AccFetch, RowBroadcast {ptr_row, null_default, dRow}, Compute}
-      args.epilogue.thread = {
-          {}, {reinterpret_cast<cutlass::bfloat16_t const* const*>(l.ptr_bias), cutlass::bfloat16_t(0), {}}, {}};
-    } else if constexpr (Bias) {
-      // {ScalarBroadcastPtrArray {scalars, scalar_ptrs, scalar_ptr_arrays, dScalar}, AccFetch,
-      //  RowBroadcast, Compute}: alpha_e through the per-group array (L stride 1).
-      typename ScaledAlpha::Arguments alpha{};
-      alpha.scalar_ptr_arrays[0] = const_cast<float const* const*>(f.alpha_ptrs);
-      alpha.dScalar[0] = {cute::_0{}, cute::_0{}, 1};
-      args.epilogue.thread = {
-          alpha, {}, {reinterpret_cast<cutlass::bfloat16_t const* const*>(l.ptr_bias), cutlass::bfloat16_t(0), {}}, {}};
+    if constexpr (Bias) {
+      // RowBroadcast {ptr_row, null_default, dRow}
+      const typename sm90::BiasTree<ElementD, cutlass::bfloat16_t, TileShape>::RowBias::Arguments bias{
+          reinterpret_cast<cutlass::bfloat16_t const* const*>(l.ptr_bias), cutlass::bfloat16_t(0), {}};
+      if constexpr (S == Fp8Scaling::blockwise) {
+        args.epilogue.thread = {{}, bias, {}};  // {AccFetch, RowBroadcast, Compute}
+      } else {
+        // {ScalarBroadcastPtrArray {scalars, scalar_ptrs, scalar_ptr_arrays, dScalar}, AccFetch,
+        //  RowBroadcast, Compute}: alpha_e through the per-group array (L stride 1).
+        typename ScaledAlpha::Arguments alpha{};
+        alpha.scalar_ptr_arrays[0] = const_cast<float const* const*>(f.alpha_ptrs);
+        alpha.dScalar[0] = {cute::_0{}, cute::_0{}, 1};
+        args.epilogue.thread = {alpha, {}, bias, {}};
+      }
     } else {
       auto& fusion = args.epilogue.thread;
       fusion.beta = l.beta;
