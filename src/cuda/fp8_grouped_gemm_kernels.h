@@ -47,6 +47,14 @@ enum class Fp8Operands {
   wgrad  ///< A, B = columnwise (transposed) grouped rows (K = count_e), D = dW_e
 };
 
+/// The CTA tile is 128x128x128 (sm90_fp8_grouped_gemm.cuh); the cluster is 1x1 or 2x1.
+enum class Fp8Tile {
+  t128x128,     ///< cluster 1x1: every instantiation
+  t128x128_2x1  ///< clusters of two CTAs along M, each loading half of B's tile and multicasting
+                ///< it to both: e4m3 A, no fused bias, not the blockwise weight gradient
+                ///< (fp8_grouped_gemm.cu's find_kernel; choose_cluster_2x1)
+};
+
 /// Everything one launch reads: the plain grouped GEMM arrays plus the FP8 scale arrays.
 struct Fp8GemmLaunch {
   GroupedGemmLaunch gemm;  ///< shapes, pointers, strides, beta, workspace (alpha unused)
@@ -62,7 +70,8 @@ struct Fp8GemmLaunch {
 /// One compiled FP8 grouped GEMM (explicit instantiations in sm90_fp8_*.cu only). Bias: D = A·Bᵀ +
 /// bias_e in the epilogue (blockwise rows to bf16 with an e4m3 A only; gemm.ptr_bias[e] is expert
 /// e's bf16 vector of N). FormatA: A's fp8 format (e4m3 or e5m2); B is e4m3.
-template <Fp8Scaling S, Fp8Operands Ops, DType Out, bool Bias = false, DType FormatA = DType::e4m3>
+template <Fp8Scaling S, Fp8Operands Ops, DType Out, bool Bias = false, DType FormatA = DType::e4m3,
+          Fp8Tile Tile = Fp8Tile::t128x128>
 struct Fp8GroupedGemmKernel {
   /// Bytes of CUTLASS workspace for a persistent grid of sm_count CTAs.
   static std::size_t workspace_bytes(int sm_count);

@@ -50,18 +50,36 @@ KernelEntry entry() {
 
 // The instantiations that exist (one sm90_*.cu file each). A 16-bit dW is written at half the
 // bytes of an f32 one: cooperative only (a ping-pong 16-bit wgrad measured no faster, see below).
-constexpr bool compiled(DType out, GemmPass pass, TileConfig tile) {
-  return tile == TileConfig::coop_128x256 || pass != GemmPass::wgrad || out == DType::f32;
+// The 2x1-clustered cooperative tile: the bf16 weight gradient (to bf16 or f32). In fprop/dgrad
+// it measured 0.89-1.03x the 1x1 tile (choose_cluster_2x1) and is not compiled.
+constexpr bool compiled(DType in, DType out, GemmPass pass, TileConfig tile) {
+  switch (tile) {
+    case TileConfig::coop_128x256: return true;
+    case TileConfig::pingpong_128x128: return pass != GemmPass::wgrad || out == DType::f32;
+    case TileConfig::coop_128x256_2x1: return in == DType::bf16 && pass == GemmPass::wgrad;
+  }
+  return false;
 }
 
+constexpr TileConfig kTiles[] = {TileConfig::coop_128x256, TileConfig::pingpong_128x128,
+                                 TileConfig::coop_128x256_2x1};
+
 const char* tile_name(TileConfig tile) {
-  return tile == TileConfig::coop_128x256 ? "coop" : "pingpong";
+  switch (tile) {
+    case TileConfig::coop_128x256: return "coop";
+    case TileConfig::pingpong_128x128: return "pingpong";
+    case TileConfig::coop_128x256_2x1: return "coop2x1";
+  }
+  return "?";
 }
 
 template <DType In, DType Out, GemmPass Pass>
 KernelEntry entry_for_tile(TileConfig tile) {
-  if constexpr (compiled(Out, Pass, TileConfig::pingpong_128x128)) {
+  if constexpr (compiled(In, Out, Pass, TileConfig::pingpong_128x128)) {
     if (tile == TileConfig::pingpong_128x128) return entry<In, Out, Pass, TileConfig::pingpong_128x128>();
+  }
+  if constexpr (compiled(In, Out, Pass, TileConfig::coop_128x256_2x1)) {
+    if (tile == TileConfig::coop_128x256_2x1) return entry<In, Out, Pass, TileConfig::coop_128x256_2x1>();
   }
   return entry<In, Out, Pass, TileConfig::coop_128x256>();
 }
@@ -102,18 +120,18 @@ KernelEntry find_kernel(DType in, DType out, GemmPass pass, TileConfig tile) {
   }
 }
 
-// GMOE_CUDA_TILE=coop|pingpong (read once) forces a tile wherever that tile is compiled for the
-// call, for benchmarking and for tests that must run every kernel.
-bool forced_tile(DType out, GemmPass pass, TileConfig* tile) {
+// GMOE_CUDA_TILE=coop|pingpong|coop2x1 (read once) forces a tile wherever that tile is compiled
+// for the call, for benchmarking and for tests that must run every kernel.
+bool forced_tile(DType in, DType out, GemmPass pass, TileConfig* tile) {
   static const int forced = [] {
     const char* env = std::getenv("GMOE_CUDA_TILE");
     if (env == nullptr) return -1;
-    for (TileConfig t : {TileConfig::coop_128x256, TileConfig::pingpong_128x128}) {
+    for (TileConfig t : kTiles) {
       if (std::strcmp(env, tile_name(t)) == 0) return static_cast<int>(t);
     }
     return -1;
   }();
-  if (forced < 0 || !compiled(out, pass, static_cast<TileConfig>(forced))) return false;
+  if (forced < 0 || !compiled(in, out, pass, static_cast<TileConfig>(forced))) return false;
   *tile = static_cast<TileConfig>(forced);
   return true;
 }
@@ -129,7 +147,7 @@ bool forced_tile(DType out, GemmPass pass, TileConfig* tile) {
 TileConfig choose_rows_tile(DType in, GemmPass pass, int64_t capacity, int64_t num_experts,
                             int64_t gemm_n, int sms) {
   TileConfig forced;
-  if (forced_tile(in, pass, &forced)) return forced;
+  if (forced_tile(in, in, pass, &forced)) return forced;
   const int64_t avg_rows = capacity / num_experts;
   const int64_t coop_tiles = num_experts * ((avg_rows + 127) / 128) * ((gemm_n + 255) / 256);
   return (avg_rows >= 128 && coop_tiles >= sms) ? TileConfig::coop_128x256
@@ -146,12 +164,13 @@ TileConfig choose_rows_tile(DType in, GemmPass pass, int64_t capacity, int64_t n
 // wgrad, and 1x2 / 2x1 clustered cooperative tiles for all passes, were measured on the public
 // suite at 1.00-1.02x the cooperative tile in the geometric mean on an H100, inside the run-to-run
 // noise of about 10%, and were dropped to keep the build small).
-TileConfig choose_wgrad_tile(DType out, int64_t capacity, int64_t num_experts) {
+TileConfig choose_wgrad_tile(DType in, DType out, int64_t capacity, int64_t num_experts, int64_t gemm_m) {
   TileConfig forced;
-  if (forced_tile(out, GemmPass::wgrad, &forced)) return forced;
-  if (out != DType::f32) return TileConfig::coop_128x256;
-  return capacity / num_experts < kWgradCoopMinRows ? TileConfig::pingpong_128x128
-                                                    : TileConfig::coop_128x256;
+  if (forced_tile(in, out, GemmPass::wgrad, &forced)) return forced;
+  if (out == DType::f32 && capacity / num_experts < kWgradCoopMinRows) return TileConfig::pingpong_128x128;
+  return in == DType::bf16 && choose_cluster_2x1(true, false, capacity, num_experts, gemm_m)
+             ? TileConfig::coop_128x256_2x1
+             : TileConfig::coop_128x256;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -401,7 +420,7 @@ void grouped_gemm_wgrad(const TensorView& dy, const TensorView& x, const TensorV
   plan.experts = &dw;
   plan.run_gemm = capacity > 0 && n > 0 && k > 0;
   plan.beta = options.accumulate ? 1.0f : 0.0f;
-  plan.tile = choose_wgrad_tile(dw.dtype(), capacity, counts.size(0));
+  plan.tile = choose_wgrad_tile(dy.dtype, dw.dtype(), capacity, counts.size(0), n);
   plan.raster_along_n = choose_wgrad_raster_along_n(n, k, capacity, counts.size(0), dy.dtype);
   plan.dw_elem_bytes = static_cast<int32_t>(dtype_size(dw.dtype()));
   plan.dw_rows = n;

@@ -200,4 +200,12 @@ int32_t row_chunk_rows();
 /// GMOE_RASTER=m|n forces an order.
 bool choose_wgrad_raster_along_n(int64_t m, int64_t n, int64_t capacity, int64_t num_experts, DType in);
 
+/// Whether a cooperative-tile GEMM runs in clusters of two CTAs along M, each loading half of B's
+/// tile and multicasting it to both (where such a kernel is compiled for the call). fprop/dgrad
+/// (`pass` rows): FP8 only, when the average rows per expert (capacity / E) reach
+/// kCluster2x1MinRows; wgrad (bf16 and FP8): when M (the layer's N, `wgrad_m`) spans an even
+/// number of 128-row tiles or at least 16 (measurements in the definition). GMOE_CLUSTER=1x1|2x1
+/// forces either wherever the kernel exists.
+bool choose_cluster_2x1(bool wgrad, bool fp8, int64_t capacity, int64_t num_experts, int64_t wgrad_m);
+
 }  // namespace gmoe::cuda_backend

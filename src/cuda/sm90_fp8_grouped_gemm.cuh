@@ -307,7 +307,15 @@ struct BlockwiseMainloop : Base {
   CUTLASS_DEVICE void mma_tail(MainloopPipeline, PipelineState, int) {}
 };
 
-template <Fp8Scaling S, Fp8Operands Ops, DType Out, bool Bias, DType FormatA>
+template <Fp8Tile T> struct Fp8TileTraits {
+  using TileShape = cute::Shape<cute::_128, cute::_128, cute::_128>;  // BLOCK_M, N, K
+  using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
+};
+template <> struct Fp8TileTraits<Fp8Tile::t128x128_2x1> : Fp8TileTraits<Fp8Tile::t128x128> {
+  using ClusterShape = cute::Shape<cute::_2, cute::_1, cute::_1>;
+};
+
+template <Fp8Scaling S, Fp8Operands Ops, DType Out, bool Bias, DType FormatA, Fp8Tile Tile>
 struct Fp8GemmTypes {
   static_assert(!Bias || (Ops == Fp8Operands::rows && Out == DType::bf16 && FormatA == DType::e4m3),
                 "a fused bias is an fprop epilogue to bf16, for e4m3 activations");
@@ -334,8 +342,8 @@ struct Fp8GemmTypes {
   // consumer warpgroup its own tile, one's promotion and epilogue overlapping the other's wgmma)
   // measured 0.85x this one in the geometric mean of the public suite on an H100 (fprop/dgrad
   // 0.71-1.02x, wgrad to f32 0.79-0.99x), 2026-11-23, and was dropped.
-  using TileShape = cute::Shape<cute::_128, cute::_128, cute::_128>;  // BLOCK_M, N, K
-  using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
+  using TileShape = typename Fp8TileTraits<Tile>::TileShape;
+  using ClusterShape = typename Fp8TileTraits<Tile>::ClusterShape;
   using KernelSchedule = std::conditional_t<S == Fp8Scaling::blockwise,
                                             cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise,
                                             cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>;
@@ -480,17 +488,17 @@ struct Fp8GemmTypes {
 
 }  // namespace sm90fp8
 
-template <Fp8Scaling S, Fp8Operands Ops, DType Out, bool Bias, DType FormatA>
-std::size_t Fp8GroupedGemmKernel<S, Ops, Out, Bias, FormatA>::workspace_bytes(int sm_count) {
-  using Types = sm90fp8::Fp8GemmTypes<S, Ops, Out, Bias, FormatA>;
+template <Fp8Scaling S, Fp8Operands Ops, DType Out, bool Bias, DType FormatA, Fp8Tile Tile>
+std::size_t Fp8GroupedGemmKernel<S, Ops, Out, Bias, FormatA, Tile>::workspace_bytes(int sm_count) {
+  using Types = sm90fp8::Fp8GemmTypes<S, Ops, Out, Bias, FormatA, Tile>;
   Fp8GemmLaunch l;
   l.gemm.sm_count = sm_count;
   return Types::Gemm::get_workspace_size(Types::make_arguments(l));
 }
 
-template <Fp8Scaling S, Fp8Operands Ops, DType Out, bool Bias, DType FormatA>
-void Fp8GroupedGemmKernel<S, Ops, Out, Bias, FormatA>::run(const Fp8GemmLaunch& l, cudaStream_t stream) {
-  using Types = sm90fp8::Fp8GemmTypes<S, Ops, Out, Bias, FormatA>;
+template <Fp8Scaling S, Fp8Operands Ops, DType Out, bool Bias, DType FormatA, Fp8Tile Tile>
+void Fp8GroupedGemmKernel<S, Ops, Out, Bias, FormatA, Tile>::run(const Fp8GemmLaunch& l, cudaStream_t stream) {
+  using Types = sm90fp8::Fp8GemmTypes<S, Ops, Out, Bias, FormatA, Tile>;
   using Gemm = typename Types::Gemm;
   GMOE_CHECK(Types::kHasSource || l.gemm.beta == 0.0f, "FP8 grouped GEMM: this instantiation "
              "has no source operand, but beta = ", l.gemm.beta);

@@ -342,6 +342,28 @@ TEST(CudaFp8GemmLarge, AllPassesAllRecipes) {
   }
 }
 
+// Experts past 4096 rows: with the defaults, fprop/dgrad split them into groups of 4096 rows (row
+// chunks) and, at >= 4096 average rows per expert, run in 2x1 clusters, where a group of an odd
+// number of M tiles (here 4100 = 4096 + 4 rows: a last group of one tile) pairs a real tile with
+// an all-out-of-range one. The weight gradient (N = 256: two M tiles) runs in 2x1 clusters too.
+TEST(CudaFp8GemmLarge, BigExpertsChunkedInClusters) {
+  GMOE_SKIP_WITHOUT_GPU();
+  Rng rng;
+  ShapeCase c;
+  c.name = "big_experts";
+  c.E = 3;
+  c.N = 256;
+  c.K = 384;
+  c.counts = {9000, 0, 4100};
+  c.capacity = c.total() + 200;  // 13300 / 3 >= 4096 rows per expert on average
+  for (Fp8Recipe r : {Fp8Recipe::blockwise, Fp8Recipe::tensorwise}) {
+    SCOPED_TRACE(recipe_str(r));
+    check_fprop(c, r, rng);
+    check_dgrad(c, r, rng);
+    check_wgrad(c, r, Layout::kStacked, rng);
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Inputs the CUDA backend must refuse before launching anything.
 

@@ -341,6 +341,31 @@ TEST(CudaGroupedGemmTiles, CooperativeWgradLongReduction) {
   check_wgrad_f32_accumulate_mask(c, DType::f16, Layout::kStacked, rng);
 }
 
+// With the defaults: experts past 4096 rows split into groups of 4096 rows in fprop/dgrad (row
+// chunks; 4100 rows leave a last group of 4), and weight gradients in 2x1 clusters, by the even
+// tile rule (N = 256: two M tiles) and past 16 tiles (N = 2176: 17, the last cluster pairing a
+// real tile with an all-out-of-range one).
+TEST(CudaGroupedGemmTiles, BigExpertsChunkedAndClusteredWgrad) {
+  GMOE_SKIP_WITHOUT_GPU();
+  Rng rng;
+  ShapeCase c;
+  c.name = "big_experts";
+  c.E = 3;
+  c.N = 256;
+  c.K = 384;
+  c.counts = {9000, 0, 4100};
+  c.capacity = c.total() + 200;
+  check_fprop(c, DType::bf16, Layout::kStacked, rng);
+  check_dgrad(c, DType::bf16, Layout::kStacked, rng);
+  check_wgrad(c, DType::bf16, Layout::kStacked, rng);
+  c.N = 2176;
+  c.K = 64;
+  c.counts = {1100, 0, 2000};
+  c.capacity = c.total() + 5;
+  check_wgrad(c, DType::bf16, Layout::kStacked, rng);
+  check_wgrad_f32_accumulate_mask(c, DType::bf16, Layout::kStacked, rng);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Inputs the CUDA backend must refuse before launching anything.
 
