@@ -542,7 +542,7 @@ bool choose_wgrad_raster_along_n(int64_t m, int64_t n, int64_t capacity, int64_t
 // pairs along M: a group whose M tiles are odd in number computes one all-out-of-range tile per N
 // tile, and groups of few M tiles lose more than the multicast gains. Measured on an H100
 // (2026-11-24, public suite, every pass with 2x1 forced against the 1x1 kernels in one session):
-//  - FP8 fprop/dgrad, dsv3 (4096 rows per expert): 1.05-1.15x (blockwise dsv3_fc1 fprop 1091 ->
+//  - FP8 fprop/dgrad, dsv3 (4096 rows per expert): 1.00-1.15x (blockwise dsv3_fc1 fprop 1091 ->
 //    1236 TFLOP/s); mixtral (2048): 0.88-1.11x (skewed dgrad 0.88x); qwen3moe (512): 0.93-1.05x;
 //    small_m (128, one M tile per expert): 0.75-0.82x.
 //  - bf16 fprop/dgrad: 0.89-1.03x everywhere (dsv3 1.00x), and the dsv3_ep32 MLP under sustained
