@@ -95,9 +95,10 @@ for stage in "${stages[@]}"; do
         forced row_chunk_256 GMOE_ROW_CHUNK=256 '*CudaGroupedGemm*:*CudaFp8Gemm*:*CudaGroupedLinear*:*CudaGroupedMlp*'; } \
         >"$OUT/forced_status_c.txt" &
       pids+=($!)
-      # 2x1 clusters: the heuristic keeps the named cases' fprop/dgrad on 1x1 and their weight
-      # gradients on 2x1; force each the other way.
+      # Clusters: the heuristics keep the named cases' fprop/dgrad on 1x1 and their weight
+      # gradients on 2x1; force each the other way, and the FP8 fprop/dgrad into 2x2.
       { forced cluster_2x1 GMOE_CLUSTER=2x1 "$rows_filter:*CudaFp8Gemm*:*CudaGroupedLinearFp8*";
+        forced cluster_2x2 GMOE_CLUSTER=2x2 '*CudaFp8Gemm*:*CudaGroupedLinearFp8*';
         forced cluster_1x1 GMOE_CLUSTER=1x1 '*Wgrad*:*CudaFp8Gemm*'; } >"$OUT/forced_status_d.txt" &
       pids+=($!)
       for p in "${pids[@]}"; do wait "$p" || { r=FAILED; status=1; }; done
@@ -150,7 +151,7 @@ for stage in "${stages[@]}"; do
       # gmoe-bench's gemm mode once per forced setting (GMOE_TILES, default: each tile config and
       # each scheduler order of the weight gradient), no baselines, beside the heuristics' choice
       # from the bench stage: the data the tile and raster heuristics are tuned on.
-      for setting in ${GMOE_TILES:-GMOE_CUDA_TILE=coop GMOE_CUDA_TILE=pingpong GMOE_RASTER=m GMOE_RASTER=n GMOE_CLUSTER=1x1 GMOE_CLUSTER=2x1}; do
+      for setting in ${GMOE_TILES:-GMOE_CUDA_TILE=coop GMOE_CUDA_TILE=pingpong GMOE_RASTER=m GMOE_RASTER=n GMOE_CLUSTER=1x1 GMOE_CLUSTER=2x1 GMOE_CLUSTER=2x2}; do
         name="${setting#GMOE_}"; name="$(echo "${name}" | tr 'A-Z=' 'a-z_')"
         env "$setting" "$BUILD/gmoe-bench" --suite bench/suites/public.json --mode gemm --iters 20 \
           --no-baselines ${GMOE_TILES_PASS:+--pass $GMOE_TILES_PASS} --json "/tmp/gmoe_tile_$name.json" \

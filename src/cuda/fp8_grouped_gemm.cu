@@ -61,19 +61,22 @@ Fp8KernelEntry entry() {
   return {&K::workspace_bytes, &K::run};
 }
 
-// The instantiations in 2x1 clusters: e4m3 A, no fused bias; blockwise rows, and tensorwise rows
-// (which also serve the tensorwise bf16 weight gradient) and f32 weight gradient. Every other
-// combination runs its 1x1 kernel. The blockwise weight gradient measured the same in 2x1
+// The instantiations in clusters, all e4m3 A without a fused bias: 2x1, blockwise rows, and
+// tensorwise rows (which also serve the tensorwise bf16 weight gradient) and f32 weight gradient;
+// 2x2, blockwise and tensorwise rows (fprop/dgrad only: the wgrad plans never ask for it). Every
+// other combination runs its 1x1 kernel. The blockwise weight gradient measured the same in 2x1
 // clusters (0.98-1.00x of the 1x1 kernel on the dsv3 cases, H100): its time goes to the column
 // scales' shared-memory loads, not to B's tiles.
 template <DType A>
 Fp8KernelEntry find_kernel(Fp8Scaling scaling, Fp8Operands ops, DType out, bool bias, Fp8Tile tile) {
   constexpr Fp8Tile k2x1 = Fp8Tile::t128x128_2x1;
+  constexpr Fp8Tile k2x2 = Fp8Tile::t128x128_2x2;
   if (scaling == Fp8Scaling::blockwise) {
     if (ops == Fp8Operands::rows) {
       if constexpr (A == DType::e4m3) {
         if (bias) return entry<Fp8Scaling::blockwise, Fp8Operands::rows, DType::bf16, true>();
         if (tile == k2x1) return entry<Fp8Scaling::blockwise, Fp8Operands::rows, DType::bf16, false, A, k2x1>();
+        if (tile == k2x2) return entry<Fp8Scaling::blockwise, Fp8Operands::rows, DType::bf16, false, A, k2x2>();
       }
       return entry<Fp8Scaling::blockwise, Fp8Operands::rows, DType::bf16, false, A>();
     }
@@ -89,6 +92,7 @@ Fp8KernelEntry find_kernel(Fp8Scaling scaling, Fp8Operands ops, DType out, bool 
   if constexpr (A == DType::e4m3) {
     if (bias && ops == Fp8Operands::rows) return entry<Fp8Scaling::tensorwise, Fp8Operands::rows, DType::bf16, true>();
     if (tile == k2x1) return entry<Fp8Scaling::tensorwise, Fp8Operands::rows, DType::bf16, false, A, k2x1>();
+    if (tile == k2x2) return entry<Fp8Scaling::tensorwise, Fp8Operands::rows, DType::bf16, false, A, k2x2>();
   }
   // fprop, dgrad and the bf16 weight gradient are the same tensorwise GEMM: TN, bf16 out, no
   // source operand; only the arrays that prepare writes differ.
@@ -232,6 +236,23 @@ Fp8Scaling scaling_of(Fp8Recipe r) {
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// fprop/dgrad's cluster. The tiles in flight walk along M, so every N tile reads A again; with a
+// long reduction the A tiles in flight (128 rows x K each: 3.6 MB at K = 28672) overflow the L2
+// and each N tile reads them from DRAM. A 2x2 cluster (A's tile multicast along N as well as B's
+// along M) loads each A tile once for two N tiles: 2x2 for reductions of at least 16384. Measured
+// on an H100 (2026-11-24, dsv3 and mixtral, 2x2 forced against the 2x1/1x1 rule, two runs each):
+// mixtral_fc1 dgrad (K = 28672, 2048 rows per expert) blockwise 1.18x uniform and 1.37x skewed
+// (846 -> 1162 TFLOP/s), tensorwise 0.96x and 1.17x; with shorter reductions 0.93-1.10x (dsv3
+// fprop/dgrad, mixtral fprop). Else 2x1 at >= 4096 rows per expert on average (choose_cluster_2x1).
+constexpr int64_t kCluster2x2MinK = 16384;
+
+Fp8Tile choose_rows_tile(int64_t capacity, int64_t num_experts, int64_t gemm_k) {
+  const int forced = forced_cluster();
+  if (forced == 2 || (forced < 0 && gemm_k >= kCluster2x2MinK)) return Fp8Tile::t128x128_2x2;
+  return choose_cluster_2x1(false, true, capacity, num_experts, 0) ? Fp8Tile::t128x128_2x1
+                                                                   : Fp8Tile::t128x128;
+}
+
 // fprop and dgrad: A = grouped rows (rowwise copy), B = one copy of the weights, D = rows.
 // `b_data` [E, n, k] and its scales `b_scale` (blockwise [E, ceil(n/128), ceil(k/128)] or
 // tensorwise [E]), where n is the GEMM's N (y's columns) and k its reduction. `fused_bias`
@@ -276,8 +297,7 @@ void rows_pass(GemmPass pass, const Fp8Grouped& a, const TensorView& b_data,
     plan.prep.alpha_b = static_cast<const float*>(b_scale.data);
   }
   plan.run_gemm = capacity > 0 && gemm_n > 0 && gemm_k > 0;
-  plan.tile = choose_cluster_2x1(false, true, capacity, counts.size(0), 0) ? Fp8Tile::t128x128_2x1
-                                                                          : Fp8Tile::t128x128;
+  plan.tile = choose_rows_tile(capacity, counts.size(0), gemm_k);
   plan.out_base = d.data;
   plan.out_ld_bytes = d.stride(0) * static_cast<int64_t>(dtype_size(d.dtype));
   plan.out_row_bytes = gemm_n * static_cast<int64_t>(dtype_size(d.dtype));

@@ -553,9 +553,20 @@ bool choose_wgrad_raster_along_n(int64_t m, int64_t n, int64_t capacity, int64_t
 //    compiled (fp8_grouped_gemm.cu).
 constexpr int64_t kCluster2x1MinRows = 4096;
 
+int forced_cluster() {
+  static const int forced = [] {
+    const char* env = std::getenv("GMOE_CLUSTER");
+    if (env == nullptr) return -1;
+    for (int c = 0; c < 3; ++c) {
+      if (std::strcmp(env, c == 0 ? "1x1" : c == 1 ? "2x1" : "2x2") == 0) return c;
+    }
+    return -1;
+  }();
+  return forced;
+}
+
 bool choose_cluster_2x1(bool wgrad, bool fp8, int64_t capacity, int64_t num_experts, int64_t wgrad_m) {
-  static const int forced = env_choice("GMOE_CLUSTER", "2x1", "1x1");
-  if (forced >= 0) return forced == 1;
+  if (forced_cluster() >= 0) return forced_cluster() >= 1;
   if (wgrad) {
     const int64_t tiles_m = (wgrad_m + 127) / 128;
     return tiles_m >= 2 && (tiles_m % 2 == 0 || tiles_m >= 16);

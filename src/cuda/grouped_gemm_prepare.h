@@ -205,7 +205,10 @@ bool choose_wgrad_raster_along_n(int64_t m, int64_t n, int64_t capacity, int64_t
 /// (`pass` rows): FP8 only, when the average rows per expert (capacity / E) reach
 /// kCluster2x1MinRows; wgrad (bf16 and FP8): when M (the layer's N, `wgrad_m`) spans an even
 /// number of 128-row tiles or at least 16 (measurements in the definition). GMOE_CLUSTER=1x1|2x1
-/// forces either wherever the kernel exists.
+/// forces either wherever the kernel exists (and 2x2, FP8 fprop/dgrad only, counts as 2x1 here).
 bool choose_cluster_2x1(bool wgrad, bool fp8, int64_t capacity, int64_t num_experts, int64_t wgrad_m);
+
+/// GMOE_CLUSTER (read once): 0 for 1x1, 1 for 2x1, 2 for 2x2, -1 when unset or anything else.
+int forced_cluster();
 
 }  // namespace gmoe::cuda_backend

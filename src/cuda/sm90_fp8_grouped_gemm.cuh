@@ -314,6 +314,9 @@ template <Fp8Tile T> struct Fp8TileTraits {
 template <> struct Fp8TileTraits<Fp8Tile::t128x128_2x1> : Fp8TileTraits<Fp8Tile::t128x128> {
   using ClusterShape = cute::Shape<cute::_2, cute::_1, cute::_1>;
 };
+template <> struct Fp8TileTraits<Fp8Tile::t128x128_2x2> : Fp8TileTraits<Fp8Tile::t128x128> {
+  using ClusterShape = cute::Shape<cute::_2, cute::_2, cute::_1>;
+};
 
 template <Fp8Scaling S, Fp8Operands Ops, DType Out, bool Bias, DType FormatA, Fp8Tile Tile>
 struct Fp8GemmTypes {

@@ -364,6 +364,27 @@ TEST(CudaFp8GemmLarge, BigExpertsChunkedInClusters) {
   }
 }
 
+// Reductions of 16384 or more run fprop/dgrad in 2x2 clusters by default (fp8_grouped_gemm.cu,
+// choose_rows_tile): fprop with K = 16384, dgrad with N = 16384, odd tile counts along M and N.
+TEST(CudaFp8GemmLarge, LongReductionsIn2x2Clusters) {
+  GMOE_SKIP_WITHOUT_GPU();
+  Rng rng;
+  ShapeCase c;
+  c.name = "long_k";
+  c.E = 3;
+  c.counts = {300, 0, 517};
+  c.capacity = c.total() + 9;
+  for (Fp8Recipe r : {Fp8Recipe::blockwise, Fp8Recipe::tensorwise}) {
+    SCOPED_TRACE(recipe_str(r));
+    c.N = 384;
+    c.K = 16384;
+    check_fprop(c, r, rng);
+    c.N = 16384;
+    c.K = 384;
+    check_dgrad(c, r, rng);
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Inputs the CUDA backend must refuse before launching anything.
 
