@@ -205,7 +205,7 @@ struct Fp8Plan : CallPlan {
   DType format_a = DType::e4m3;    // A's fp8 format (B is e4m3)
   float beta = 0.0f;
   bool raster_along_n = false;  // wgrad: the tile order (choose_wgrad_raster_along_n)
-  Fp8Tile tile = Fp8Tile::t128x128;  // choose_cluster_2x1 (grouped_gemm_prepare.h)
+  Fp8Tile tile = Fp8Tile::t128x128;  // fprop/dgrad: choose_rows_tile; wgrad: choose_cluster_2x1
 };
 
 void execute(Fp8Plan& plan, Stream stream, Allocator& alloc) {

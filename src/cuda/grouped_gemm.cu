@@ -161,9 +161,8 @@ TileConfig choose_rows_tile(DType in, GemmPass pass, int64_t capacity, int64_t n
 // overlap, fewer and larger tiles) wins when the reduction is long. Measured on H100 (bf16 in,
 // K=7168, N=4096): 128 experts x 512 rows, ping-pong 8.26 ms vs cooperative 9.25 ms; 8 x 4096
 // rows, cooperative 2.85 ms vs ping-pong 3.81 ms. 16-bit dW: cooperative only (a ping-pong 16-bit
-// wgrad, and 1x2 / 2x1 clustered cooperative tiles for all passes, were measured on the public
-// suite at 1.00-1.02x the cooperative tile in the geometric mean on an H100, inside the run-to-run
-// noise of about 10%, and were dropped to keep the build small).
+// wgrad and 1x2 clusters measured no faster). The cooperative tile of a bf16 input runs in 2x1
+// clusters where choose_cluster_2x1 says so (B's tile multicast; the measurements are there).
 TileConfig choose_wgrad_tile(DType in, DType out, int64_t capacity, int64_t num_experts, int64_t gemm_m) {
   TileConfig forced;
   if (forced_tile(in, out, GemmPass::wgrad, &forced)) return forced;

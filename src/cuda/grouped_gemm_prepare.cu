@@ -548,9 +548,10 @@ bool choose_wgrad_raster_along_n(int64_t m, int64_t n, int64_t capacity, int64_t
 //  - bf16 fprop/dgrad: 0.89-1.03x everywhere (dsv3 1.00x), and the dsv3_ep32 MLP under sustained
 //    load 0.97x with it: not compiled.
 //  - weight gradients, M = the layer's N (12 to 224 tiles here, all even): bf16 0.99-1.18x
-//    (dsv3_fc2 1.11-1.15x, mixtral_fc1/skewed 1.18x), tensorwise FP8 1.02-1.20x; the gpt-oss-20b
-//    bf16 MLP under sustained load 1.046x. The blockwise FP8 weight gradient 0.98-1.00x: not
-//    compiled (fp8_grouped_gemm.cu).
+//    (dsv3_fc2 1.11-1.15x, mixtral_fc1/skewed 1.18x), tensorwise FP8 1.02-1.20x. The blockwise FP8
+//    weight gradient 0.98-1.00x: not compiled (fp8_grouped_gemm.cu).
+//  - bf16 GroupedMLP under sustained load, gpt-oss-20b: 1.00x with this rule, 1.046x with every
+//    bf16 pass in 2x1 (which cost dsv3_ep32 0.975x).
 constexpr int64_t kCluster2x1MinRows = 4096;
 
 int forced_cluster() {
