@@ -205,7 +205,7 @@ struct Fp8Plan : CallPlan {
   DType format_a = DType::e4m3;    // A's fp8 format (B is e4m3)
   float beta = 0.0f;
   bool raster_along_n = false;  // wgrad: the tile order (choose_wgrad_raster_along_n)
-  Fp8Tile tile = Fp8Tile::t128x128;  // fprop/dgrad: choose_rows_tile; wgrad: choose_cluster_2x1
+  Fp8Tile tile = Fp8Tile::t128x128;  // fprop/dgrad: choose_rows_tile; wgrad: wgrad_cluster_2x1
 };
 
 void execute(Fp8Plan& plan, Stream stream, Allocator& alloc) {
@@ -236,21 +236,32 @@ Fp8Scaling scaling_of(Fp8Recipe r) {
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// fprop/dgrad's cluster. The tiles in flight walk along M, so every N tile reads A again; with a
-// long reduction the A tiles in flight (128 rows x K each: 3.6 MB at K = 28672) overflow the L2
-// and each N tile reads them from DRAM. A 2x2 cluster (A's tile multicast along N as well as B's
-// along M) loads each A tile once for two N tiles: 2x2 for reductions of at least 16384. Measured
-// on an H100 (2026-11-24, dsv3 and mixtral, 2x2 forced against the 2x1/1x1 rule, two runs each):
-// mixtral_fc1 dgrad (K = 28672, 2048 rows per expert) blockwise 1.18x uniform and 1.37x skewed
-// (846 -> 1162 TFLOP/s), tensorwise 0.96x and 1.17x; with shorter reductions 0.93-1.10x (dsv3
-// fprop/dgrad, mixtral fprop). Else 2x1 at >= 4096 rows per expert on average (choose_cluster_2x1).
+// fprop/dgrad's cluster (M = an expert's rows, on the device only; the host knows the average).
+// 2x1 (two CTAs along M share B's tile by TMA multicast) schedules tiles in pairs along M, so a
+// group with an odd number of M tiles computes one all-out-of-range tile per N tile, and groups of
+// few tiles lose more than the multicast gains. Measured on an H100 (2026-11-24, public suite, 2x1
+// forced against 1x1 in one session): dsv3 (4096 rows per expert) 1.00-1.15x (blockwise dsv3_fc1
+// fprop 1091 -> 1236 TFLOP/s), mixtral (2048) 0.88-1.11x, qwen3moe (512) 0.93-1.05x, small_m
+// (128, one M tile per expert) 0.75-0.82x: 2x1 from 4096 rows per expert on average.
+// 2x2 multicasts A's tile along N as well. The tiles in flight walk along M, so every N tile reads
+// A again; with a long reduction the A tiles in flight (128 rows x K each: 3.6 MB at K = 28672)
+// overflow the L2 and each N tile reads them from DRAM; 2x2 loads each once for two N tiles.
+// Measured (2x2 forced against the rule above, dsv3 and mixtral, two runs each): mixtral_fc1 dgrad
+// (K = 28672) blockwise 1.18x uniform and 1.37x skewed (846 -> 1162 TFLOP/s), tensorwise 0.96x and
+// 1.17x; shorter reductions 0.93-1.10x: 2x2 from a reduction of 16384.
+constexpr int64_t kCluster2x1MinRows = 4096;
 constexpr int64_t kCluster2x2MinK = 16384;
 
 Fp8Tile choose_rows_tile(int64_t capacity, int64_t num_experts, int64_t gemm_k) {
-  const int forced = forced_cluster();
-  if (forced == 2 || (forced < 0 && gemm_k >= kCluster2x2MinK)) return Fp8Tile::t128x128_2x2;
-  return choose_cluster_2x1(false, true, capacity, num_experts, 0) ? Fp8Tile::t128x128_2x1
-                                                                   : Fp8Tile::t128x128;
+  switch (forced_cluster()) {
+    case 0: return Fp8Tile::t128x128;
+    case 1: return Fp8Tile::t128x128_2x1;
+    case 2: return Fp8Tile::t128x128_2x2;
+    default: break;
+  }
+  if (gemm_k >= kCluster2x2MinK) return Fp8Tile::t128x128_2x2;
+  return capacity / std::max<int64_t>(num_experts, 1) >= kCluster2x1MinRows ? Fp8Tile::t128x128_2x1
+                                                                             : Fp8Tile::t128x128;
 }
 
 // fprop and dgrad: A = grouped rows (rowwise copy), B = one copy of the weights, D = rows.
@@ -571,8 +582,7 @@ void fp8_grouped_gemm_wgrad(const Fp8Grouped& dy, const Fp8Grouped& x, const Ten
   plan.run_gemm = dy.capacity > 0 && dy.cols > 0 && x.cols > 0;
   plan.beta = options.accumulate ? 1.0f : 0.0f;
   plan.raster_along_n = choose_wgrad_raster_along_n(dy.cols, x.cols, pc, counts.size(0), DType::e4m3);
-  plan.tile = choose_cluster_2x1(true, true, dy.capacity, counts.size(0), dy.cols) ? Fp8Tile::t128x128_2x1
-                                                                                 : Fp8Tile::t128x128;
+  plan.tile = wgrad_cluster_2x1(dy.cols) ? Fp8Tile::t128x128_2x1 : Fp8Tile::t128x128;
   plan.experts = &dw;
   plan.dw_elem_bytes = static_cast<int32_t>(dtype_size(dw.dtype()));
   plan.dw_rows = dy.cols;

@@ -47,12 +47,13 @@ enum class Fp8Operands {
   wgrad  ///< A, B = columnwise (transposed) grouped rows (K = count_e), D = dW_e
 };
 
-/// The CTA tile is 128x128x128 (sm90_fp8_grouped_gemm.cuh); the cluster is 1x1 or 2x1.
+/// The CTA tile is 128x128x128 (sm90_fp8_grouped_gemm.cuh); the cluster is 1x1, 2x1 or 2x2.
 enum class Fp8Tile {
   t128x128,     ///< cluster 1x1: every instantiation
   t128x128_2x1,  ///< clusters of two CTAs along M, each loading half of B's tile and
                  ///< multicasting it to both: e4m3 A, no fused bias, not the blockwise weight
-                 ///< gradient (fp8_grouped_gemm.cu's find_kernel; choose_cluster_2x1)
+                 ///< gradient (fp8_grouped_gemm.cu: find_kernel, choose_rows_tile;
+                 ///< wgrad_cluster_2x1)
   t128x128_2x2   ///< clusters of 2x2 CTAs: A's tile multicast along N as well (fprop/dgrad with
                  ///< e4m3 A, no fused bias; choose_rows_tile in fp8_grouped_gemm.cu)
 };

@@ -51,7 +51,7 @@ KernelEntry entry() {
 // The instantiations that exist (one sm90_*.cu file each). A 16-bit dW is written at half the
 // bytes of an f32 one: cooperative only (a ping-pong 16-bit wgrad measured no faster, see below).
 // The 2x1-clustered cooperative tile: the bf16 weight gradient (to bf16 or f32). In fprop/dgrad
-// it measured 0.89-1.03x the 1x1 tile (choose_cluster_2x1) and is not compiled.
+// it measured 0.89-1.03x the 1x1 tile (wgrad_cluster_2x1) and is not compiled.
 constexpr bool compiled(DType in, DType out, GemmPass pass, TileConfig tile) {
   switch (tile) {
     case TileConfig::coop_128x256: return true;
@@ -59,18 +59,6 @@ constexpr bool compiled(DType in, DType out, GemmPass pass, TileConfig tile) {
     case TileConfig::coop_128x256_2x1: return in == DType::bf16 && pass == GemmPass::wgrad;
   }
   return false;
-}
-
-constexpr TileConfig kTiles[] = {TileConfig::coop_128x256, TileConfig::pingpong_128x128,
-                                 TileConfig::coop_128x256_2x1};
-
-const char* tile_name(TileConfig tile) {
-  switch (tile) {
-    case TileConfig::coop_128x256: return "coop";
-    case TileConfig::pingpong_128x128: return "pingpong";
-    case TileConfig::coop_128x256_2x1: return "coop2x1";
-  }
-  return "?";
 }
 
 template <DType In, DType Out, GemmPass Pass>
@@ -120,17 +108,10 @@ KernelEntry find_kernel(DType in, DType out, GemmPass pass, TileConfig tile) {
   }
 }
 
-// GMOE_CUDA_TILE=coop|pingpong|coop2x1 (read once) forces a tile wherever that tile is compiled
-// for the call, for benchmarking and for tests that must run every kernel.
+// GMOE_CUDA_TILE=coop|pingpong (read once) forces a tile wherever that tile is compiled for the
+// call, for benchmarking and for tests that must run every kernel (GMOE_CLUSTER, the cluster).
 bool forced_tile(DType in, DType out, GemmPass pass, TileConfig* tile) {
-  static const int forced = [] {
-    const char* env = std::getenv("GMOE_CUDA_TILE");
-    if (env == nullptr) return -1;
-    for (TileConfig t : kTiles) {
-      if (std::strcmp(env, tile_name(t)) == 0) return static_cast<int>(t);
-    }
-    return -1;
-  }();
+  static const int forced = env_option("GMOE_CUDA_TILE", {"coop", "pingpong"});  // TileConfig order
   if (forced < 0 || !compiled(in, out, pass, static_cast<TileConfig>(forced))) return false;
   *tile = static_cast<TileConfig>(forced);
   return true;
@@ -162,14 +143,16 @@ TileConfig choose_rows_tile(DType in, GemmPass pass, int64_t capacity, int64_t n
 // K=7168, N=4096): 128 experts x 512 rows, ping-pong 8.26 ms vs cooperative 9.25 ms; 8 x 4096
 // rows, cooperative 2.85 ms vs ping-pong 3.81 ms. 16-bit dW: cooperative only (a ping-pong 16-bit
 // wgrad and 1x2 clusters measured no faster). The cooperative tile of a bf16 input runs in 2x1
-// clusters where choose_cluster_2x1 says so (B's tile multicast; the measurements are there).
+// clusters where wgrad_cluster_2x1 says so (B's tile multicast; the measurements are there).
 TileConfig choose_wgrad_tile(DType in, DType out, int64_t capacity, int64_t num_experts, int64_t gemm_m) {
-  TileConfig forced;
-  if (forced_tile(in, out, GemmPass::wgrad, &forced)) return forced;
-  if (out == DType::f32 && capacity / num_experts < kWgradCoopMinRows) return TileConfig::pingpong_128x128;
-  return in == DType::bf16 && choose_cluster_2x1(true, false, capacity, num_experts, gemm_m)
+  TileConfig tile;
+  if (!forced_tile(in, out, GemmPass::wgrad, &tile)) {
+    tile = out == DType::f32 && capacity / num_experts < kWgradCoopMinRows ? TileConfig::pingpong_128x128
+                                                                           : TileConfig::coop_128x256;
+  }
+  return tile == TileConfig::coop_128x256 && in == DType::bf16 && wgrad_cluster_2x1(gemm_m)
              ? TileConfig::coop_128x256_2x1
-             : TileConfig::coop_128x256;
+             : tile;
 }
 
 // ---------------------------------------------------------------------------------------------

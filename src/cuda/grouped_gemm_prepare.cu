@@ -520,17 +520,8 @@ int32_t row_chunk_rows() {
 // (both operands fit) within 5% either way, along M kept. Along M is also CUTLASS's default for
 // grouped problems. GMOE_RASTER=m|n forces an order (benchmarks, tests). The FP8 weight gradient
 // takes the same rule with its 1-byte operands.
-namespace {
-// A two-way override from the environment: 1 when `name` is `yes`, 0 when it is `no`, -1 otherwise.
-int env_choice(const char* name, const char* yes, const char* no) {
-  const char* env = std::getenv(name);
-  if (env == nullptr) return -1;
-  return std::strcmp(env, yes) == 0 ? 1 : std::strcmp(env, no) == 0 ? 0 : -1;
-}
-}  // namespace
-
 bool choose_wgrad_raster_along_n(int64_t m, int64_t n, int64_t capacity, int64_t num_experts, DType in) {
-  static const int forced = env_choice("GMOE_RASTER", "n", "m");
+  static const int forced = env_option("GMOE_RASTER", {"m", "n"});
   if (forced >= 0) return forced == 1;
   const int64_t tokens = capacity / std::max<int64_t>(num_experts, 1);
   const int64_t elem = static_cast<int64_t>(dtype_size(in));
@@ -538,41 +529,35 @@ bool choose_wgrad_raster_along_n(int64_t m, int64_t n, int64_t capacity, int64_t
   return m * tokens * elem > half_l2 && n * tokens * elem <= half_l2;
 }
 
-// A 2x1 cluster halves the L2-to-SM traffic of B's tiles (TMA multicast) but schedules tiles in
-// pairs along M: a group whose M tiles are odd in number computes one all-out-of-range tile per N
-// tile, and groups of few M tiles lose more than the multicast gains. Measured on an H100
-// (2026-11-24, public suite, every pass with 2x1 forced against the 1x1 kernels in one session):
-//  - FP8 fprop/dgrad, dsv3 (4096 rows per expert): 1.00-1.15x (blockwise dsv3_fc1 fprop 1091 ->
-//    1236 TFLOP/s); mixtral (2048): 0.88-1.11x (skewed dgrad 0.88x); qwen3moe (512): 0.93-1.05x;
-//    small_m (128, one M tile per expert): 0.75-0.82x.
-//  - bf16 fprop/dgrad: 0.89-1.03x everywhere (dsv3 1.00x), and the dsv3_ep32 MLP under sustained
-//    load 0.97x with it: not compiled.
-//  - weight gradients, M = the layer's N (12 to 224 tiles here, all even): bf16 0.99-1.18x
-//    (dsv3_fc2 1.11-1.15x, mixtral_fc1/skewed 1.18x), tensorwise FP8 1.02-1.20x. The blockwise FP8
-//    weight gradient 0.98-1.00x: not compiled (fp8_grouped_gemm.cu).
-//  - bf16 GroupedMLP under sustained load, gpt-oss-20b: 1.00x with this rule, 1.046x with every
-//    bf16 pass in 2x1 (which cost dsv3_ep32 0.975x).
-constexpr int64_t kCluster2x1MinRows = 4096;
+int env_option(const char* name, std::initializer_list<const char*> values) {
+  const char* env = std::getenv(name);
+  if (env == nullptr) return -1;
+  int i = 0;
+  for (const char* v : values) {
+    if (std::strcmp(env, v) == 0) return i;
+    ++i;
+  }
+  return -1;
+}
 
 int forced_cluster() {
-  static const int forced = [] {
-    const char* env = std::getenv("GMOE_CLUSTER");
-    if (env == nullptr) return -1;
-    for (int c = 0; c < 3; ++c) {
-      if (std::strcmp(env, c == 0 ? "1x1" : c == 1 ? "2x1" : "2x2") == 0) return c;
-    }
-    return -1;
-  }();
+  static const int forced = env_option("GMOE_CLUSTER", {"1x1", "2x1", "2x2"});
   return forced;
 }
 
-bool choose_cluster_2x1(bool wgrad, bool fp8, int64_t capacity, int64_t num_experts, int64_t wgrad_m) {
+// A 2x1 cluster halves the L2-to-SM traffic of B's tiles (TMA multicast) but schedules tiles in
+// pairs along M: a group whose M tiles are odd in number computes one all-out-of-range tile per N
+// tile. The weight gradient's M is the layer's N, host-known. Measured on an H100 (2026-11-24,
+// public suite, 2x1 forced against 1x1 in one session; M = 12 to 224 tiles, all even): bf16
+// 0.99-1.18x (dsv3_fc2 1.11-1.15x, mixtral_fc1/skewed 1.18x), tensorwise FP8 1.02-1.20x; the
+// blockwise FP8 weight gradient 0.98-1.00x (not compiled, fp8_grouped_gemm.cu). bf16 fprop/dgrad
+// measured 0.89-1.03x (and the dsv3_ep32 MLP under sustained load 0.975x with every bf16 pass in
+// 2x1, gpt-oss-20b 1.046x; 1.00x with this rule) and are not compiled in 2x1; FP8 fprop/dgrad
+// have their own rule (fp8_grouped_gemm.cu, choose_rows_tile).
+bool wgrad_cluster_2x1(int64_t m) {
   if (forced_cluster() >= 0) return forced_cluster() >= 1;
-  if (wgrad) {
-    const int64_t tiles_m = (wgrad_m + 127) / 128;
-    return tiles_m >= 2 && (tiles_m % 2 == 0 || tiles_m >= 16);
-  }
-  return fp8 && capacity / std::max<int64_t>(num_experts, 1) >= kCluster2x1MinRows;
+  const int64_t tiles_m = (m + 127) / 128;
+  return tiles_m >= 2 && (tiles_m % 2 == 0 || tiles_m >= 16);
 }
 
 }  // namespace gmoe::cuda_backend

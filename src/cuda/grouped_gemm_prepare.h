@@ -10,6 +10,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <initializer_list>
 
 #include "cuda/grouped_gemm_kernels.h"
 #include "gmoe/allocator.h"
@@ -200,13 +201,15 @@ int32_t row_chunk_rows();
 /// GMOE_RASTER=m|n forces an order.
 bool choose_wgrad_raster_along_n(int64_t m, int64_t n, int64_t capacity, int64_t num_experts, DType in);
 
-/// Whether a cooperative-tile GEMM runs in clusters of two CTAs along M, each loading half of B's
-/// tile and multicasting it to both (where such a kernel is compiled for the call). fprop/dgrad
-/// (`pass` rows): FP8 only, when the average rows per expert (capacity / E) reach
-/// kCluster2x1MinRows; wgrad (bf16 and FP8): when M (the layer's N, `wgrad_m`) spans an even
-/// number of 128-row tiles or at least 16 (measurements in the definition). GMOE_CLUSTER=1x1|2x1
-/// forces either wherever the kernel exists (and 2x2, FP8 fprop/dgrad only, counts as 2x1 here).
-bool choose_cluster_2x1(bool wgrad, bool fp8, int64_t capacity, int64_t num_experts, int64_t wgrad_m);
+/// A run-time override from the environment: the index of the variable's value in `values`, or
+/// -1 when it is unset or none of them (callers read it once, into a static).
+int env_option(const char* name, std::initializer_list<const char*> values);
+
+/// Whether the weight gradient D[M, N] (M = the layer's N) runs in clusters of two CTAs along M,
+/// each loading half of B's tile and multicasting it to both (bf16, and FP8 tensorwise): when M
+/// spans an even number of 128-row tiles or at least 16 (measurements in the definition).
+/// GMOE_CLUSTER=1x1 forces it off, 2x1 or 2x2 on.
+bool wgrad_cluster_2x1(int64_t m);
 
 /// GMOE_CLUSTER (read once): 0 for 1x1, 1 for 2x1, 2 for 2x2, -1 when unset or anything else.
 int forced_cluster();

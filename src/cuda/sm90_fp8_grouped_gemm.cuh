@@ -340,8 +340,9 @@ struct Fp8GemmTypes {
 
   // 128x128x128, two consumer warpgroups of 64x128 each. The blockwise mainloop keeps a second
   // set of accumulators for the k-tile's partial sums, so a 128x256 tile would need 256 registers
-  // per thread; the k-tile is the 128-long scale block. Cluster 1x1: a group with a single M tile
-  // (common in MoE) would leave half of a 2x1 cluster idle. A ping-pong 64x128x128 variant (each
+  // per thread; the k-tile is the 128-long scale block. The cluster (Fp8TileTraits) is chosen per
+  // call: 2x1 and 2x2 cost an all-out-of-range tile where a group has an odd tile count
+  // (fp8_grouped_gemm.cu, choose_rows_tile). A ping-pong 64x128x128 variant (each
   // consumer warpgroup its own tile, one's promotion and epilogue overlapping the other's wgmma)
   // measured 0.85x this one in the geometric mean of the public suite on an H100 (fprop/dgrad
   // 0.71-1.02x, wgrad to f32 0.79-0.99x), 2026-11-23, and was dropped.

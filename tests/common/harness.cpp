@@ -8,6 +8,7 @@
 #include <limits>
 #include <numeric>
 #include <sstream>
+#include <utility>
 
 #include "common/float_convert.h"
 #include "gmoe/error.h"
@@ -104,6 +105,17 @@ HostTensor make_counts(const std::vector<int64_t>& counts, DType dtype) {
 
 int64_t ShapeCase::total() const { return std::accumulate(counts.begin(), counts.end(), int64_t{0}); }
 
+ShapeCase fixed_case(const std::string& name, int64_t N, int64_t K, std::vector<int64_t> counts, int64_t slack) {
+  ShapeCase c;
+  c.name = name;
+  c.E = static_cast<int64_t>(counts.size());
+  c.N = N;
+  c.K = K;
+  c.counts = std::move(counts);
+  c.capacity = c.total() + slack;
+  return c;
+}
+
 const std::vector<std::string>& named_case_names() {
   static const std::vector<std::string> kNames = {
       "uniform", "skewed", "one_expert", "all_empty", "zero_total", "ragged",
@@ -187,14 +199,7 @@ std::vector<std::vector<int64_t>> graph_routings(int64_t E, int64_t per, int64_t
 }
 
 ShapeCase graph_case(int64_t E, int64_t N, int64_t K, int64_t per, int64_t slack) {
-  ShapeCase c;
-  c.name = "graph";
-  c.E = E;
-  c.N = N;
-  c.K = K;
-  c.capacity = E * per + slack;
-  c.counts = std::vector<int64_t>(static_cast<size_t>(E), per);
-  return c;
+  return fixed_case("graph", N, K, std::vector<int64_t>(static_cast<size_t>(E), per), slack);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -94,6 +94,9 @@ struct ShapeCase {
 /// Sizes: kSmall keeps fp64 references cheap on a 2-core CPU; kLarge is for GPU suites.
 enum class CaseScale { kSmall, kLarge };
 
+/// A case with given counts (E = their number), capacity = their total + `slack` rows past it.
+ShapeCase fixed_case(const std::string& name, int64_t N, int64_t K, std::vector<int64_t> counts, int64_t slack);
+
 /// Names of the named cases, for test parameterisation: uniform, skewed (Zipf with empty experts
 /// and slack rows past the total), one_expert (every token in one expert), all_empty, zero_total,
 /// ragged (counts not multiples of 8/16/128), dim192, dim1408, dim2880, e1, e128, e256.

@@ -327,13 +327,8 @@ INSTANTIATE_TEST_SUITE_P(NamedCases, CudaFp8Gemm,
 TEST(CudaFp8GemmLarge, AllPassesAllRecipes) {
   GMOE_SKIP_WITHOUT_GPU();
   Rng rng;
-  ShapeCase c;
-  c.name = "large";
-  c.E = 5;
-  c.N = 400;   // 3 full 128-blocks + a partial one
-  c.K = 1040;  // 8 full 128-blocks + a partial one
-  c.counts = {300, 0, 517, 129, 1000};
-  c.capacity = c.total() + 7;
+  // N: 3 full 128-blocks + a partial one; K: 8 full 128-blocks + a partial one.
+  const ShapeCase c = fixed_case("large", 400, 1040, {300, 0, 517, 129, 1000}, 7);
   for (Fp8Recipe r : {Fp8Recipe::blockwise, Fp8Recipe::tensorwise, Fp8Recipe::mxfp8}) {
     SCOPED_TRACE(recipe_str(r));
     check_fprop(c, r, rng);
@@ -349,13 +344,8 @@ TEST(CudaFp8GemmLarge, AllPassesAllRecipes) {
 TEST(CudaFp8GemmLarge, BigExpertsChunkedInClusters) {
   GMOE_SKIP_WITHOUT_GPU();
   Rng rng;
-  ShapeCase c;
-  c.name = "big_experts";
-  c.E = 3;
-  c.N = 256;
-  c.K = 384;
-  c.counts = {9000, 0, 4100};
-  c.capacity = c.total() + 200;  // 13300 / 3 >= 4096 rows per expert on average
+  // 13300 / 3 >= 4096 rows per expert on average.
+  const ShapeCase c = fixed_case("big_experts", 256, 384, {9000, 0, 4100}, 200);
   for (Fp8Recipe r : {Fp8Recipe::blockwise, Fp8Recipe::tensorwise}) {
     SCOPED_TRACE(recipe_str(r));
     check_fprop(c, r, rng);
@@ -369,19 +359,10 @@ TEST(CudaFp8GemmLarge, BigExpertsChunkedInClusters) {
 TEST(CudaFp8GemmLarge, LongReductionsIn2x2Clusters) {
   GMOE_SKIP_WITHOUT_GPU();
   Rng rng;
-  ShapeCase c;
-  c.name = "long_k";
-  c.E = 3;
-  c.counts = {300, 0, 517};
-  c.capacity = c.total() + 9;
   for (Fp8Recipe r : {Fp8Recipe::blockwise, Fp8Recipe::tensorwise}) {
     SCOPED_TRACE(recipe_str(r));
-    c.N = 384;
-    c.K = 16384;
-    check_fprop(c, r, rng);
-    c.N = 16384;
-    c.K = 384;
-    check_dgrad(c, r, rng);
+    check_fprop(fixed_case("long_k", 384, 16384, {300, 0, 517}, 9), r, rng);
+    check_dgrad(fixed_case("long_n", 16384, 384, {300, 0, 517}, 9), r, rng);
   }
 }
 

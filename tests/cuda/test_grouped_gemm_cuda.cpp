@@ -330,13 +330,7 @@ TEST(CudaGroupedGemmTiles, CooperativeRowsTile) {
 TEST(CudaGroupedGemmTiles, CooperativeWgradLongReduction) {
   GMOE_SKIP_WITHOUT_GPU();
   Rng rng;
-  ShapeCase c;
-  c.name = "coop_wgrad";
-  c.E = 3;
-  c.N = 384;
-  c.K = 192;
-  c.counts = {1100, 0, 2000};
-  c.capacity = c.total() + 5;
+  const ShapeCase c = fixed_case("coop_wgrad", 384, 192, {1100, 0, 2000}, 5);
   check_wgrad(c, DType::bf16, Layout::kList, rng);
   check_wgrad_f32_accumulate_mask(c, DType::f16, Layout::kStacked, rng);
 }
@@ -348,22 +342,13 @@ TEST(CudaGroupedGemmTiles, CooperativeWgradLongReduction) {
 TEST(CudaGroupedGemmTiles, BigExpertsChunkedAndClusteredWgrad) {
   GMOE_SKIP_WITHOUT_GPU();
   Rng rng;
-  ShapeCase c;
-  c.name = "big_experts";
-  c.E = 3;
-  c.N = 256;
-  c.K = 384;
-  c.counts = {9000, 0, 4100};
-  c.capacity = c.total() + 200;
-  check_fprop(c, DType::bf16, Layout::kStacked, rng);
-  check_dgrad(c, DType::bf16, Layout::kStacked, rng);
-  check_wgrad(c, DType::bf16, Layout::kStacked, rng);
-  c.N = 2176;
-  c.K = 64;
-  c.counts = {1100, 0, 2000};
-  c.capacity = c.total() + 5;
-  check_wgrad(c, DType::bf16, Layout::kStacked, rng);
-  check_wgrad_f32_accumulate_mask(c, DType::bf16, Layout::kStacked, rng);
+  const ShapeCase big = fixed_case("big_experts", 256, 384, {9000, 0, 4100}, 200);
+  check_fprop(big, DType::bf16, Layout::kStacked, rng);
+  check_dgrad(big, DType::bf16, Layout::kStacked, rng);
+  check_wgrad(big, DType::bf16, Layout::kStacked, rng);
+  const ShapeCase odd = fixed_case("wgrad_17_tiles", 2176, 64, {1100, 0, 2000}, 5);
+  check_wgrad(odd, DType::bf16, Layout::kStacked, rng);
+  check_wgrad_f32_accumulate_mask(odd, DType::bf16, Layout::kStacked, rng);
 }
 
 // ---------------------------------------------------------------------------------------------
