@@ -40,10 +40,10 @@ bool check_layer_launches_cuda(const BenchOptions&) { GMOE_FAIL("gmoe-bench was 
 std::vector<ResultRow> run_mlp_case_cuda(const BenchCase&, const BenchOptions&) {
   GMOE_FAIL("gmoe-bench was built without CUDA");
 }
-std::vector<ResultRow> run_fp8_gemm_case_cuda(const BenchCase&, const BenchOptions&, gmoe::Fp8Recipe) {
+std::vector<ResultRow> run_fp8_gemm_case_cuda(const BenchCase&, const BenchOptions&, const Fp8BenchRecipe&) {
   GMOE_FAIL("gmoe-bench was built without CUDA");
 }
-Fp8Recipe fp8_recipe_from_name(const std::string&) { GMOE_FAIL("gmoe-bench was built without CUDA"); }
+Fp8BenchRecipe fp8_recipe_from_name(const std::string&) { GMOE_FAIL("gmoe-bench was built without CUDA"); }
 }  // namespace gmoe::bench
 #endif
 
@@ -88,7 +88,7 @@ int main(int argc, char** argv) {
                  "layer mode on CUDA: also GroupedLinear with these FP8 recipes (fp8_blockwise, fp8_tensorwise, "
                  "mxfp8; with '+native_wgrad' the weight gradient in bf16, with '+cached_weights' the weights "
                  "quantized once instead of before every forward; x's columnwise FP8 copy kept from forward, or with "
-                 "'+requant_input' x by reference and quantized again in backward), rows gmoe_linear_<recipe>, timed "
+                 "'+requant_input' x by reference and quantized again in backward; '+pow2': power-of-two scales), rows gmoe_linear_<recipe>, timed "
                  "interleaved with the native layer; mlp mode: GroupedMLP with the recipe on both FCs ('+quant_after_act': "
                  "z quantized after the activation instead of inside it; '+quant_in_act_bwd': dh quantized inside "
                  "the activation's backward)")
@@ -107,9 +107,10 @@ int main(int argc, char** argv) {
   std::vector<std::string> fp8_recipes;
   app.add_option("--fp8", fp8_recipes,
                  "gemm mode on CUDA: also the FP8 grouped GEMM with these recipes (blockwise, "
-                 "tensorwise, mxfp8), rows gmoe_fp8_<recipe> / gmoe_mxfp8, dtype fp8")
+                 "tensorwise, mxfp8; blockwise_pow2, tensorwise_pow2: power-of-two scales), rows "
+                 "gmoe_fp8_<recipe> / gmoe_mxfp8, dtype fp8")
       ->delimiter(',')
-      ->check(CLI::IsMember({"blockwise", "tensorwise", "mxfp8"}));
+      ->check(CLI::IsMember({"blockwise", "tensorwise", "mxfp8", "blockwise_pow2", "tensorwise_pow2"}));
   std::string fp8_wgrad_out = "bf16";
   app.add_option("--fp8-wgrad-out", fp8_wgrad_out,
                  "FP8 gemm rows: dW dtype of the wgrad pass (bf16 as the bf16 row and torch write; f32: "

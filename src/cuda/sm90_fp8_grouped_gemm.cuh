@@ -225,7 +225,9 @@ struct BlockwiseMainloop : Base {
     // registers per thread spilled), two at a time: in wgmma's accumulator fragment, elements
     // 4j..4j+3 are rows (r, r, r+8, r+8) by columns (c, c+1, c, c+1) with c = 8j + 2·(lane % 4)
     // even, so one 8-byte load serves four elements (half the loads of one per column; not
-    // measurably faster alone: 0.99-1.01x on the dsv3 wgrad cases, H100).
+    // measurably faster alone: 0.99-1.01x on the dsv3 wgrad cases, H100). Power-of-two scales
+    // packed as exponent bytes (one 4-byte load per four elements, 5 integer operations to
+    // unpack) measured 0.87-0.99x of this on the public suite (docs/architecture.md).
     auto promote = [&](auto& part, int stage) {
       warpgroup_fence_operand(part);
       warpgroup_fence_operand(accum);

@@ -198,15 +198,25 @@ CheckResult check_fp8_pass(const BenchCase& c, const std::vector<int64_t>& off, 
 
 }  // namespace
 
-Fp8Recipe fp8_recipe_from_name(const std::string& name) {
-  if (name == "blockwise") return Fp8Recipe::blockwise;
-  if (name == "tensorwise") return Fp8Recipe::tensorwise;
-  if (name == "mxfp8") return Fp8Recipe::mxfp8;
-  GMOE_FAIL("--fp8: unknown recipe '", name, "' (blockwise, tensorwise, mxfp8)");
+Fp8BenchRecipe fp8_recipe_from_name(const std::string& name) {
+  Fp8BenchRecipe r;
+  r.name = name;
+  if (name == "blockwise" || name == "blockwise_pow2") {
+    r.recipe = Fp8Recipe::blockwise;
+  } else if (name == "tensorwise" || name == "tensorwise_pow2") {
+    r.recipe = Fp8Recipe::tensorwise;
+  } else if (name == "mxfp8") {
+    r.recipe = Fp8Recipe::mxfp8;
+  } else {
+    GMOE_FAIL("--fp8: unknown recipe '", name, "' (blockwise, tensorwise, mxfp8, blockwise_pow2, tensorwise_pow2)");
+  }
+  r.pow2 = name.size() > 5 && name.compare(name.size() - 5, 5, "_pow2") == 0;
+  return r;
 }
 
 std::vector<ResultRow> run_fp8_gemm_case_cuda(const BenchCase& c, const BenchOptions& o,
-                                              Fp8Recipe recipe) {
+                                              const Fp8BenchRecipe& br) {
+  const Fp8Recipe recipe = br.recipe;
   cudaStream_t stream;
   BENCH_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   const Device gpu = Device::cuda(0);
@@ -217,6 +227,7 @@ std::vector<ResultRow> run_fp8_gemm_case_cuda(const BenchCase& c, const BenchOpt
   qo.format = DType::e4m3;
   qo.rowwise = true;
   qo.columnwise = true;
+  qo.pow2_scales = br.pow2;
   Fp8QuantizeOptions qo_grad = qo;  // dy: e4m3 or e5m2 (--fp8-grad-format)
   qo_grad.format = o.fp8_grad_format;
 
@@ -319,7 +330,7 @@ std::vector<ResultRow> run_fp8_gemm_case_cuda(const BenchCase& c, const BenchOpt
 
   const std::string impl = recipe == Fp8Recipe::mxfp8
                                ? std::string("gmoe_mxfp8")
-                               : std::string("gmoe_fp8_") + fp8_recipe_name(recipe);
+                               : std::string("gmoe_fp8_") + br.name;
   std::vector<ResultRow> rows;
   const double flops = gemm_flops(c);
   auto add = [&](const char* pass, const std::string& name, double ms, std::optional<bool> ok,

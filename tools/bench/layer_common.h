@@ -27,7 +27,7 @@ namespace gmoe::bench {
 /// Transformer Engine's), unless requant_input (x by reference, quantized again in backward).
 GroupedLinear make_bench_layer(const TensorView& w, const TensorView& bias, const TensorView& main_grad,
                                const BenchOptions& o, LinearRecipe recipe = LinearRecipe::native,
-                               bool fp8_wgrad = true, bool requant_input = false);
+                               bool fp8_wgrad = true, bool requant_input = false, bool pow2 = false);
 
 /// Whether a bench layer keeps its input by reference (see make_bench_layer).
 bool bench_keeps_input_reference(LinearRecipe recipe, bool fp8_wgrad, bool requant_input, bool copy_input);
@@ -43,6 +43,7 @@ struct BenchRecipe {
   bool quant_in_act = true;       ///< mlp mode: fp8_quantize_in_activation ("+quant_after_act": off)
   bool quant_in_act_bwd = false;  ///< mlp mode: fp8_quantize_in_activation_backward ("+quant_in_act_bwd": on)
   bool requant_input = false;     ///< "+requant_input": x (FC1's) by reference, quantized again in backward
+  bool pow2 = false;              ///< "+pow2": scales rounded down to powers of two (fp8_pow2_scales)
   std::string name;  ///< as given: the rows' impl suffix
 };
 BenchRecipe bench_recipe_from_name(const std::string& name);
