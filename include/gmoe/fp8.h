@@ -34,6 +34,7 @@
 
 #include "gmoe/allocator.h"
 #include "gmoe/grouped.h"
+#include "gmoe/grouped_bias.h"
 #include "gmoe/stream.h"
 #include "gmoe/tensor.h"
 
@@ -163,9 +164,17 @@ struct Fp8WeightsTensor {
 /// that are absent come from `alloc` (nullptr: default_allocator(device)) on `stream`, in one
 /// packed allocation. padded_offsets is always written (allocated if absent). CUDA: no host sync,
 /// graph capturable, counts read on the device (problems recorded in the device error word).
+///
+/// `column_sums` (optional; E × [cols], grouped [E, cols] or a list, dtype of x.data or f32): also
+/// writes each expert's column sums of x.data, Σ over the rows r of expert e of x.data[r, :] — the
+/// bias gradient when x is a layer's output gradient dy — from the same pass over x (CUDA: the
+/// pass that reads every element, partial sums per 128-row tile, then one small reduction; no
+/// second read of x). Accumulated in f32 in a fixed order (deterministic, no atomics) and rounded
+/// once: equal to grouped_bias_grad(x.data, x.counts, column_sums) up to the order of that f32
+/// sum (bitwise on the CPU backend); exactly 0 for an expert without rows.
 Fp8GroupedTensor quantize_grouped(const GroupedRows& x, const Fp8QuantizeOptions& options,
                                   Stream stream = nullptr, Allocator* alloc = nullptr,
-                                  const Fp8Grouped* out = nullptr);
+                                  const Fp8Grouped* out = nullptr, const ExpertBias& column_sums = {});
 
 /// Quantizes expert weights (stacked [E, N, K] or a list of E × [N, K]; bf16/f16/f32):
 /// options.rowwise -> data/scale_inv, options.columnwise -> data_t/scale_inv_t (transposed).

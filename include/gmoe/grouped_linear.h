@@ -63,7 +63,8 @@ Fp8Recipe fp8_recipe_of(LinearRecipe recipe);
 // With fp8_wgrad = false the weight gradient is the native GEMM of the bf16 dy and x (as Transformer
 // Engine's override_linear_precision for wgrad): no columnwise copies are made, x is kept in bf16
 // (copied, or by reference with save_original_input), and dW is exactly the native layer's.
-// The bias and its gradient stay in the weights' precision (db is reduced from the bf16 dy).
+// The bias and its gradient stay in the weights' precision (db is reduced from the bf16 dy, in the
+// quantization's pass over dy: quantize_grouped's column_sums, so dy is read once).
 // y and dx are bf16 (f32 on the CPU with f32 weights), so FP8 recipes need bf16 weights on CUDA,
 // and in_features and out_features multiples of 16 (FP8 rows are read by TMA in 16-byte units).
 struct GroupedLinearOptions {
@@ -205,7 +206,8 @@ class GroupedLinear {
   // The shared tails: x kept (by reference or as a copy), the FP8 dgrad, and everything after dx.
   void save_input(GroupedLinearContext& ctx, const TensorView& x, Stream stream) const;
   void fp8_dgrad(GroupedLinearContext& ctx, Fp8Placed dyq, const TensorView& dx, Stream stream) const;
-  GroupedLinearBackward finish_backward(GroupedLinearContext& ctx, const TensorView& dy, Tensor dx, Stream stream);
+  GroupedLinearBackward finish_backward(GroupedLinearContext& ctx, const TensorView& dy, Tensor dx, Stream stream,
+                                        const TensorView& db);
   GroupedLinearGrads allocate_grads(Stream stream) const;
   void compute_wgrad(GroupedLinearContext& ctx, GroupedLinearGrads& grads, Stream stream) const;
   Allocator& allocator() const;

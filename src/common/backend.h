@@ -105,9 +105,10 @@ void grouped_activation_backward(const TensorView& h, const TensorView& dz, cons
 /// dst are [outer, 2F, inner] views with unit inner stride, not overlapping (FC1 weights, biases).
 void permute_glu_rows(const TensorView& src, const TensorView& dst, const GluFormat& from, const GluFormat& to,
                       Stream stream);
-/// FP8 quantization (see the cpu_backend twins); counts stay on the device.
+/// FP8 quantization (see the cpu_backend twins); counts stay on the device. column_sums (may be
+/// absent): each expert's column sums of x.data, from the same pass over x (gmoe/fp8.h).
 void quantize_grouped(const GroupedRows& x, const Fp8QuantizeOptions& options, const Fp8Grouped& q,
-                      Stream stream, Allocator& alloc);
+                      Stream stream, Allocator& alloc, const ExpertBias& column_sums);
 /// The activation's output (z = act(h)·probs, [capacity, F] with F = q.cols) or gradient (dh, h's
 /// shape, and dprobs when defined) quantized into q straight from h (and dz), in one pass: bitwise
 /// grouped_activation_forward/backward then quantize_grouped (dprobs equal up to its summation

@@ -61,7 +61,7 @@ void permute_glu_rows(const TensorView&, const TensorView&, const GluFormat&, co
   unavailable();
 }
 void quantize_grouped(const GroupedRows&, const Fp8QuantizeOptions&, const Fp8Grouped&, Stream,
-                      Allocator&) {
+                      Allocator&, const ExpertBias&) {
   unavailable();
 }
 void quantize_weights(const ExpertWeights&, const Fp8QuantizeOptions&, const Fp8Weights&, Stream,

@@ -190,13 +190,15 @@ Fp8Weights fp8_weights_layout(int64_t experts, int64_t rows, int64_t cols,
 }
 
 Fp8GroupedTensor quantize_grouped(const GroupedRows& x, const Fp8QuantizeOptions& options,
-                                  Stream stream, Allocator* alloc, const Fp8Grouped* out) {
+                                  Stream stream, Allocator* alloc, const Fp8Grouped* out,
+                                  const ExpertBias& column_sums) {
   check_options(options, "quantize_grouped");
   check_rows(x.data, "x.data");
   check_input_dtype(x.data.dtype, "x.data");
   check_counts(x.counts, "x.counts", x.data.device);
   const Device device = x.data.device;
   const int64_t E = x.num_groups();
+  if (column_sums.defined()) check_expert_bias(column_sums, "column_sums", E, x.cols(), x.data.dtype, device);
   const Fp8Grouped l = fp8_grouped_layout(x.capacity(), x.cols(), E, options, device);
   const Fp8Grouped given = out != nullptr ? *out : Fp8Grouped{};
 
@@ -212,12 +214,13 @@ Fp8GroupedTensor quantize_grouped(const GroupedRows& x, const Fp8QuantizeOptions
   if (device.is_cpu()) {
     result.storage = allocate_copies(plan, q, options, pick_allocator(alloc, device), stream);
     cpu_backend::quantize_grouped(x, options, q);
+    if (column_sums.defined()) cpu_backend::grouped_bias_grad(x.data, x.counts, column_sums);
   } else {
     check_cuda_compiled("quantize_grouped");
     GMOE_CHECK(E <= 65535, "x.counts: at most 65535 experts on CUDA, got ", E);
     Allocator& a = pick_allocator(alloc, device);
     result.storage = allocate_copies(plan, q, options, a, stream);
-    cuda_backend::quantize_grouped(x, options, q, stream, a);
+    cuda_backend::quantize_grouped(x, options, q, stream, a, column_sums);
   }
   return result;
 }

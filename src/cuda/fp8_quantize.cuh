@@ -17,8 +17,11 @@
 // reads one 4-byte word (2 bf16/f16 columns, or 1 f32 column) of 16 consecutive rows — the
 // swizzle makes these reads conflict-free — takes the 128x1 (32x1) amax by shuffles over the 8
 // lanes holding one column's 128 tokens, and stores 16 fp8 bytes of the transposed row: 8 lanes
-// write one 128-byte segment of data_t (coalesced). The host side that the callers share
-// (set_outputs, grouped_params, launch_typed, launch_quantize) closes the file.
+// write one 128-byte segment of data_t (coalesced). Grouped rows may also give each tile's
+// column sums of the source (QuantParams::col_sums: quantize_grouped's column_sums, the bias
+// gradient of dy), from the registers of phase (1) (tensorwise: of the amax pass, which reads
+// every element too). The host side that the callers share (set_outputs, grouped_params,
+// launch_typed, launch_quantize) closes the file.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -28,6 +31,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "common/fp8_rules.h"
 #include "cuda/alignment.h"
@@ -67,6 +71,11 @@ struct QuantParams {
   void* scale_t = nullptr;                 // columnwise scales (tensorwise: a second [E] array)
   int64_t scale_t_ld = 0;
   const uint32_t* amax_bits = nullptr;     // tensorwise: [E] amax as f32 bits
+  // Grouped rows from memory (RowsSource), optional: each tile's column sums of the source,
+  // [padded_capacity / 128, cols] f32, row = the tile's padded index (its expert's 128-row chunk
+  // counted from the expert's first row); blockwise / mxfp8: the tile kernel, tensorwise: the
+  // amax kernel. Rows of tail tiles are not written.
+  float* col_sums = nullptr;
   // Rule
   float fp8_max = 448.0f;
   int emax = 8;
@@ -354,6 +363,59 @@ struct RowsSource {
   __device__ void finish(const QuantParams&, const Tile&, const float (&)[kIters]) const {}
 };
 
+// ---------------------------------------------------------------------------------------------
+// Column sums (QuantParams::col_sums), in a fixed order: each thread sums its load slots in slot
+// order, the lanes of a warp that hold the same columns are added by shuffles, then the warps'
+// sums in warp order. The order depends only on the tile (the source dtype sets V), the same in
+// the amax and the tile kernels, so every recipe gives the same bits.
+
+/// Whether kernels of source Src write col_sums: grouped rows read from memory only (the
+/// activation's sources and the weights compile without them).
+template <class Src, bool kWeights>
+constexpr bool kColumnSums = !kWeights && std::is_same<Src, RowsSource>::value;
+
+/// Adds a 16-byte granule's values to the thread's running column sums (V of them).
+template <typename T>
+__device__ __forceinline__ void add_to_sums(const uint4& raw, float (&sums)[16 / sizeof(T)]) {
+  float f[16 / sizeof(T)];
+  granule_to_float<T>(raw, f);
+#pragma unroll
+  for (int j = 0; j < 16 / static_cast<int>(sizeof(T)); ++j) sums[j] += f[j];
+}
+
+/// Step 1: thread t's load slots are the rows t / NV + it · (kThreads / NV) of one granule column
+/// v = t % NV, so `sums` (the slots' sums) are the columns [v·V, v·V + V) over those rows. The
+/// lanes of a warp that share v are added (xor NV, ..., 16), and warp w's sums go to red[w][:].
+/// The caller then syncs the CTA and calls store_column_sums.
+template <typename T>
+__device__ __forceinline__ void stage_column_sums(float (&sums)[16 / sizeof(T)], float (*red)[kTile]) {
+  constexpr int V = 16 / sizeof(T);
+  constexpr int NV = kTile / V;
+  static_assert(kThreads % NV == 0 && NV % 16 == 0 && NV <= 32, "a thread's slots share one granule column");
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int d = NV; d < 32; d <<= 1) {
+#pragma unroll
+    for (int j = 0; j < V; ++j) sums[j] += __shfl_xor_sync(0xffffffffu, sums[j], d);
+  }
+  if (lane < NV) {
+    float4* dst = reinterpret_cast<float4*>(red[threadIdx.x >> 5] + lane * V);
+#pragma unroll
+    for (int j = 0; j < V; j += 4) dst[j / 4] = make_float4(sums[j], sums[j + 1], sums[j + 2], sums[j + 3]);
+  }
+}
+
+/// Step 2, after the barrier: col_sums[tile, col0 + c] = Σ_w red[w][c] in warp order, c < ncols.
+__device__ __forceinline__ void store_column_sums(const QuantParams& p, const Tile& g, int64_t col0, int ncols,
+                                                  const float (*red)[kTile]) {
+  const int c = threadIdx.x;
+  if (c >= ncols) return;
+  float s = red[0][c];
+#pragma unroll
+  for (int w = 1; w < kWarps; ++w) s += red[w][c];
+  p.col_sums[g.tile_index * p.cols + col0 + c] = s;
+}
+
 /// Quantizes the tile's columns [col0, col0 + ncols) (ncols > 0, g.nrows > 0). kWeights: expert
 /// weights (blockwise = one 128x128 block per tile) instead of grouped rows (blockwise = 1x128 and
 /// 128x1 blocks). dp: the source's per-row sums (one per load slot).
@@ -362,6 +424,9 @@ __device__ __forceinline__ void quantize_tile(const QuantParams& p, const Tile& 
                                               const Src& src, int pass, float (&dp)[kIters]) {
   extern __shared__ uint4 smem_tile[];  // [128][NV] granules, swizzled; then the source's stash
   __shared__ float warp_amax[kWarps];
+  // Column sums here unless tensorwise (its amax pass makes them).
+  constexpr bool kSums = kColumnSums<Src, kWeights> && R != Fp8Recipe::tensorwise;
+  __shared__ __align__(16) float col_red[kSums ? kWarps : 1][kTile];
   constexpr int V = 16 / sizeof(T);          // elements per granule
   constexpr int NV = kTile / V;              // granules per tile row (16 or 32)
   static_assert(kIters == kTile * NV / kThreads, "load slots per thread");
@@ -390,6 +455,14 @@ __device__ __forceinline__ void quantize_tile(const QuantParams& p, const Tile& 
       smem_tile[i * NV + (v ^ ((i >> 4) & 7))] = raw[it];
     }
   }
+  if constexpr (kSums) {
+    if (p.col_sums != nullptr) {
+      float sums[V] = {};
+#pragma unroll
+      for (int it = 0; it < kIters; ++it) add_to_sums<T>(raw[it], sums);
+      stage_column_sums<T>(sums, col_red);
+    }
+  }
 
   float tensor_amax = 0.0f;  // tensorwise: the expert's; weights blockwise: the tile's
   if (R == Fp8Recipe::tensorwise) {
@@ -407,6 +480,9 @@ __device__ __forceinline__ void quantize_tile(const QuantParams& p, const Tile& 
     if (lane == 0) warp_amax[warp] = m;
   }
   __syncthreads();
+  if constexpr (kSums) {
+    if (p.col_sums != nullptr) store_column_sums(p, g, col0, ncols, col_red);
+  }
   if (R == Fp8Recipe::blockwise && kWeights) {
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) tensor_amax = fmaxf(tensor_amax, warp_amax[w]);
@@ -564,10 +640,13 @@ __global__ void __launch_bounds__(kThreads)
 
 /// Tensorwise, pass 1: amax_bits[e] = max over expert e's elements (finite values) as f32 bits;
 /// atomicMax on the bits of non-negative floats is order-independent, so deterministic.
-/// amax_bits must be zeroed before.
+/// amax_bits must be zeroed before. Grouped rows from memory: also the column sums (col_sums).
 template <typename T, bool kWeights, class Src = RowsSource>
 __global__ void __launch_bounds__(kThreads) amax_tile_kernel(const QuantParams p, uint32_t* amax_bits, const Src src) {
   __shared__ float warp_amax[kWarps];
+  constexpr bool kSums = kColumnSums<Src, kWeights>;
+  static_assert(!kSums || Src::kMaxPasses == 1, "column sums: one column tile per CTA");
+  __shared__ __align__(16) float col_red[kSums ? kWarps : 1][kTile];
   extern __shared__ uint4 amax_stash[];  // the source's stash
   constexpr int V = 16 / sizeof(T);
   constexpr int NV = kTile / V;
@@ -575,6 +654,7 @@ __global__ void __launch_bounds__(kThreads) amax_tile_kernel(const QuantParams p
   const Tile g = kWeights ? weights_tile<T>(p, blockIdx.x) : grouped_tile<T>(p, blockIdx.x);
   if (g.tail || g.nrows == 0) return;
   float m = 0.0f;
+  [[maybe_unused]] float sums[V] = {};  // kSums: this thread's column sums
   float dp = 0.0f;  // (unused: sums are the quantization pass's)
   for (int pass = 0; pass < src.passes(); ++pass) {
     const int64_t col0 = src.col0(pass);
@@ -583,21 +663,31 @@ __global__ void __launch_bounds__(kThreads) amax_tile_kernel(const QuantParams p
 #pragma unroll
     for (int it = 0; it < kIters; ++it) {
       const int idx = it * kThreads + threadIdx.x;
+      const uint4 raw = src.template granule<T>(p, g, idx / NV, idx % NV, ncols, col0, pass, dp, amax_stash + idx);
       float f[V];
-      granule_to_float<T>(src.template granule<T>(p, g, idx / NV, idx % NV, ncols, col0, pass, dp, amax_stash + idx),
-                          f);
+      granule_to_float<T>(raw, f);
 #pragma unroll
       for (int j = 0; j < V; ++j) m = fmaxf(m, fp8_rules::finite_abs(f[j]));
+      if constexpr (kSums) add_to_sums<T>(raw, sums);
     }
   }
   m = warp_max_xor(m, 32);
   if ((threadIdx.x & 31) == 0) warp_amax[threadIdx.x >> 5] = m;
+  if constexpr (kSums) {
+    if (p.col_sums != nullptr) stage_column_sums<T>(sums, col_red);
+  }
   __syncthreads();
   if (threadIdx.x == 0) {
     float t = 0.0f;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) t = fmaxf(t, warp_amax[w]);
     if (t > 0.0f) atomicMax(&amax_bits[g.e], __float_as_uint(t));
+  }
+  if constexpr (kSums) {
+    const int64_t col0 = src.col0(0);
+    if (p.col_sums != nullptr) {
+      store_column_sums(p, g, col0, static_cast<int>(max64(0, min64(kTile, p.cols - col0))), col_red);
+    }
   }
 }
 
@@ -658,7 +748,7 @@ void launch_typed(Fp8Recipe r, const QuantParams& p, dim3 grid, uint32_t* amax, 
       }
       amax_tile_kernel<T, kWeights, Src><<<grid, kThreads, Src::kStashBytes, stream>>>(p, amax, src);
       GMOE_CUDA_CHECK(cudaGetLastError());
-      launch_tile<T, Fp8Recipe::tensorwise, kWeights>(p, grid, src, stream);
+      launch_tile<T, Fp8Recipe::tensorwise, kWeights>(p, grid, src, stream);  // (col_sums: done above)
       return;
     case Fp8Recipe::blockwise: launch_tile<T, Fp8Recipe::blockwise, kWeights>(p, grid, src, stream); return;
     case Fp8Recipe::mxfp8: launch_tile<T, Fp8Recipe::mxfp8, kWeights>(p, grid, src, stream); return;

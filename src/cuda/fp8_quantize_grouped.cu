@@ -2,6 +2,9 @@
 // device: one offsets launch (shared with the grouped bias ops), then ONE tile-kernel launch that
 // writes the rowwise and the columnwise (transposed, token-padded) copies together. Tensorwise
 // adds a memset and one amax launch before it (the scale of an expert needs all its rows).
+// Column sums (the bias gradient when x is dy) come from the launch that reads every element (the
+// tile kernel; tensorwise: the amax kernel) as partial sums per 128-row tile, then the bias
+// gradient's final reduction over each expert's tiles (grouped_bias.h): no second read of x.
 //
 // The grid is sized from host-known bounds only (padded_capacity / 128 row tiles, cols / 128
 // column tiles), so the launch sequence is the same for any counts: capturable in a CUDA graph
@@ -10,6 +13,7 @@
 #include "cuda/cuda_check.h"
 #include "cuda/fp8_quantize.cuh"
 #include "cuda/group_offsets.cuh"
+#include "cuda/grouped_bias.h"
 #include "gmoe/error.h"
 
 namespace gmoe::cuda_backend {
@@ -55,7 +59,7 @@ QuantParams grouped_params(const TensorView& counts, int64_t cap, int64_t cols, 
 }  // namespace fp8
 
 void quantize_grouped(const GroupedRows& x, const Fp8QuantizeOptions& o, const Fp8Grouped& q,
-                      Stream stream_, Allocator& alloc) {
+                      Stream stream_, Allocator& alloc, const ExpertBias& column_sums) {
   const int64_t cap = x.capacity(), cols = x.cols();
   const int64_t es = static_cast<int64_t>(dtype_size(x.data.dtype));
   Buffer scratch;
@@ -65,8 +69,18 @@ void quantize_grouped(const GroupedRows& x, const Fp8QuantizeOptions& o, const F
   p.src_ld = x.data.stride(0);
   p.vec = aligned(x.data.data, 16) && (cap <= 1 || (x.data.stride(0) * es) % 16 == 0) && cols % 16 == 0 &&
           (p.data == nullptr || aligned(p.data, 16));
+  // Column sums: one f32 row per 128-row tile (the tiles of expert e are its chunks of 128 rows
+  // from its first row, rows padded[e] / 128 ...), reduced per expert in tile order.
+  Buffer partial;
+  if (column_sums.defined() && cols > 0) {
+    partial = Buffer(alloc, sizeof(float) * static_cast<size_t>(q.padded_capacity / fp8::kTile * cols), stream_);
+    p.col_sums = static_cast<float*>(partial.data());
+  }
   fp8::launch_quantize<false>(x.data.dtype, o.recipe, p, grid, const_cast<uint32_t*>(p.amax_bits), stream_,
                               "quantize_grouped: x.data");
+  if (p.col_sums != nullptr) {
+    launch_bias_grad_final(p.col_sums, cols, p.padded, fp8::kTile, column_sums, stream_, alloc);
+  }
 }
 
 }  // namespace gmoe::cuda_backend

@@ -8,7 +8,8 @@
 // rows are cut into chunks of kChunkRows counted from the expert's first row (so the cut depends
 // only on that expert's count, never on the batch around it); stage 1 sums each chunk's rows in
 // order into an f32 partial, stage 2 sums an expert's partials in chunk order. A skewed expert with
-// 16k rows is spread over 128 blocks instead of one.
+// 16k rows is spread over 128 blocks instead of one. Stage 2 also reduces the column sums that the
+// FP8 quantization of dy makes per 128-row tile (grouped_bias.h).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -21,6 +22,7 @@
 #include "cuda/cuda_check.h"
 #include "cuda/device_info.h"
 #include "cuda/group_offsets.cuh"
+#include "cuda/grouped_bias.h"
 #include "cuda/grouped_gemm_prepare.h"
 #include "gmoe/error.h"
 #include "gmoe/grouped.h"
@@ -125,38 +127,32 @@ __global__ void bias_grad_partial_kernel(const void* dy, DType dt, int64_t ld, i
 
 // Stage 2: db_e[n] = Σ over e's chunks, in chunk order (0 for an expert without rows).
 __global__ void bias_grad_final_kernel(const float* partial, int64_t N, const int64_t* chunk_offsets,
-                                       void* const* db_ptrs, void* db_base, int64_t db_stride, DType db_dtype) {
+                                       int64_t chunk_unit, void* const* db_ptrs, void* db_base, int64_t db_stride,
+                                       DType db_dtype) {
   const int e = blockIdx.y;
   const int64_t n = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   if (n >= N) return;
   float acc = 0.f;
-  for (int64_t c = chunk_offsets[e]; c < chunk_offsets[e + 1]; ++c) acc += partial[c * N + n];
+  const int64_t c1 = chunk_offsets[e + 1] / chunk_unit;
+  for (int64_t c = chunk_offsets[e] / chunk_unit; c < c1; ++c) acc += partial[c * N + n];
   void* db = db_ptrs ? db_ptrs[e]
                      : static_cast<char*>(db_base) + e * db_stride * int64_t(db_dtype == DType::f32 ? 4 : 2);
   store_f(db, db_dtype, n, acc);
 }
 
-// Scratch for one op: offsets, chunk offsets and (list layout) the per-expert pointers.
+// Scratch for one op: offsets and chunk offsets.
 struct Scratch {
   Buffer buffer;
   int64_t* offsets = nullptr;
   int64_t* chunk_offsets = nullptr;
-  const void** ptrs = nullptr;
-  int64_t* lds = nullptr;
 };
 
-Scratch make_scratch(int E, bool with_ptrs, Allocator& alloc, Stream stream) {
+Scratch make_scratch(int E, Allocator& alloc, Stream stream) {
   Scratch s;
   const size_t n_off = size_t(E) + 1;
-  const size_t bytes = 2 * n_off * sizeof(int64_t) + (with_ptrs ? size_t(E) * (sizeof(void*) + sizeof(int64_t)) : 0);
-  s.buffer = Buffer(alloc, bytes, stream);
-  char* p = static_cast<char*>(s.buffer.data());
-  s.offsets = reinterpret_cast<int64_t*>(p);
+  s.buffer = Buffer(alloc, 2 * n_off * sizeof(int64_t), stream);
+  s.offsets = static_cast<int64_t*>(s.buffer.data());
   s.chunk_offsets = s.offsets + n_off;
-  if (with_ptrs) {
-    s.ptrs = reinterpret_cast<const void**>(s.chunk_offsets + n_off);
-    s.lds = reinterpret_cast<int64_t*>(s.ptrs + E);
-  }
   return s;
 }
 
@@ -166,11 +162,14 @@ void launch_offsets(const TensorView& counts, int64_t capacity, const Scratch& s
   launch_group_offsets(counts, capacity, s.offsets, s.chunk_offsets, kChunkRows, 1, stream);
 }
 
-void write_list_pointers(const ExpertBias& b, const Scratch& s, cudaStream_t stream) {
+// The list layout's per-expert pointers on the device, in `buffer` (the grouped layout: nullptr).
+void** list_pointers(const ExpertBias& b, Buffer& buffer, Allocator& alloc, Stream stream) {
+  if (b.is_grouped()) return nullptr;
   std::vector<const void*> ptrs(b.list.size());
-  std::vector<int64_t> lds(b.list.size(), 1);
   for (size_t e = 0; e < b.list.size(); ++e) ptrs[e] = b.list[e].data;
-  launch_write_expert_pointers(ptrs.data(), lds.data(), int(ptrs.size()), s.ptrs, s.lds, nullptr, nullptr, stream);
+  buffer = Buffer(alloc, ptrs.size() * sizeof(void*), stream);
+  launch_write_pointers(ptrs.data(), int(ptrs.size()), static_cast<const void**>(buffer.data()), stream);
+  return static_cast<void**>(buffer.data());
 }
 
 void check_cuda_args(const ExpertBias& b, const char* name) {
@@ -197,10 +196,10 @@ void grouped_bias_add(const TensorView& y, const ExpertBias& bias, const TensorV
   check_cuda_args(bias, "bias");
   const int E = int(counts.size(0));
   if (y.size(0) == 0 || y.size(1) == 0) return;
-  Scratch s = make_scratch(E, !bias.is_grouped(), alloc, stream_);
+  Scratch s = make_scratch(E, alloc, stream_);
   launch_offsets(counts, y.size(0), s, stream);
-  if (!bias.is_grouped()) write_list_pointers(bias, s, stream);
-  const BiasRef ref{bias.is_grouped() ? nullptr : s.ptrs, bias.is_grouped() ? bias.grouped.data : nullptr,
+  Buffer ptrs;
+  const BiasRef ref{list_pointers(bias, ptrs, alloc, stream_), bias.is_grouped() ? bias.grouped.data : nullptr,
                     bias.is_grouped() ? bias.grouped.stride(0) : 0, bias.dtype()};
   const int blocks = int(std::min<int64_t>(y.size(0), int64_t(sm_count(current_device())) * 16));
   const int64_t N = y.size(1);
@@ -237,9 +236,8 @@ void grouped_bias_grad(const TensorView& dy, const TensorView& counts, const Exp
   const int E = int(counts.size(0));
   const int64_t N = dy.size(1);
   if (N == 0) return;
-  Scratch s = make_scratch(E, !dbias.is_grouped(), alloc, stream_);
+  Scratch s = make_scratch(E, alloc, stream_);
   launch_offsets(counts, dy.size(0), s, stream);
-  if (!dbias.is_grouped()) write_list_pointers(dbias, s, stream);
   // Host-known bound on the number of chunks: every expert may end in a partial chunk.
   const int64_t max_chunks = (dy.size(0) + kChunkRows - 1) / kChunkRows + E;
   Buffer partial(alloc, size_t(max_chunks) * N * sizeof(float), stream_);
@@ -248,12 +246,19 @@ void grouped_bias_grad(const TensorView& dy, const TensorView& counts, const Exp
                                                            s.chunk_offsets, E, max_chunks,
                                                            static_cast<float*>(partial.data()));
   GMOE_CUDA_CHECK(cudaGetLastError());
-  const dim3 grid2(unsigned((N + kThreads - 1) / kThreads), unsigned(E));
-  bias_grad_final_kernel<<<grid2, kThreads, 0, stream>>>(
-      static_cast<const float*>(partial.data()), N, s.chunk_offsets,
-      dbias.is_grouped() ? nullptr : reinterpret_cast<void* const*>(const_cast<void**>(s.ptrs)),
-      dbias.is_grouped() ? dbias.grouped.data : nullptr, dbias.is_grouped() ? dbias.grouped.stride(0) : 0,
-      dbias.dtype());
+  launch_bias_grad_final(static_cast<const float*>(partial.data()), N, s.chunk_offsets, 1, dbias, stream_, alloc);
+}
+
+void launch_bias_grad_final(const float* partial, int64_t N, const int64_t* chunk_offsets, int64_t chunk_unit,
+                            const ExpertBias& dbias, Stream stream, Allocator& alloc) {
+  check_cuda_args(dbias, "dbias");
+  if (N == 0) return;
+  Buffer ptrs;
+  void* const* db_ptrs = list_pointers(dbias, ptrs, alloc, stream);
+  const dim3 grid(unsigned((N + kThreads - 1) / kThreads), unsigned(dbias.num_experts()));
+  bias_grad_final_kernel<<<grid, kThreads, 0, stream>>>(
+      partial, N, chunk_offsets, chunk_unit, db_ptrs, dbias.is_grouped() ? dbias.grouped.data : nullptr,
+      dbias.is_grouped() ? dbias.grouped.stride(0) : 0, dbias.dtype());
   GMOE_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -2,6 +2,7 @@
 // ops (GEMM passes, bias add and gradient), with the context that forward saves for backward.
 #include "gmoe/grouped_linear.h"
 
+#include <cstdlib>
 #include <cstring>
 
 #include "common/backend.h"
@@ -71,6 +72,26 @@ std::shared_ptr<Buffer> place(std::initializer_list<TensorView*> slots, Allocato
     p += align_up(static_cast<std::size_t>(v->nbytes()));
   }
   return buffer;
+}
+
+// dst[r, :] = src[r, :] on the tensors' backend (stream-ordered on CUDA).
+void copy_rows_on(const TensorView& dst, const TensorView& src, Stream stream) {
+  if (src.device.is_cpu()) {
+    cpu_backend::copy_rows(dst, src);
+  } else {
+    cuda_backend::copy_rows(dst, src, stream);
+  }
+}
+
+// The FP8 backward takes the bias gradient from the quantization's pass over dy unless
+// GMOE_FUSED_BIAS_GRAD=0 (then grouped_bias_grad reads dy again, as in the native backward): for
+// benchmarks that time both in one run.
+bool fused_bias_grad() {
+  static const bool on = [] {
+    const char* env = std::getenv("GMOE_FUSED_BIAS_GRAD");
+    return env == nullptr || std::strcmp(env, "0") != 0;
+  }();
+  return on;
 }
 
 }  // namespace
@@ -257,11 +278,7 @@ void GroupedLinear::save_input(GroupedLinearContext& ctx, const TensorView& x, S
     return;
   }
   st.x_copy = Tensor::empty({x.size(0), x.size(1)}, x.dtype, allocator(), stream);
-  if (x.device.is_cpu()) {
-    cpu_backend::copy_rows(st.x_copy, x);
-  } else {
-    cuda_backend::copy_rows(st.x_copy, x, stream);
-  }
+  copy_rows_on(st.x_copy, x, stream);
   st.x = st.x_copy.view();
 }
 
@@ -345,18 +362,27 @@ GroupedLinearBackward GroupedLinear::backward(GroupedLinearContext& ctx, const T
   Allocator& alloc = allocator();
   Tensor dx = dgrad_out.defined() ? Tensor::wrap(dgrad_out)
                                   : Tensor::empty({st.x.size(0), in_features()}, dy.dtype, alloc, stream);
+  Tensor db;  // FP8 with a bias: the bias gradient, from the quantization's pass over dy
   if (fp8()) {
     GMOE_CHECK(dy.dtype == weight_.dtype(), "dy: expected dtype ", dtype_name(weight_.dtype()), " (the weight's), got ",
                dtype_name(dy.dtype));
-    // One pass over dy: the rowwise copy for dgrad, the columnwise one for an FP8 weight gradient.
+    // One pass over dy: the rowwise copy for dgrad, the columnwise one for an FP8 weight gradient,
+    // and the bias gradient (dy's column sums). That goes to a small buffer of its own, copied into
+    // the gradients later: allocating them here would hold the weight gradient and dy's rowwise
+    // copy (freed after dgrad) at once, raising the peak by that copy.
     const Fp8QuantizeOptions qo = fp8_grad_options();
     Fp8Placed dyq = place_fp8(dy.size(0), dy.size(1), qo, dy.device, stream);
-    quantize_grouped(GroupedRows{dy, st.counts}, qo, stream, &alloc, &dyq.q);
+    ExpertBias column_sums;
+    if (bias_.defined() && fused_bias_grad()) {
+      db = Tensor::empty({num_experts(), out_features()}, bias_.dtype(), alloc, stream);
+      column_sums = ExpertBias::from_grouped(db.view());
+    }
+    quantize_grouped(GroupedRows{dy, st.counts}, qo, stream, &alloc, &dyq.q, column_sums);
     fp8_dgrad(ctx, std::move(dyq), dx, stream);
   } else {
     grouped_gemm_dgrad(dy, weight_, st.counts, dx, stream, &alloc);
   }
-  return finish_backward(ctx, dy, std::move(dx), stream);
+  return finish_backward(ctx, dy, std::move(dx), stream, db.view());
 }
 
 GroupedLinearBackward GroupedLinear::backward_fp8(GroupedLinearContext& ctx, Fp8Placed dyq, DType dt, Stream stream,
@@ -370,7 +396,7 @@ GroupedLinearBackward GroupedLinear::backward_fp8(GroupedLinearContext& ctx, Fp8
   Tensor dx = dgrad_out.defined() ? Tensor::wrap(dgrad_out)
                                   : Tensor::empty({cap, in_features()}, dt, allocator(), stream);
   fp8_dgrad(ctx, std::move(dyq), dx, stream);
-  return finish_backward(ctx, TensorView(nullptr, dt, st.device, {cap, out_features()}), std::move(dx), stream);
+  return finish_backward(ctx, TensorView(nullptr, dt, st.device, {cap, out_features()}), std::move(dx), stream, {});
 }
 
 void GroupedLinear::fp8_dgrad(GroupedLinearContext& ctx, Fp8Placed dyq, const TensorView& dx, Stream stream) const {
@@ -385,14 +411,20 @@ void GroupedLinear::fp8_dgrad(GroupedLinearContext& ctx, Fp8Placed dyq, const Te
   }
 }
 
-// The bias gradient (from dy), then the weight gradient now or, delayed, dy kept for backward_dw.
+// The bias gradient (`db` when already made, [E, N], else from dy), then the weight gradient now
+// or, delayed, dy kept for backward_dw.
 GroupedLinearBackward GroupedLinear::finish_backward(GroupedLinearContext& ctx, const TensorView& dy, Tensor dx,
-                                                     Stream stream) {
+                                                     Stream stream, const TensorView& db) {
   GroupedLinearContext::State& st = *ctx.state_;
   GroupedLinearBackward result;
   result.dx = std::move(dx);
   GroupedLinearGrads grads = allocate_grads(stream);
-  if (bias_.defined()) grouped_bias_grad(dy, st.counts, grads.bias, stream, &allocator());
+  if (bias_.defined() && db.defined()) {
+    // allocate_grads lays out either bias layout as one [E, N] block.
+    copy_rows_on(TensorView(grads.bias.expert(0).data, db.dtype, db.device, {db.size(0), db.size(1)}), db, stream);
+  } else if (bias_.defined()) {
+    grouped_bias_grad(dy, st.counts, grads.bias, stream, &allocator());
+  }
   st.dy = dy;
   if (options_.delay_wgrad) {
     st.grads = grads;

@@ -27,6 +27,22 @@ ExpertWeights GemmProblem::weights(Layout layout) const {
   return ExpertWeights::from_list(std::move(views));
 }
 
+ExpertBias expert_bias(const TensorView& storage, Layout layout) {
+  if (layout == Layout::kStacked) return ExpertBias::from_grouped(storage);
+  std::vector<TensorView> rows;
+  for (int64_t e = 0; e < storage.size(0); ++e) rows.push_back(storage.select0(e));
+  return ExpertBias::from_list(std::move(rows));
+}
+
+std::string BiasForm::name() const {
+  return std::string(dtype_name(dtype)) + (layout == Layout::kStacked ? " grouped" : " list");
+}
+
+std::vector<BiasForm> bias_forms(DType rows_dtype) {
+  return {{rows_dtype, Layout::kStacked}, {rows_dtype, Layout::kList}, {DType::f32, Layout::kStacked},
+          {DType::f32, Layout::kList}};
+}
+
 HostExpertTensor::HostExpertTensor(Layout l, DType dtype, int64_t E, int64_t N, int64_t K)
     : layout(l) {
   if (layout == Layout::kStacked) {

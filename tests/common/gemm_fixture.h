@@ -8,6 +8,7 @@
 
 #include "common/harness.h"
 #include "gmoe/grouped.h"
+#include "gmoe/grouped_bias.h"
 
 namespace gmoe::test {
 
@@ -27,6 +28,18 @@ struct GemmProblem {
   /// Weights in a layout, as views of the host tensors above.
   ExpertWeights weights(Layout layout) const;
 };
+
+/// Biases (or bias gradients) over [E, N] storage on either device: the grouped layout (kStacked),
+/// or a list of its E rows (kList).
+ExpertBias expert_bias(const TensorView& storage, Layout layout);
+/// The forms of biases that ops taking an ExpertBias are tested with: grouped and list, of the
+/// rows' dtype and f32.
+struct BiasForm {
+  DType dtype;
+  Layout layout;
+  std::string name() const;  ///< "bf16 grouped", "f32 list", ...
+};
+std::vector<BiasForm> bias_forms(DType rows_dtype);
 
 /// Host storage for a weight-shaped output ([E, N, K], viewable in either layout).
 struct HostExpertTensor {

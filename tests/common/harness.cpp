@@ -371,6 +371,26 @@ ExactResult exact_wgrad(const HostTensor& dy, const HostTensor& x, const std::ve
   return r;
 }
 
+ExactResult exact_bias_grad(const HostTensor& g, const std::vector<int64_t>& counts) {
+  const int64_t N = g.shape()[1];
+  const int64_t E = static_cast<int64_t>(counts.size());
+  const std::vector<int64_t> off = offsets_of(counts);
+  const std::vector<double> gd = g.to_double();
+  ExactResult r;
+  r.value.assign(static_cast<size_t>(E * N), 0.0);
+  r.abs_sum.assign(r.value.size(), 0.0);
+  for (int64_t e = 0; e < E; ++e) {
+    r.reduction = std::max(r.reduction, counts[e]);
+    for (int64_t row = off[e]; row < off[e + 1]; ++row) {
+      for (int64_t n = 0; n < N; ++n) {
+        r.value[e * N + n] += gd[row * N + n];
+        r.abs_sum[e * N + n] += std::abs(gd[row * N + n]);
+      }
+    }
+  }
+  return r;
+}
+
 ::testing::AssertionResult within_reference_bound(const std::vector<double>& got,
                                                   const ExactResult& exact, DType out_dtype,
                                                   const std::string& what) {

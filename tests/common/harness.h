@@ -158,6 +158,10 @@ ExactResult exact_dgrad(const HostTensor& dy, const std::vector<HostTensor>& w,
 ExactResult exact_wgrad(const HostTensor& dy, const HostTensor& x, const std::vector<int64_t>& counts,
                         const std::vector<double>* init, const std::vector<int32_t>* mask);
 
+/// db[e, n] = Σ over the rows of expert e of g[row, n] (the bias gradient; 0 for an empty expert),
+/// g [capacity, N] with the experts' rows in order from row 0.
+ExactResult exact_bias_grad(const HostTensor& g, const std::vector<int64_t>& counts);
+
 /// Every element within rounding of the output dtype plus f32 accumulation over the reduction:
 /// |got - exact| <= u(out)·|exact| + L·2^-24·Σ|a·b| + half the
 /// subnormal step of the output dtype. Used to test the CPU reference itself.

@@ -2,7 +2,8 @@
 // oracle (tests/common/fp8_oracle.h), bit for bit: every recipe x format x input dtype on cases
 // with expert boundaries at every alignment, empty experts, zero totals, E = 256, partial blocks;
 // exact round trips of representable values; the per-element error bound; all-zero, huge, tiny,
-// NaN and inf blocks; weights in both layouts; caller-given outputs; argument errors.
+// NaN and inf blocks; weights in both layouts; caller-given outputs; the column sums made in the
+// same pass (the bias gradient of dy); argument errors.
 #include <gtest/gtest.h>
 
 #include <cfloat>
@@ -15,8 +16,10 @@
 #include "common/float_convert.h"
 #include "common/fp8_oracle.h"
 #include "common/fp8_rules.h"
+#include "common/gemm_fixture.h"
 #include "common/harness.h"
 #include "gmoe/fp8.h"
+#include "gmoe/grouped_bias.h"
 
 namespace gmoe::test {
 namespace {
@@ -375,6 +378,45 @@ TEST_P(CpuFp8Grouped, SpecialValues) {
   }
 }
 
+TEST_P(CpuFp8Grouped, ColumnSumsAreTheBiasGradient) {
+  // quantize_grouped's column_sums: grouped_bias_grad of x, bit for bit (the CPU backend's one f32
+  // order), within the f32 summation bound of the exact sums, 0 for empty experts; the quantized
+  // copies unchanged. Counts 0, 1, 31, 127, 129, all tokens in one expert, zero totals, odd column
+  // counts; grouped and list sums of x's dtype and f32; poisoned first.
+  Rng rng;
+  std::vector<GroupedCase> cases = grouped_cases(rng);
+  cases.push_back({"empty_1_31_127_129_cols_33", {0, 1, 31, 0, 127, 129}, 320, 33});
+  for (const GroupedCase& c : cases) {
+    SCOPED_TRACE(c.name);
+    const int64_t E = static_cast<int64_t>(c.counts.size());
+    const HostTensor x = grouped_input(dtype(), c.capacity, c.cols, rng, false);
+    const HostTensor counts = make_counts(c.counts, rng.integer(0, 1) ? DType::i32 : DType::i64);
+    const GroupedRows rows{x.view(), counts.view()};
+    const ExactResult exact = exact_bias_grad(x, c.counts);
+    for (const BiasForm& form : bias_forms(dtype())) {
+      SCOPED_TRACE(form.name());
+      HostTensor want(form.dtype, {E, c.cols});
+      poison(want);
+      grouped_bias_grad(x.view(), counts.view(), expert_bias(want.view(), form.layout));
+      for (auto [rw, cw] : {std::pair{true, true}, std::pair{true, false}, std::pair{false, true}}) {
+        const Fp8QuantizeOptions o = options(rw, cw);
+        HostTensor got(form.dtype, {E, c.cols});
+        poison(got);
+        const Fp8GroupedTensor q =
+            quantize_grouped(rows, o, nullptr, nullptr, nullptr, expert_bias(got.view(), form.layout));
+        expect_grouped_equal(q.q, fp8::oracle_grouped(x, c.counts, o), o);
+        EXPECT_TRUE(bitwise_equal(got, want, "column sums vs grouped_bias_grad"));
+        EXPECT_TRUE(within_reference_bound(got.to_double(), exact, form.dtype, "column sums vs exact"));
+        for (int64_t e = 0; e < E; ++e) {
+          for (int64_t n = 0; c.counts[e] == 0 && n < c.cols; ++n) {
+            ASSERT_EQ(got.get(e * c.cols + n), 0.0) << "column sums of empty expert " << e;
+          }
+        }
+      }
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Recipes, CpuFp8Grouped,
     ::testing::Combine(::testing::Values(Fp8Recipe::tensorwise, Fp8Recipe::blockwise, Fp8Recipe::mxfp8),
@@ -524,6 +566,17 @@ TEST(Fp8Errors, BadArguments) {
   out = Fp8Grouped{};
   out.padded_offsets = pad_small.view();
   GMOE_EXPECT_ERROR(quantize_grouped(rows, o, nullptr, nullptr, &out), "out.padded_offsets");
+
+  // Column sums of the wrong number of experts, length, dtype.
+  HostTensor sums_one(DType::f32, {1, 16});
+  GMOE_EXPECT_ERROR(quantize_grouped(rows, o, nullptr, nullptr, nullptr, ExpertBias::from_grouped(sums_one.view())),
+                    "column_sums", "1 experts", "length 2");
+  HostTensor sums_short(DType::f32, {2, 15});
+  GMOE_EXPECT_ERROR(quantize_grouped(rows, o, nullptr, nullptr, nullptr, ExpertBias::from_grouped(sums_short.view())),
+                    "column_sums", "vectors of 16", "15");
+  HostTensor sums_f16(DType::f16, {2, 16});
+  GMOE_EXPECT_ERROR(quantize_grouped(rows, o, nullptr, nullptr, nullptr, ExpertBias::from_grouped(sums_f16.view())),
+                    "column_sums", "bf16 or f32", "f16");
 
   // Dequantization of a copy that is absent, or into the wrong shape.
   const Fp8GroupedTensor q = quantize_grouped(rows, o);

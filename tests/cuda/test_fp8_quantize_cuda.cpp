@@ -4,9 +4,10 @@
 // format x input dtype on cases with expert boundaries at every alignment (counts 1, 31, 127,
 // 128, 129, 255, 0), all tokens in one expert, zero totals, E = 256, cols not multiples of 128 /
 // 32 / 16 (the scalar path), strided and misaligned inputs, NaN / inf / huge / tiny values;
-// outputs poisoned before each run. Also: weights in both layouts, dequantization GPU vs CPU,
-// one CUDA graph replayed under changing counts, device-side count errors, CUDA-specific bad
-// arguments, and a throughput line for the large case.
+// outputs poisoned before each run. Also: the column sums made in the same pass (the bias
+// gradient of dy) against the exact sums, one order for every recipe; weights in both layouts,
+// dequantization GPU vs CPU, one CUDA graph replayed under changing counts (column sums included),
+// device-side count errors, CUDA-specific bad arguments.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -23,6 +24,7 @@
 #include "cuda/cuda_test_util.h"
 #include "gmoe/error.h"
 #include "gmoe/fp8.h"
+#include "gmoe/grouped_bias.h"
 
 namespace gmoe::test {
 namespace {
@@ -220,6 +222,59 @@ TEST_P(CudaFp8Grouped, StridedAndMisalignedInput) {
   expect_same(gpu.q, cpu.q, o);
 }
 
+TEST_P(CudaFp8Grouped, ColumnSumsAreTheBiasGradient) {
+  // quantize_grouped's column_sums, made by the launch that reads x (tensorwise: the amax kernel;
+  // blockwise, mxfp8: the tile kernel) as sums per 128-row tile, then the bias gradient's final
+  // reduction: within the f32 summation bound of the exact sums, as grouped_bias_grad on the device
+  // (which adds in another order); one order for every recipe, format and copy (the tile's), so the
+  // same bits; 0 for empty experts; the quantized copies still bitwise the CPU's. Grouped and list
+  // sums of x's dtype and f32, poisoned first. (Non-finite inputs: sums of huge values may overflow
+  // in one order and not in another, so those are left to the bitwise checks above.)
+  Rng rng;
+  for (const GroupedCase& c : cuda_cases(rng)) {
+    SCOPED_TRACE(c.name);
+    const int64_t E = static_cast<int64_t>(c.counts.size());
+    const HostTensor x = random_rows(dtype(), c.capacity, c.cols, rng, false);
+    const HostTensor counts_h = make_counts(c.counts, rng.integer(0, 1) ? DType::i32 : DType::i64);
+    const DeviceTensor xd(x), counts_d(counts_h);
+    const GroupedRows rows_d{xd.view(), counts_d.view()};
+    const ExactResult exact = exact_bias_grad(x, c.counts);
+    for (const BiasForm& form : bias_forms(dtype())) {
+      SCOPED_TRACE(form.name());
+      HostTensor poisoned(form.dtype, {E, c.cols});
+      poison(poisoned);
+      DeviceTensor separate(poisoned), first(poisoned);
+      grouped_bias_grad(xd.view(), counts_d.view(), expert_bias(separate.view(), form.layout));
+      Fp8QuantizeOptions blockwise_rows;
+      blockwise_rows.recipe = Fp8Recipe::blockwise;
+      quantize_grouped(rows_d, blockwise_rows, nullptr, nullptr, nullptr, expert_bias(first.view(), form.layout));
+      GMOE_TEST_CUDA(cudaDeviceSynchronize());
+      check_device_errors(nullptr);
+      const HostTensor want = first.download();
+      EXPECT_TRUE(within_reference_bound(separate.download().to_double(), exact, form.dtype, "grouped_bias_grad"));
+      EXPECT_TRUE(within_reference_bound(want.to_double(), exact, form.dtype, "column sums vs exact"));
+      for (int64_t e = 0; e < E; ++e) {
+        for (int64_t n = 0; c.counts[e] == 0 && n < c.cols; ++n) {
+          ASSERT_EQ(want.get(e * c.cols + n), 0.0) << "column sums of empty expert " << e;
+        }
+      }
+      for (auto [rw, cw] : {std::pair{true, true}, std::pair{true, false}, std::pair{false, true}}) {
+        const Fp8QuantizeOptions o = options(rw, cw, false);
+        SCOPED_TRACE(std::string(fp8_recipe_name(o.recipe)) + " rows " + std::to_string(rw) + " cols " +
+                     std::to_string(cw));
+        DeviceTensor got(poisoned);
+        const Fp8GroupedTensor gpu =
+            quantize_grouped(rows_d, o, nullptr, nullptr, nullptr, expert_bias(got.view(), form.layout));
+        const Fp8GroupedTensor cpu = quantize_grouped({x.view(), counts_h.view()}, o);
+        GMOE_TEST_CUDA(cudaDeviceSynchronize());
+        check_device_errors(nullptr);
+        expect_same(gpu.q, cpu.q, o);
+        EXPECT_TRUE(bitwise_equal(got.download(), want, "column sums: one order for every recipe and copy"));
+      }
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Recipes, CudaFp8Grouped,
     ::testing::Combine(::testing::Values(Fp8Recipe::tensorwise, Fp8Recipe::blockwise, Fp8Recipe::mxfp8),
@@ -333,9 +388,11 @@ TEST(CudaFp8Graph, CaptureOnceReplayUnderChangingCounts) {
     o.rowwise = o.columnwise = true;
     std::vector<DeviceTensor> keep;
     const Fp8Grouped out = device_outputs(fp8_grouped_layout(cap, cols, E, o, Device::cuda(0)), keep);
+    keep.emplace_back(DType::f32, std::vector<int64_t>{E, cols});  // the column sums (poisoned with the rest)
+    const ExpertBias sums = ExpertBias::from_grouped(keep.back().view());
     Fp8GroupedTensor captured;
     const CapturedGraph graph(stream, [&] {
-      captured = quantize_grouped({xd.view(), counts_d.view()}, o, stream, nullptr, &out);
+      captured = quantize_grouped({xd.view(), counts_d.view()}, o, stream, nullptr, &out, sums);
     });
     for (const std::vector<int64_t>& routing : routings) {
       SCOPED_TRACE("routing " + ::testing::PrintToString(routing));
@@ -349,6 +406,12 @@ TEST(CudaFp8Graph, CaptureOnceReplayUnderChangingCounts) {
       check_device_errors(stream);
       const Fp8GroupedTensor cpu = quantize_grouped({x.view(), counts_h.view()}, o);
       expect_same(captured.q, cpu.q, o);
+      const HostTensor replayed = keep.back().download();
+      EXPECT_TRUE(within_reference_bound(replayed.to_double(), exact_bias_grad(x, routing), DType::f32,
+                                         "column sums (replay) vs exact"));
+      quantize_grouped({xd.view(), counts_d.view()}, o, stream, nullptr, nullptr, sums);
+      GMOE_TEST_CUDA(cudaStreamSynchronize(stream));
+      EXPECT_TRUE(bitwise_equal(replayed, keep.back().download(), "column sums: replay vs eager"));
     }
   }
   GMOE_TEST_CUDA(cudaStreamDestroy(stream));
@@ -391,6 +454,10 @@ TEST(CudaFp8Errors, DeviceCountErrorsAndBadArguments) {
   out.scale_inv = TensorView(static_cast<char*>(scales.data()) + 2, DType::f32, Device::cuda(0), {1, 64});
   GMOE_EXPECT_ERROR(quantize_grouped({xd.view(), counts_d.view()}, o, nullptr, nullptr, &out), "out.scale_inv",
                     "4-byte aligned");
+  HostTensor host_sums(DType::f32, {2, 128});
+  GMOE_EXPECT_ERROR(quantize_grouped({xd.view(), counts_d.view()}, o, nullptr, nullptr, nullptr,
+                                     ExpertBias::from_grouped(host_sums.view())),
+                    "column_sums", "cpu");
   HostTensor host_out(DType::e4m3, {64, 128});
   out = Fp8Grouped{};
   out.data = host_out.view();

@@ -1,7 +1,8 @@
 // tests/cuda/test_grouped_linear_fp8_cuda.cpp — GroupedLinear with the FP8 recipes on the CUDA
 // backend. The layer quantizes inside; the quantizer is bit-exact between the backends, so the
 // layer must give BITWISE the results of the CUDA ops run on the operands quantized on the host by
-// tests/common/fp8_fixture.h (fprop + bias add, dgrad, wgrad, bias gradient), with e4m3 and with
+// tests/common/fp8_fixture.h (fprop + bias add, dgrad, wgrad; the bias gradient as the column sums
+// of dy's quantization, checked against the exact sums too), with e4m3 and with
 // e5m2 output gradients: immediate, delayed on
 // a second stream, and with save_original_input; with fp8_wgrad off, dW is bitwise the native
 // wgrad of the bf16 dy and x. dx and dW are also checked against the
@@ -51,7 +52,12 @@ TEST_P(CudaGroupedLinearFp8, BitwiseTheOpCompositionAndWithinTheRecipeBound) {
   fp8_grouped_gemm_fprop(qx.q, qw.q, bias_v, counts.view(), y_ref.view());
   fp8_grouped_gemm_dgrad(qdy.q, qw.q, counts.view(), dx_ref.view());
   fp8_grouped_gemm_wgrad(qdy.q, qx.q, counts.view(), ExpertWeights::from_stacked(dw_ref.view()));
-  grouped_bias_grad(dy.view(), counts.view(), ExpertBias::from_grouped(db_ref.view()));
+  // db: made by the pass that quantizes dy (its column sums, in one order for every recipe and copy).
+  Fp8QuantizeOptions dy_options;
+  dy_options.recipe = fp8_recipe_of(recipe);
+  dy_options.format = grad_format;
+  quantize_grouped(GroupedRows{dy.view(), counts.view()}, dy_options, nullptr, nullptr, nullptr,
+                   ExpertBias::from_grouped(db_ref.view()));
   // fp8_wgrad = false: the native weight gradient of the bf16 dy and x.
   DeviceTensor dw_native(DType::bf16, {c.E, c.N, c.K});
   grouped_gemm_wgrad(dy.view(), x.view(), counts.view(), ExpertWeights::from_stacked(dw_native.view()));
@@ -95,6 +101,7 @@ TEST_P(CudaGroupedLinearFp8, BitwiseTheOpCompositionAndWithinTheRecipeBound) {
     EXPECT_EQ(values(b.grads.bias.grouped), want_db) << "db";
   }
 
+  EXPECT_TRUE(within_reference_bound(want_db, exact_bias_grad(base.dy, c.counts), DType::bf16, "db vs exact"));
   const double u = p.u_grads();
   EXPECT_TRUE(within_bound(want_dx, exact_dgrad(base.dy, base.w, c.counts).value,
                            recipe_bound_dgrad(p, u, DType::bf16), "dx vs bf16 source"));
