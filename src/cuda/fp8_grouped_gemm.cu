@@ -52,13 +52,14 @@ namespace {
 struct Fp8KernelEntry {
   std::size_t (*workspace_bytes)(int sm_count) = nullptr;
   void (*run)(const Fp8GemmLaunch&, cudaStream_t) = nullptr;
+  Fp8Tile tile = Fp8Tile::t128x128;  ///< of the instantiation (for LaunchRecord)
 };
 
 template <Fp8Scaling S, Fp8Operands Ops, DType Out, bool Bias = false, DType A = DType::e4m3,
           Fp8Tile Tile = Fp8Tile::t128x128>
 Fp8KernelEntry entry() {
   using K = Fp8GroupedGemmKernel<S, Ops, Out, Bias, A, Tile>;
-  return {&K::workspace_bytes, &K::run};
+  return {&K::workspace_bytes, &K::run, Tile};
 }
 
 // The instantiations in clusters, all e4m3 A without a fused bias: 2x1, blockwise rows, and
@@ -215,6 +216,11 @@ void execute(Fp8Plan& plan, Stream stream, Allocator& alloc) {
   plan.alpha = !plan.block_scales;
   PreparedCall call =
       prepare_call(plan, plan.run_gemm ? kernel.workspace_bytes(sm_count(current_device())) : 0, stream, alloc);
+  LaunchRecord& record = last_launch_record();
+  record.fp8 = true;
+  record.cluster_m = kernel.tile == Fp8Tile::t128x128 ? 1 : 2;
+  record.cluster_n = kernel.tile == Fp8Tile::t128x128_2x2 ? 2 : 1;
+  record.raster_along_n = plan.raster_along_n;
   if (plan.run_gemm) {
     Fp8GemmLaunch launch;
     launch.gemm = call.launch;

@@ -40,12 +40,13 @@ struct KernelEntry {
   std::size_t (*workspace_bytes)(int sm_count) = nullptr;
   void (*run)(const GroupedGemmLaunch&, cudaStream_t) = nullptr;
   bool has_source = false;
+  TileConfig tile = TileConfig::coop_128x256;  ///< of the instantiation (for LaunchRecord)
 };
 
 template <DType In, DType Out, GemmPass Pass, TileConfig Tile, bool Bias = false, bool Glu = false>
 KernelEntry entry() {
   using K = GroupedGemmKernel<In, Out, Pass, Tile, Bias, Glu>;
-  return {&K::workspace_bytes, &K::run, Pass == GemmPass::wgrad && Out == DType::f32};
+  return {&K::workspace_bytes, &K::run, Pass == GemmPass::wgrad && Out == DType::f32, Tile};
 }
 
 // The instantiations that exist (one sm90_*.cu file each). A 16-bit dW is written at half the
@@ -227,6 +228,10 @@ void execute(const Plan& plan, Stream stream, Allocator& alloc) {
              "grouped GEMM: accumulate needs the f32 weight-gradient kernels");
   PreparedCall call =
       prepare_call(plan, plan.run_gemm ? kernel.workspace_bytes(sm_count(current_device())) : 0, stream, alloc);
+  LaunchRecord& record = last_launch_record();
+  record.cluster_m = kernel.tile == TileConfig::coop_128x256_2x1 ? 2 : 1;
+  record.pingpong = kernel.tile == TileConfig::pingpong_128x128;
+  record.raster_along_n = plan.raster_along_n;
   if (plan.run_gemm) {
     call.launch.beta = plan.beta;
     call.launch.raster_along_n = plan.raster_along_n;

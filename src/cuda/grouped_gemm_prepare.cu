@@ -355,6 +355,11 @@ uint32_t* device_error_word() {
   return word;
 }
 
+LaunchRecord& last_launch_record() {
+  thread_local LaunchRecord record;
+  return record;
+}
+
 PreparedCall prepare_call(const CallPlan& plan, std::size_t cutlass_bytes, cudaStream_t stream, Allocator& alloc) {
   const int device = current_device();
   const int sms = sm_count(device);
@@ -369,6 +374,12 @@ PreparedCall prepare_call(const CallPlan& plan, std::size_t cutlass_bytes, cudaS
   prep.row_chunk = wgrad || experts_list || bias_list || E == 0 ? 0 : row_chunk_rows();
   prep.num_groups = prep.row_chunk > 0 ? static_cast<int32_t>(E + (prep.capacity + prep.row_chunk - 1) / prep.row_chunk)
                                        : E;  // (capacity < 2^31, row_chunk >= 128: no overflow)
+  LaunchRecord& record = last_launch_record();
+  record = LaunchRecord{record.calls + 1};
+  record.pass = prep.pass;
+  record.ran = plan.run_gemm;
+  record.num_groups = prep.num_groups;
+  record.row_chunk = prep.row_chunk;
   const std::size_t g = static_cast<std::size_t>(prep.num_groups);  // per-group arrays
   const std::size_t e = static_cast<std::size_t>(E);                // per-expert arrays
 

@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <functional>
 #include <stdexcept>
 #include <string>
@@ -13,6 +14,7 @@
 
 #include "common/gemm_fixture.h"
 #include "common/harness.h"
+#include "cuda/grouped_gemm_prepare.h"
 #include "gmoe/grouped.h"
 #include "gmoe/grouped_bias.h"
 
@@ -181,6 +183,26 @@ class DeviceTensor {
 };
 
 /// A host copy of a contiguous view on either device, shape kept.
+/// Checks what the last grouped GEMM call on this thread launched (cuda_backend::LaunchRecord)
+/// against the default rules' choice: that it ran, as FP8 or not, with row chunks of
+/// row_chunk_rows() where `chunked` (more groups than the `experts`), and, unless GMOE_CUDA_TILE or
+/// GMOE_CLUSTER force a tile or cluster (gpu_check's forced runs), in a cluster_m x cluster_n
+/// cluster: a silent fallback to another instantiation or to unsplit experts fails here.
+inline void expect_launch(const std::string& what, bool fp8, int64_t experts, bool chunked, int cluster_m,
+                          int cluster_n) {
+  const cuda_backend::LaunchRecord& l = cuda_backend::last_launch_record();
+  EXPECT_TRUE(l.ran) << what << ": no GEMM ran";
+  EXPECT_EQ(l.fp8, fp8) << what;
+  if (chunked) {
+    EXPECT_EQ(l.row_chunk, cuda_backend::row_chunk_rows()) << what;
+    if (l.row_chunk > 0) EXPECT_GT(l.num_groups, experts) << what << ": the experts were not split";
+  }
+  if (std::getenv("GMOE_CUDA_TILE") == nullptr && std::getenv("GMOE_CLUSTER") == nullptr) {
+    EXPECT_EQ(l.cluster_m, cluster_m) << what << ": cluster";
+    EXPECT_EQ(l.cluster_n, cluster_n) << what << ": cluster";
+  }
+}
+
 inline HostTensor host_of(const TensorView& v) {
   std::vector<int64_t> shape(v.shape.begin(), v.shape.begin() + v.ndim);
   HostTensor h(v.dtype, shape);

@@ -349,8 +349,12 @@ TEST(CudaFp8GemmLarge, BigExpertsChunkedInClusters) {
   for (Fp8Recipe r : {Fp8Recipe::blockwise, Fp8Recipe::tensorwise}) {
     SCOPED_TRACE(recipe_str(r));
     check_fprop(c, r, rng);
+    expect_launch("fprop", true, c.E, true, 2, 1);
     check_dgrad(c, r, rng);
+    expect_launch("dgrad", true, c.E, true, 2, 1);
     check_wgrad(c, r, Layout::kStacked, rng);
+    // The last launch wrote bf16 dW: tensorwise in 2x1 (the rows kernel), blockwise 1x1 only.
+    expect_launch("wgrad", true, c.E, false, r == Fp8Recipe::tensorwise ? 2 : 1, 1);
   }
 }
 
@@ -362,7 +366,9 @@ TEST(CudaFp8GemmLarge, LongReductionsIn2x2Clusters) {
   for (Fp8Recipe r : {Fp8Recipe::blockwise, Fp8Recipe::tensorwise}) {
     SCOPED_TRACE(recipe_str(r));
     check_fprop(fixed_case("long_k", 384, 16384, {300, 0, 517}, 9), r, rng);
+    expect_launch("fprop", true, 3, false, 2, 2);
     check_dgrad(fixed_case("long_n", 16384, 384, {300, 0, 517}, 9), r, rng);
+    expect_launch("dgrad", true, 3, false, 2, 2);
   }
 }
 

@@ -344,11 +344,16 @@ TEST(CudaGroupedGemmTiles, BigExpertsChunkedAndClusteredWgrad) {
   Rng rng;
   const ShapeCase big = fixed_case("big_experts", 256, 384, {9000, 0, 4100}, 200);
   check_fprop(big, DType::bf16, Layout::kStacked, rng);
+  expect_launch("fprop", false, big.E, true, 1, 1);
   check_dgrad(big, DType::bf16, Layout::kStacked, rng);
+  expect_launch("dgrad", false, big.E, true, 1, 1);
   check_wgrad(big, DType::bf16, Layout::kStacked, rng);
+  expect_launch("wgrad", false, big.E, false, 2, 1);
   const ShapeCase odd = fixed_case("wgrad_17_tiles", 2176, 64, {1100, 0, 2000}, 5);
   check_wgrad(odd, DType::bf16, Layout::kStacked, rng);
+  expect_launch("wgrad, 17 tiles", false, odd.E, false, 2, 1);
   check_wgrad_f32_accumulate_mask(odd, DType::bf16, Layout::kStacked, rng);
+  expect_launch("wgrad accumulating, 17 tiles", false, odd.E, false, 2, 1);
 }
 
 // ---------------------------------------------------------------------------------------------
