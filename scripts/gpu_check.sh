@@ -7,6 +7,7 @@
 # build     configure with CUDA and build the CUDA test suite and gmoe-bench with all cores
 #           (build/gpu; GMOE_BUILD_TARGETS="all" builds everything)
 # test      the CUDA test suite in parallel gtest shards, beside its runs with each tile forced
+#           (GMOE_TEST_PARTS="suite forced" by default; either alone to split it over two calls)
 #           (GMOE_TEST_SHARDS, default 4; GMOE_GPU_CPU_SUITES=1 also runs the CPU suites, CI's job)
 # sanitize  compute-sanitizer memcheck on the CUDA test binary, racecheck on a subset
 #           (GMOE_SANITIZE_TOOLS, default "memcheck racecheck"; GMOE_SANITIZE_TIMEOUT s each, 280)
@@ -69,7 +70,13 @@ for stage in "${stages[@]}"; do
           { r=FAILED; status=1; }
         grep -E "tests passed|tests failed|Failed|\*\*\*" "$OUT/tests.log" | tee -a "$OUT/summary.txt"
       fi
+      # GMOE_TEST_PARTS (default "suite forced"): the suite's shards, the forced runs, or both at once.
+      # On an H100 machine (16 cores, ba68eff) the shards alone take about 300 s; the forced runs
+      # about 555 s with or without them, their long pole the three cluster runs in sequence
+      # (139 + 259 + 158 s; row_chunk_256 315 s, each tile ~100 s): near one device call's 600 s.
+      parts="${GMOE_TEST_PARTS:-suite forced}"
       shards="${GMOE_TEST_SHARDS:-4}"
+      [[ " $parts " == *" suite "* ]] || shards=0
       threads=$(( $(nproc) / (shards + 2) )); [ "$threads" -lt 1 ] && threads=1
       pids=()
       for ((i = 0; i < shards; i++)); do
@@ -84,27 +91,31 @@ for stage in "${stages[@]}"; do
              >"$OUT/forced_$1.log" 2>&1; then echo "test forced $1: ok"; else echo "test forced $1: FAILED"; return 1; fi
       }
       rows_filter='LargeCases/CudaGroupedGemm*:CudaGroupedGemmGraph*:CudaGroupedGemmTiles*:NamedCases/CudaGroupedGemm*e256:NamedCases/CudaGroupedGemm*ragged:*CudaGroupedGemmActivation*'
-      forced tile_coop GMOE_CUDA_TILE=coop "$rows_filter" >"$OUT/forced_status_a.txt" &
-      pids+=($!)
-      forced tile_pingpong GMOE_CUDA_TILE=pingpong "$rows_filter" >"$OUT/forced_status_b.txt" &
-      pids+=($!)
-      { forced raster_m GMOE_RASTER=m '*Wgrad*'; forced raster_n GMOE_RASTER=n '*Wgrad*';
-        forced fused_activation GMOE_FUSED_ACTIVATION=1 '*CudaGroupedMlp*';
-        # Row chunks of 256 rows: nearly every fprop/dgrad group split (the named cases stay
-        # below the default 4096 rows per expert).
-        forced row_chunk_256 GMOE_ROW_CHUNK=256 '*CudaGroupedGemm*:*CudaFp8Gemm*:*CudaGroupedLinear*:*CudaGroupedMlp*'; } \
-        >"$OUT/forced_status_c.txt" &
-      pids+=($!)
-      # Clusters: the heuristics keep the named cases' fprop/dgrad on 1x1 and their weight
-      # gradients on 2x1; force each the other way, and the FP8 fprop/dgrad into 2x2.
-      { forced cluster_2x1 GMOE_CLUSTER=2x1 "$rows_filter:*CudaFp8Gemm*:*CudaGroupedLinearFp8*";
-        forced cluster_2x2 GMOE_CLUSTER=2x2 '*CudaFp8Gemm*:*CudaGroupedLinearFp8*';
-        forced cluster_1x1 GMOE_CLUSTER=1x1 '*Wgrad*:*CudaFp8Gemm*'; } >"$OUT/forced_status_d.txt" &
-      pids+=($!)
+      if [[ " $parts " == *" forced "* ]]; then
+        forced tile_coop GMOE_CUDA_TILE=coop "$rows_filter" >"$OUT/forced_status_a.txt" &
+        pids+=($!)
+        forced tile_pingpong GMOE_CUDA_TILE=pingpong "$rows_filter" >"$OUT/forced_status_b.txt" &
+        pids+=($!)
+        { forced raster_m GMOE_RASTER=m '*Wgrad*'; forced raster_n GMOE_RASTER=n '*Wgrad*';
+          forced fused_activation GMOE_FUSED_ACTIVATION=1 '*CudaGroupedMlp*';
+          # Row chunks of 256 rows: nearly every fprop/dgrad group split (the named cases stay
+          # below the default 4096 rows per expert).
+          forced row_chunk_256 GMOE_ROW_CHUNK=256 '*CudaGroupedGemm*:*CudaFp8Gemm*:*CudaGroupedLinear*:*CudaGroupedMlp*'; } \
+          >"$OUT/forced_status_c.txt" &
+        pids+=($!)
+        # Clusters: the heuristics keep the named cases' fprop/dgrad on 1x1 and their weight
+        # gradients on 2x1; force each the other way, and the FP8 fprop/dgrad into 2x2.
+        { forced cluster_2x1 GMOE_CLUSTER=2x1 "$rows_filter:*CudaFp8Gemm*:*CudaGroupedLinearFp8*";
+          forced cluster_2x2 GMOE_CLUSTER=2x2 '*CudaFp8Gemm*:*CudaGroupedLinearFp8*';
+          forced cluster_1x1 GMOE_CLUSTER=1x1 '*Wgrad*:*CudaFp8Gemm*'; } >"$OUT/forced_status_d.txt" &
+        pids+=($!)
+      fi
       for p in "${pids[@]}"; do wait "$p" || { r=FAILED; status=1; }; done
-      cat "$OUT"/forced_status_*.txt | tee -a "$OUT/summary.txt"
-      rm -f "$OUT"/forced_status_*.txt
-      cat "$OUT"/forced_*.log >>"$OUT/tests.log" && rm -f "$OUT"/forced_*.log
+      if [[ " $parts " == *" forced "* ]]; then
+        cat "$OUT"/forced_status_*.txt | tee -a "$OUT/summary.txt"
+        rm -f "$OUT"/forced_status_*.txt
+        cat "$OUT"/forced_*.log >>"$OUT/tests.log" && rm -f "$OUT"/forced_*.log
+      fi
       for ((i = 0; i < shards; i++)); do
         grep -E "^\[  (PASSED|FAILED|SKIPPED) |^\[  FAILED  \]" "$OUT/cuda_tests.$i.log" | head -40 |
           sed "s/^/shard $i: /" | tee -a "$OUT/summary.txt"
