@@ -66,8 +66,8 @@ Fp8KernelEntry entry() {
 // tensorwise rows (which also serve the tensorwise bf16 weight gradient) and f32 weight gradient;
 // 2x2, blockwise and tensorwise rows (fprop/dgrad only: the wgrad plans never ask for it). Every
 // other combination runs its 1x1 kernel. The blockwise weight gradient measured the same in 2x1
-// clusters (0.98-1.00x of the 1x1 kernel on the dsv3 cases, H100): its time goes to the column
-// scales' shared-memory loads, not to B's tiles.
+// clusters (0.98-1.00x of the 1x1 kernel on the dsv3 cases, H100): its time goes to the promotion
+// by its column scales (sm90_fp8_grouped_gemm.cuh), not to B's tiles.
 template <DType A>
 Fp8KernelEntry find_kernel(Fp8Scaling scaling, Fp8Operands ops, DType out, bool bias, Fp8Tile tile) {
   constexpr Fp8Tile k2x1 = Fp8Tile::t128x128_2x1;
@@ -220,7 +220,6 @@ void execute(Fp8Plan& plan, Stream stream, Allocator& alloc) {
   record.fp8 = true;
   record.cluster_m = kernel.tile == Fp8Tile::t128x128 ? 1 : 2;
   record.cluster_n = kernel.tile == Fp8Tile::t128x128_2x2 ? 2 : 1;
-  record.raster_along_n = plan.raster_along_n;
   if (plan.run_gemm) {
     Fp8GemmLaunch launch;
     launch.gemm = call.launch;

@@ -375,8 +375,7 @@ PreparedCall prepare_call(const CallPlan& plan, std::size_t cutlass_bytes, cudaS
   prep.num_groups = prep.row_chunk > 0 ? static_cast<int32_t>(E + (prep.capacity + prep.row_chunk - 1) / prep.row_chunk)
                                        : E;  // (capacity < 2^31, row_chunk >= 128: no overflow)
   LaunchRecord& record = last_launch_record();
-  record = LaunchRecord{record.calls + 1};
-  record.pass = prep.pass;
+  record = LaunchRecord{};
   record.ran = plan.run_gemm;
   record.num_groups = prep.num_groups;
   record.row_chunk = prep.row_chunk;

@@ -190,19 +190,15 @@ struct PreparedCall {
 PreparedCall prepare_call(const CallPlan& plan, std::size_t cutlass_bytes, cudaStream_t stream, Allocator& alloc);
 
 /// What the last grouped GEMM call (bf16 or FP8) on this host thread launched: the choices that no
-/// result shows (row chunks, the cluster and tile of the instantiation that ran, the tile order),
-/// written on the host as the call is enqueued (prepare_call, then the dispatcher), so that tests
-/// can check that a rule took effect rather than a silent fallback to another kernel.
+/// result shows (row chunks, the cluster of the instantiation that ran), written on the host as the
+/// call is enqueued (prepare_call, then the dispatcher), so that tests can check that a rule took
+/// effect rather than a silent fallback to another kernel.
 struct LaunchRecord {
-  int64_t calls = 0;   ///< grouped GEMM calls enqueued on this thread so far
   bool fp8 = false;
-  GemmPass pass = GemmPass::fprop;
-  bool ran = false;    ///< false: every extent was empty (only zeros were written, no GEMM)
+  bool ran = false;        ///< false: every extent was empty (only zeros were written, no GEMM)
   int32_t num_groups = 0;  ///< groups of the launch (the experts, plus the row chunks' extra groups)
   int32_t row_chunk = 0;   ///< fprop/dgrad: most rows of an expert per group (0: one group each)
   int32_t cluster_m = 1, cluster_n = 1;  ///< the cluster of the instantiation that ran
-  bool pingpong = false;   ///< bf16: the ping-pong tile ran (else the cooperative one; FP8: cooperative)
-  bool raster_along_n = false;
 };
 /// This thread's record (see LaunchRecord).
 LaunchRecord& last_launch_record();

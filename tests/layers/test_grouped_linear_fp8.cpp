@@ -52,7 +52,9 @@ struct LayerRun {
 LayerRun run_layer(const GemmProblem& base, Layout layout, const HostTensor& bias, GroupedLinearOptions opt) {
   LayerRun r;
   opt.wgrad_hook = [&r](const GroupedLinearGrads&, Stream) { ++r.hooks; };
-  GroupedLinear layer(base.weights(layout), ExpertBias::from_grouped(bias.view()), opt);
+  // The bias in the weights' layout: the FP8 backward's bias gradient (the column sums of dy's
+  // quantization) is copied into the gradients, grouped or a list.
+  GroupedLinear layer(base.weights(layout), expert_bias(bias.view(), layout), opt);
   GroupedLinearContext ctx;
   Tensor y = layer.forward(base.x.view(), base.counts.view(), ctx);
   GroupedLinearBackward b = layer.backward(ctx, base.dy.view());
@@ -60,7 +62,10 @@ LayerRun run_layer(const GemmProblem& base, Layout layout, const HostTensor& bia
   r.y = view_values(y.view());
   r.dx = view_values(b.dx.view());
   r.dw = expert_values(g.weight);
-  r.db = view_values(b.grads.bias.grouped);
+  for (int64_t e = 0; e < b.grads.bias.num_experts(); ++e) {
+    const std::vector<double> db_e = view_values(b.grads.bias.expert(e));
+    r.db.insert(r.db.end(), db_e.begin(), db_e.end());
+  }
   return r;
 }
 
