@@ -73,20 +73,25 @@ constexpr int64_t activation_input_cols(ActivationKind kind, int64_t F) {
 /// z = act(h) [· probs]. h: [capacity, 2F] (gated) or [capacity, F], bf16/f16 (f32 too);
 /// z: [capacity, F], h's dtype; counts: [E] i32/i64; probs: absent or f32 [capacity] (contiguous).
 /// Rows past the real total: z = 0. All on one device. `alloc`: scratch (nullptr: the device's
-/// default allocator).
+/// default allocator). amax_out (optional, f32 [E], contiguous): each expert's largest finite |z|
+/// over its rows (0 for an expert without rows), from the same pass — what a tensorwise FP8
+/// quantization of z takes as Fp8QuantizeOptions::amax instead of reading z once more for it.
 void grouped_activation_forward(const TensorView& h, const TensorView& counts, const TensorView& z,
                                 const ActivationOptions& options, const TensorView& probs = {},
-                                Stream stream = nullptr, Allocator* alloc = nullptr);
+                                Stream stream = nullptr, Allocator* alloc = nullptr,
+                                const TensorView& amax_out = {});
 
 /// The backward of grouped_activation_forward. dz: [capacity, F]; dh: h's shape; both h's dtype.
 /// dh = act'(h)·dz [· probs]. Optional outputs: dprobs, f32 [capacity], the probabilities'
 /// gradient Σ_j dz·act(h) (needs no probs; rows past the total get 0); z_out, [capacity, F] of h's
 /// dtype, receives z = act(h) [· probs] recomputed on the way (for FC2's weight gradient when the
-/// forward's z was not kept). Rows past the real total: dh = 0 (and z_out = 0).
+/// forward's z was not kept). Rows past the real total: dh = 0 (and z_out = 0). amax_out (optional,
+/// f32 [E]): each expert's largest finite |dh|, as for grouped_activation_forward.
 void grouped_activation_backward(const TensorView& h, const TensorView& dz,
                                  const TensorView& counts, const TensorView& dh,
                                  const ActivationOptions& options, const TensorView& probs = {},
                                  const TensorView& dprobs = {}, const TensorView& z_out = {},
-                                 Stream stream = nullptr, Allocator* alloc = nullptr);
+                                 Stream stream = nullptr, Allocator* alloc = nullptr,
+                                 const TensorView& amax_out = {});
 
 }  // namespace gmoe

@@ -104,6 +104,13 @@ struct Fp8QuantizeOptions {
   bool columnwise = false;     ///< data_t + scale_inv_t (grouped rows: + padded_offsets)
   /// f32 recipes: round each scale down to a power of two (DeepSeek-V3 style). Ignored by mxfp8.
   bool pow2_scales = false;
+  /// quantize_grouped, tensorwise only (optional): each expert's amax of x.data already computed,
+  /// f32 [E] on x's device — the largest finite |value| over the expert's rows (0 without rows),
+  /// as grouped_activation_forward/backward's `amax_out` gives it for their output. The
+  /// quantization then skips its own pass over x for it (CUDA: one read of x instead of two) and
+  /// gives the bits it would give without it. A value that is not that amax is not detected: an
+  /// amax below the true one saturates the values above it to the format's largest.
+  TensorView amax;
 };
 
 /// Which copy a dequantization reads.

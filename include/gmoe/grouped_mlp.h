@@ -74,13 +74,17 @@ struct GroupedMLPOptions {
   /// FP8 recipes: quantize FC2's input inside the activation (z is never written in bf16, nor
   /// read back, nor quantized again for dW2), on CUDA in one pass where the kernel allows it
   /// (docs/architecture.md); used when FC2's weight gradient is FP8 or z is recomputed. Bitwise
-  /// the values of the activation followed by the quantization (false: those two ops).
+  /// the values of the activation followed by the quantization (false: those two ops). Tensorwise
+  /// takes the two ops either way, the activation giving z's per-expert amax from its own pass
+  /// (the one-pass kernel would evaluate the activation twice, for the amax and for the values):
+  /// z is written in bf16 for the quantizer's one read ([capacity, ffn] of scratch meanwhile).
   bool fp8_quantize_in_activation = true;
   /// FP8 recipes: quantize FC1's output gradient inside the activation's backward (dh is not
   /// written in bf16); used when FC1 also has an FP8 weight gradient and no bias (whose gradient
   /// reads dh) and z is not recomputed. Bitwise the same values except dprobs (summed in another
   /// order). Off by default: on an H100 the fused kernel measured slower than the activation's
-  /// backward followed by the quantizer (dsv3_ep32: 536 µs against about 460).
+  /// backward followed by the quantizer (dsv3_ep32: 536 µs against about 460). Tensorwise, either
+  /// way, takes dh's amax from the activation's backward, so that FC1 reads dh once to quantize it.
   bool fp8_quantize_in_activation_backward = false;
   /// Scratch, saved tensors and fresh gradients; nullptr: the device's default allocator.
   Allocator* allocator = nullptr;

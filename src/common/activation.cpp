@@ -4,6 +4,8 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <initializer_list>
 #include <string>
 #include <utility>
 
@@ -100,6 +102,19 @@ void check_like(const TensorView& t, const char* name, const TensorView& h, int6
   GMOE_CHECK(t.dtype == h.dtype, name, ": expected dtype ", dtype_name(h.dtype), " (h's), got ", dtype_name(t.dtype));
 }
 
+// amax_out: f32 [E] (E = counts' length) on h's device, apart from every other tensor of the op.
+void check_amax_out(const TensorView& amax_out, const TensorView& h, const TensorView& counts,
+                    std::initializer_list<std::pair<const TensorView*, const char*>> others) {
+  if (!amax_out.defined()) return;
+  const int64_t E = counts.size(0);
+  GMOE_CHECK(amax_out.ndim == 1 && amax_out.size(0) == E && amax_out.dtype == DType::f32 &&
+                 (amax_out.stride(0) == 1 || E <= 1),
+             "amax_out: expected contiguous f32[", E, "] (one amax per expert), got ", amax_out.str());
+  GMOE_CHECK(amax_out.data != nullptr || E == 0, "amax_out: null data");
+  check_same_device(amax_out.device, h.device, "amax_out");
+  for (const auto& [t, n] : others) check_disjoint(amax_out, "amax_out", *t, n);
+}
+
 void after_op(Device device, Stream stream) {
   if (device.is_cuda() && debug_sync_enabled()) check_device_errors(stream);
 }
@@ -122,20 +137,23 @@ void check_activation_forward(const TensorView& h, const TensorView& counts, con
 
 void grouped_activation_forward(const TensorView& h, const TensorView& counts, const TensorView& z,
                                 const ActivationOptions& options, const TensorView& probs, Stream stream,
-                                Allocator* alloc) {
+                                Allocator* alloc, const TensorView& amax_out) {
   check_activation_forward(h, counts, z, options, probs);
+  check_amax_out(amax_out, h, counts, {{&h, "h"}, {&z, "z"}, {&probs, "probs"}, {&counts, "counts"}});
   if (h.device.is_cpu()) {
-    cpu_backend::grouped_activation_forward(h, counts, z, options, probs);
+    cpu_backend::grouped_activation_forward(h, counts, z, options, probs, amax_out);
   } else {
     check_cuda_compiled("grouped_activation_forward");
-    cuda_backend::grouped_activation_forward(h, counts, z, options, probs, stream, pick_allocator(alloc, h.device));
+    cuda_backend::grouped_activation_forward(h, counts, z, options, probs, amax_out, stream,
+                                             pick_allocator(alloc, h.device));
   }
   after_op(h.device, stream);
 }
 
 void grouped_activation_backward(const TensorView& h, const TensorView& dz, const TensorView& counts,
                                  const TensorView& dh, const ActivationOptions& options, const TensorView& probs,
-                                 const TensorView& dprobs, const TensorView& z_out, Stream stream, Allocator* alloc) {
+                                 const TensorView& dprobs, const TensorView& z_out, Stream stream, Allocator* alloc,
+                                 const TensorView& amax_out) {
   GMOE_CHECK(dz.defined() && dz.ndim == 2, "dz: expected a 2-D tensor [capacity, F], got ", dz.str());
   const int64_t F = dz.size(1);
   check_h(h, options, F);
@@ -164,41 +182,66 @@ void grouped_activation_backward(const TensorView& h, const TensorView& dz, cons
       check_disjoint(z_out, "z_out", *t, n);
     }
   }
+  check_amax_out(amax_out, h, counts,
+                 {{&h, "h"}, {&dz, "dz"}, {&dh, "dh"}, {&probs, "probs"}, {&dprobs, "dprobs"}, {&z_out, "z_out"},
+                  {&counts, "counts"}});
   if (h.device.is_cpu()) {
-    cpu_backend::grouped_activation_backward(h, dz, counts, dh, options, probs, dprobs, z_out);
+    cpu_backend::grouped_activation_backward(h, dz, counts, dh, options, probs, dprobs, z_out, amax_out);
   } else {
     check_cuda_compiled("grouped_activation_backward");
-    cuda_backend::grouped_activation_backward(h, dz, counts, dh, options, probs, dprobs, z_out, stream,
+    cuda_backend::grouped_activation_backward(h, dz, counts, dh, options, probs, dprobs, z_out, amax_out, stream,
                                               pick_allocator(alloc, h.device));
   }
   after_op(h.device, stream);
 }
 
+bool activation_amax_for_fp8() {
+  static const bool on = [] {
+    const char* v = std::getenv("GMOE_ACT_AMAX");
+    return v == nullptr || std::string(v) != "0";
+  }();
+  return on;
+}
+
 void quantize_activation_forward(const TensorView& h, const TensorView& counts, const ActivationOptions& act,
                                  const TensorView& probs, const Fp8QuantizeOptions& options, const Fp8Grouped& q,
                                  bool fused, Stream stream, Allocator& alloc) {
-  if (fused && h.device.is_cuda() &&
+  const bool tensorwise = options.recipe == Fp8Recipe::tensorwise;
+  if (fused && (!tensorwise || !activation_amax_for_fp8()) && h.device.is_cuda() &&
       cuda_backend::quantize_activation_forward(h, counts, act, probs, options, q, stream, alloc)) {
     after_op(h.device, stream);
     return;
   }
+  // Tensorwise: z's amax from the activation's own pass (the quantizer then reads z once).
   Tensor z = Tensor::empty({h.size(0), q.cols}, h.dtype, alloc, stream);
-  grouped_activation_forward(h, counts, z, act, probs, stream, &alloc);
-  quantize_grouped(GroupedRows{z, counts}, options, stream, &alloc, &q);
+  const bool with_amax = tensorwise && activation_amax_for_fp8();
+  Tensor amax = with_amax ? Tensor::empty({counts.size(0)}, DType::f32, alloc, stream) : Tensor();
+  grouped_activation_forward(h, counts, z, act, probs, stream, &alloc, amax.view());
+  Fp8QuantizeOptions o = options;
+  o.amax = amax.view();
+  quantize_grouped(GroupedRows{z, counts}, o, stream, &alloc, &q);
   z.release_on(stream);
+  amax.release_on(stream);
 }
 
 void quantize_activation_backward(const TensorView& h, const TensorView& dz, const TensorView& counts,
                                   const ActivationOptions& act, const TensorView& probs, const TensorView& dprobs,
                                   const Fp8QuantizeOptions& options, const Fp8Grouped& q, const TensorView& dh_scratch,
                                   bool fused, Stream stream, Allocator& alloc) {
-  if (fused && h.device.is_cuda() &&
+  const bool tensorwise = options.recipe == Fp8Recipe::tensorwise;
+  if (fused && (!tensorwise || !activation_amax_for_fp8()) && h.device.is_cuda() &&
       cuda_backend::quantize_activation_backward(h, dz, counts, act, probs, dprobs, options, q, stream, alloc)) {
     after_op(h.device, stream);
     return;
   }
-  grouped_activation_backward(h, dz, counts, dh_scratch, act, probs, dprobs, {}, stream, &alloc);
-  quantize_grouped(GroupedRows{dh_scratch, counts}, options, stream, &alloc, &q);
+  // Tensorwise: dh's amax from the activation's own pass (the quantizer then reads dh once).
+  const bool with_amax = tensorwise && activation_amax_for_fp8();
+  Tensor amax = with_amax ? Tensor::empty({counts.size(0)}, DType::f32, alloc, stream) : Tensor();
+  grouped_activation_backward(h, dz, counts, dh_scratch, act, probs, dprobs, {}, stream, &alloc, amax.view());
+  Fp8QuantizeOptions o = options;
+  o.amax = amax.view();
+  quantize_grouped(GroupedRows{dh_scratch, counts}, o, stream, &alloc, &q);
+  amax.release_on(stream);
 }
 
 }  // namespace gmoe

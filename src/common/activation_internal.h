@@ -25,12 +25,17 @@ void check_disjoint(const TensorView& a, const char* a_name, const TensorView& b
 /// quantized into q (every view placed, per fp8_grouped_layout(capacity, F, E, options)): on CUDA in
 /// one pass from h where the fused kernel applies (cuda_backend::quantize_activation_forward),
 /// else grouped_activation_forward into scratch then quantize_grouped; bitwise the same. `fused`
-/// false: always the composition (for comparisons).
+/// false: always the composition (for comparisons). Tensorwise composes too (the one-pass kernel
+/// evaluates the activation twice, once for the amax and once to quantize; the activation's own
+/// amax_out lets the quantizer read z once; GMOE_ACT_AMAX=0 restores the one-pass kernel, for
+/// comparisons: activation_amax_for_fp8).
+bool activation_amax_for_fp8();
 void quantize_activation_forward(const TensorView& h, const TensorView& counts, const ActivationOptions& act,
                                  const TensorView& probs, const Fp8QuantizeOptions& options, const Fp8Grouped& q,
                                  bool fused, Stream stream, Allocator& alloc);
 /// The backward's twin: dh (h's shape) quantized into q, and dprobs when defined (equal up to
-/// the order of its sum). The composition writes dh into `dh_scratch` (h's shape; may be h itself).
+/// the order of its sum). The composition writes dh into `dh_scratch` (h's shape; may be h itself);
+/// tensorwise always composes, as forward does.
 void quantize_activation_backward(const TensorView& h, const TensorView& dz, const TensorView& counts,
                                   const ActivationOptions& act, const TensorView& probs, const TensorView& dprobs,
                                   const Fp8QuantizeOptions& options, const Fp8Grouped& q, const TensorView& dh_scratch,

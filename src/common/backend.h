@@ -39,10 +39,11 @@ void grouped_bias_grad(const TensorView& dy, const TensorView& counts, const Exp
 void copy_rows(const TensorView& dst, const TensorView& src);
 /// Grouped activations (gmoe/activation.h).
 void grouped_activation_forward(const TensorView& h, const TensorView& counts, const TensorView& z,
-                                const ActivationOptions& options, const TensorView& probs);
+                                const ActivationOptions& options, const TensorView& probs,
+                                const TensorView& amax_out = {});
 void grouped_activation_backward(const TensorView& h, const TensorView& dz, const TensorView& counts,
                                  const TensorView& dh, const ActivationOptions& options, const TensorView& probs,
-                                 const TensorView& dprobs, const TensorView& z_out);
+                                 const TensorView& dprobs, const TensorView& z_out, const TensorView& amax_out = {});
 /// FP8 quantization: `q` holds every output view to write (checked, allocated by the caller).
 void quantize_grouped(const GroupedRows& x, const Fp8QuantizeOptions& options, const Fp8Grouped& q);
 void quantize_weights(const ExpertWeights& w, const Fp8QuantizeOptions& options, const Fp8Weights& q);
@@ -96,11 +97,12 @@ void stream_wait_event(Stream stream, void* event);
 void stream_synchronize(Stream stream);
 /// Grouped activations (gmoe/activation.h); counts stay on the device.
 void grouped_activation_forward(const TensorView& h, const TensorView& counts, const TensorView& z,
-                                const ActivationOptions& options, const TensorView& probs, Stream stream,
-                                Allocator& alloc);
+                                const ActivationOptions& options, const TensorView& probs,
+                                const TensorView& amax_out, Stream stream, Allocator& alloc);
 void grouped_activation_backward(const TensorView& h, const TensorView& dz, const TensorView& counts,
                                  const TensorView& dh, const ActivationOptions& options, const TensorView& probs,
-                                 const TensorView& dprobs, const TensorView& z_out, Stream stream, Allocator& alloc);
+                                 const TensorView& dprobs, const TensorView& z_out, const TensorView& amax_out,
+                                 Stream stream, Allocator& alloc);
 /// dst = src with the 2F rows of dimension 1 re-ordered from gate/up layout `from` to `to`; src and
 /// dst are [outer, 2F, inner] views with unit inner stride, not overlapping (FC1 weights, biases).
 void permute_glu_rows(const TensorView& src, const TensorView& dst, const GluFormat& from, const GluFormat& to,

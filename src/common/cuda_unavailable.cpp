@@ -49,12 +49,12 @@ void event_record(void*, Stream) { unavailable(); }
 void stream_wait_event(Stream, void*) { unavailable(); }
 void stream_synchronize(Stream) { unavailable(); }
 void grouped_activation_forward(const TensorView&, const TensorView&, const TensorView&, const ActivationOptions&,
-                                const TensorView&, Stream, Allocator&) {
+                                const TensorView&, const TensorView&, Stream, Allocator&) {
   unavailable();
 }
 void grouped_activation_backward(const TensorView&, const TensorView&, const TensorView&, const TensorView&,
                                  const ActivationOptions&, const TensorView&, const TensorView&, const TensorView&,
-                                 Stream, Allocator&) {
+                                 const TensorView&, Stream, Allocator&) {
   unavailable();
 }
 void permute_glu_rows(const TensorView&, const TensorView&, const GluFormat&, const GluFormat&, Stream) {

@@ -198,6 +198,16 @@ Fp8GroupedTensor quantize_grouped(const GroupedRows& x, const Fp8QuantizeOptions
   check_counts(x.counts, "x.counts", x.data.device);
   const Device device = x.data.device;
   const int64_t E = x.num_groups();
+  if (options.amax.defined()) {
+    GMOE_CHECK(options.recipe == Fp8Recipe::tensorwise, "quantize_grouped: options.amax: only the tensorwise ",
+               "recipe takes a precomputed amax, got ", fp8_recipe_name(options.recipe));
+    const TensorView& a = options.amax;
+    GMOE_CHECK(a.ndim == 1 && a.size(0) == E && a.dtype == DType::f32 && (a.stride(0) == 1 || E <= 1),
+               "quantize_grouped: options.amax: expected contiguous f32[", E, "] (one amax per expert), got ",
+               a.str());
+    GMOE_CHECK(a.data != nullptr || E == 0, "quantize_grouped: options.amax: null data");
+    check_same_device(a.device, device, "options.amax");
+  }
   if (column_sums.defined()) check_expert_bias(column_sums, "column_sums", E, x.cols(), x.data.dtype, device);
   const Fp8Grouped l = fp8_grouped_layout(x.capacity(), x.cols(), E, options, device);
   const Fp8Grouped given = out != nullptr ? *out : Fp8Grouped{};
@@ -228,6 +238,8 @@ Fp8GroupedTensor quantize_grouped(const GroupedRows& x, const Fp8QuantizeOptions
 Fp8WeightsTensor quantize_weights(const ExpertWeights& w, const Fp8QuantizeOptions& options,
                                   Stream stream, Allocator* alloc, const Fp8Weights* out) {
   check_options(options, "quantize_weights");
+  GMOE_CHECK(!options.amax.defined(), "quantize_weights: options.amax: only quantize_grouped takes a precomputed ",
+             "amax");
   check_expert_weights(w, "w");
   check_input_dtype(w.dtype(), "w");
   const Device device = w.device();

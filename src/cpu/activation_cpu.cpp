@@ -6,11 +6,13 @@
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
+#include <vector>
 
 #include "common/activation_kinds.h"
 #include "common/activation_math.h"
 #include "common/backend.h"
 #include "common/float_convert.h"
+#include "common/fp8_rules.h"
 #include "gmoe/error.h"
 
 namespace gmoe::cpu_backend {
@@ -20,6 +22,22 @@ act::Params params_of(const ActivationOptions& o) { return act::Params{o.alpha, 
 
 int64_t block_of(const ActivationOptions& o) {
   return o.glu.layout == GluLayout::interleaved ? o.glu.block : 0;
+}
+
+// amax_out[e] = the largest finite |value| of t (as stored) over expert e's rows (0 without rows).
+void expert_amax(const TensorView& t, const TensorView& counts, const TensorView& amax_out) {
+  if (!amax_out.defined()) return;
+  const std::vector<int64_t> off = host_group_offsets(counts, t.size(0));
+  float* a = static_cast<float*>(amax_out.data);
+  for (size_t e = 0; e + 1 < off.size(); ++e) {
+    float m = 0.0f;
+    for (int64_t r = off[e]; r < off[e + 1]; ++r) {
+      for (int64_t c = 0; c < t.size(1); ++c) {
+        m = std::max(m, fp8_rules::finite_abs(load_float(t.data, t.dtype, r * t.stride(0) + c)));
+      }
+    }
+    a[e] = m;
+  }
 }
 
 int64_t real_total(const TensorView& counts, int64_t capacity) {
@@ -102,23 +120,26 @@ using act::with_kind;
 }  // namespace
 
 void grouped_activation_forward(const TensorView& h, const TensorView& counts, const TensorView& z,
-                                const ActivationOptions& options, const TensorView& probs) {
+                                const ActivationOptions& options, const TensorView& probs,
+                                const TensorView& amax_out) {
   const int64_t total = real_total(counts, h.size(0));
   const float* p = probs.defined() ? static_cast<const float*>(probs.data) : nullptr;
   with_kind(options.kind, [&](auto k) {
     forward_rows<decltype(k)::value>(h, z, p, total, params_of(options), block_of(options));
   });
+  expert_amax(z, counts, amax_out);
 }
 
 void grouped_activation_backward(const TensorView& h, const TensorView& dz, const TensorView& counts,
                                  const TensorView& dh, const ActivationOptions& options, const TensorView& probs,
-                                 const TensorView& dprobs, const TensorView& z_out) {
+                                 const TensorView& dprobs, const TensorView& z_out, const TensorView& amax_out) {
   const int64_t total = real_total(counts, h.size(0));
   const float* p = probs.defined() ? static_cast<const float*>(probs.data) : nullptr;
   float* dp = dprobs.defined() ? static_cast<float*>(dprobs.data) : nullptr;
   with_kind(options.kind, [&](auto k) {
     backward_rows<decltype(k)::value>(h, dz, dh, p, dp, z_out, total, params_of(options), block_of(options));
   });
+  expert_amax(dh, counts, amax_out);
 }
 
 }  // namespace gmoe::cpu_backend

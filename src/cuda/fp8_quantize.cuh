@@ -71,6 +71,7 @@ struct QuantParams {
   void* scale_t = nullptr;                 // columnwise scales (tensorwise: a second [E] array)
   int64_t scale_t_ld = 0;
   const uint32_t* amax_bits = nullptr;     // tensorwise: [E] amax as f32 bits
+  bool amax_given = false;                 // tensorwise: amax_bits is the caller's (no amax pass)
   // Grouped rows from memory (RowsSource), optional: each tile's column sums of the source,
   // [padded_capacity / 128, cols] f32, row = the tile's padded index (its expert's 128-row chunk
   // counted from the expert's first row); blockwise / mxfp8: the tile kernel, tensorwise: the
@@ -363,6 +364,10 @@ struct RowsSource {
   __device__ void finish(const QuantParams&, const Tile&, const float (&)[kIters]) const {}
 };
 
+/// RowsSource for a tensorwise tile kernel that makes the column sums itself: with the amax given
+/// (Fp8QuantizeOptions::amax) no amax pass runs to make them.
+struct RowsSourceTileSums : RowsSource {};
+
 // ---------------------------------------------------------------------------------------------
 // Column sums (QuantParams::col_sums), in a fixed order: each thread sums its load slots in slot
 // order, the lanes of a warp that hold the same columns are added by shuffles, then the warps'
@@ -372,7 +377,8 @@ struct RowsSource {
 /// Whether kernels of source Src write col_sums: grouped rows read from memory only (the
 /// activation's sources and the weights compile without them).
 template <class Src, bool kWeights>
-constexpr bool kColumnSums = !kWeights && std::is_same<Src, RowsSource>::value;
+constexpr bool kColumnSums =
+    !kWeights && (std::is_same<Src, RowsSource>::value || std::is_same<Src, RowsSourceTileSums>::value);
 
 /// Adds a 16-byte granule's values to the thread's running column sums (V of them).
 template <typename T>
@@ -424,8 +430,9 @@ __device__ __forceinline__ void quantize_tile(const QuantParams& p, const Tile& 
                                               const Src& src, int pass, float (&dp)[kIters]) {
   extern __shared__ uint4 smem_tile[];  // [128][NV] granules, swizzled; then the source's stash
   __shared__ float warp_amax[kWarps];
-  // Column sums here unless tensorwise (its amax pass makes them).
-  constexpr bool kSums = kColumnSums<Src, kWeights> && R != Fp8Recipe::tensorwise;
+  // Column sums here unless tensorwise (its amax pass makes them, unless the amax was given).
+  constexpr bool kSums =
+      kColumnSums<Src, kWeights> && (R != Fp8Recipe::tensorwise || std::is_same<Src, RowsSourceTileSums>::value);
   __shared__ __align__(16) float col_red[kSums ? kWarps : 1][kTile];
   constexpr int V = 16 / sizeof(T);          // elements per granule
   constexpr int NV = kTile / V;              // granules per tile row (16 or 32)
@@ -741,6 +748,16 @@ void launch_typed(Fp8Recipe r, const QuantParams& p, dim3 grid, uint32_t* amax, 
                   const Src& src = Src()) {
   switch (r) {
     case Fp8Recipe::tensorwise:
+      if (p.amax_given) {  // no amax pass: the tile kernel makes the column sums
+        if constexpr (!kWeights && std::is_same<Src, RowsSource>::value) {
+          if (p.col_sums != nullptr) {
+            launch_tile<T, Fp8Recipe::tensorwise, false>(p, grid, RowsSourceTileSums{}, stream);
+            return;
+          }
+        }
+        launch_tile<T, Fp8Recipe::tensorwise, kWeights>(p, grid, src, stream);
+        return;
+      }
       GMOE_CUDA_CHECK(cudaMemsetAsync(amax, 0, sizeof(uint32_t) * p.num_experts, stream));
       if (Src::kStashBytes > 0) {
         GMOE_CUDA_CHECK(cudaFuncSetAttribute(amax_tile_kernel<T, kWeights, Src>,

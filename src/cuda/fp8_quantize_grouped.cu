@@ -50,7 +50,9 @@ QuantParams grouped_params(const TensorView& counts, int64_t cap, int64_t cols, 
     p.scale_ld = (cols + kMxBlock - 1) / kMxBlock;
     p.scale_t_ld = q.padded_capacity / kMxBlock;
   }
-  p.amax_bits = reinterpret_cast<uint32_t*>(offsets + E + 1);
+  p.amax_given = o.amax.defined();  // (f32 [E], checked: its bits are what the amax pass would write)
+  p.amax_bits = p.amax_given ? static_cast<const uint32_t*>(o.amax.data)
+                             : reinterpret_cast<uint32_t*>(offsets + E + 1);
   p.vec_t = p.data_t == nullptr || aligned(p.data_t, 16);
   grid = dim3(static_cast<unsigned>(q.padded_capacity / kTile), static_cast<unsigned>(col_tiles));
   return p;

@@ -17,6 +17,13 @@
 // warp shuffles combines the 32 partials in a fixed tree: deterministic, no atomics, and the
 // result does not depend on the batch around the row.
 //
+// amax_out (optional, for a tensorwise FP8 quantization of the output that follows): each lane
+// keeps the largest finite |value| of what it stored (as rounded to the output dtype) over a row,
+// the warp reduces it at the row's end and one atomicMax on the f32 bits goes to the row's expert
+// (found by binary search in the offsets). Non-negative floats order like their bits, so the
+// result does not depend on the order: deterministic. The dh or z read back by the quantizer gives
+// the same amax, so its scale and bits are those of the quantizer's own amax pass.
+//
 // The real total of rows comes from launch_group_offsets (one warp: counts clamped like the GEMMs',
 // problems recorded in the device error word): rows at or past it get zeros, so the grid and every
 // bound are host-known and the kernels are graph-capturable under any routing.
@@ -32,6 +39,7 @@
 
 #include "common/activation_math.h"
 #include "common/backend.h"
+#include "common/fp8_rules.h"
 #include "cuda/activation_common.cuh"
 #include "cuda/alignment.h"
 #include "cuda/cuda_check.h"
@@ -93,8 +101,35 @@ struct ActArgs : act_common::HArgs {
   int regroup = 0;
 };
 
-template <typename T, int VEC, ActivationKind K>
-__global__ void __launch_bounds__(kThreads) activation_forward_kernel(ActArgs a) {
+// amax_out: [E] f32 bits, zeroed before; the experts' row offsets [E+1]. A kernel parameter of its
+// own: ActArgs grown by these fields made nvcc address the parameter block through a pointer and
+// compile the concatenated backward's row loop as one version instead of two (a loop unswitched
+// on the run-time options): 2.7x slower on an H100 (dsv3_ep32: 677 µs against about 250).
+struct AmaxArgs {
+  uint32_t* amax = nullptr;
+  const int64_t* offsets = nullptr;
+  int num_experts = 0;
+};
+
+// The largest finite |value| of a pack, into m.
+template <typename T, int VEC>
+__device__ __forceinline__ void pack_amax(float& m, const Pack<T, VEC>& v) {
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) m = fmaxf(m, fp8_rules::finite_abs(to_f(v.v[i])));
+}
+
+// Row r's amax (each lane's m) into its expert's word: every lane of the warp calls it.
+__device__ __forceinline__ void flush_row_amax(AmaxArgs x, int64_t r, float m) {
+#pragma unroll
+  for (int d = 16; d >= 1; d >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, d));
+  if ((threadIdx.x & 31) == 0 && m > 0.0f) {
+    atomicMax(&x.amax[find_group(x.offsets, x.num_experts, r)], __float_as_uint(m));
+  }
+}
+
+// kAmax: amax_out asked for (x.amax); without it the kernels compile as they do alone.
+template <typename T, int VEC, ActivationKind K, bool kAmax>
+__global__ void __launch_bounds__(kThreads) activation_forward_kernel(ActArgs a, AmaxArgs x) {
   constexpr bool kGated = K != ActivationKind::squared_relu;
   const int lane = threadIdx.x & 31;
   const int64_t first_warp = (int64_t(blockIdx.x) * kThreads + threadIdx.x) >> 5;
@@ -110,6 +145,7 @@ __global__ void __launch_bounds__(kThreads) activation_forward_kernel(ActArgs a)
     }
     const T* h = static_cast<const T*>(a.h) + r * a.ld_h;
     const float p = a.probs != nullptr ? a.probs[r] : 1.0f;
+    [[maybe_unused]] float m = 0.0f;  // kAmax: the largest |z| this lane stored
     for (int c = lane; c < chunks; c += 32) {
       const int j = c * VEC;
       Pack<T, VEC> out;
@@ -127,7 +163,9 @@ __global__ void __launch_bounds__(kThreads) activation_forward_kernel(ActArgs a)
         for (int i = 0; i < VEC; ++i) out.v[i] = from_f<T>(act::squared_relu_value(to_f(x.v[i])) * p);
       }
       store_pack<T, VEC>(z + j, out);
+      if constexpr (kAmax) pack_amax<T, VEC>(m, out);
     }
+    if constexpr (kAmax) flush_row_amax(x, r, m);
   }
 }
 
@@ -189,8 +227,8 @@ __device__ __forceinline__ void regroup_store_row(T* dh_round, const Pack<T, VEC
 // kRegroup: dh's stores regrouped into whole rounds (a.regroup = chunks per block); a kernel of
 // its own, so that the direct path compiles as it does alone (sharing one kernel measured the
 // concatenated layout 2.7x slower).
-template <typename T, int VEC, ActivationKind K, bool kRegroup>
-__global__ void __launch_bounds__(kThreads) activation_backward_kernel(ActArgs a) {
+template <typename T, int VEC, ActivationKind K, bool kRegroup, bool kAmax>
+__global__ void __launch_bounds__(kThreads) activation_backward_kernel(ActArgs a, AmaxArgs x) {
   constexpr bool kGated = K != ActivationKind::squared_relu;
   const int lane = threadIdx.x & 31;
   const int64_t first_warp = (int64_t(blockIdx.x) * kThreads + threadIdx.x) >> 5;
@@ -211,6 +249,7 @@ __global__ void __launch_bounds__(kThreads) activation_backward_kernel(ActArgs a
     const T* dz = static_cast<const T*>(a.dz) + r * a.ld_dz;
     const float p = a.probs != nullptr ? a.probs[r] : 1.0f;
     float dp = 0.0f;
+    [[maybe_unused]] float m = 0.0f;  // kAmax: the largest |dh| this lane stored
     if constexpr (kGated && kRegroup) {
       // Whole rounds of 32 chunks, every lane in each (the stores shuffle across the warp).
       for (int base = 0; base < chunks; base += 32) {
@@ -223,6 +262,10 @@ __global__ void __launch_bounds__(kThreads) activation_backward_kernel(ActArgs a
           gated_backward_values<T, VEC, K>(load_pack<T, VEC>(dz + j), load_pack<T, VEC>(h + gc),
                                            load_pack<T, VEC>(h + gc + up), p, a.prm, dg, du, zo, dp);
           if (z != nullptr) store_pack<T, VEC>(z + j, zo);
+          if constexpr (kAmax) {
+            pack_amax<T, VEC>(m, dg);
+            pack_amax<T, VEC>(m, du);
+          }
         }
         // Every lane has read its h above; the shuffles order those reads before any store
         // over them (dh may alias h).
@@ -242,6 +285,10 @@ __global__ void __launch_bounds__(kThreads) activation_backward_kernel(ActArgs a
         // h is read completely above before dh (which may alias h) is written.
         store_pack<T, VEC>(dh + gc, dg);
         store_pack<T, VEC>(dh + gc + up, du);
+        if constexpr (kAmax) {
+          pack_amax<T, VEC>(m, dg);
+          pack_amax<T, VEC>(m, du);
+        }
       } else {
         const Pack<T, VEC> x = load_pack<T, VEC>(h + j);
         Pack<T, VEC> dx;
@@ -255,9 +302,11 @@ __global__ void __launch_bounds__(kThreads) activation_backward_kernel(ActArgs a
           dp += gi * av;
         }
         store_pack<T, VEC>(dh + j, dx);
+        if constexpr (kAmax) pack_amax<T, VEC>(m, dx);
       }
       if (z != nullptr) store_pack<T, VEC>(z + j, zo);
     }
+    if constexpr (kAmax) flush_row_amax(x, r, m);
     if (a.dprobs != nullptr) {
 #pragma unroll
       for (int d = 16; d >= 1; d >>= 1) dp += __shfl_xor_sync(0xffffffffu, dp, d);
@@ -300,7 +349,8 @@ ActArgs common_args(const TensorView& h, int64_t F, const ActivationOptions& o) 
 
 // Launches kernel<T, VEC, K> over a full-occupancy grid of warps (one warp per row at a time).
 template <template <typename, int, ActivationKind> class Kernel>
-void launch(DType dt, ActivationKind kind, bool vectorize, const ActArgs& a, cudaStream_t stream) {
+void launch(DType dt, ActivationKind kind, bool vectorize, const ActArgs& a, const AmaxArgs& x,
+            cudaStream_t stream) {
   const int64_t blocks_needed = (a.capacity + kWarpsPerBlock - 1) / kWarpsPerBlock;
   const int64_t resident = int64_t(sm_count(current_device())) * (kMaxThreadsPerSm / kThreads);
   const unsigned blocks = static_cast<unsigned>(std::min(blocks_needed, resident));
@@ -310,9 +360,9 @@ void launch(DType dt, ActivationKind kind, bool vectorize, const ActArgs& a, cud
     with_kind(kind, [&](auto k) {
       constexpr ActivationKind K = decltype(k)::value;
       if (vectorize) {
-        Kernel<T, kVec, K>::launch(blocks, stream, a);
+        Kernel<T, kVec, K>::launch(blocks, stream, a, x);
       } else {
-        Kernel<T, 1, K>::launch(blocks, stream, a);
+        Kernel<T, 1, K>::launch(blocks, stream, a, x);
       }
     });
   });
@@ -321,32 +371,53 @@ void launch(DType dt, ActivationKind kind, bool vectorize, const ActArgs& a, cud
 
 template <typename T, int VEC, ActivationKind K>
 struct ForwardKernel {
-  static void launch(unsigned blocks, cudaStream_t s, const ActArgs& a) {
-    activation_forward_kernel<T, VEC, K><<<blocks, kThreads, 0, s>>>(a);
+  static void launch(unsigned blocks, cudaStream_t s, const ActArgs& a, const AmaxArgs& x) {
+    if (x.amax != nullptr) {
+      activation_forward_kernel<T, VEC, K, true><<<blocks, kThreads, 0, s>>>(a, x);
+    } else {
+      activation_forward_kernel<T, VEC, K, false><<<blocks, kThreads, 0, s>>>(a, x);
+    }
   }
 };
 template <typename T, int VEC, ActivationKind K>
 struct BackwardKernel {
-  static void launch(unsigned blocks, cudaStream_t s, const ActArgs& a) {
+  template <bool kAmax>
+  static void launch_amax(unsigned blocks, cudaStream_t s, const ActArgs& a, const AmaxArgs& x) {
     if constexpr (VEC > 1 && K != ActivationKind::squared_relu) {
       if (a.regroup != 0) {
-        activation_backward_kernel<T, VEC, K, true><<<blocks, kThreads, 0, s>>>(a);
+        activation_backward_kernel<T, VEC, K, true, kAmax><<<blocks, kThreads, 0, s>>>(a, x);
         return;
       }
     }
-    activation_backward_kernel<T, VEC, K, false><<<blocks, kThreads, 0, s>>>(a);
+    activation_backward_kernel<T, VEC, K, false, kAmax><<<blocks, kThreads, 0, s>>>(a, x);
+  }
+  static void launch(unsigned blocks, cudaStream_t s, const ActArgs& a, const AmaxArgs& x) {
+    if (x.amax != nullptr) {
+      launch_amax<true>(blocks, s, a, x);
+    } else {
+      launch_amax<false>(blocks, s, a, x);
+    }
   }
 };
 
-// The clamped real total (offsets[E] of launch_group_offsets), in scratch that lives on `stream`
-// until the caller's Buffer goes out of scope after its launches.
-const int64_t* launch_total(const TensorView& counts, int64_t capacity, Buffer& scratch, Allocator& alloc,
-                            Stream stream) {
+// The clamped real total (offsets[E] of launch_group_offsets) into a and the experts' row offsets
+// into the result, in scratch that lives on `stream` until the caller's Buffer goes out of scope
+// after its launches; amax_out (optional, f32 [E]) zeroed for the kernel's atomicMax.
+AmaxArgs launch_offsets(const TensorView& counts, const TensorView& amax_out, ActArgs& a, Buffer& scratch,
+                        Allocator& alloc, Stream stream) {
   const int64_t E = counts.size(0);
   scratch = Buffer(alloc, static_cast<size_t>(E + 1) * sizeof(int64_t), stream);
   int64_t* offsets = static_cast<int64_t*>(scratch.data());
-  launch_group_offsets(counts, capacity, offsets, nullptr, 1, 1, stream);
-  return offsets + E;
+  launch_group_offsets(counts, a.capacity, offsets, nullptr, 1, 1, stream);
+  a.total = offsets + E;
+  AmaxArgs x;
+  x.offsets = offsets;
+  x.num_experts = static_cast<int>(E);
+  if (amax_out.defined() && E > 0) {
+    x.amax = static_cast<uint32_t*>(amax_out.data);
+    GMOE_CUDA_CHECK(cudaMemsetAsync(x.amax, 0, sizeof(uint32_t) * E, stream));
+  }
+  return x;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -393,32 +464,35 @@ __global__ void permute_glu_rows_kernel(PermuteArgs a) {
 }  // namespace
 
 void grouped_activation_forward(const TensorView& h, const TensorView& counts, const TensorView& z,
-                                const ActivationOptions& options, const TensorView& probs, Stream stream_,
-                                Allocator& alloc) {
+                                const ActivationOptions& options, const TensorView& probs,
+                                const TensorView& amax_out, Stream stream_, Allocator& alloc) {
   const cudaStream_t stream = stream_;
   DeviceGuard guard(h.device.index);
   ActArgs a = common_args(h, z.size(1), options);
-  if (a.capacity == 0 || a.F == 0) return;
+  if (a.capacity == 0 || a.F == 0) {  // no values: every expert's amax is 0
+    if (amax_out.defined()) zero_bytes(amax_out.data, sizeof(float) * amax_out.size(0), stream_);
+    return;
+  }
   a.z = z.data;
   a.ld_z = z.stride(0);
   a.probs = probs.defined() ? static_cast<const float*>(probs.data) : nullptr;
   const TensorView* views[] = {&h, &z};
   const bool vec = can_vectorize(a, 16 / int(dtype_size(h.dtype)), views, 2);
   Buffer scratch;
-  a.total = launch_total(counts, a.capacity, scratch, alloc, stream_);
-  launch<ForwardKernel>(h.dtype, options.kind, vec, a, stream);
+  const AmaxArgs x = launch_offsets(counts, amax_out, a, scratch, alloc, stream_);
+  launch<ForwardKernel>(h.dtype, options.kind, vec, a, x, stream);
 }
 
 void grouped_activation_backward(const TensorView& h, const TensorView& dz, const TensorView& counts,
                                  const TensorView& dh, const ActivationOptions& options, const TensorView& probs,
-                                 const TensorView& dprobs, const TensorView& z_out, Stream stream_,
-                                 Allocator& alloc) {
+                                 const TensorView& dprobs, const TensorView& z_out, const TensorView& amax_out,
+                                 Stream stream_, Allocator& alloc) {
   const cudaStream_t stream = stream_;
   DeviceGuard guard(h.device.index);
   ActArgs a = common_args(h, dz.size(1), options);
-  if (a.capacity == 0) return;
-  if (a.F == 0) {  // nothing per column; each row's dprobs is an empty sum
-    if (dprobs.defined()) GMOE_CUDA_CHECK(cudaMemsetAsync(dprobs.data, 0, a.capacity * sizeof(float), stream));
+  if (a.capacity == 0 || a.F == 0) {  // nothing per column: each row's dprobs is an empty sum, amax 0
+    if (dprobs.defined() && a.capacity > 0) zero_bytes(dprobs.data, a.capacity * sizeof(float), stream_);
+    if (amax_out.defined()) zero_bytes(amax_out.data, sizeof(float) * amax_out.size(0), stream_);
     return;
   }
   a.dz = dz.data;
@@ -435,8 +509,8 @@ void grouped_activation_backward(const TensorView& h, const TensorView& dz, cons
   // Interleave blocks whose gate/up pairs tile a round of 32 chunks: regrouped stores.
   if (vec && a.block != 0 && (32 * vec_elems) % a.block == 0) a.regroup = a.block / vec_elems;
   Buffer scratch;
-  a.total = launch_total(counts, a.capacity, scratch, alloc, stream_);
-  launch<BackwardKernel>(h.dtype, options.kind, vec, a, stream);
+  const AmaxArgs x = launch_offsets(counts, amax_out, a, scratch, alloc, stream_);
+  launch<BackwardKernel>(h.dtype, options.kind, vec, a, x, stream);
 }
 
 void permute_glu_rows(const TensorView& src, const TensorView& dst, const GluFormat& from, const GluFormat& to,

@@ -363,7 +363,7 @@ void grouped_gemm_fprop_activation(const TensorView& x, const ExpertWeights& w, 
                                    const ExpertBias& bias) {
   if (!activation_fusable(x, bias, z, options)) {
     cuda_backend::grouped_gemm_fprop(x, w, counts, h, stream, alloc, bias);
-    cuda_backend::grouped_activation_forward(h, counts, z, options, probs, stream, alloc);
+    cuda_backend::grouped_activation_forward(h, counts, z, options, probs, {}, stream, alloc);
     return;
   }
   const FusedActivation act{z, options, probs};

@@ -353,6 +353,11 @@ void GroupedLinear::compute_wgrad(GroupedLinearContext& ctx, GroupedLinearGrads&
 
 GroupedLinearBackward GroupedLinear::backward(GroupedLinearContext& ctx, const TensorView& dy, Stream stream,
                                               const TensorView& dgrad_out) {
+  return backward_impl(ctx, dy, stream, dgrad_out, {});
+}
+
+GroupedLinearBackward GroupedLinear::backward_impl(GroupedLinearContext& ctx, const TensorView& dy, Stream stream,
+                                                   const TensorView& dgrad_out, const TensorView& dy_amax) {
   GroupedLinearContext::State& st = *ctx.state_;
   GMOE_CHECK(st.active && !st.wgrad_pending, "ctx: backward needs a context filled by forward (and not yet ",
              "consumed by backward)");
@@ -370,7 +375,8 @@ GroupedLinearBackward GroupedLinear::backward(GroupedLinearContext& ctx, const T
     // and the bias gradient (dy's column sums). That goes to a small buffer of its own, copied into
     // the gradients later: allocating them here would hold the weight gradient and dy's rowwise
     // copy (freed after dgrad) at once, raising the peak by that copy.
-    const Fp8QuantizeOptions qo = fp8_grad_options();
+    Fp8QuantizeOptions qo = fp8_grad_options();
+    if (fp8_tensorwise()) qo.amax = dy_amax;
     Fp8Placed dyq = place_fp8(dy.size(0), dy.size(1), qo, dy.device, stream);
     ExpertBias column_sums;
     if (bias_.defined() && fused_bias_grad()) {

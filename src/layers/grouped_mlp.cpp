@@ -241,6 +241,7 @@ GroupedMLPBackward GroupedMLP::backward(GroupedMLPContext& ctx, const TensorView
   }
   const TensorView h = st.h.view();
   GroupedLinear::Fp8Placed dhq;
+  Tensor dh_amax;
   const bool quantize_dh = fp8_quantize_dh();
   if (quantize_dh) {
     // FP8: dh quantized by the activation's backward itself (h is not read after it).
@@ -249,8 +250,10 @@ GroupedMLPBackward GroupedMLP::backward(GroupedMLPContext& ctx, const TensorView
     quantize_activation_backward(h, b2.dx, st.counts, options_.activation, st.probs, result.dprobs.view(), qo,
                                  dhq.q, h, true, stream, alloc);
   } else {
+    // Tensorwise FP8: dh's amax from this pass, so that FC1's quantization of dh reads it once.
+    if (fc1_.fp8_tensorwise() && activation_amax_for_fp8()) dh_amax = Tensor::empty({num_experts()}, DType::f32, alloc, stream);
     grouped_activation_backward(h, b2.dx, st.counts, h, options_.activation, st.probs, result.dprobs.view(),
-                                z_rebuilt.view(), stream, &alloc);
+                                z_rebuilt.view(), stream, &alloc, dh_amax.view());
   }
   b2.dx.release_on(stream);
   const bool fc2_delayed = options_.fc2.delay_wgrad;
@@ -264,7 +267,8 @@ GroupedMLPBackward GroupedMLP::backward(GroupedMLPContext& ctx, const TensorView
   if (!fc2_delayed) st.z.release_on(stream);
   // FC1: dx = dh·W1_e, db1; dW1 now unless delayed (dh stays in st.h until then, unless quantized).
   GroupedLinearBackward b1 = quantize_dh ? fc1_.backward_fp8(st.fc1, std::move(dhq), dt, stream, dgrad_out)
-                                         : fc1_.backward(st.fc1, h, stream, dgrad_out);
+                                         : fc1_.backward_impl(st.fc1, h, stream, dgrad_out, dh_amax.view());
+  dh_amax.release_on(stream);
   result.dx = std::move(b1.dx);
   result.grads.fc1 = std::move(b1.grads);
   st.fc1_pending = options_.fc1.delay_wgrad;

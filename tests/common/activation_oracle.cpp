@@ -236,3 +236,38 @@ std::string activation_case_name(const ActivationOptions& o) {
 }
 
 }  // namespace gmoe::test
+
+namespace gmoe::test {
+
+std::vector<float> expert_amax(const HostTensor& t, const std::vector<int64_t>& counts) {
+  const int64_t cols = t.shape().size() == 2 ? t.shape()[1] : 0;
+  std::vector<float> amax(counts.size(), 0.0f);
+  int64_t row = 0;
+  for (size_t e = 0; e < counts.size(); ++e) {
+    for (int64_t r = row; r < row + std::max<int64_t>(counts[e], 0); ++r) {
+      for (int64_t c = 0; c < cols; ++c) {
+        const float v = std::abs(static_cast<float>(t.get(r * cols + c)));
+        if (std::isfinite(v)) amax[e] = std::max(amax[e], v);
+      }
+    }
+    row += std::max<int64_t>(counts[e], 0);
+  }
+  return amax;
+}
+
+::testing::AssertionResult amax_matches(const HostTensor& amax, const HostTensor& t, const std::vector<int64_t>& counts,
+                                        const std::string& what) {
+  const std::vector<float> want = expert_amax(t, counts);
+  if (amax.numel() != static_cast<int64_t>(want.size())) {
+    return ::testing::AssertionFailure() << what << ": " << amax.numel() << " values, expected " << want.size();
+  }
+  for (size_t e = 0; e < want.size(); ++e) {
+    const float got = static_cast<float>(amax.get(static_cast<int64_t>(e)));
+    if (!(got == want[e]) || std::signbit(got)) {
+      return ::testing::AssertionFailure() << what << ": expert " << e << " amax " << got << ", expected " << want[e];
+    }
+  }
+  return ::testing::AssertionSuccess();
+}
+
+}  // namespace gmoe::test

@@ -64,4 +64,12 @@ HostTensor random_activation_input(const ActivationOptions& o, DType dt, int64_t
 /// "swiglu", "geglu_tanh", "clamped_swiglu" ... with the GLU layout: for test names.
 std::string activation_case_name(const ActivationOptions& o);
 
+/// Each expert's largest finite |value| of t ([capacity, cols], contiguous) over its rows, as f32
+/// (0 for an expert without rows): what grouped_activation_*'s amax_out must hold for the output t.
+/// `counts` as given to the op (every test total fits the capacity).
+std::vector<float> expert_amax(const HostTensor& t, const std::vector<int64_t>& counts);
+/// `amax` (an amax_out, f32 [E]) is bitwise expert_amax(t, counts); else a failure naming `what`.
+::testing::AssertionResult amax_matches(const HostTensor& amax, const HostTensor& t, const std::vector<int64_t>& counts,
+                                        const std::string& what);
+
 }  // namespace gmoe::test

@@ -117,6 +117,18 @@ TEST_P(CpuActivation, ForwardBackwardAgainstExact) {
       grouped_activation_backward(h.view(), dz.view(), counts.view(), dh2.view(), o, pv);
       EXPECT_TRUE(bitwise_equal(dh2, dh, "dh without dprobs/z_out"));
 
+      // amax_out: each expert's largest finite |output| over its rows; the outputs unchanged.
+      const int64_t E = static_cast<int64_t>(s.counts.size());
+      HostTensor z3(dt, {cap, kF}), dh3(dt, {cap, cols}), za(DType::f32, {E}), dha(DType::f32, {E});
+      for (HostTensor* t : {&z3, &dh3, &za, &dha}) poison(*t);
+      grouped_activation_forward(h.view(), counts.view(), z3.view(), o, pv, nullptr, nullptr, za.view());
+      grouped_activation_backward(h.view(), dz.view(), counts.view(), dh3.view(), o, pv, {}, {}, nullptr, nullptr,
+                                  dha.view());
+      EXPECT_TRUE(bitwise_equal(z3, z, "z with amax_out"));
+      EXPECT_TRUE(bitwise_equal(dh3, dh, "dh with amax_out"));
+      EXPECT_TRUE(amax_matches(za, z, s.counts, "z's amax_out"));
+      EXPECT_TRUE(amax_matches(dha, dh, s.counts, "dh's amax_out"));
+
       // In place: dh written over h.
       HostTensor hd = copy_of(h);
       HostTensor dprobs2(DType::f32, {cap});
@@ -386,6 +398,27 @@ TEST(CpuActivationApi, BadArgumentsNameTheArgument) {
   GMOE_EXPECT_ERROR(grouped_activation_backward(h.view(), dz.view(), counts.view(), dh.view(), o, probs.view(),
                                                 dprobs.view(), dz.view()),
                     "z_out and dz overlap");
+
+  // amax_out: f32, one per expert, contiguous, apart from the other tensors.
+  HostTensor amax3(DType::f32, {3}), amax_bf16(DType::bf16, {2}), amax4(DType::f32, {4});
+  GMOE_EXPECT_ERROR(grouped_activation_forward(h.view(), counts.view(), z.view(), o, {}, nullptr, nullptr, amax3.view()),
+                    "amax_out:", "f32[2]");
+  GMOE_EXPECT_ERROR(
+      grouped_activation_forward(h.view(), counts.view(), z.view(), o, {}, nullptr, nullptr, amax_bf16.view()),
+      "amax_out:", "f32[2]");
+  const TensorView amax_strided(amax4.data(), DType::f32, Device::cpu(), {2}, {2});
+  GMOE_EXPECT_ERROR(grouped_activation_forward(h.view(), counts.view(), z.view(), o, {}, nullptr, nullptr, amax_strided),
+                    "amax_out:", "contiguous");
+  const TensorView amax_in_z(z.data(), DType::f32, Device::cpu(), {2});
+  GMOE_EXPECT_ERROR(grouped_activation_forward(h.view(), counts.view(), z.view(), o, {}, nullptr, nullptr, amax_in_z),
+                    "amax_out and z overlap");
+  const TensorView amax_in_dh(dh.data(), DType::f32, Device::cpu(), {2});
+  GMOE_EXPECT_ERROR(grouped_activation_backward(h.view(), dz.view(), counts.view(), dh.view(), o, {}, {}, {}, nullptr,
+                                                nullptr, amax_in_dh),
+                    "amax_out and dh overlap");
+  GMOE_EXPECT_ERROR(grouped_activation_backward(h.view(), dz.view(), counts.view(), dh.view(), o, {}, {}, {}, nullptr,
+                                                nullptr, amax3.view()),
+                    "amax_out:", "f32[2]");
 }
 
 }  // namespace

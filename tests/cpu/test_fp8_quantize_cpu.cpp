@@ -12,6 +12,7 @@
 #include <limits>
 #include <tuple>
 
+#include "common/activation_oracle.h"
 #include "common/expect_error.h"
 #include "common/float_convert.h"
 #include "common/fp8_oracle.h"
@@ -417,6 +418,46 @@ TEST_P(CpuFp8Grouped, ColumnSumsAreTheBiasGradient) {
   }
 }
 
+TEST_P(CpuFp8Grouped, GivenAmaxGivesTheSameBits) {
+  // Fp8QuantizeOptions::amax (tensorwise): each expert's amax given, the same copies and scales
+  // as the oracle's (which computes it); a smaller given amax saturates (the largest value of the
+  // format), a larger one gives the scale it implies. Other recipes refuse it.
+  Rng rng;
+  const Fp8Recipe recipe = std::get<0>(GetParam());
+  for (const GroupedCase& c : grouped_cases(rng)) {
+    SCOPED_TRACE(c.name);
+    const int64_t E = static_cast<int64_t>(c.counts.size());
+    const HostTensor x = grouped_input(dtype(), c.capacity, c.cols, rng, false);
+    const HostTensor counts = make_counts(c.counts, rng.integer(0, 1) ? DType::i32 : DType::i64);
+    const GroupedRows rows{x.view(), counts.view()};
+    const std::vector<float> amax_v = expert_amax(x, c.counts);
+    HostTensor amax(DType::f32, {E});
+    for (int64_t e = 0; e < E; ++e) amax.set(e, amax_v[e]);
+    Fp8QuantizeOptions o = options(true, true);
+    o.amax = amax.view();
+    if (recipe != Fp8Recipe::tensorwise) {
+      GMOE_EXPECT_ERROR(quantize_grouped(rows, o), "options.amax", "only the tensorwise");
+      return;
+    }
+    expect_grouped_equal(quantize_grouped(rows, o).q, fp8::oracle_grouped(x, c.counts, options(true, true)), o);
+    // Half the amax: every value above it saturates to the format's largest.
+    for (int64_t e = 0; e < E; ++e) amax.set(e, amax_v[e] / 2);
+    const Fp8GroupedTensor half = quantize_grouped(rows, o);
+    const float fmax = fp8_max(o.format);
+    for (int64_t e = 0, row = 0; e < E; row += c.counts[e], ++e) {
+      for (int64_t r = row; r < row + c.counts[e] && amax_v[e] > 0; ++r) {
+        for (int64_t col = 0; col < c.cols; ++col) {
+          const double v = x.get(r * c.cols + col);
+          if (std::abs(v) > amax_v[e] / 2) {
+            const double q = fp8::decode(static_cast<const uint8_t*>(half.q.data.data)[r * c.cols + col], o.format);
+            ASSERT_EQ(std::abs(q), fmax) << "row " << r << " col " << col << " value " << v;
+          }
+        }
+      }
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Recipes, CpuFp8Grouped,
     ::testing::Combine(::testing::Values(Fp8Recipe::tensorwise, Fp8Recipe::blockwise, Fp8Recipe::mxfp8),
@@ -553,6 +594,23 @@ TEST(Fp8Errors, BadArguments) {
   GMOE_EXPECT_ERROR(quantize_grouped({x.view(), too_many.view()}, o), "x.counts", "past the capacity");
   const HostTensor negative = make_counts({-1, 5});
   GMOE_EXPECT_ERROR(quantize_grouped({x.view(), negative.view()}, o), "x.counts[0]", "negative");
+
+  // A given amax: tensorwise, f32, one per expert; never for weights.
+  HostTensor amax2(DType::f32, {2}), amax3(DType::f32, {3}), amax_bf16(DType::bf16, {2});
+  bad = o;
+  bad.recipe = Fp8Recipe::tensorwise;
+  bad.amax = amax3.view();
+  GMOE_EXPECT_ERROR(quantize_grouped(rows, bad), "options.amax", "f32[2]");
+  bad.amax = amax_bf16.view();
+  GMOE_EXPECT_ERROR(quantize_grouped(rows, bad), "options.amax", "f32[2]");
+  bad.amax = amax2.view();
+  bad.recipe = Fp8Recipe::mxfp8;
+  GMOE_EXPECT_ERROR(quantize_grouped(rows, bad), "options.amax", "only the tensorwise");
+  bad.recipe = Fp8Recipe::tensorwise;
+  HostTensor w16(DType::bf16, {2, 16, 16});
+  fill_random(w16, rng);
+  GMOE_EXPECT_ERROR(quantize_weights(ExpertWeights::from_stacked(w16.view()), bad), "quantize_weights",
+                    "options.amax");
 
   // Caller-given outputs of the wrong shape / dtype.
   HostTensor small(DType::e4m3, {8, 15});

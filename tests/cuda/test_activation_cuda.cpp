@@ -107,6 +107,21 @@ TEST_P(CudaActivation, MatchesTheCpuByTheRule) {
       EXPECT_TRUE(within_rule(gdh.to_double(), cdh.to_double(), ex.dh, max_of(ex.dh_slack), "dh"));
       EXPECT_TRUE(within_rule(gdp.to_double(), cdp.to_double(), ex.dprobs, max_of(ex.dprobs_slack), "dprobs"));
       EXPECT_TRUE(bitwise_equal(gzo, gz, "z recomputed in backward vs forward's z"));
+
+      // amax_out (poisoned first: the op zeroes it): each expert's largest finite |output|, from the
+      // kernels' own pass; the outputs unchanged.
+      const int64_t E = static_cast<int64_t>(s.counts.size());
+      HostTensor amax0(DType::f32, {E});
+      poison(amax0);
+      DeviceTensor za(amax0), dha(amax0), z3(z0), dh3(dh0);
+      grouped_activation_forward(dh_in.view(), dcounts.view(), z3.view(), o, pv, stream, nullptr, za.view());
+      grouped_activation_backward(dh_in.view(), ddz.view(), dcounts.view(), dh3.view(), o, pv, {}, {}, stream, nullptr,
+                                  dha.view());
+      GMOE_TEST_CUDA(cudaStreamSynchronize(stream));
+      EXPECT_TRUE(bitwise_equal(download(z3), gz, "z with amax_out"));
+      EXPECT_TRUE(bitwise_equal(download(dh3), gdh, "dh with amax_out"));
+      EXPECT_TRUE(amax_matches(download(za), gz, s.counts, "z's amax_out"));
+      EXPECT_TRUE(amax_matches(download(dha), gdh, s.counts, "dh's amax_out"));
       for (int64_t r = total; r < cap; ++r) {
         ASSERT_EQ(gdp.get(r), 0.0) << "dprobs row " << r << " past the total";
         for (int64_t c = 0; c < kF; ++c) ASSERT_EQ(gz.get(r * kF + c), 0.0) << "z row " << r;
@@ -130,14 +145,17 @@ TEST_P(CudaActivation, MatchesTheCpuByTheRule) {
           for (int64_t c = 0; c < cols; ++c) hp.set(r * (cols + 1) + c, h.get(r * cols + c));
           for (int64_t c = 0; c < kF; ++c) dzp.set(r * (kF + 1) + c, dz.get(r * kF + c));
         }
-        DeviceTensor dhp(hp), ddzp(dzp), dpz(pz), dpdh(pdh), dp3(dp0);
+        DeviceTensor dhp(hp), ddzp(dzp), dpz(pz), dpdh(pdh), dp3(dp0), za2(amax0), dha2(amax0);
         auto strided = [](const DeviceTensor& t, DType d, int64_t rows, int64_t c) {
           return TensorView(t.data(), d, Device::cuda(0), {rows, c}, {c + 1, 1});
         };
         grouped_activation_forward(strided(dhp, dt, cap, cols), dcounts.view(), strided(dpz, dt, cap, kF), o, pv,
-                                   stream);
+                                   stream, nullptr, za2.view());
         grouped_activation_backward(strided(dhp, dt, cap, cols), strided(ddzp, dt, cap, kF), dcounts.view(),
-                                    strided(dpdh, dt, cap, cols), o, pv, dp3.view(), {}, stream);
+                                    strided(dpdh, dt, cap, cols), o, pv, dp3.view(), {}, stream, nullptr, dha2.view());
+        GMOE_TEST_CUDA(cudaStreamSynchronize(stream));
+        EXPECT_TRUE(amax_matches(download(za2), gz, s.counts, "z's amax_out (element path)"));
+        EXPECT_TRUE(amax_matches(download(dha2), gdh, s.counts, "dh's amax_out (element path)"));
         GMOE_TEST_CUDA(cudaStreamSynchronize(stream));
         const HostTensor spz = download(dpz), spdh = download(dpdh);
         HostTensor pz_packed(dt, {cap, kF}), pdh_packed(dt, {cap, cols});

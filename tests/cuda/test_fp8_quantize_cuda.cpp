@@ -18,6 +18,7 @@
 #include <tuple>
 #include <vector>
 
+#include "common/activation_oracle.h"
 #include "common/expect_error.h"
 #include "common/fp8_oracle.h"
 #include "common/harness.h"
@@ -270,6 +271,54 @@ TEST_P(CudaFp8Grouped, ColumnSumsAreTheBiasGradient) {
         check_device_errors(nullptr);
         expect_same(gpu.q, cpu.q, o);
         EXPECT_TRUE(bitwise_equal(got.download(), want, "column sums: one order for every recipe and copy"));
+      }
+    }
+  }
+}
+
+TEST_P(CudaFp8Grouped, GivenAmaxGivesTheSameBits) {
+  // Fp8QuantizeOptions::amax (tensorwise): with each expert's amax of x given, the tile kernel
+  // runs alone (no amax pass) and gives the copies and scales of the quantization that computes
+  // it, bitwise, for every copy choice; with column sums the tile kernel makes them, the same bits
+  // as the amax kernel's (one order). Other recipes refuse it.
+  Rng rng;
+  const Fp8Recipe recipe = std::get<0>(GetParam());
+  for (const GroupedCase& c : cuda_cases(rng)) {
+    SCOPED_TRACE(c.name);
+    const int64_t E = static_cast<int64_t>(c.counts.size());
+    const HostTensor x = random_rows(dtype(), c.capacity, c.cols, rng, false);
+    const HostTensor counts_h = make_counts(c.counts, rng.integer(0, 1) ? DType::i32 : DType::i64);
+    const DeviceTensor xd(x), counts_d(counts_h);
+    const GroupedRows rows_d{xd.view(), counts_d.view()};
+    const std::vector<float> amax_v = expert_amax(x, c.counts);
+    HostTensor amax_h(DType::f32, {E});
+    for (int64_t e = 0; e < E; ++e) amax_h.set(e, amax_v[e]);
+    const DeviceTensor amax_d(amax_h);
+    if (recipe != Fp8Recipe::tensorwise) {
+      Fp8QuantizeOptions o = options(true, true, false);
+      o.amax = amax_d.view();
+      GMOE_EXPECT_ERROR(quantize_grouped(rows_d, o), "options.amax", "only the tensorwise");
+      return;
+    }
+    HostTensor poisoned(dtype(), {E, c.cols});
+    poison(poisoned);
+    for (auto [rw, cw] : {std::pair{true, true}, std::pair{true, false}, std::pair{false, true}}) {
+      for (bool sums : {false, true}) {
+        Fp8QuantizeOptions o = options(rw, cw, false);
+        SCOPED_TRACE("rows " + std::to_string(rw) + " cols " + std::to_string(cw) + " sums " + std::to_string(sums));
+        DeviceTensor want_sums(poisoned), got_sums(poisoned);
+        // The device quantization that computes the amax (for the column sums) and the CPU's (for
+        // the copies: expect_same compares a device result with a host one).
+        quantize_grouped(rows_d, o, nullptr, nullptr, nullptr,
+                         sums ? ExpertBias::from_grouped(want_sums.view()) : ExpertBias());
+        const Fp8GroupedTensor cpu = quantize_grouped({x.view(), counts_h.view()}, o);
+        o.amax = amax_d.view();
+        const Fp8GroupedTensor got = quantize_grouped(rows_d, o, nullptr, nullptr, nullptr,
+                                                      sums ? ExpertBias::from_grouped(got_sums.view()) : ExpertBias());
+        GMOE_TEST_CUDA(cudaDeviceSynchronize());
+        check_device_errors(nullptr);
+        expect_same(got.q, cpu.q, o);
+        if (sums) EXPECT_TRUE(bitwise_equal(got_sums.download(), want_sums.download(), "column sums"));
       }
     }
   }
