@@ -104,7 +104,7 @@ struct ActArgs : act_common::HArgs {
 // amax_out: [E] f32 bits, zeroed before; the experts' row offsets [E+1]. A kernel parameter of its
 // own: ActArgs grown by these fields made nvcc address the parameter block through a pointer and
 // compile the concatenated backward's row loop as one version instead of two (a loop unswitched
-// on the run-time options): 2.7x slower on an H100 (dsv3_ep32: 677 µs against about 250).
+// on the run-time options): 2.9x slower on an H100 (dsv3_ep32: 677 µs against 231).
 struct AmaxArgs {
   uint32_t* amax = nullptr;
   const int64_t* offsets = nullptr;
@@ -119,17 +119,17 @@ __device__ __forceinline__ void pack_amax(float& m, const Pack<T, VEC>& v) {
 }
 
 // Row r's amax (each lane's m) into its expert's word: every lane of the warp calls it.
-__device__ __forceinline__ void flush_row_amax(AmaxArgs x, int64_t r, float m) {
+__device__ __forceinline__ void flush_row_amax(AmaxArgs am, int64_t r, float m) {
 #pragma unroll
   for (int d = 16; d >= 1; d >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, d));
   if ((threadIdx.x & 31) == 0 && m > 0.0f) {
-    atomicMax(&x.amax[find_group(x.offsets, x.num_experts, r)], __float_as_uint(m));
+    atomicMax(&am.amax[find_group(am.offsets, am.num_experts, r)], __float_as_uint(m));
   }
 }
 
-// kAmax: amax_out asked for (x.amax); without it the kernels compile as they do alone.
+// kAmax: amax_out asked for (am.amax); without it the kernels compile as they do alone.
 template <typename T, int VEC, ActivationKind K, bool kAmax>
-__global__ void __launch_bounds__(kThreads) activation_forward_kernel(ActArgs a, AmaxArgs x) {
+__global__ void __launch_bounds__(kThreads) activation_forward_kernel(ActArgs a, AmaxArgs am) {
   constexpr bool kGated = K != ActivationKind::squared_relu;
   const int lane = threadIdx.x & 31;
   const int64_t first_warp = (int64_t(blockIdx.x) * kThreads + threadIdx.x) >> 5;
@@ -165,7 +165,7 @@ __global__ void __launch_bounds__(kThreads) activation_forward_kernel(ActArgs a,
       store_pack<T, VEC>(z + j, out);
       if constexpr (kAmax) pack_amax<T, VEC>(m, out);
     }
-    if constexpr (kAmax) flush_row_amax(x, r, m);
+    if constexpr (kAmax) flush_row_amax(am, r, m);
   }
 }
 
@@ -228,7 +228,7 @@ __device__ __forceinline__ void regroup_store_row(T* dh_round, const Pack<T, VEC
 // its own, so that the direct path compiles as it does alone (sharing one kernel measured the
 // concatenated layout 2.7x slower).
 template <typename T, int VEC, ActivationKind K, bool kRegroup, bool kAmax>
-__global__ void __launch_bounds__(kThreads) activation_backward_kernel(ActArgs a, AmaxArgs x) {
+__global__ void __launch_bounds__(kThreads) activation_backward_kernel(ActArgs a, AmaxArgs am) {
   constexpr bool kGated = K != ActivationKind::squared_relu;
   const int lane = threadIdx.x & 31;
   const int64_t first_warp = (int64_t(blockIdx.x) * kThreads + threadIdx.x) >> 5;
@@ -306,7 +306,7 @@ __global__ void __launch_bounds__(kThreads) activation_backward_kernel(ActArgs a
       }
       if (z != nullptr) store_pack<T, VEC>(z + j, zo);
     }
-    if constexpr (kAmax) flush_row_amax(x, r, m);
+    if constexpr (kAmax) flush_row_amax(am, r, m);
     if (a.dprobs != nullptr) {
 #pragma unroll
       for (int d = 16; d >= 1; d >>= 1) dp += __shfl_xor_sync(0xffffffffu, dp, d);
@@ -349,7 +349,7 @@ ActArgs common_args(const TensorView& h, int64_t F, const ActivationOptions& o) 
 
 // Launches kernel<T, VEC, K> over a full-occupancy grid of warps (one warp per row at a time).
 template <template <typename, int, ActivationKind> class Kernel>
-void launch(DType dt, ActivationKind kind, bool vectorize, const ActArgs& a, const AmaxArgs& x,
+void launch(DType dt, ActivationKind kind, bool vectorize, const ActArgs& a, const AmaxArgs& am,
             cudaStream_t stream) {
   const int64_t blocks_needed = (a.capacity + kWarpsPerBlock - 1) / kWarpsPerBlock;
   const int64_t resident = int64_t(sm_count(current_device())) * (kMaxThreadsPerSm / kThreads);
@@ -360,9 +360,9 @@ void launch(DType dt, ActivationKind kind, bool vectorize, const ActArgs& a, con
     with_kind(kind, [&](auto k) {
       constexpr ActivationKind K = decltype(k)::value;
       if (vectorize) {
-        Kernel<T, kVec, K>::launch(blocks, stream, a, x);
+        Kernel<T, kVec, K>::launch(blocks, stream, a, am);
       } else {
-        Kernel<T, 1, K>::launch(blocks, stream, a, x);
+        Kernel<T, 1, K>::launch(blocks, stream, a, am);
       }
     });
   });
@@ -371,31 +371,31 @@ void launch(DType dt, ActivationKind kind, bool vectorize, const ActArgs& a, con
 
 template <typename T, int VEC, ActivationKind K>
 struct ForwardKernel {
-  static void launch(unsigned blocks, cudaStream_t s, const ActArgs& a, const AmaxArgs& x) {
-    if (x.amax != nullptr) {
-      activation_forward_kernel<T, VEC, K, true><<<blocks, kThreads, 0, s>>>(a, x);
+  static void launch(unsigned blocks, cudaStream_t s, const ActArgs& a, const AmaxArgs& am) {
+    if (am.amax != nullptr) {
+      activation_forward_kernel<T, VEC, K, true><<<blocks, kThreads, 0, s>>>(a, am);
     } else {
-      activation_forward_kernel<T, VEC, K, false><<<blocks, kThreads, 0, s>>>(a, x);
+      activation_forward_kernel<T, VEC, K, false><<<blocks, kThreads, 0, s>>>(a, am);
     }
   }
 };
 template <typename T, int VEC, ActivationKind K>
 struct BackwardKernel {
   template <bool kAmax>
-  static void launch_amax(unsigned blocks, cudaStream_t s, const ActArgs& a, const AmaxArgs& x) {
+  static void launch_amax(unsigned blocks, cudaStream_t s, const ActArgs& a, const AmaxArgs& am) {
     if constexpr (VEC > 1 && K != ActivationKind::squared_relu) {
       if (a.regroup != 0) {
-        activation_backward_kernel<T, VEC, K, true, kAmax><<<blocks, kThreads, 0, s>>>(a, x);
+        activation_backward_kernel<T, VEC, K, true, kAmax><<<blocks, kThreads, 0, s>>>(a, am);
         return;
       }
     }
-    activation_backward_kernel<T, VEC, K, false, kAmax><<<blocks, kThreads, 0, s>>>(a, x);
+    activation_backward_kernel<T, VEC, K, false, kAmax><<<blocks, kThreads, 0, s>>>(a, am);
   }
-  static void launch(unsigned blocks, cudaStream_t s, const ActArgs& a, const AmaxArgs& x) {
-    if (x.amax != nullptr) {
-      launch_amax<true>(blocks, s, a, x);
+  static void launch(unsigned blocks, cudaStream_t s, const ActArgs& a, const AmaxArgs& am) {
+    if (am.amax != nullptr) {
+      launch_amax<true>(blocks, s, a, am);
     } else {
-      launch_amax<false>(blocks, s, a, x);
+      launch_amax<false>(blocks, s, a, am);
     }
   }
 };
@@ -410,14 +410,14 @@ AmaxArgs launch_offsets(const TensorView& counts, const TensorView& amax_out, Ac
   int64_t* offsets = static_cast<int64_t*>(scratch.data());
   launch_group_offsets(counts, a.capacity, offsets, nullptr, 1, 1, stream);
   a.total = offsets + E;
-  AmaxArgs x;
-  x.offsets = offsets;
-  x.num_experts = static_cast<int>(E);
+  AmaxArgs am;
+  am.offsets = offsets;
+  am.num_experts = static_cast<int>(E);
   if (amax_out.defined() && E > 0) {
-    x.amax = static_cast<uint32_t*>(amax_out.data);
-    GMOE_CUDA_CHECK(cudaMemsetAsync(x.amax, 0, sizeof(uint32_t) * E, stream));
+    am.amax = static_cast<uint32_t*>(amax_out.data);
+    GMOE_CUDA_CHECK(cudaMemsetAsync(am.amax, 0, sizeof(uint32_t) * E, stream));
   }
-  return x;
+  return am;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -479,8 +479,8 @@ void grouped_activation_forward(const TensorView& h, const TensorView& counts, c
   const TensorView* views[] = {&h, &z};
   const bool vec = can_vectorize(a, 16 / int(dtype_size(h.dtype)), views, 2);
   Buffer scratch;
-  const AmaxArgs x = launch_offsets(counts, amax_out, a, scratch, alloc, stream_);
-  launch<ForwardKernel>(h.dtype, options.kind, vec, a, x, stream);
+  const AmaxArgs am = launch_offsets(counts, amax_out, a, scratch, alloc, stream_);
+  launch<ForwardKernel>(h.dtype, options.kind, vec, a, am, stream);
 }
 
 void grouped_activation_backward(const TensorView& h, const TensorView& dz, const TensorView& counts,
@@ -509,8 +509,8 @@ void grouped_activation_backward(const TensorView& h, const TensorView& dz, cons
   // Interleave blocks whose gate/up pairs tile a round of 32 chunks: regrouped stores.
   if (vec && a.block != 0 && (32 * vec_elems) % a.block == 0) a.regroup = a.block / vec_elems;
   Buffer scratch;
-  const AmaxArgs x = launch_offsets(counts, amax_out, a, scratch, alloc, stream_);
-  launch<BackwardKernel>(h.dtype, options.kind, vec, a, x, stream);
+  const AmaxArgs am = launch_offsets(counts, amax_out, a, scratch, alloc, stream_);
+  launch<BackwardKernel>(h.dtype, options.kind, vec, a, am, stream);
 }
 
 void permute_glu_rows(const TensorView& src, const TensorView& dst, const GluFormat& from, const GluFormat& to,
