@@ -207,7 +207,6 @@ class GroupedLinear {
   /// (Fp8QuantizeOptions::amax: the quantization of dy then reads it once); ignored otherwise.
   GroupedLinearBackward backward_impl(GroupedLinearContext& ctx, const TensorView& dy, Stream stream,
                                       const TensorView& dgrad_out, const TensorView& dy_amax);
-  bool fp8_tensorwise() const { return options_.recipe == LinearRecipe::fp8_tensorwise; }
   // The shared tails: x kept (by reference or as a copy), the FP8 dgrad, and everything after dx.
   void save_input(GroupedLinearContext& ctx, const TensorView& x, Stream stream) const;
   void fp8_dgrad(GroupedLinearContext& ctx, Fp8Placed dyq, const TensorView& dx, Stream stream) const;

@@ -4,7 +4,6 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <initializer_list>
 #include <string>
 #include <utility>
@@ -77,11 +76,7 @@ void check_disjoint(const TensorView& a, const char* a_name, const TensorView& b
 namespace {
 
 void check_row_vector(const TensorView& v, const char* name, int64_t capacity, Device device) {
-  GMOE_CHECK(v.ndim == 1 && v.size(0) == capacity && v.dtype == DType::f32, name, ": expected f32[", capacity,
-             "] (one value per row), got ", v.str());
-  GMOE_CHECK(v.stride(0) == 1 || capacity <= 1, name, ": must be contiguous, got stride ", v.stride(0));
-  GMOE_CHECK(v.data != nullptr || capacity == 0, name, ": null data");
-  check_same_device(v.device, device, name);
+  check_f32_vector(v, name, capacity, "one value per row", device);
 }
 
 // h [capacity, in_cols] against F output columns, and the options.
@@ -106,12 +101,7 @@ void check_like(const TensorView& t, const char* name, const TensorView& h, int6
 void check_amax_out(const TensorView& amax_out, const TensorView& h, const TensorView& counts,
                     std::initializer_list<std::pair<const TensorView*, const char*>> others) {
   if (!amax_out.defined()) return;
-  const int64_t E = counts.size(0);
-  GMOE_CHECK(amax_out.ndim == 1 && amax_out.size(0) == E && amax_out.dtype == DType::f32 &&
-                 (amax_out.stride(0) == 1 || E <= 1),
-             "amax_out: expected contiguous f32[", E, "] (one amax per expert), got ", amax_out.str());
-  GMOE_CHECK(amax_out.data != nullptr || E == 0, "amax_out: null data");
-  check_same_device(amax_out.device, h.device, "amax_out");
+  check_f32_vector(amax_out, "amax_out", counts.size(0), "one amax per expert", h.device);
   for (const auto& [t, n] : others) check_disjoint(amax_out, "amax_out", *t, n);
 }
 
@@ -195,27 +185,26 @@ void grouped_activation_backward(const TensorView& h, const TensorView& dz, cons
   after_op(h.device, stream);
 }
 
-bool activation_amax_for_fp8() {
-  static const bool on = [] {
-    const char* v = std::getenv("GMOE_ACT_AMAX");
-    return v == nullptr || std::string(v) != "0";
-  }();
-  return on;
+bool activation_amax_for(Fp8Recipe recipe) {
+  static const bool on = !env_equals("GMOE_ACT_AMAX", "0");
+  return on && recipe == Fp8Recipe::tensorwise;
+}
+
+Tensor activation_amax_scratch(Fp8Recipe recipe, int64_t experts, Allocator& alloc, Stream stream) {
+  return activation_amax_for(recipe) ? Tensor::empty({experts}, DType::f32, alloc, stream) : Tensor();
 }
 
 void quantize_activation_forward(const TensorView& h, const TensorView& counts, const ActivationOptions& act,
                                  const TensorView& probs, const Fp8QuantizeOptions& options, const Fp8Grouped& q,
                                  bool fused, Stream stream, Allocator& alloc) {
-  const bool tensorwise = options.recipe == Fp8Recipe::tensorwise;
-  if (fused && (!tensorwise || !activation_amax_for_fp8()) && h.device.is_cuda() &&
+  if (fused && !activation_amax_for(options.recipe) && h.device.is_cuda() &&
       cuda_backend::quantize_activation_forward(h, counts, act, probs, options, q, stream, alloc)) {
     after_op(h.device, stream);
     return;
   }
   // Tensorwise: z's amax from the activation's own pass (the quantizer then reads z once).
   Tensor z = Tensor::empty({h.size(0), q.cols}, h.dtype, alloc, stream);
-  const bool with_amax = tensorwise && activation_amax_for_fp8();
-  Tensor amax = with_amax ? Tensor::empty({counts.size(0)}, DType::f32, alloc, stream) : Tensor();
+  Tensor amax = activation_amax_scratch(options.recipe, counts.size(0), alloc, stream);
   grouped_activation_forward(h, counts, z, act, probs, stream, &alloc, amax.view());
   Fp8QuantizeOptions o = options;
   o.amax = amax.view();
@@ -228,15 +217,13 @@ void quantize_activation_backward(const TensorView& h, const TensorView& dz, con
                                   const ActivationOptions& act, const TensorView& probs, const TensorView& dprobs,
                                   const Fp8QuantizeOptions& options, const Fp8Grouped& q, const TensorView& dh_scratch,
                                   bool fused, Stream stream, Allocator& alloc) {
-  const bool tensorwise = options.recipe == Fp8Recipe::tensorwise;
-  if (fused && (!tensorwise || !activation_amax_for_fp8()) && h.device.is_cuda() &&
+  if (fused && !activation_amax_for(options.recipe) && h.device.is_cuda() &&
       cuda_backend::quantize_activation_backward(h, dz, counts, act, probs, dprobs, options, q, stream, alloc)) {
     after_op(h.device, stream);
     return;
   }
   // Tensorwise: dh's amax from the activation's own pass (the quantizer then reads dh once).
-  const bool with_amax = tensorwise && activation_amax_for_fp8();
-  Tensor amax = with_amax ? Tensor::empty({counts.size(0)}, DType::f32, alloc, stream) : Tensor();
+  Tensor amax = activation_amax_scratch(options.recipe, counts.size(0), alloc, stream);
   grouped_activation_backward(h, dz, counts, dh_scratch, act, probs, dprobs, {}, stream, &alloc, amax.view());
   Fp8QuantizeOptions o = options;
   o.amax = amax.view();

@@ -28,8 +28,12 @@ void check_disjoint(const TensorView& a, const char* a_name, const TensorView& b
 /// false: always the composition (for comparisons). Tensorwise composes too (the one-pass kernel
 /// evaluates the activation twice, once for the amax and once to quantize; the activation's own
 /// amax_out lets the quantizer read z once; GMOE_ACT_AMAX=0 restores the one-pass kernel, for
-/// comparisons: activation_amax_for_fp8).
-bool activation_amax_for_fp8();
+/// comparisons: activation_amax_for).
+/// Whether a quantization of `recipe` takes its amax from the activation's pass: tensorwise, unless
+/// GMOE_ACT_AMAX=0.
+bool activation_amax_for(Fp8Recipe recipe);
+/// f32 [experts] for an activation's amax_out when activation_amax_for(recipe), else absent.
+Tensor activation_amax_scratch(Fp8Recipe recipe, int64_t experts, Allocator& alloc, Stream stream);
 void quantize_activation_forward(const TensorView& h, const TensorView& counts, const ActivationOptions& act,
                                  const TensorView& probs, const Fp8QuantizeOptions& options, const Fp8Grouped& q,
                                  bool fused, Stream stream, Allocator& alloc);

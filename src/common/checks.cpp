@@ -1,6 +1,9 @@
 // src/common/checks.cpp — argument checks shared by the public ops.
 #include "common/checks.h"
 
+#include <cstdlib>
+#include <cstring>
+
 #include "common/backend.h"
 #include "gmoe/error.h"
 
@@ -69,6 +72,19 @@ void check_expert_weights(const ExpertWeights& w, const char* name) {
 void check_same_device(Device given, Device expected, const char* name) {
   GMOE_CHECK(given == expected, name, ": expected a tensor on ", expected.str(), ", got one on ",
              given.str());
+}
+
+void check_f32_vector(const TensorView& v, const char* name, int64_t n, const char* what, Device device) {
+  GMOE_CHECK(v.ndim == 1 && v.size(0) == n && v.dtype == DType::f32, name, ": expected f32[", n, "] (", what,
+             "), got ", v.str());
+  GMOE_CHECK(v.stride(0) == 1 || n <= 1, name, ": must be contiguous, got stride ", v.stride(0));
+  GMOE_CHECK(v.data != nullptr || n == 0, name, ": null data");
+  check_same_device(v.device, device, name);
+}
+
+bool env_equals(const char* name, const char* value) {
+  const char* env = std::getenv(name);
+  return env != nullptr && std::strcmp(env, value) == 0;
 }
 
 void check_input_dtype(DType t, const char* name) {

@@ -18,6 +18,9 @@ void check_counts(const TensorView& counts, const char* name, Device device);
 /// device across the list; stacked row/expert strides consistent.
 void check_expert_weights(const ExpertWeights& w, const char* name);
 void check_same_device(Device given, Device expected, const char* name);
+/// A contiguous f32 vector of n values on `device` (probs and dprobs: one per row; an amax: one per
+/// expert), data present unless empty; `what` says what the values are in the message.
+void check_f32_vector(const TensorView& v, const char* name, int64_t n, const char* what, Device device);
 /// bf16/f16/f32 (f32 is the CPU reference's; the CUDA backend narrows further).
 void check_input_dtype(DType t, const char* name);
 /// The input dtype or f32.
@@ -29,5 +32,9 @@ void check_expert_bias(const ExpertBias& b, const char* name, int64_t E, int64_t
 Allocator& pick_allocator(Allocator* alloc, Device device);
 /// Throws "<op>: tensors are on CUDA but gmoe was built without CUDA".
 void check_cuda_compiled(const char* op);
+
+/// Whether environment variable `name` is set to exactly `value` (the switches that A/B runs use;
+/// callers read it once).
+bool env_equals(const char* name, const char* value);
 
 }  // namespace gmoe

@@ -201,12 +201,7 @@ Fp8GroupedTensor quantize_grouped(const GroupedRows& x, const Fp8QuantizeOptions
   if (options.amax.defined()) {
     GMOE_CHECK(options.recipe == Fp8Recipe::tensorwise, "quantize_grouped: options.amax: only the tensorwise ",
                "recipe takes a precomputed amax, got ", fp8_recipe_name(options.recipe));
-    const TensorView& a = options.amax;
-    GMOE_CHECK(a.ndim == 1 && a.size(0) == E && a.dtype == DType::f32 && (a.stride(0) == 1 || E <= 1),
-               "quantize_grouped: options.amax: expected contiguous f32[", E, "] (one amax per expert), got ",
-               a.str());
-    GMOE_CHECK(a.data != nullptr || E == 0, "quantize_grouped: options.amax: null data");
-    check_same_device(a.device, device, "options.amax");
+    check_f32_vector(options.amax, "options.amax", E, "one amax per expert", device);
   }
   if (column_sums.defined()) check_expert_bias(column_sums, "column_sums", E, x.cols(), x.data.dtype, device);
   const Fp8Grouped l = fp8_grouped_layout(x.capacity(), x.cols(), E, options, device);

@@ -2,10 +2,9 @@
 #include "gmoe/grouped.h"
 
 #include <atomic>
-#include <cstdlib>
-#include <cstring>
 
 #include "common/backend.h"
+#include "common/checks.h"
 #include "gmoe/error.h"
 
 namespace gmoe {
@@ -77,10 +76,7 @@ void check_device_errors(Stream stream) {
 
 namespace {
 std::atomic<bool>& debug_sync_flag() {
-  static std::atomic<bool> flag{[] {
-    const char* env = std::getenv("GMOE_DEBUG_SYNC");
-    return env != nullptr && std::strcmp(env, "1") == 0;
-  }()};
+  static std::atomic<bool> flag{env_equals("GMOE_DEBUG_SYNC", "1")};
   return flag;
 }
 }  // namespace

@@ -20,6 +20,7 @@
 #include <cstring>
 
 #include "common/backend.h"
+#include "common/checks.h"
 #include "cuda/alignment.h"
 #include "cuda/cuda_check.h"
 #include "cuda/device_info.h"
@@ -321,8 +322,7 @@ void rows_pass(GemmPass pass, const TensorView& a, const ExpertWeights& w, const
 // ~0.6 ms: its replicated activation code thrashed the instruction cache); this SwiGLU-only one is
 // to be measured before it becomes the default (docs/architecture.md).
 bool fused_activation_enabled() {
-  const char* env = std::getenv("GMOE_FUSED_ACTIVATION");
-  return env != nullptr && std::strcmp(env, "1") == 0;
+  return env_equals("GMOE_FUSED_ACTIVATION", "1");
 }
 
 // The fused path's conditions (else: the GEMM, then the activation kernel, which is what the fused

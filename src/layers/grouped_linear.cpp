@@ -2,7 +2,6 @@
 // ops (GEMM passes, bias add and gradient), with the context that forward saves for backward.
 #include "gmoe/grouped_linear.h"
 
-#include <cstdlib>
 #include <cstring>
 
 #include "common/backend.h"
@@ -87,10 +86,7 @@ void copy_rows_on(const TensorView& dst, const TensorView& src, Stream stream) {
 // GMOE_FUSED_BIAS_GRAD=0 (then grouped_bias_grad reads dy again, as in the native backward): for
 // benchmarks that time both in one run.
 bool fused_bias_grad() {
-  static const bool on = [] {
-    const char* env = std::getenv("GMOE_FUSED_BIAS_GRAD");
-    return env == nullptr || std::strcmp(env, "0") != 0;
-  }();
+  static const bool on = !env_equals("GMOE_FUSED_BIAS_GRAD", "0");
   return on;
 }
 
@@ -376,7 +372,7 @@ GroupedLinearBackward GroupedLinear::backward_impl(GroupedLinearContext& ctx, co
     // the gradients later: allocating them here would hold the weight gradient and dy's rowwise
     // copy (freed after dgrad) at once, raising the peak by that copy.
     Fp8QuantizeOptions qo = fp8_grad_options();
-    if (fp8_tensorwise()) qo.amax = dy_amax;
+    if (qo.recipe == Fp8Recipe::tensorwise) qo.amax = dy_amax;
     Fp8Placed dyq = place_fp8(dy.size(0), dy.size(1), qo, dy.device, stream);
     ExpertBias column_sums;
     if (bias_.defined() && fused_bias_grad()) {

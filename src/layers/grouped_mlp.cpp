@@ -251,7 +251,7 @@ GroupedMLPBackward GroupedMLP::backward(GroupedMLPContext& ctx, const TensorView
                                  dhq.q, h, true, stream, alloc);
   } else {
     // Tensorwise FP8: dh's amax from this pass, so that FC1's quantization of dh reads it once.
-    if (fc1_.fp8_tensorwise() && activation_amax_for_fp8()) dh_amax = Tensor::empty({num_experts()}, DType::f32, alloc, stream);
+    if (fc1_.fp8()) dh_amax = activation_amax_scratch(fc1_.fp8_grad_options().recipe, num_experts(), alloc, stream);
     grouped_activation_backward(h, b2.dx, st.counts, h, options_.activation, st.probs, result.dprobs.view(),
                                 z_rebuilt.view(), stream, &alloc, dh_amax.view());
   }

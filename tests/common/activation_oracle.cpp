@@ -255,6 +255,13 @@ std::vector<float> expert_amax(const HostTensor& t, const std::vector<int64_t>& 
   return amax;
 }
 
+HostTensor expert_amax_tensor(const HostTensor& t, const std::vector<int64_t>& counts) {
+  const std::vector<float> v = expert_amax(t, counts);
+  HostTensor a(DType::f32, {static_cast<int64_t>(v.size())});
+  for (size_t e = 0; e < v.size(); ++e) a.set(static_cast<int64_t>(e), v[e]);
+  return a;
+}
+
 ::testing::AssertionResult amax_matches(const HostTensor& amax, const HostTensor& t, const std::vector<int64_t>& counts,
                                         const std::string& what) {
   const std::vector<float> want = expert_amax(t, counts);

@@ -68,6 +68,8 @@ std::string activation_case_name(const ActivationOptions& o);
 /// (0 for an expert without rows): what grouped_activation_*'s amax_out must hold for the output t.
 /// `counts` as given to the op (every test total fits the capacity).
 std::vector<float> expert_amax(const HostTensor& t, const std::vector<int64_t>& counts);
+/// The same as an f32 [E] tensor (an Fp8QuantizeOptions::amax).
+HostTensor expert_amax_tensor(const HostTensor& t, const std::vector<int64_t>& counts);
 /// `amax` (an amax_out, f32 [E]) is bitwise expert_amax(t, counts); else a failure naming `what`.
 ::testing::AssertionResult amax_matches(const HostTensor& amax, const HostTensor& t, const std::vector<int64_t>& counts,
                                         const std::string& what);

@@ -44,7 +44,8 @@ std::vector<Split> splits(Rng& rng) {
           {"skewed_with_empty_experts", zipf_counts(8, 50, 1.1, 4, rng), 50 + rng.integer(1, 9)},
           {"one_expert", {0, 37, 0}, 40},
           {"zero_total", {0, 0, 0}, 9},
-          {"zero_capacity", {0, 0}, 0}};
+          {"zero_capacity", {0, 0}, 0},
+          {"e256", zipf_counts(256, 400, 1.1, 4, rng), 403}};  // amax_out's per-expert slots
 }
 
 HostTensor copy_of(const HostTensor& t) { return t; }

@@ -420,8 +420,8 @@ TEST_P(CpuFp8Grouped, ColumnSumsAreTheBiasGradient) {
 
 TEST_P(CpuFp8Grouped, GivenAmaxGivesTheSameBits) {
   // Fp8QuantizeOptions::amax (tensorwise): each expert's amax given, the same copies and scales
-  // as the oracle's (which computes it); a smaller given amax saturates (the largest value of the
-  // format), a larger one gives the scale it implies. Other recipes refuse it.
+  // as the oracle's (which computes it); half of it stores the scale it implies and saturates the
+  // values above it (to the format's largest). Other recipes refuse it.
   Rng rng;
   const Fp8Recipe recipe = std::get<0>(GetParam());
   for (const GroupedCase& c : grouped_cases(rng)) {
@@ -431,8 +431,7 @@ TEST_P(CpuFp8Grouped, GivenAmaxGivesTheSameBits) {
     const HostTensor counts = make_counts(c.counts, rng.integer(0, 1) ? DType::i32 : DType::i64);
     const GroupedRows rows{x.view(), counts.view()};
     const std::vector<float> amax_v = expert_amax(x, c.counts);
-    HostTensor amax(DType::f32, {E});
-    for (int64_t e = 0; e < E; ++e) amax.set(e, amax_v[e]);
+    HostTensor amax = expert_amax_tensor(x, c.counts);
     Fp8QuantizeOptions o = options(true, true);
     o.amax = amax.view();
     if (recipe != Fp8Recipe::tensorwise) {
@@ -444,6 +443,10 @@ TEST_P(CpuFp8Grouped, GivenAmaxGivesTheSameBits) {
     for (int64_t e = 0; e < E; ++e) amax.set(e, amax_v[e] / 2);
     const Fp8GroupedTensor half = quantize_grouped(rows, o);
     const float fmax = fp8_max(o.format);
+    for (int64_t e = 0; e < E; ++e) {
+      const float want = fp8_rules::scale_inv_from_scale(fp8_rules::scale_from_amax(amax_v[e] / 2, fmax, false));
+      ASSERT_EQ(static_cast<const float*>(half.q.scale_inv.data)[e], want) << "scale_inv of expert " << e;
+    }
     for (int64_t e = 0, row = 0; e < E; row += c.counts[e], ++e) {
       for (int64_t r = row; r < row + c.counts[e] && amax_v[e] > 0; ++r) {
         for (int64_t col = 0; col < c.cols; ++col) {

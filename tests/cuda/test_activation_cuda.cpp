@@ -55,7 +55,8 @@ std::vector<Split> splits(Rng& rng) {
   return {{"skewed_with_empty_experts", zipf_counts(16, 9000, 1.1, 4, rng), 9000 + rng.integer(1, 40)},
           {"ragged", {1, 7, 9, 15, 17, 31, 127, 129}, 343},
           {"zero_total", {0, 0, 0, 0}, 17},
-          {"zero_capacity", {0, 0}, 0}};
+          {"zero_capacity", {0, 0}, 0},
+          {"e256", zipf_counts(256, 1500, 1.1, 4, rng), 1505}};  // amax_out's search over 256 offsets
 }
 
 using Param = std::tuple<int, DType>;

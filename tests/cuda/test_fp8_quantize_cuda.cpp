@@ -105,6 +105,19 @@ HostTensor random_rows(DType dtype, int64_t cap, int64_t cols, Rng& rng, bool na
   return x;
 }
 
+// A case's grouped rows on the host and on the device (counts i32 or i64 at random).
+struct CaseRows {
+  CaseRows(const GroupedCase& c, DType dtype, Rng& rng, bool nasty)
+      : x(random_rows(dtype, c.capacity, c.cols, rng, nasty)),
+        counts_h(make_counts(c.counts, rng.integer(0, 1) ? DType::i32 : DType::i64)),
+        xd(x),
+        counts_d(counts_h) {}
+  HostTensor x, counts_h;
+  DeviceTensor xd, counts_d;
+  GroupedRows host() const { return {x.view(), counts_h.view()}; }
+  GroupedRows device() const { return {xd.view(), counts_d.view()}; }
+};
+
 /// Device outputs for an Fp8Grouped layout, poisoned (0xA5), owned by the vector.
 Fp8Grouped device_outputs(const Fp8Grouped& layout, std::vector<DeviceTensor>& keep) {
   Fp8Grouped out = layout;
@@ -152,10 +165,9 @@ TEST_P(CudaFp8Grouped, BitwiseEqualToCpu) {
   for (const GroupedCase& c : cuda_cases(rng)) {
     for (bool nasty : {false, true}) {
       SCOPED_TRACE(c.name + (nasty ? " nasty" : ""));
-      const HostTensor x = random_rows(dtype(), c.capacity, c.cols, rng, nasty);
-      const HostTensor counts_h = make_counts(c.counts, rng.integer(0, 1) ? DType::i32 : DType::i64);
-      const DeviceTensor xd(x), counts_d(counts_h);
-      const GroupedRows rows_d{xd.view(), counts_d.view()};
+      const CaseRows r(c, dtype(), rng, nasty);
+      const HostTensor& x = r.x;
+      const GroupedRows rows_d = r.device();
       int variant = 0;
       for (auto [rw, cw] : {std::pair{true, true}, std::pair{true, false}, std::pair{false, true}}) {
         for (bool pow2 : {false, true}) {
@@ -163,7 +175,7 @@ TEST_P(CudaFp8Grouped, BitwiseEqualToCpu) {
           const Fp8QuantizeOptions o = options(rw, cw, pow2);
           SCOPED_TRACE(std::string(fp8_recipe_name(o.recipe)) + " rows " + std::to_string(rw) + " cols " +
                        std::to_string(cw) + " pow2 " + std::to_string(pow2));
-          const Fp8GroupedTensor cpu = quantize_grouped({x.view(), counts_h.view()}, o);
+          const Fp8GroupedTensor cpu = quantize_grouped(r.host(), o);
           if (!nasty && c.cols > 0 && c.capacity > 0) {  // the reference itself, vs the oracle
             const Expected ex = fp8::oracle_grouped(x, c.counts, o);
             if (rw) {
@@ -189,10 +201,10 @@ TEST_P(CudaFp8Grouped, BitwiseEqualToCpu) {
             if ((which == Fp8Copy::rowwise && !rw) || (which == Fp8Copy::columnwise && !cw)) continue;
             for (DType od : {dtype(), DType::f32}) {
               HostTensor want(od, {c.capacity, c.cols}), poisoned(od, {c.capacity, c.cols});
-              dequantize_grouped(cpu.q, counts_h.view(), want.view(), which);
+              dequantize_grouped(cpu.q, r.counts_h.view(), want.view(), which);
               poison(poisoned);
               DeviceTensor got_d(poisoned);
-              dequantize_grouped(gpu.q, counts_d.view(), got_d.view(), which);
+              dequantize_grouped(gpu.q, r.counts_d.view(), got_d.view(), which);
               EXPECT_TRUE(same_values(got_d.download(), want, which == Fp8Copy::rowwise ? "dequant rows" : "dequant cols"));
             }
           }
@@ -235,17 +247,16 @@ TEST_P(CudaFp8Grouped, ColumnSumsAreTheBiasGradient) {
   for (const GroupedCase& c : cuda_cases(rng)) {
     SCOPED_TRACE(c.name);
     const int64_t E = static_cast<int64_t>(c.counts.size());
-    const HostTensor x = random_rows(dtype(), c.capacity, c.cols, rng, false);
-    const HostTensor counts_h = make_counts(c.counts, rng.integer(0, 1) ? DType::i32 : DType::i64);
-    const DeviceTensor xd(x), counts_d(counts_h);
-    const GroupedRows rows_d{xd.view(), counts_d.view()};
+    const CaseRows r(c, dtype(), rng, false);
+    const HostTensor& x = r.x;
+    const GroupedRows rows_d = r.device();
     const ExactResult exact = exact_bias_grad(x, c.counts);
     for (const BiasForm& form : bias_forms(dtype())) {
       SCOPED_TRACE(form.name());
       HostTensor poisoned(form.dtype, {E, c.cols});
       poison(poisoned);
       DeviceTensor separate(poisoned), first(poisoned);
-      grouped_bias_grad(xd.view(), counts_d.view(), expert_bias(separate.view(), form.layout));
+      grouped_bias_grad(r.xd.view(), r.counts_d.view(), expert_bias(separate.view(), form.layout));
       Fp8QuantizeOptions blockwise_rows;
       blockwise_rows.recipe = Fp8Recipe::blockwise;
       quantize_grouped(rows_d, blockwise_rows, nullptr, nullptr, nullptr, expert_bias(first.view(), form.layout));
@@ -266,7 +277,7 @@ TEST_P(CudaFp8Grouped, ColumnSumsAreTheBiasGradient) {
         DeviceTensor got(poisoned);
         const Fp8GroupedTensor gpu =
             quantize_grouped(rows_d, o, nullptr, nullptr, nullptr, expert_bias(got.view(), form.layout));
-        const Fp8GroupedTensor cpu = quantize_grouped({x.view(), counts_h.view()}, o);
+        const Fp8GroupedTensor cpu = quantize_grouped(r.host(), o);
         GMOE_TEST_CUDA(cudaDeviceSynchronize());
         check_device_errors(nullptr);
         expect_same(gpu.q, cpu.q, o);
@@ -286,14 +297,9 @@ TEST_P(CudaFp8Grouped, GivenAmaxGivesTheSameBits) {
   for (const GroupedCase& c : cuda_cases(rng)) {
     SCOPED_TRACE(c.name);
     const int64_t E = static_cast<int64_t>(c.counts.size());
-    const HostTensor x = random_rows(dtype(), c.capacity, c.cols, rng, false);
-    const HostTensor counts_h = make_counts(c.counts, rng.integer(0, 1) ? DType::i32 : DType::i64);
-    const DeviceTensor xd(x), counts_d(counts_h);
-    const GroupedRows rows_d{xd.view(), counts_d.view()};
-    const std::vector<float> amax_v = expert_amax(x, c.counts);
-    HostTensor amax_h(DType::f32, {E});
-    for (int64_t e = 0; e < E; ++e) amax_h.set(e, amax_v[e]);
-    const DeviceTensor amax_d(amax_h);
+    const CaseRows r(c, dtype(), rng, false);
+    const GroupedRows rows_d = r.device();
+    const DeviceTensor amax_d(expert_amax_tensor(r.x, c.counts));
     if (recipe != Fp8Recipe::tensorwise) {
       Fp8QuantizeOptions o = options(true, true, false);
       o.amax = amax_d.view();
@@ -311,7 +317,7 @@ TEST_P(CudaFp8Grouped, GivenAmaxGivesTheSameBits) {
         // the copies: expect_same compares a device result with a host one).
         quantize_grouped(rows_d, o, nullptr, nullptr, nullptr,
                          sums ? ExpertBias::from_grouped(want_sums.view()) : ExpertBias());
-        const Fp8GroupedTensor cpu = quantize_grouped({x.view(), counts_h.view()}, o);
+        const Fp8GroupedTensor cpu = quantize_grouped(r.host(), o);
         o.amax = amax_d.view();
         const Fp8GroupedTensor got = quantize_grouped(rows_d, o, nullptr, nullptr, nullptr,
                                                       sums ? ExpertBias::from_grouped(got_sums.view()) : ExpertBias());
