@@ -254,17 +254,31 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // Measured (2x2 forced against the rule above, dsv3 and mixtral, two runs each): mixtral_fc1 dgrad
 // (K = 28672) blockwise 1.18x uniform and 1.37x skewed (846 -> 1162 TFLOP/s), tensorwise 0.96x and
 // 1.17x; shorter reductions 0.93-1.10x: 2x2 from a reduction of 16384.
+// Tensorwise stays 1x1 when the output is wider than 2048 columns (more than 16 N tiles): its
+// mainloop has no scale loads competing for shared memory, and the multicast gained less than the
+// pairing cost. Measured on an H100 (2026-11-24, FP8 GroupedMLP dsv3_ep32 forward+backward against
+// the bf16 MLP, three rounds interleaved, cached weights): every fprop/dgrad in 2x1 (the rule
+// before) 1.310-1.313x uniform and 1.299-1.300x skewed, every one 1x1 1.309-1.326x and
+// 1.314-1.321x, this rule (FC2's dgrad, N = 2048, keeps 2x1) 1.321-1.326x and 1.318-1.321x. In
+// gemm mode, 1x1 against 2x1: dsv3_fc1 fprop/dgrad 1.01-1.06x, dsv3_fc2 fprop 0.99-1.00x, its dgrad
+// (N = 2048) 0.94-0.99x; blockwise 0.90-0.97x everywhere (it keeps 2x1).
+// GMOE_FP8_ROWS_CLUSTER=1x1|2x1|2x2 forces the cluster of fprop/dgrad alone (benchmarks);
+// GMOE_CLUSTER forces every pass's.
 constexpr int64_t kCluster2x1MinRows = 4096;
 constexpr int64_t kCluster2x2MinK = 16384;
+constexpr int64_t kTensorwise2x1MaxN = 2048;
 
-Fp8Tile choose_rows_tile(int64_t capacity, int64_t num_experts, int64_t gemm_k) {
-  switch (forced_cluster()) {
+Fp8Tile choose_rows_tile(Fp8Scaling scaling, int64_t capacity, int64_t num_experts, int64_t gemm_n,
+                         int64_t gemm_k) {
+  static const int rows_forced = env_option("GMOE_FP8_ROWS_CLUSTER", {"1x1", "2x1", "2x2"});
+  switch (rows_forced >= 0 ? rows_forced : forced_cluster()) {
     case 0: return Fp8Tile::t128x128;
     case 1: return Fp8Tile::t128x128_2x1;
     case 2: return Fp8Tile::t128x128_2x2;
     default: break;
   }
   if (gemm_k >= kCluster2x2MinK) return Fp8Tile::t128x128_2x2;
+  if (scaling == Fp8Scaling::tensorwise && gemm_n > kTensorwise2x1MaxN) return Fp8Tile::t128x128;
   return capacity / std::max<int64_t>(num_experts, 1) >= kCluster2x1MinRows ? Fp8Tile::t128x128_2x1
                                                                              : Fp8Tile::t128x128;
 }
@@ -313,7 +327,7 @@ void rows_pass(GemmPass pass, const Fp8Grouped& a, const TensorView& b_data,
     plan.prep.alpha_b = static_cast<const float*>(b_scale.data);
   }
   plan.run_gemm = capacity > 0 && gemm_n > 0 && gemm_k > 0;
-  plan.tile = choose_rows_tile(capacity, counts.size(0), gemm_k);
+  plan.tile = choose_rows_tile(plan.scaling, capacity, counts.size(0), gemm_n, gemm_k);
   plan.out_base = d.data;
   plan.out_ld_bytes = d.stride(0) * static_cast<int64_t>(dtype_size(d.dtype));
   plan.out_row_bytes = gemm_n * static_cast<int64_t>(dtype_size(d.dtype));

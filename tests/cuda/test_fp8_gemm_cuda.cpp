@@ -358,6 +358,22 @@ TEST(CudaFp8GemmLarge, BigExpertsChunkedInClusters) {
   }
 }
 
+// Tensorwise fprop/dgrad whose output is wider than 2048 columns stay 1x1 where blockwise takes
+// 2x1 (fp8_grouped_gemm.cu, choose_rows_tile): one expert of 4100 rows (33 M tiles, the last of 4
+// rows), N = 2176 (17 N tiles, the last partial), a reduction of 144 (one partial k-tile).
+TEST(CudaFp8GemmLarge, WideTensorwiseOutputsIn1x1) {
+  GMOE_SKIP_WITHOUT_GPU();
+  Rng rng;
+  for (Fp8Recipe r : {Fp8Recipe::blockwise, Fp8Recipe::tensorwise}) {
+    SCOPED_TRACE(recipe_str(r));
+    const int cluster_m = r == Fp8Recipe::tensorwise ? 1 : 2;
+    check_fprop(fixed_case("wide_n", 2176, 144, {4100}, 60), r, rng);
+    expect_launch("fprop", true, 1, true, cluster_m, 1);
+    check_dgrad(fixed_case("wide_k", 144, 2176, {4100}, 60), r, rng);
+    expect_launch("dgrad", true, 1, true, cluster_m, 1);
+  }
+}
+
 // Reductions of 16384 or more run fprop/dgrad in 2x2 clusters by default (fp8_grouped_gemm.cu,
 // choose_rows_tile): fprop with K = 16384, dgrad with N = 16384, odd tile counts along M and N.
 TEST(CudaFp8GemmLarge, LongReductionsIn2x2Clusters) {
