@@ -24,6 +24,9 @@ FP8_SECTION = ("FP8 grouped GEMM alone (torch_fp8_rowwise: use_fast_accum=False,
 FP8_QUANT_SECTION = ("FP8 quantization of the pass's activations + grouped GEMM, vs the bf16 GEMM",
                      [i + "_with_quant" for i in FP8_IMPLS], ["gmoe"])
 MLP_SECTION = ("expert MLP", ["gmoe", "gmoe_unfused"], ["torch", "torch_compile"])
+LAYER_TORCH_TITLE = ("GroupedLinear (bias, f32 main_grad) against the torch composition (torch_baseline.py --kind "
+                     "layer: bf16 _grouped_mm; FP8 rowwise _scaled_grouped_mm with its quantization, eager and compiled)")
+LAYER_TORCH_BASELINES = ["torch_linear", "torch_linear_fp8_rowwise", "torch_linear_fp8_rowwise_compile"]
 
 
 def table(rows, ours, baselines, passes=None):
@@ -79,6 +82,12 @@ def sections(rows):
     lines = table(rows, *MLP_SECTION[1:], passes={"forward", "forward_backward"})
     if lines:
         out.append((MLP_SECTION[0], lines))
+    # The layer's rows (gmoe_linear, gmoe_linear_<recipe>) against torch's layer composition.
+    layer_impls = [LAYER_IMPL] + sorted({r["impl"] for r in rows if r["impl"].startswith(LAYER_IMPL + "_")})
+    if any(r["impl"] in LAYER_TORCH_BASELINES for r in rows):
+        lines = table(rows, layer_impls, LAYER_TORCH_BASELINES, passes={"forward", "forward_backward"})
+        if lines:
+            out.append((LAYER_TORCH_TITLE, lines))
     return out
 
 

@@ -17,6 +17,21 @@ concatenated halves [gate | up], the case's gated activation, FC2 [E, hidden, ff
   composition under torch.compile (impl "torch_compile", compiled and warmed up before timing; a
   compile failure is recorded under "errors" and the run goes on). FLOPs (BENCHMARKS.md): forward
   2·rows·hidden·2·ffn + 2·rows·ffn·hidden, forward_backward 3× that.
+layer (the gemm cases, as gmoe-bench --mode layer): the GroupedLinear forward and forward+backward
+           composed of torch ops, x [rows, K], W [E, N, K], a bf16 bias [E, N] and an f32 main_grad
+           [E, N, K] that the weight gradient is added into (gmoe's layer accumulates into it too):
+             forward   y = mm(x, Wᵀ) + bias[expert of row]
+             backward  dx = mm(dy, W); dW = mm(dyᵀ, x) (groups along the reduction); main_grad += dW;
+                       dbias = Σ of each expert's rows of dy
+           bf16 (impl torch_linear: _grouped_mm), and FP8 rowwise (torch_linear_fp8_rowwise, eager;
+           torch_linear_fp8_rowwise_compile, forward and backward under torch.compile, with
+           --kind layer only: each shape compiles anew): the
+           quantization is timed with the GEMMs, the weights' two copies cached (quantized before
+           timing, as gmoe's +cached_weights): x and dy with one scale per row, dyᵀ and xᵀ for
+           the weight gradient one per expert and row of dyᵀ / column of x (amax over the expert's
+           tokens), then torch._scaled_grouped_mm. The FP8 rows carry the relative Frobenius error
+           of y, dx and dW against the bf16 layer's. The weight gradient needs every count a
+           multiple of 16 (see fp8_rowwise_rows): on other counts only the forward is timed.
 offs are the cumulative int32 row offsets of the counts.
 
 Timed with CUDA events: warm-up, then the median of --iters runs. Writes rows in the
@@ -176,6 +191,128 @@ def fp8_rowwise_rows(case, args, errors, x, w, dy, offs):
 
 
 # ---------------------------------------------------------------------------------------------
+# layer (the gemm cases): GroupedLinear composed of torch ops
+
+def expert_of_rows(counts, rows):
+    """Expert index of every row [rows] (int64), from the device counts without a host sync."""
+    return torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts.long(),
+                                   output_size=rows)
+
+
+def expert_sums(t, counts):
+    """[E, cols] f32: Σ over each expert's rows of t (the bias gradient)."""
+    return torch.segment_reduce(t.float(), "sum", lengths=counts.long(), axis=0, unsafe=True, initial=0.0)
+
+
+def grouped_cols_fp8(t, counts, idx):
+    """tᵀ [cols, rows] e4m3, row-major, with one scale per expert and column of t (amax over the
+    expert's rows), and the dequantization multipliers [E·cols] (expert-major): the operand form
+    of torch._scaled_grouped_mm's 2d x 2d (weight gradient) call."""
+    amax = torch.segment_reduce(t.abs().float(), "max", lengths=counts.long(), axis=0, unsafe=True,
+                                initial=0.0).clamp(min=1e-12)                     # [E, cols]
+    q = (t.float() * (448.0 / amax).index_select(0, idx)).clamp(-448.0, 448.0)
+    return q.t().contiguous().to(torch.float8_e4m3fn), (amax / 448.0).reshape(-1)
+
+
+def linear_forward_bf16(x, w, bias, offs, idx):
+    return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs) + bias.index_select(0, idx)
+
+
+def linear_backward_bf16(x, w, dy, main_grad, counts, offs):
+    dx = torch._grouped_mm(dy, w, offs=offs)
+    main_grad.add_(torch._grouped_mm(dy.t(), x, offs=offs))
+    return dx, expert_sums(dy, counts)
+
+
+def linear_forward_fp8(x, wq, ws, bias, offs, idx):
+    xq, xs = rowwise_fp8(x, -1)
+    return torch._scaled_grouped_mm(xq, wq.transpose(-2, -1), xs, ws, offs=offs,
+                                    out_dtype=torch.bfloat16) + bias.index_select(0, idx)
+
+
+def linear_backward_fp8(x, wtq, wts, dy, main_grad, counts, offs, idx):
+    dyq, dys = rowwise_fp8(dy, -1)
+    dx = torch._scaled_grouped_mm(dyq, wtq.transpose(-2, -1), dys, wts, offs=offs, out_dtype=torch.bfloat16)
+    dytq, dyts = grouped_cols_fp8(dy, counts, idx)   # [N, rows], [E·N]
+    xtq, xts = grouped_cols_fp8(x, counts, idx)      # [K, rows], [E·K]
+    main_grad.add_(torch._scaled_grouped_mm(dytq, xtq.t(), dyts, xts, offs=offs, out_dtype=torch.bfloat16))
+    return dx, expert_sums(dy, counts)
+
+
+def relative_error(got, ref):
+    return float((got.float() - ref.float()).norm() / ref.float().norm().clamp(min=1e-30))
+
+
+def layer_rows(case, args, errors):
+    E, rows, K, N = case["E"], case["rows"], case["K"], case["N"]
+    dev = "cuda"
+    dt = torch.bfloat16
+    x = torch.randn(rows, K, device=dev, dtype=dt)
+    w = torch.randn(E, N, K, device=dev, dtype=dt) * K ** -0.5
+    bias = torch.randn(E, N, device=dev, dtype=dt)
+    dy = torch.randn(rows, N, device=dev, dtype=dt)
+    main_grad = torch.zeros(E, N, K, device=dev, dtype=torch.float32)
+    counts = torch.tensor(case["counts"], device=dev, dtype=torch.int32)
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    idx = expert_of_rows(counts, rows)
+    flops = gemm_flops(case)
+    wgrad_ok = all(c % 16 == 0 for c in case["counts"])
+    out = []
+
+    def timed(impl, forward, backward, check=None):
+        try:
+            note = check() if check else None
+            main_grad.zero_()
+            for name, fn, f in (("forward", forward, flops),
+                                ("forward_backward", lambda: (forward(), backward()), 3 * flops)):
+                if name == "forward_backward" and backward is None:
+                    errors.append({"case": case["name"], "pass": name, "impl": impl,
+                                   "error": "skipped: torch._scaled_grouped_mm (2d x 2d) needs every count to "
+                                            "be a multiple of 16"})
+                    continue
+                r = row(case, name, impl, time_ms(fn, args.warmup, args.iters), f)
+                if impl != "torch_linear":
+                    r["dtype"] = "fp8"
+                if note:
+                    r["note"] = note
+                out.append(r)
+        except Exception as e:
+            msg = f"{type(e).__name__}: {e}"
+            print(f"{impl} {case['name']}: {msg}", file=sys.stderr)
+            errors.append({"case": case["name"], "impl": impl, "error": msg[:2000]})
+
+    timed("torch_linear", lambda: linear_forward_bf16(x, w, bias, offs, idx),
+          lambda: linear_backward_bf16(x, w, dy, main_grad, counts, offs))
+    if not args.no_fp8:
+        wq, ws = rowwise_fp8(w, -1)                                      # [E, N, K], [E, N]
+        wtq, wts = rowwise_fp8(w.transpose(-2, -1).contiguous(), -1)      # [E, K, N], [E, K]
+        fwd, bwd = linear_forward_fp8, linear_backward_fp8
+        impls = [("torch_linear_fp8_rowwise", fwd, bwd)]
+        # Compiled only when asked for the layer alone: each shape compiles anew (tens of seconds).
+        if not args.no_compile and args.kind == "layer":
+            impls.append(("torch_linear_fp8_rowwise_compile", torch.compile(fwd, dynamic=False),
+                          torch.compile(bwd, dynamic=False)))
+        for impl, f, b in impls:
+            def check(f=f, b=b):
+                y_ref = linear_forward_bf16(x, w, bias, offs, idx)
+                err = f"y: relative Frobenius error {relative_error(f(x, wq, ws, bias, offs, idx), y_ref):.4f}"
+                if wgrad_ok:
+                    main_grad.zero_()
+                    dx_ref, db_ref = linear_backward_bf16(x, w, dy, main_grad, counts, offs)
+                    dw_ref = main_grad.clone()
+                    main_grad.zero_()
+                    dx, db = b(x, wtq, wts, dy, main_grad, counts, offs, idx)
+                    err += (f"; dx {relative_error(dx, dx_ref):.4f}; dW {relative_error(main_grad, dw_ref):.4f}"
+                            f"; dbias {relative_error(db, db_ref):.2e}")
+                return err
+            timed(impl, lambda f=f: f(x, wq, ws, bias, offs, idx),
+                  (lambda b=b: b(x, wtq, wts, dy, main_grad, counts, offs, idx)) if wgrad_ok else None, check)
+    del x, w, dy, main_grad
+    torch.cuda.empty_cache()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
 # mlp cases
 
 def swiglu(gate, up):
@@ -270,7 +407,7 @@ def mlp_rows(case, args, errors):
 # ---------------------------------------------------------------------------------------------
 
 def selected_cases(suite, args):
-    kinds = {"gemm", "mlp"} if args.kind == "all" else {args.kind}
+    kinds = {"gemm", "mlp"} if args.kind == "all" else {"gemm" if args.kind == "layer" else args.kind}
     return [c for c in suite["cases"] if c["kind"] in kinds and (not args.case or args.case in c["name"])]
 
 
@@ -278,6 +415,9 @@ def describe(case, args):
     if case["kind"] == "gemm":
         shape = f"rows {case['rows']}, K {case['K']}, N {case['N']}"
         timed = "fprop, dgrad, wgrad (torch)"
+        if args.kind in ("layer", "all"):
+            timed = ("" if args.kind == "layer" else timed + "; ") + \
+                "layer forward, forward_backward (torch_linear" + ("" if args.no_fp8 else ", fp8 rowwise") + ")"
         gflop = gemm_flops(case) / 1e9
     else:
         shape = (f"rows {case['rows']}, hidden {case['hidden']}, ffn {case['ffn']}, "
@@ -294,9 +434,10 @@ def main():
     ap.add_argument("--suite", default="bench/suites/public.json")
     ap.add_argument("--json", help="output file (required unless --dry-run)")
     ap.add_argument("--case", default="", help="only cases whose name contains this")
-    ap.add_argument("--kind", choices=["gemm", "mlp", "all"], default="all", help="which kind of case to run")
-    ap.add_argument("--no-compile", action="store_true", help="mlp cases: skip the torch.compile baseline")
-    ap.add_argument("--no-fp8", action="store_true", help="gemm cases: skip torch._scaled_grouped_mm")
+    ap.add_argument("--kind", choices=["gemm", "mlp", "layer", "all"], default="all",
+                    help="which cases to run: gemm, mlp, layer (the gemm cases as GroupedLinear), all three")
+    ap.add_argument("--no-compile", action="store_true", help="mlp and layer: skip the torch.compile baselines")
+    ap.add_argument("--no-fp8", action="store_true", help="gemm and layer: skip torch._scaled_grouped_mm")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--mlp-warm-ms", type=float, default=1000.0,
                     help="mlp cases: ms of back-to-back untimed work before each timing (clocks of sustained load)")
@@ -320,7 +461,13 @@ def main():
     rows, errors = [], []
     for case in cases:
         t0 = time.time()
-        rows += gemm_rows(case, args, errors) if case["kind"] == "gemm" else mlp_rows(case, args, errors)
+        if case["kind"] == "mlp":
+            rows += mlp_rows(case, args, errors)
+        else:
+            if args.kind != "layer":
+                rows += gemm_rows(case, args, errors)
+            if args.kind in ("layer", "all"):
+                rows += layer_rows(case, args, errors)
         print(f"torch: {case['name']} done ({time.time() - t0:.1f} s)", flush=True)
     result = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "rows": rows, "errors": errors}
     with open(args.json, "w") as f:

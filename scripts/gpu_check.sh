@@ -12,8 +12,9 @@
 # sanitize  compute-sanitizer memcheck on the CUDA test binary, racecheck on a subset
 #           (GMOE_SANITIZE_TOOLS, default "memcheck racecheck"; GMOE_SANITIZE_TIMEOUT s each, 280)
 # bench     gmoe-bench on the public suite (gemm and layer modes, cuBLAS baselines in the same run),
-#           then bench/torch_baseline.py on the same cases (gemm, and the mlp composition eager and
-#           compiled), merged by bench/report.py into one table (and the layer table)
+#           then bench/torch_baseline.py on the same cases (gemm; the layer composition, bf16 and FP8
+#           rowwise; the mlp composition eager and compiled), merged by bench/report.py into one table
+#           (and the layer tables)
 # tiles     gmoe-bench's gemm mode once per forced tile configuration (GMOE_CUDA_TILE), cluster (GMOE_CLUSTER) and weight-gradient
 #           tile order (GMOE_RASTER), no baselines,
 #           beside the heuristic's choice from the bench stage: the data the tile heuristic is tuned on
