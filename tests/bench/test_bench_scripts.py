@@ -1,0 +1,164 @@
+#!/usr/bin/env python3
+"""tests/bench/test_bench_scripts.py — the GPU session's Python tools, checked where there is no GPU.
+
+bench/torch_baseline.py and bench/report.py run only on the GPU machine, where a mistake costs a
+device call. Here: torch_baseline.py's --dry-run on every --kind (no torch needed: it lists the
+cases and what it would time) and its argument checks; report.py on synthetic result files of every
+kind of row it tables (bf16 and FP8 GEMMs, the layer against its bare GEMMs, the FP8 layer against
+the bf16 one, the layer against torch's layer composition, the MLP), the ratios and geometric means
+it prints, and its refusal of unreadable input.
+
+    python3 tests/bench/test_bench_scripts.py        (ctest: bench_scripts)
+"""
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import unittest
+
+ROOT = os.environ.get("GMOE_SOURCE_DIR") or os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+SUITE = os.path.join(ROOT, "bench", "suites", "public.json")
+BASELINE = os.path.join(ROOT, "bench", "torch_baseline.py")
+REPORT = os.path.join(ROOT, "bench", "report.py")
+
+
+def run(*args):
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=ROOT)
+
+
+class TorchBaselineDryRun(unittest.TestCase):
+    def setUp(self):
+        with open(SUITE) as f:
+            cases = json.load(f)["cases"]
+        self.gemm = [c["name"] for c in cases if c["kind"] == "gemm"]
+        self.mlp = [c["name"] for c in cases if c["kind"] == "mlp"]
+        self.assertTrue(self.gemm and self.mlp, "the public suite has gemm and mlp cases")
+
+    def dry_run(self, *extra):
+        p = run(BASELINE, "--suite", SUITE, "--dry-run", *extra)
+        self.assertEqual(p.returncode, 0, p.stderr)
+        return p.stdout.splitlines()
+
+    def test_every_kind_lists_its_cases(self):
+        for kind, names in (("gemm", self.gemm), ("mlp", self.mlp), ("layer", self.gemm),
+                            ("all", self.gemm + self.mlp)):
+            with self.subTest(kind=kind):
+                lines = self.dry_run("--kind", kind)
+                self.assertEqual(lines[-1], f"{len(names)} cases")
+                self.assertEqual([l.split()[0] for l in lines[:-1]], names)
+
+    def test_what_each_kind_times(self):
+        gemm_line = self.dry_run("--kind", "gemm", "--case", self.gemm[0])[0]
+        self.assertIn("fprop, dgrad, wgrad", gemm_line)
+        self.assertNotIn("layer", gemm_line)
+        layer_line = self.dry_run("--kind", "layer", "--case", self.gemm[0])[0]
+        self.assertIn("layer forward, forward_backward (torch_linear, fp8 rowwise)", layer_line)
+        self.assertNotIn("fprop", layer_line)
+        self.assertNotIn("fp8", self.dry_run("--kind", "layer", "--no-fp8", "--case", self.gemm[0])[0])
+        all_line = self.dry_run("--kind", "all", "--case", self.gemm[0])[0]
+        self.assertIn("fprop, dgrad, wgrad", all_line)
+        self.assertIn("layer forward", all_line)
+        self.assertIn("torch_compile", self.dry_run("--kind", "mlp", "--case", self.mlp[0])[0])
+
+    def test_case_filter(self):
+        lines = self.dry_run("--kind", "all", "--case", "dsv3")
+        self.assertEqual(lines[-1], f"{sum('dsv3' in n for n in self.gemm + self.mlp)} cases")
+
+    def test_bad_arguments(self):
+        for args in (("--kind", "conv"), ("--iters", "0"), ()):  # () : no --json without --dry-run
+            with self.subTest(args=args):
+                p = run(BASELINE, "--suite", SUITE, *args)
+                self.assertNotEqual(p.returncode, 0)
+                self.assertIn("error", p.stderr)
+
+
+def gemm_row(case, pass_name, impl, tflops, **extra):
+    r = {"case": case, "pass": pass_name, "impl": impl, "dtype": "bf16", "ms": 100.0 / tflops, "tflops": tflops,
+         "correct": True}
+    r.update(extra)
+    return r
+
+
+class Report(unittest.TestCase):
+    def setUp(self):
+        self.dir = tempfile.TemporaryDirectory()
+        self.addCleanup(self.dir.cleanup)
+
+    def write(self, name, rows, **top):
+        path = os.path.join(self.dir.name, name)
+        with open(path, "w") as f:
+            json.dump(dict(top, rows=rows), f)
+        return path
+
+    def report(self, *inputs):
+        out = os.path.join(self.dir.name, "results.json")
+        md = os.path.join(self.dir.name, "results.md")
+        p = run(REPORT, *inputs, "--out", out, "--markdown", md)
+        self.assertEqual(p.returncode, 0, p.stderr + p.stdout)
+        with open(out) as f, open(md) as g:
+            return p.stdout, json.load(f), g.read()
+
+    def test_every_table(self):
+        ours = [
+            gemm_row("a/uniform", "fprop", "gmoe", 800.0),
+            gemm_row("a/uniform", "fprop", "gmoe_fp8_blockwise", 1200.0, dtype="fp8"),
+            gemm_row("a/uniform", "fprop", "gmoe_fp8_blockwise_with_quant", 1000.0, dtype="fp8"),
+            gemm_row("b/uniform", "fprop", "gmoe", 600.0),
+            gemm_row("a/uniform", "forward_backward", "gmoe_linear", 700.0, bare_ms=100.0 / 700.0 / 1.05,
+                     graph_nodes={"kernel": 12, "memset": 0, "memcpy": 0}),
+            gemm_row("a/uniform", "forward_backward", "gmoe_linear_fp8_tensorwise+cached_weights", 910.0,
+                     dtype="fp8", bare_ms=1.3 * 100.0 / 910.0),
+            gemm_row("m/uniform", "forward_backward", "gmoe", 500.0),
+            gemm_row("m/uniform", "forward_backward", "gmoe_unfused", 480.0),
+        ]
+        torch_rows = [
+            gemm_row("a/uniform", "fprop", "torch", 640.0, correct=None),
+            gemm_row("b/uniform", "fprop", "torch", 750.0, correct=None),
+            gemm_row("a/uniform", "fprop", "torch_fp8_rowwise", 1000.0, correct=None, dtype="fp8"),
+            gemm_row("a/uniform", "forward_backward", "torch_linear", 560.0, correct=None),
+            gemm_row("a/uniform", "forward_backward", "torch_linear_fp8_rowwise", 260.0, correct=None, dtype="fp8"),
+            gemm_row("a/uniform", "forward_backward", "torch_linear_fp8_rowwise_compile", 650.0, correct=None,
+                     dtype="fp8"),
+            gemm_row("m/uniform", "forward_backward", "torch_compile", 400.0, correct=None),
+        ]
+        stdout, merged, md = self.report(
+            self.write("gmoe.json", ours, gpu="H100", commit="abc", date="today", suite="public"),
+            self.write("torch.json", torch_rows, torch="2.11",
+                       errors=[{"case": "a/skewed", "pass": "wgrad", "impl": "torch_fp8_rowwise",
+                                "error": "skipped: counts"}]))
+        self.assertEqual(len(merged["rows"]), len(ours) + len(torch_rows))
+        self.assertEqual((merged["gpu"], merged["commit"], merged["torch"]), ("H100", "abc", "2.11"))
+        for title in ("## bf16 grouped GEMM", "## FP8 grouped GEMM alone", "## FP8 quantization",
+                      "## expert MLP", "## GroupedLinear (bias, f32 main_grad) against the torch composition",
+                      "GroupedLinear (grouped bias, f32 main_grad accumulated)",
+                      "GroupedLinear with FP8 recipes", "Errors:"):
+            self.assertIn(title, md)
+        # bf16 GEMM: 800/640 = 1.25x and 600/750 = 0.80x, geomean 1.00x.
+        self.assertIn("1.25x", md)
+        self.assertIn("0.80x", md)
+        self.assertIn(f"{math.sqrt(1.25 * 0.8):.2f}x", md)
+        # The layer against torch's: bf16 700/560 = 1.25x; FP8 910/650 = 1.40x (compiled), 3.50x (eager).
+        layer_md = md.split("## GroupedLinear (bias, f32 main_grad) against the torch composition")[1]
+        self.assertIn("1.40x", layer_md.split("\n\n")[1])
+        self.assertIn("3.50x", layer_md.split("\n\n")[1])
+        # The FP8 layer against the bf16 layer timed beside it: bare_ms / ms = 1.30x; overhead 5.0%.
+        self.assertIn("1.30x", md.split("GroupedLinear with FP8 recipes")[1])
+        self.assertIn("5.0%", md)
+        # The MLP: gmoe / torch_compile = 1.25x.
+        self.assertIn("1.25x", md.split("## expert MLP")[1])
+        self.assertIn("skipped: counts", stdout)
+
+    def test_unreadable_inputs(self):
+        good = self.write("gmoe.json", [gemm_row("a/uniform", "fprop", "gmoe", 800.0)])
+        stdout, merged, _ = self.report(os.path.join(self.dir.name, "missing.json"), good)
+        self.assertIn("skipping", stdout)
+        self.assertEqual(len(merged["rows"]), 1)
+        p = run(REPORT, os.path.join(self.dir.name, "missing.json"), "--out", os.path.join(self.dir.name, "o.json"))
+        self.assertNotEqual(p.returncode, 0)
+        self.assertIn("no readable input", p.stderr)
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=1)
