@@ -99,6 +99,7 @@ for stage in "${stages[@]}"; do
         pids+=($!)
         { forced raster_m GMOE_RASTER=m '*Wgrad*'; forced raster_n GMOE_RASTER=n '*Wgrad*';
           forced fused_activation GMOE_FUSED_ACTIVATION=1 '*CudaGroupedMlp*';
+          forced fused_activation_bwd GMOE_FUSED_ACTIVATION_BWD=1 '*CudaGroupedMlp*';
           # Row chunks of 256 rows: nearly every fprop/dgrad group split (the named cases stay
           # below the default 4096 rows per expert).
           forced row_chunk_256 GMOE_ROW_CHUNK=256 '*CudaGroupedGemm*:*CudaFp8Gemm*:*CudaGroupedLinear*:*CudaGroupedMlp*'; } \

@@ -65,6 +65,21 @@ void grouped_gemm_fprop_activation(const TensorView& x, const ExpertWeights& w, 
 void grouped_gemm_dgrad(const TensorView& dy, const ExpertWeights& w, const TensorView& counts,
                         const TensorView& dx, Stream stream = nullptr, Allocator* alloc = nullptr);
 
+/// FC2's data gradient of an expert MLP with the gated activation's backward: dz = dgrad(dy, w)
+/// exactly as grouped_gemm_dgrad writes it, then dh = grouped_activation_backward(h, dz, counts, dh,
+/// options) (no probabilities, no recomputed z), bitwise that composition on every backend. dy:
+/// [capacity, H]; w: [E, H, F] (FC2's weights); h: [capacity, 2F] (a gated activation), dh: h's
+/// shape and dtype, h itself or disjoint from it. On CUDA, with GMOE_FUSED_ACTIVATION_BWD=1, the
+/// activation's backward runs in the GEMM's epilogue from the accumulators of dz, which never
+/// reaches memory, when: bf16; SwiGLU with gate and up concatenated or interleaved in blocks of an
+/// even number of columns; dh written over h; h 16-byte aligned with rows of a multiple of 16
+/// bytes; H > 0. Otherwise dz goes through a scratch buffer from `alloc`. Rows past the real
+/// total: dh = 0.
+void grouped_gemm_dgrad_activation_backward(const TensorView& dy, const ExpertWeights& w, const TensorView& counts,
+                                            const TensorView& h, const TensorView& dh,
+                                            const ActivationOptions& options, Stream stream = nullptr,
+                                            Allocator* alloc = nullptr);
+
 /// wgrad: dW_e = dy_eᵀ · x_e for each expert. dy: [capacity, N], x: [capacity, K], same dtype.
 /// dw: [E, N, K] stacked or E × [N, K], dtype of x or f32 (f32 required with accumulate). An expert
 /// with no rows gets an exactly-zero dW_e (left unchanged when accumulating).

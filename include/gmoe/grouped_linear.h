@@ -203,10 +203,17 @@ class GroupedLinear {
   /// fp8_grad_options()): needs the FP8 weight gradient and no bias (whose gradient reads dy).
   GroupedLinearBackward backward_fp8(GroupedLinearContext& ctx, Fp8Placed dyq, DType dt, Stream stream,
                                      const TensorView& dgrad_out);
+  /// FC2 of GroupedMLP: the data gradient fused with the activation's backward, dh written over
+  /// `h` (grouped_gemm_dgrad_activation_backward; native recipe only); the result's dx is absent.
+  struct ActivationBackwardIn {
+    TensorView h;
+    ActivationOptions options;
+  };
   /// backward, with dy's per-expert amax (f32 [E]) already computed where the recipe is tensorwise
   /// (Fp8QuantizeOptions::amax: the quantization of dy then reads it once); ignored otherwise.
   GroupedLinearBackward backward_impl(GroupedLinearContext& ctx, const TensorView& dy, Stream stream,
-                                      const TensorView& dgrad_out, const TensorView& dy_amax);
+                                      const TensorView& dgrad_out, const TensorView& dy_amax,
+                                      const ActivationBackwardIn* act = nullptr);
   // The shared tails: x kept (by reference or as a copy), the FP8 dgrad, and everything after dx.
   void save_input(GroupedLinearContext& ctx, const TensorView& x, Stream stream) const;
   void fp8_dgrad(GroupedLinearContext& ctx, Fp8Placed dyq, const TensorView& dx, Stream stream) const;

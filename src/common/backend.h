@@ -77,6 +77,11 @@ void grouped_gemm_fprop_activation(const TensorView& x, const ExpertWeights& w, 
                                    const ExpertBias& bias = {});
 void grouped_gemm_dgrad(const TensorView& dy, const ExpertWeights& w, const TensorView& counts,
                         const TensorView& dx, Stream stream, Allocator& alloc);
+/// grouped_gemm_dgrad into a dz scratch then grouped_activation_backward(h, dz, counts, dh), the
+/// activation's backward in the GEMM's epilogue where the kernels allow it (bitwise the same).
+void grouped_gemm_dgrad_activation_backward(const TensorView& dy, const ExpertWeights& w, const TensorView& counts,
+                                            const TensorView& h, const TensorView& dh,
+                                            const ActivationOptions& options, Stream stream, Allocator& alloc);
 void grouped_gemm_wgrad(const TensorView& dy, const TensorView& x, const TensorView& counts,
                         const ExpertWeights& dw, const WgradOptions& options, Stream stream,
                         Allocator& alloc);

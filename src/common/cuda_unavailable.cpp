@@ -21,6 +21,11 @@ void grouped_gemm_fprop_activation(const TensorView&, const ExpertWeights&, cons
 }
 void grouped_gemm_dgrad(const TensorView&, const ExpertWeights&, const TensorView&,
                         const TensorView&, Stream, Allocator&) { unavailable(); }
+void grouped_gemm_dgrad_activation_backward(const TensorView&, const ExpertWeights&, const TensorView&,
+                                            const TensorView&, const TensorView&, const ActivationOptions&, Stream,
+                                            Allocator&) {
+  unavailable();
+}
 void grouped_gemm_wgrad(const TensorView&, const TensorView&, const TensorView&,
                         const ExpertWeights&, const WgradOptions&, Stream, Allocator&) {
   unavailable();

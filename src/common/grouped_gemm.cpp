@@ -3,6 +3,7 @@
 #include "gmoe/grouped_gemm.h"
 
 #include <string>
+#include <utility>
 
 #include "common/activation_internal.h"
 #include "common/backend.h"
@@ -102,14 +103,23 @@ void grouped_gemm_fprop_activation(const TensorView& x, const ExpertWeights& w, 
   after_op(x.device, stream);
 }
 
-void grouped_gemm_dgrad(const TensorView& dy, const ExpertWeights& w, const TensorView& counts,
-                        const TensorView& dx, Stream stream, Allocator* alloc) {
+namespace {
+
+// dgrad's inputs: dy [capacity, N], w [E, N, K] of dy's dtype, counts.
+void check_dgrad_inputs(const TensorView& dy, const ExpertWeights& w, const TensorView& counts) {
   check_rows(dy, "dy");
   check_counts(counts, "counts", dy.device);
   check_input_dtype(dy.dtype, "dy");
   check_weights_against(w, "w", counts, dy.size(1), w.cols(), dy.device);
   GMOE_CHECK(w.dtype() == dy.dtype, "w: dtype must match dy (", dtype_name(dy.dtype), "), got ",
              dtype_name(w.dtype()));
+}
+
+}  // namespace
+
+void grouped_gemm_dgrad(const TensorView& dy, const ExpertWeights& w, const TensorView& counts,
+                        const TensorView& dx, Stream stream, Allocator* alloc) {
+  check_dgrad_inputs(dy, w, counts);
   check_rows(dx, "dx");
   check_same_device(dx.device, dy.device, "dx");
   GMOE_CHECK(dx.size(0) == dy.size(0) && dx.size(1) == w.cols(), "dx: expected [", dy.size(0),
@@ -120,6 +130,42 @@ void grouped_gemm_dgrad(const TensorView& dy, const ExpertWeights& w, const Tens
   } else {
     check_cuda_compiled("grouped_gemm_dgrad");
     cuda_backend::grouped_gemm_dgrad(dy, w, counts, dx, stream, pick_allocator(alloc, dy.device));
+  }
+  after_op(dy.device, stream);
+}
+
+void grouped_gemm_dgrad_activation_backward(const TensorView& dy, const ExpertWeights& w, const TensorView& counts,
+                                            const TensorView& h, const TensorView& dh,
+                                            const ActivationOptions& options, Stream stream, Allocator* alloc) {
+  check_dgrad_inputs(dy, w, counts);
+  const int64_t cap = dy.size(0), F = w.cols();
+  GMOE_CHECK(is_gated(options.kind), "options.kind: grouped_gemm_dgrad_activation_backward needs a gated ",
+             "activation, got ", activation_name(options.kind));
+  check_activation_options(options, F, "options");
+  for (const auto& [t, name] : {std::pair<const TensorView*, const char*>{&h, "h"}, {&dh, "dh"}}) {
+    check_rows(*t, name);
+    check_same_device(t->device, dy.device, name);
+    GMOE_CHECK(t->size(0) == cap && t->size(1) == 2 * F, name, ": expected [", cap, ", ", 2 * F,
+               "] (2F columns of a gated activation, F = w's columns), got ", t->shape_str());
+    GMOE_CHECK(t->dtype == dy.dtype, name, ": expected dy's dtype ", dtype_name(dy.dtype), ", got ",
+               dtype_name(t->dtype));
+  }
+  // dh may be h itself (each element is read, then written, by the same thread), nothing else.
+  if (dh.data != h.data || dh.stride(0) != h.stride(0)) check_disjoint(dh, "dh", h, "h");
+  check_disjoint(dh, "dh", dy, "dy");
+  if (w.is_stacked()) {
+    check_disjoint(dh, "dh", w.stacked, "w");
+  } else {
+    for (const TensorView& we : w.list) check_disjoint(dh, "dh", we, "w");
+  }
+  if (dy.device.is_cpu()) {
+    Tensor dz = Tensor::empty({cap, F}, dy.dtype, host_allocator(), stream);
+    cpu_backend::grouped_gemm_dgrad(dy, w, counts, dz.view());
+    cpu_backend::grouped_activation_backward(h, dz.view(), counts, dh, options, {}, {}, {}, {});
+  } else {
+    check_cuda_compiled("grouped_gemm_dgrad_activation_backward");
+    cuda_backend::grouped_gemm_dgrad_activation_backward(dy, w, counts, h, dh, options, stream,
+                                                         pick_allocator(alloc, dy.device));
   }
   after_op(dy.device, stream);
 }

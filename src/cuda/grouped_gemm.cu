@@ -102,6 +102,13 @@ KernelEntry glu_kernel(TileConfig tile) {
              : entry<DType::bf16, DType::bf16, GemmPass::fprop, TileConfig::coop_128x256, Bias, true>();
 }
 
+// dgrad with the gated activation's backward in the epilogue (bf16, no bias; dz is not stored).
+KernelEntry glu_dgrad_kernel(TileConfig tile) {
+  return tile == TileConfig::pingpong_128x128
+             ? entry<DType::bf16, DType::bf16, GemmPass::dgrad, TileConfig::pingpong_128x128, false, true>()
+             : entry<DType::bf16, DType::bf16, GemmPass::dgrad, TileConfig::coop_128x256, false, true>();
+}
+
 KernelEntry find_kernel(DType in, DType out, GemmPass pass, TileConfig tile) {
   switch (in) {
     case DType::bf16: return entry_for_input<DType::bf16>(out, pass, tile);
@@ -218,6 +225,7 @@ struct Plan : CallPlan {
 };
 
 KernelEntry kernel_of(const Plan& plan) {
+  if (plan.glu && plan.prep.pass == GemmPass::dgrad) return glu_dgrad_kernel(plan.tile);
   if (plan.glu) return plan.bias != nullptr ? glu_kernel<true>(plan.tile) : glu_kernel<false>(plan.tile);
   if (plan.bias != nullptr) return find_bias_kernel(plan.tile);
   return find_kernel(plan.in, plan.out, plan.prep.pass, plan.tile);
@@ -304,7 +312,7 @@ void rows_pass(GemmPass pass, const TensorView& a, const ExpertWeights& w, const
     plan.prep.probs = static_cast<const float*>(fused_act->probs.data);
     plan.z_row_bytes = fused_act->z.size(1) * static_cast<int64_t>(dtype_size(fused_act->z.dtype));
     plan.glu_kind = static_cast<int32_t>(o.kind);
-    plan.glu_block = static_cast<int32_t>(o.glu.block);
+    plan.glu_block = o.glu.layout == GluLayout::concatenated ? 0 : static_cast<int32_t>(o.glu.block);
   }
   plan.run_gemm = capacity > 0 && gemm_n > 0 && gemm_k > 0;
   plan.tile = choose_rows_tile(a.dtype, pass, capacity, counts.size(0), gemm_n,
@@ -337,6 +345,27 @@ bool activation_fusable(const TensorView& x, const ExpertBias& bias, const Tenso
   const bool z_ok = aligned(z.data, 16) && z.stride(0) % 8 == 0;
   return fused_activation_enabled() && x.dtype == DType::bf16 && o.kind == ActivationKind::swiglu && blocks &&
          bias_ok && x.size(1) > 0 && z_ok;
+}
+
+// GMOE_FUSED_ACTIVATION_BWD=1 (read at each call, host-side only) enables the activation's backward
+// in FC2's dgrad epilogue. Off by default until measured on an H100 (docs/architecture.md).
+bool fused_activation_backward_enabled() {
+  return env_equals("GMOE_FUSED_ACTIVATION_BWD", "1");
+}
+
+// The fused backward's conditions (else: the GEMM into a dz buffer, then the activation kernel,
+// which the fused path reproduces bit for bit): enabled (above); bf16; SwiGLU; gate and up
+// concatenated or interleaved in blocks of an even number of columns (two adjacent dz columns
+// address two adjacent gate and up columns: 4-byte accesses); a non-empty reduction (N = 0 makes
+// dz all zeros); dh written over h (the epilogue reads each pair, then writes it); h 16-byte aligned
+// with 16-byte rows.
+bool activation_backward_fusable(const TensorView& dy, const TensorView& h, const TensorView& dh,
+                                 const ActivationOptions& o) {
+  const bool layout = o.glu.layout == GluLayout::concatenated || o.glu.block % 2 == 0;
+  const auto rows_ok = [](const TensorView& t) { return aligned(t.data, 16) && t.stride(0) % 8 == 0; };
+  const bool in_place = dh.data == h.data && dh.stride(0) == h.stride(0);
+  return fused_activation_backward_enabled() && dy.dtype == DType::bf16 && o.kind == ActivationKind::swiglu &&
+         layout && dy.size(1) > 0 && in_place && rows_ok(h);
 }
 
 }  // namespace
@@ -373,6 +402,25 @@ void grouped_gemm_fprop_activation(const TensorView& x, const ExpertWeights& w, 
 void grouped_gemm_dgrad(const TensorView& dy, const ExpertWeights& w, const TensorView& counts,
                         const TensorView& dx, Stream stream, Allocator& alloc) {
   rows_pass(GemmPass::dgrad, dy, w, counts, dx, stream, alloc, "dy", "dx");
+}
+
+void grouped_gemm_dgrad_activation_backward(const TensorView& dy, const ExpertWeights& w, const TensorView& counts,
+                                            const TensorView& h, const TensorView& dh,
+                                            const ActivationOptions& options, Stream stream, Allocator& alloc) {
+  const int64_t cap = h.size(0), F = h.size(1) / 2;
+  if (!activation_backward_fusable(dy, h, dh, options)) {
+    Tensor dz = Tensor::empty({cap, F}, dy.dtype, alloc, stream);
+    rows_pass(GemmPass::dgrad, dy, w, counts, dz.view(), stream, alloc, "dy", "dz");
+    cuda_backend::grouped_activation_backward(h, dz.view(), counts, dh, options, {}, {}, {}, {}, stream, alloc);
+    dz.release_on(stream);
+    return;
+  }
+  // The epilogue reads h and writes dh over it, element pair by element pair. The plan's D (never
+  // stored: the kernel has no D, but its rows past the total are zeroed, with the rest of dh's by
+  // the z rows of the plan) is dh's first F columns.
+  const TensorView d(dh.data, dh.dtype, dh.device, {cap, F}, {dh.stride(0), 1});
+  const FusedActivation act{dh, options, {}};
+  rows_pass(GemmPass::dgrad, dy, w, counts, d, stream, alloc, "dy", "dh", nullptr, &act);
 }
 
 void grouped_gemm_wgrad(const TensorView& dy, const TensorView& x, const TensorView& counts,

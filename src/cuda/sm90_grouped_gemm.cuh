@@ -81,6 +81,9 @@ template <> struct TileTraits<TileConfig::pingpong_128x128> {
 // activation's math, shared with the activation kernels, recompiles nothing else).
 template <class ElementZ>
 struct Sm90GatedActivation;
+// Its backward in FC2's data-gradient epilogue (dgrad with Glu): dh from dz's accumulators and h.
+template <class ElementH>
+struct Sm90GatedActivationBackward;
 
 // The epilogue's fusion: D = alpha·acc + beta·C (LinearCombination), or, with a bias, the tree
 // D = acc + bias_e of sm90_bias_epilogue.cuh. With the gated activation, its node (above) is the
@@ -103,15 +106,30 @@ struct EpilogueFusion<ElementD, ElementC, ElementBias, TileShape, true, true> {
                                                   typename BiasTree<ElementD, ElementBias, TileShape>::type>;
 };
 
+// dgrad with Glu: the activation's backward is the fusion (and there is no D to store).
+template <class ElementH, class Fallback, bool GluBackward>
+struct DgradGluFusion {
+  using type = Fallback;
+};
+template <class ElementH, class Fallback>
+struct DgradGluFusion<ElementH, Fallback, true> {
+  using type = cutlass::epilogue::fusion::Sm90EVT<Sm90GatedActivationBackward<ElementH>,
+                                                  cutlass::epilogue::fusion::Sm90AccFetch>;
+};
+
 template <DType In, DType Out, GemmPass Pass, TileConfig Tile, bool Bias = false, bool Glu = false>
 struct GemmTypes {
   using ElementIn = typename CutlassElement<In>::type;
-  using ElementD = typename CutlassElement<Out>::type;
+  // dgrad with the activation's backward writes dh from the epilogue and stores no D (dz).
+  static constexpr bool kGluBackward = Glu && Pass == GemmPass::dgrad;
+  using ElementOut = typename CutlassElement<Out>::type;
+  using ElementD = std::conditional_t<kGluBackward, void, ElementOut>;
   // Only an f32 weight gradient can accumulate into an existing main_grad; every other output has
   // no source operand at all, which frees the shared memory CUTLASS would stage C in.
   static constexpr bool kHasSource = Pass == GemmPass::wgrad && Out == DType::f32;
   static_assert(!Bias || (Pass == GemmPass::fprop && !kHasSource), "a fused bias is an fprop epilogue");
-  static_assert(!Glu || (Pass == GemmPass::fprop && Out == DType::bf16), "the fused activation is a bf16 fprop epilogue");
+  static_assert(!Glu || (Out == DType::bf16 && (Pass == GemmPass::fprop || (Pass == GemmPass::dgrad && !Bias))),
+                "the fused activation is a bf16 fprop epilogue, its backward a bf16 dgrad one (no bias)");
   using ElementC = std::conditional_t<kHasSource, ElementD, void>;
   using ElementAccumulator = float;
   using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
@@ -121,15 +139,17 @@ struct GemmTypes {
   using Traits = TileTraits<Tile>;
 
   static constexpr int kAlignIn = 16 / sizeof(ElementIn);  // TMA: 16-byte aligned rows
-  static constexpr int kAlignD = 16 / sizeof(ElementD);
+  static constexpr int kAlignD = 16 / sizeof(ElementOut);
+  using Fusion = typename DgradGluFusion<
+      ElementOut, typename EpilogueFusion<ElementD, ElementC, ElementIn, typename Traits::TileShape, Bias, Glu>::type,
+      kGluBackward>::type;
 
   using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Traits::TileShape,
       typename Traits::ClusterShape, cutlass::epilogue::collective::EpilogueTileAuto,
       ElementAccumulator, ElementAccumulator, ElementC, LayoutD*, kAlignD, ElementD, LayoutD*,
-      kAlignD, typename Traits::EpilogueSchedule,
-      typename EpilogueFusion<ElementD, ElementC, ElementIn, typename Traits::TileShape, Bias, Glu>::type>::CollectiveOp;
-  static_assert(!Glu || cute::size<1>(typename CollectiveEpilogue::EpilogueTile{}) == 32,
+      kAlignD, typename Traits::EpilogueSchedule, Fusion>::CollectiveOp;
+  static_assert(!Glu || kGluBackward || cute::size<1>(typename CollectiveEpilogue::EpilogueTile{}) == 32,
                 "the fused activation pairs gate and up columns inside a 32-column epilogue subtile");
 
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
@@ -225,9 +245,15 @@ void GroupedGemmKernel<In, Out, Pass, Tile, Bias, Glu>::run(const GroupedGemmLau
   GMOE_CHECK(Types::kHasSource || l.beta == 0.0f, "grouped GEMM: this instantiation has no source "
              "operand, but beta = ", l.beta);
   GMOE_CHECK(!Bias || l.ptr_bias != nullptr, "grouped GEMM: a fused-bias kernel without bias pointers");
-  GMOE_CHECK(!Glu || ((l.glu.block == 8 || l.glu.block == 16) && l.glu.ptr_z != nullptr),
-             "grouped GEMM: a fused-activation kernel needs z pointers and an interleave block of 8 or 16, got ",
-             l.glu.block);
+  if constexpr (Types::kGluBackward) {
+    GMOE_CHECK(l.glu.ptr_z != nullptr && l.glu.ptr_probs == nullptr && l.glu.block >= 0 && l.glu.block % 2 == 0,
+               "grouped GEMM: the fused activation backward needs h pointers, no probabilities and an even "
+               "interleave block (or 0), got ", l.glu.block);
+  } else {
+    GMOE_CHECK(!Glu || ((l.glu.block == 8 || l.glu.block == 16) && l.glu.ptr_z != nullptr),
+               "grouped GEMM: a fused-activation kernel needs z pointers and an interleave block of 8 or 16, got ",
+               l.glu.block);
+  }
   const typename Gemm::Arguments args = Types::make_arguments(l);
   const std::size_t need = Gemm::get_workspace_size(args);
   GMOE_CHECK(l.workspace_bytes >= need, "grouped GEMM: workspace of ", l.workspace_bytes,

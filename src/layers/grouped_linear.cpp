@@ -353,7 +353,8 @@ GroupedLinearBackward GroupedLinear::backward(GroupedLinearContext& ctx, const T
 }
 
 GroupedLinearBackward GroupedLinear::backward_impl(GroupedLinearContext& ctx, const TensorView& dy, Stream stream,
-                                                   const TensorView& dgrad_out, const TensorView& dy_amax) {
+                                                   const TensorView& dgrad_out, const TensorView& dy_amax,
+                                                   const ActivationBackwardIn* act) {
   GroupedLinearContext::State& st = *ctx.state_;
   GMOE_CHECK(st.active && !st.wgrad_pending, "ctx: backward needs a context filled by forward (and not yet ",
              "consumed by backward)");
@@ -361,6 +362,12 @@ GroupedLinearBackward GroupedLinear::backward_impl(GroupedLinearContext& ctx, co
   GMOE_CHECK(dy.size(0) == st.x.size(0) && dy.size(1) == out_features(), "dy: expected [", st.x.size(0), ", ",
              out_features(), "], got ", dy.shape_str());
   Allocator& alloc = allocator();
+  GMOE_CHECK(act == nullptr || (!fp8() && !dgrad_out.defined()),
+             "backward_impl: the activation's backward fuses into the native recipe's dgrad, without dgrad_out");
+  if (act != nullptr) {
+    grouped_gemm_dgrad_activation_backward(dy, weight_, st.counts, act->h, act->h, act->options, stream, &alloc);
+    return finish_backward(ctx, dy, Tensor(), stream, {});
+  }
   Tensor dx = dgrad_out.defined() ? Tensor::wrap(dgrad_out)
                                   : Tensor::empty({st.x.size(0), in_features()}, dy.dtype, alloc, stream);
   Tensor db;  // FP8 with a bias: the bias gradient, from the quantization's pass over dy

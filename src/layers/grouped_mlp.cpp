@@ -230,30 +230,42 @@ GroupedMLPBackward GroupedMLP::backward(GroupedMLPContext& ctx, const TensorView
 
   Allocator& alloc = allocator();
   GroupedMLPBackward result;
-  // FC2: dz = dy·W2_e, db2; dW2 now unless delayed (by the caller, or because z is rebuilt below).
-  GroupedLinearBackward b2 = fc2_.backward(st.fc2, dy, stream);
-  // Activation: dh over h (h is read for the last time here), dprobs, and z when not kept.
-  Tensor z_rebuilt;
-  if (options_.recompute_activation) z_rebuilt = Tensor::empty({cap, F}, dt, alloc, stream);
-  if (st.probs.defined()) {
-    result.dprobs =
-        dprobs_out.defined() ? Tensor::wrap(dprobs_out) : Tensor::empty({cap}, DType::f32, alloc, stream);
-  }
   const TensorView h = st.h.view();
   GroupedLinear::Fp8Placed dhq;
   Tensor dh_amax;
   const bool quantize_dh = fp8_quantize_dh();
-  if (quantize_dh) {
-    // FP8: dh quantized by the activation's backward itself (h is not read after it).
-    const Fp8QuantizeOptions qo = fc1_.fp8_grad_options();
-    dhq = fc1_.place_fp8(cap, h.size(1), qo, dev, stream);
-    quantize_activation_backward(h, b2.dx, st.counts, options_.activation, st.probs, result.dprobs.view(), qo,
-                                 dhq.q, h, true, stream, alloc);
+  // Without probabilities, a rebuilt z or FP8, FC2's dgrad and the activation's backward are one
+  // op (grouped_gemm_dgrad_activation_backward: dh over h, bitwise the two in turn; on CUDA in the
+  // GEMM's epilogue where it applies, with GMOE_FUSED_ACTIVATION_BWD=1).
+  const bool dgrad_activation = !fc2_.fp8() && !st.probs.defined() && !options_.recompute_activation &&
+                                is_gated(options_.activation.kind);
+  GroupedLinearBackward b2;
+  Tensor z_rebuilt;
+  if (dgrad_activation) {
+    // FC2: dh = act'(h)·(dy·W2_e) over h, db2; dW2 now unless delayed.
+    const GroupedLinear::ActivationBackwardIn act{h, options_.activation};
+    b2 = fc2_.backward_impl(st.fc2, dy, stream, {}, {}, &act);
   } else {
-    // Tensorwise FP8: dh's amax from this pass, so that FC1's quantization of dh reads it once.
-    if (fc1_.fp8()) dh_amax = activation_amax_scratch(fc1_.fp8_grad_options().recipe, num_experts(), alloc, stream);
-    grouped_activation_backward(h, b2.dx, st.counts, h, options_.activation, st.probs, result.dprobs.view(),
-                                z_rebuilt.view(), stream, &alloc, dh_amax.view());
+    // FC2: dz = dy·W2_e, db2; dW2 now unless delayed (by the caller, or because z is rebuilt below).
+    b2 = fc2_.backward(st.fc2, dy, stream);
+    // Activation: dh over h (h is read for the last time here), dprobs, and z when not kept.
+    if (options_.recompute_activation) z_rebuilt = Tensor::empty({cap, F}, dt, alloc, stream);
+    if (st.probs.defined()) {
+      result.dprobs =
+          dprobs_out.defined() ? Tensor::wrap(dprobs_out) : Tensor::empty({cap}, DType::f32, alloc, stream);
+    }
+    if (quantize_dh) {
+      // FP8: dh quantized by the activation's backward itself (h is not read after it).
+      const Fp8QuantizeOptions qo = fc1_.fp8_grad_options();
+      dhq = fc1_.place_fp8(cap, h.size(1), qo, dev, stream);
+      quantize_activation_backward(h, b2.dx, st.counts, options_.activation, st.probs, result.dprobs.view(), qo,
+                                   dhq.q, h, true, stream, alloc);
+    } else {
+      // Tensorwise FP8: dh's amax from this pass, so that FC1's quantization of dh reads it once.
+      if (fc1_.fp8()) dh_amax = activation_amax_scratch(fc1_.fp8_grad_options().recipe, num_experts(), alloc, stream);
+      grouped_activation_backward(h, b2.dx, st.counts, h, options_.activation, st.probs, result.dprobs.view(),
+                                  z_rebuilt.view(), stream, &alloc, dh_amax.view());
+    }
   }
   b2.dx.release_on(stream);
   const bool fc2_delayed = options_.fc2.delay_wgrad;

@@ -192,5 +192,73 @@ TEST(FpropActivation, BitwiseTheCompositionAndRefusalsNameTheArgument) {
   for (int64_t i = 0; i < z2.numel(); ++i) ASSERT_TRUE(std::isnan(z2.get(i)));
 }
 
+// grouped_gemm_dgrad_activation_backward: bitwise grouped_gemm_dgrad then grouped_activation_backward
+// (the CPU backend runs exactly that; CUDA, which fuses, is held to it in its suite), dh over h or
+// apart from it, for every gated activation; and every refusal names the argument before anything
+// is written.
+TEST(DgradActivationBackward, BitwiseTheCompositionAndRefusalsNameTheArgument) {
+  Rng rng;
+  ShapeCase c = make_case("skewed", rng);
+  c.K = 48;   // F: FC2's weights are [E, H = c.N, F]
+  c.N = 112;  // H: dy [capacity, H] holds as many elements as h (the overlap refusal below)
+  const int64_t F = c.K;
+  const GemmProblem p(c, DType::bf16, rng);
+  const ExpertWeights w = p.weights(rng.integer(0, 1) ? Layout::kStacked : Layout::kList);
+  HostTensor h0(DType::bf16, {c.capacity, 2 * F});
+  fill_random(h0, rng, -3.0, 3.0);
+  for (ActivationKind kind : {ActivationKind::swiglu, ActivationKind::geglu, ActivationKind::clamped_swiglu}) {
+    for (bool in_place : {true, false}) {
+      ActivationOptions act;
+      act.kind = kind;
+      act.limit = 0.75f;
+      act.glu = rng.integer(0, 1) ? GluFormat{GluLayout::interleaved, 16} : GluFormat{GluLayout::concatenated, 1};
+      SCOPED_TRACE(std::string(activation_name(kind)) + (in_place ? ", dh over h" : ", dh apart"));
+      HostTensor h = h0, dh(DType::bf16, {c.capacity, 2 * F});
+      poison(dh);
+      const TensorView dh_view = in_place ? h.view() : dh.view();
+      grouped_gemm_dgrad_activation_backward(p.dy.view(), w, p.counts.view(), h.view(), dh_view, act);
+      HostTensor dz(DType::bf16, {c.capacity, F}), h_ref = h0, dh_ref(DType::bf16, {c.capacity, 2 * F});
+      poison(dz);
+      poison(dh_ref);
+      grouped_gemm_dgrad(p.dy.view(), w, p.counts.view(), dz.view());
+      grouped_activation_backward(h_ref.view(), dz.view(), p.counts.view(), dh_ref.view(), act);
+      EXPECT_TRUE(bitwise_equal(in_place ? h : dh, dh_ref, "dh"));
+      if (!in_place) EXPECT_TRUE(bitwise_equal(h, h0, "h (left as it was)"));
+    }
+  }
+
+  ActivationOptions act;
+  act.glu = {GluLayout::interleaved, 16};
+  HostTensor h = h0;
+  HostTensor h_odd(DType::bf16, {c.capacity, 2 * F + 2}), h_f32(DType::f32, {c.capacity, 2 * F});
+  ActivationOptions relu2 = act;
+  relu2.kind = ActivationKind::squared_relu;
+  GMOE_EXPECT_ERROR(grouped_gemm_dgrad_activation_backward(p.dy.view(), w, p.counts.view(), h.view(), h.view(), relu2),
+                    "options.kind", "gated");
+  GMOE_EXPECT_ERROR(grouped_gemm_dgrad_activation_backward(p.dy.view(), w, p.counts.view(), h_odd.view(),
+                                                           h_odd.view(), act),
+                    "h:", "expected [");
+  GMOE_EXPECT_ERROR(grouped_gemm_dgrad_activation_backward(p.dy.view(), w, p.counts.view(), h_f32.view(),
+                                                           h_f32.view(), act),
+                    "h:", "dy's dtype");
+  ActivationOptions odd = act;
+  odd.glu = {GluLayout::interleaved, 32};  // does not divide F = 48
+  GMOE_EXPECT_ERROR(grouped_gemm_dgrad_activation_backward(p.dy.view(), w, p.counts.view(), h.view(), h.view(), odd),
+                    "options.glu.block", "must divide");
+  // dh over dy: the epilogue would write what the GEMM still reads.
+  const TensorView dy_as_dh =
+      contiguous_view(const_cast<void*>(p.dy.data()), DType::bf16, Device::cpu(), {c.capacity, 2 * F});
+  GMOE_EXPECT_ERROR(grouped_gemm_dgrad_activation_backward(p.dy.view(), w, p.counts.view(), h.view(), dy_as_dh, act),
+                    "dh and dy overlap");
+  // dh one row into h: neither h itself nor apart from it.
+  HostTensor h_big(DType::bf16, {c.capacity + 1, 2 * F});
+  const TensorView big_head = contiguous_view(h_big.data(), DType::bf16, Device::cpu(), {c.capacity, 2 * F});
+  const TensorView big_shifted =
+      contiguous_view(static_cast<char*>(h_big.data()) + 2 * F * 2, DType::bf16, Device::cpu(), {c.capacity, 2 * F});
+  GMOE_EXPECT_ERROR(grouped_gemm_dgrad_activation_backward(p.dy.view(), w, p.counts.view(), big_head, big_shifted, act),
+                    "dh and h overlap");
+  EXPECT_TRUE(bitwise_equal(h, h0, "h (nothing written by a refused call)"));
+}
+
 }  // namespace
 }  // namespace gmoe::test

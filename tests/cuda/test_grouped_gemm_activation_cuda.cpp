@@ -9,12 +9,18 @@
 // both captured in global mode (no host sync), and replays of one capture under changing counts
 // are bitwise the eager results. The composition itself is tested against the CPU reference in the
 // GEMM and activation suites.
+// And grouped_gemm_dgrad_activation_backward: dh bitwise equal to grouped_gemm_dgrad into dz then
+// grouped_activation_backward(h, dz, counts, dh). SwiGLU in every layout with dh over h runs the
+// activation's backward in the dgrad's epilogue (GMOE_FUSED_ACTIVATION_BWD=1); clamped SwiGLU and
+// dh apart from h take the fallback; h's rows past the total hold NaN, so a dh row the fused path
+// did not zero fails; the fused capture has fewer kernel nodes and replays under changing counts.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cstdlib>
 #include <functional>
+#include <limits>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -256,6 +262,146 @@ TEST(CudaGroupedGemmActivationGraph, FusedLaunchesFewerKernelsAndReplaysUnderCha
   }
   GMOE_TEST_CUDA(cudaStreamDestroy(stream));
   disable_fusion();
+}
+
+// ---------------------------------------------------------------------------------------------
+// grouped_gemm_dgrad_activation_backward: FC2's dgrad with the activation's backward.
+
+// The fused backward (SwiGLU, dh over h), enabled for these tests (GMOE_FUSED_ACTIVATION_BWD=1)
+// and disabled again.
+void enable_backward_fusion() { setenv("GMOE_FUSED_ACTIVATION_BWD", "1", 1); }
+void disable_backward_fusion() { unsetenv("GMOE_FUSED_ACTIVATION_BWD"); }
+
+// One problem on the device: dy [capacity, H], FC2's weights [E, H, F] in a layout, counts, and h
+// [capacity, 2F] with NaN in the rows past the total. F: a multiple of 32 (every layout's block
+// divides it) near the case's K.
+struct BackwardProblem {
+  ShapeCase c;
+  int64_t F = 0;
+  GemmProblem p;
+  DeviceTensor dy, counts;
+  DeviceExperts w;
+  HostTensor h;
+
+  static ShapeCase widened(ShapeCase c) {
+    c.K = std::max<int64_t>(32, (c.K + 31) / 32 * 32);
+    return c;
+  }
+  BackwardProblem(const std::string& name, Layout layout, Rng& rng)
+      : c(widened(make_case(name, rng, CaseScale::kLarge))),
+        F(c.K),
+        p(c, DType::bf16, rng, rng.integer(0, 1) ? DType::i32 : DType::i64),
+        dy(p.dy),
+        counts(p.counts),
+        w(p.w_stacked, p.w, layout),
+        h(DType::bf16, {c.capacity, 2 * c.K}) {
+    fill_random(h, rng, -3.0, 3.0);
+    for (int64_t i = c.total() * 2 * F; i < c.capacity * 2 * F; ++i) h.set(i, std::numeric_limits<double>::quiet_NaN());
+  }
+};
+
+class CudaGroupedGemmActivationBackward : public ::testing::TestWithParam<Param> {
+ protected:
+  void SetUp() override {
+    GMOE_SKIP_WITHOUT_GPU();
+    enable_backward_fusion();
+  }
+  void TearDown() override { disable_backward_fusion(); }
+  const GluFormat& glu() const { return layouts()[std::get<0>(GetParam())]; }
+  const std::string& case_name() const { return std::get<1>(GetParam()); }
+};
+
+TEST_P(CudaGroupedGemmActivationBackward, BitwiseTheDgradThenTheActivationBackward) {
+  Rng rng;
+  cudaStream_t stream;
+  GMOE_TEST_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  for (const ActivationOptions& act : variants_for(glu())) {
+    for (bool in_place : {true, false}) {
+      const Layout layout = rng.integer(0, 1) ? Layout::kStacked : Layout::kList;
+      SCOPED_TRACE(activation_case_name(act) + (in_place ? ", dh over h, " : ", dh apart, ") + layout_name(layout));
+      const BackwardProblem q(case_name(), layout, rng);
+      // The op: dh over h, or into a NaN-poisoned dh apart from it.
+      DeviceTensor h(q.h);
+      HostTensor dh0(DType::bf16, {q.c.capacity, 2 * q.F});
+      poison(dh0);
+      DeviceTensor dh_apart(dh0);
+      const TensorView dh = in_place ? h.view() : dh_apart.view();
+      grouped_gemm_dgrad_activation_backward(q.dy.view(), q.w.view(), q.counts.view(), h.view(), dh, act, stream);
+      GMOE_TEST_CUDA(cudaStreamSynchronize(stream));
+      check_device_errors(stream);
+      const HostTensor got = in_place ? h.download() : dh_apart.download();
+      // The composition: dgrad into dz, then the activation's backward.
+      DeviceTensor h_ref(q.h), dh_ref(dh0);
+      HostTensor dz0(DType::bf16, {q.c.capacity, q.F});
+      poison(dz0);
+      DeviceTensor dz(dz0);
+      grouped_gemm_dgrad(q.dy.view(), q.w.view(), q.counts.view(), dz.view(), stream);
+      grouped_activation_backward(h_ref.view(), dz.view(), q.counts.view(), dh_ref.view(), act, {}, {}, {}, stream);
+      GMOE_TEST_CUDA(cudaStreamSynchronize(stream));
+      EXPECT_TRUE(bitwise_equal(got, dh_ref.download(), "dh"));
+      if (!in_place) EXPECT_TRUE(bitwise_equal(h.download(), q.h, "h (left as it was)"));
+      for (int64_t r = q.c.total(); r < q.c.capacity; ++r) {
+        ASSERT_EQ(got.get(r * 2 * q.F), 0.0) << "dh row " << r << " past the total";
+      }
+    }
+  }
+  GMOE_TEST_CUDA(cudaStreamDestroy(stream));
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, CudaGroupedGemmActivationBackward,
+                         ::testing::Combine(::testing::Range(0, int(layouts().size())), ::testing::ValuesIn(cases())),
+                         param_name);
+
+// The fused path is taken where it should be and only there: captured in global mode (any host
+// sync fails the capture), SwiGLU over h launches fewer kernels than the composition (no
+// activation kernel), clamped SwiGLU the same kernels. Replays of the one capture under changing
+// counts (uniform, skewed with empty experts, all in one expert, all empty) are bitwise the
+// composition's replays.
+TEST(CudaGroupedGemmActivationBackwardGraph, FusedLaunchesFewerKernelsAndReplaysUnderChangingCounts) {
+  GMOE_SKIP_WITHOUT_GPU();
+  enable_backward_fusion();
+  Rng rng;
+  cudaStream_t stream;
+  GMOE_TEST_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const int64_t E = 16, F = 96, H = 256, per = 80, slack = 24;
+  ShapeCase c = graph_case(E, H, F, per, slack);
+  const GemmProblem p(c, DType::bf16, rng);
+  DeviceTensor dy(p.dy), counts(p.counts);
+  DeviceExperts w(p.w_stacked, p.w, Layout::kStacked);
+  HostTensor h0(DType::bf16, {c.capacity, 2 * F});
+  fill_random(h0, rng, -3.0, 3.0);
+  HostTensor dz0(DType::bf16, {c.capacity, F});
+  poison(dz0);
+  DeviceTensor h(h0), h_ref(h0), dz(dz0);
+  std::vector<ActivationOptions> acts;
+  for (const GluFormat& glu : layouts()) acts.push_back(variants_for(glu)[0]);  // SwiGLU in every layout
+  acts.push_back(variants_for({GluLayout::interleaved, 16})[1]);             // clamped: not fused
+  for (const ActivationOptions& act : acts) {
+    const CapturedGraph fused(stream, [&] {
+      grouped_gemm_dgrad_activation_backward(dy.view(), w.view(), counts.view(), h.view(), h.view(), act, stream);
+    });
+    const CapturedGraph composed(stream, [&] {
+      grouped_gemm_dgrad(dy.view(), w.view(), counts.view(), dz.view(), stream);
+      grouped_activation_backward(h_ref.view(), dz.view(), counts.view(), h_ref.view(), act, {}, {}, {}, stream);
+    });
+    SCOPED_TRACE(activation_case_name(act));
+    if (act.kind == ActivationKind::swiglu) {
+      EXPECT_LT(fused.kernel_nodes(), composed.kernel_nodes()) << "the activation's backward was not fused";
+    } else {
+      EXPECT_EQ(fused.kernel_nodes(), composed.kernel_nodes());
+    }
+    for (const std::vector<int64_t>& routing : graph_routings(E, per, slack, rng)) {
+      counts.upload(make_counts(routing));
+      h.upload(h0);
+      h_ref.upload(h0);
+      fused.replay(stream);
+      composed.replay(stream);
+      check_device_errors(stream);
+      EXPECT_TRUE(bitwise_equal(h.download(), h_ref.download(), "dh replay"));
+    }
+  }
+  GMOE_TEST_CUDA(cudaStreamDestroy(stream));
+  disable_backward_fusion();
 }
 
 }  // namespace
