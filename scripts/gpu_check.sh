@@ -93,13 +93,15 @@ for stage in "${stages[@]}"; do
       }
       rows_filter='LargeCases/CudaGroupedGemm*:CudaGroupedGemmGraph*:CudaGroupedGemmTiles*:NamedCases/CudaGroupedGemm*e256:NamedCases/CudaGroupedGemm*ragged:*CudaGroupedGemmActivation*'
       if [[ " $parts " == *" forced "* ]]; then
-        forced tile_coop GMOE_CUDA_TILE=coop "$rows_filter" >"$OUT/forced_status_a.txt" &
+        # The fused activation backward after the coop tile (the chains below are near a device
+        # call's 600 s already).
+        { forced tile_coop GMOE_CUDA_TILE=coop "$rows_filter";
+          forced fused_activation_bwd GMOE_FUSED_ACTIVATION_BWD=1 '*CudaGroupedMlp*'; } >"$OUT/forced_status_a.txt" &
         pids+=($!)
         forced tile_pingpong GMOE_CUDA_TILE=pingpong "$rows_filter" >"$OUT/forced_status_b.txt" &
         pids+=($!)
         { forced raster_m GMOE_RASTER=m '*Wgrad*'; forced raster_n GMOE_RASTER=n '*Wgrad*';
           forced fused_activation GMOE_FUSED_ACTIVATION=1 '*CudaGroupedMlp*';
-          forced fused_activation_bwd GMOE_FUSED_ACTIVATION_BWD=1 '*CudaGroupedMlp*';
           # Row chunks of 256 rows: nearly every fprop/dgrad group split (the named cases stay
           # below the default 4096 rows per expert).
           forced row_chunk_256 GMOE_ROW_CHUNK=256 '*CudaGroupedGemm*:*CudaFp8Gemm*:*CudaGroupedLinear*:*CudaGroupedMlp*'; } \
