@@ -24,9 +24,13 @@ FP8_SECTION = ("FP8 grouped GEMM alone (torch_fp8_rowwise: use_fast_accum=False,
 FP8_QUANT_SECTION = ("FP8 quantization of the pass's activations + grouped GEMM, vs the bf16 GEMM",
                      [i + "_with_quant" for i in FP8_IMPLS], ["gmoe"])
 MLP_SECTION = ("expert MLP", ["gmoe", "gmoe_unfused"], ["torch", "torch_compile"])
-LAYER_TORCH_TITLE = ("GroupedLinear (bias, f32 main_grad) against the torch composition (torch_baseline.py --kind "
-                     "layer: bf16 _grouped_mm; FP8 rowwise _scaled_grouped_mm with its quantization, eager and compiled)")
-LAYER_TORCH_BASELINES = ["torch_linear", "torch_linear_fp8_rowwise", "torch_linear_fp8_rowwise_compile"]
+# GroupedLinear against torch's layer composition (torch_baseline.py --kind layer): bf16 against
+# bf16, each FP8 recipe against torch's FP8 rowwise layer (eager and compiled).
+LAYER_TORCH_BF16 = ("GroupedLinear (bias, f32 main_grad) against the torch composition with _grouped_mm",
+                    [LAYER_IMPL], ["torch_linear"])
+LAYER_TORCH_FP8_TITLE = ("GroupedLinear with FP8 recipes against the torch composition with _scaled_grouped_mm "
+                         "rowwise, its quantization timed (eager and compiled)")
+LAYER_TORCH_FP8_BASELINES = ["torch_linear_fp8_rowwise", "torch_linear_fp8_rowwise_compile"]
 
 
 def table(rows, ours, baselines, passes=None):
@@ -83,11 +87,12 @@ def sections(rows):
     if lines:
         out.append((MLP_SECTION[0], lines))
     # The layer's rows (gmoe_linear, gmoe_linear_<recipe>) against torch's layer composition.
-    layer_impls = [LAYER_IMPL] + sorted({r["impl"] for r in rows if r["impl"].startswith(LAYER_IMPL + "_")})
-    if any(r["impl"] in LAYER_TORCH_BASELINES for r in rows):
-        lines = table(rows, layer_impls, LAYER_TORCH_BASELINES, passes={"forward", "forward_backward"})
-        if lines:
-            out.append((LAYER_TORCH_TITLE, lines))
+    fp8_layers = sorted({r["impl"] for r in rows if r["impl"].startswith(LAYER_IMPL + "_")})
+    for title, ours, baselines in (LAYER_TORCH_BF16, (LAYER_TORCH_FP8_TITLE, fp8_layers, LAYER_TORCH_FP8_BASELINES)):
+        if any(r["impl"] in baselines for r in rows):
+            lines = table(rows, ours, baselines, passes={"forward", "forward_backward"})
+            if lines:
+                out.append((title, lines))
     return out
 
 

@@ -140,19 +140,22 @@ void grouped_activation_forward(const TensorView& h, const TensorView& counts, c
   after_op(h.device, stream);
 }
 
+void check_activation_dh(const TensorView& h, const TensorView& dh, const ActivationOptions& options, int64_t F) {
+  check_h(h, options, F);
+  check_like(dh, "dh", h, h.size(1));
+  // dh may be h itself (each element is read, then written, by the same thread), nothing else.
+  if (dh.data != h.data || dh.stride(0) != h.stride(0)) check_disjoint(dh, "dh", h, "h");
+}
+
 void grouped_activation_backward(const TensorView& h, const TensorView& dz, const TensorView& counts,
                                  const TensorView& dh, const ActivationOptions& options, const TensorView& probs,
                                  const TensorView& dprobs, const TensorView& z_out, Stream stream, Allocator* alloc,
                                  const TensorView& amax_out) {
   GMOE_CHECK(dz.defined() && dz.ndim == 2, "dz: expected a 2-D tensor [capacity, F], got ", dz.str());
   const int64_t F = dz.size(1);
-  check_h(h, options, F);
+  check_activation_dh(h, dh, options, F);
   check_counts(counts, "counts", h.device);
   check_like(dz, "dz", h, F);
-  check_like(dh, "dh", h, h.size(1));
-  // dh may be h itself (each element is read, then written, by the same thread), nothing else.
-  const bool dh_is_h = dh.data == h.data && dh.stride(0) == h.stride(0);
-  if (!dh_is_h) check_disjoint(dh, "dh", h, "h");
   check_disjoint(dh, "dh", dz, "dz");
   if (probs.defined()) {
     check_row_vector(probs, "probs", h.size(0), h.device);

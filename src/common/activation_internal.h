@@ -17,6 +17,10 @@ void check_activation_options(const ActivationOptions& options, int64_t F, const
 void check_activation_forward(const TensorView& h, const TensorView& counts, const TensorView& z,
                               const ActivationOptions& options, const TensorView& probs);
 
+/// The checks of h and dh that grouped_activation_backward makes (F output columns): h's shape for
+/// the activation and the options; dh of h's shape, dtype and device, h itself or disjoint from it.
+void check_activation_dh(const TensorView& h, const TensorView& dh, const ActivationOptions& options, int64_t F);
+
 /// Throws gmoe::Error naming both when the bytes that views `a` and `b` touch overlap (absent or
 /// empty views overlap nothing).
 void check_disjoint(const TensorView& a, const char* a_name, const TensorView& b, const char* b_name);

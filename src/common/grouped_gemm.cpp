@@ -3,7 +3,6 @@
 #include "gmoe/grouped_gemm.h"
 
 #include <string>
-#include <utility>
 
 #include "common/activation_internal.h"
 #include "common/backend.h"
@@ -141,17 +140,10 @@ void grouped_gemm_dgrad_activation_backward(const TensorView& dy, const ExpertWe
   const int64_t cap = dy.size(0), F = w.cols();
   GMOE_CHECK(is_gated(options.kind), "options.kind: grouped_gemm_dgrad_activation_backward needs a gated ",
              "activation, got ", activation_name(options.kind));
-  check_activation_options(options, F, "options");
-  for (const auto& [t, name] : {std::pair<const TensorView*, const char*>{&h, "h"}, {&dh, "dh"}}) {
-    check_rows(*t, name);
-    check_same_device(t->device, dy.device, name);
-    GMOE_CHECK(t->size(0) == cap && t->size(1) == 2 * F, name, ": expected [", cap, ", ", 2 * F,
-               "] (2F columns of a gated activation, F = w's columns), got ", t->shape_str());
-    GMOE_CHECK(t->dtype == dy.dtype, name, ": expected dy's dtype ", dtype_name(dy.dtype), ", got ",
-               dtype_name(t->dtype));
-  }
-  // dh may be h itself (each element is read, then written, by the same thread), nothing else.
-  if (dh.data != h.data || dh.stride(0) != h.stride(0)) check_disjoint(dh, "dh", h, "h");
+  check_activation_dh(h, dh, options, F);  // dh then matches h in shape, dtype and device
+  check_same_device(h.device, dy.device, "h");
+  GMOE_CHECK(h.size(0) == cap, "h: expected dy's ", cap, " rows, got ", h.shape_str());
+  GMOE_CHECK(h.dtype == dy.dtype, "h: expected dy's dtype ", dtype_name(dy.dtype), ", got ", dtype_name(h.dtype));
   check_disjoint(dh, "dh", dy, "dy");
   if (w.is_stacked()) {
     check_disjoint(dh, "dh", w.stacked, "w");
@@ -159,7 +151,7 @@ void grouped_gemm_dgrad_activation_backward(const TensorView& dy, const ExpertWe
     for (const TensorView& we : w.list) check_disjoint(dh, "dh", we, "w");
   }
   if (dy.device.is_cpu()) {
-    Tensor dz = Tensor::empty({cap, F}, dy.dtype, host_allocator(), stream);
+    Tensor dz = Tensor::empty({cap, F}, dy.dtype, pick_allocator(alloc, dy.device), stream);
     cpu_backend::grouped_gemm_dgrad(dy, w, counts, dz.view());
     cpu_backend::grouped_activation_backward(h, dz.view(), counts, dh, options, {}, {}, {}, {});
   } else {

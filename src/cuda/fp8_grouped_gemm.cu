@@ -270,8 +270,7 @@ constexpr int64_t kTensorwise2x1MaxN = 2048;
 
 Fp8Tile choose_rows_tile(Fp8Scaling scaling, int64_t capacity, int64_t num_experts, int64_t gemm_n,
                          int64_t gemm_k) {
-  static const int rows_forced = env_option("GMOE_FP8_ROWS_CLUSTER", {"1x1", "2x1", "2x2"});
-  switch (rows_forced >= 0 ? rows_forced : forced_cluster()) {
+  switch (forced_fp8_rows_cluster()) {
     case 0: return Fp8Tile::t128x128;
     case 1: return Fp8Tile::t128x128_2x1;
     case 2: return Fp8Tile::t128x128_2x2;

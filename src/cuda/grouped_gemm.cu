@@ -358,10 +358,11 @@ bool fused_activation_backward_enabled() {
 // concatenated or interleaved in blocks of an even number of columns (two adjacent dz columns
 // address two adjacent gate and up columns: 4-byte accesses); a non-empty reduction (N = 0 makes
 // dz all zeros); dh written over h (the epilogue reads each pair, then writes it); h 16-byte aligned
-// with 16-byte rows.
+// with 16-byte rows; F even (a pair of dz columns never straddles the last column, and with
+// concatenated halves the up column F further stays 4-byte aligned: a strided h can have odd F).
 bool activation_backward_fusable(const TensorView& dy, const TensorView& h, const TensorView& dh,
                                  const ActivationOptions& o) {
-  const bool layout = o.glu.layout == GluLayout::concatenated || o.glu.block % 2 == 0;
+  const bool layout = (o.glu.layout == GluLayout::concatenated || o.glu.block % 2 == 0) && h.size(1) % 4 == 0;
   const auto rows_ok = [](const TensorView& t) { return aligned(t.data, 16) && t.stride(0) % 8 == 0; };
   const bool in_place = dh.data == h.data && dh.stride(0) == h.stride(0);
   return fused_activation_backward_enabled() && dy.dtype == DType::bf16 && o.kind == ActivationKind::swiglu &&
@@ -409,9 +410,12 @@ void grouped_gemm_dgrad_activation_backward(const TensorView& dy, const ExpertWe
                                             const ActivationOptions& options, Stream stream, Allocator& alloc) {
   const int64_t cap = h.size(0), F = h.size(1) / 2;
   if (!activation_backward_fusable(dy, h, dh, options)) {
-    Tensor dz = Tensor::empty({cap, F}, dy.dtype, alloc, stream);
-    rows_pass(GemmPass::dgrad, dy, w, counts, dz.view(), stream, alloc, "dy", "dz");
-    cuda_backend::grouped_activation_backward(h, dz.view(), counts, dh, options, {}, {}, {}, {}, stream, alloc);
+    // dz's rows padded to 16 bytes, as the GEMM's TMA stores need, whatever F is.
+    const int64_t ld = (F + 7) / 8 * 8;
+    Tensor dz = Tensor::empty({cap, ld}, dy.dtype, alloc, stream);
+    const TensorView dzv(dz.view().data, dy.dtype, dy.device, {cap, F}, {ld, 1});
+    rows_pass(GemmPass::dgrad, dy, w, counts, dzv, stream, alloc, "dy", "dz");
+    cuda_backend::grouped_activation_backward(h, dzv, counts, dh, options, {}, {}, {}, {}, stream, alloc);
     dz.release_on(stream);
     return;
   }

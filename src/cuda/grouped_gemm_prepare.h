@@ -227,5 +227,8 @@ bool wgrad_cluster_2x1(int64_t m);
 
 /// GMOE_CLUSTER (read once): 0 for 1x1, 1 for 2x1, 2 for 2x2, -1 when unset or anything else.
 int forced_cluster();
+/// The FP8 fprop/dgrad cluster forced by GMOE_FP8_ROWS_CLUSTER (same values, read once), else by
+/// GMOE_CLUSTER; -1 when neither forces one.
+int forced_fp8_rows_cluster();
 
 }  // namespace gmoe::cuda_backend

@@ -222,7 +222,7 @@ struct Sm90GatedActivationBackward : GluNodeBase<Sm90GatedActivationBackward<Ele
       for (int i = 0; i < FragmentSize; i += 2) {
         auto rc = c(base + i);
         const int r = cute::get<0>(rc), col = cute::get<1>(rc);
-        if (r < rows && col < cols) {  // col even, cols even (16-byte rows): col + 1 < cols too
+        if (r < rows && col < cols) {  // col even, cols even (the host takes F even): col + 1 < cols too
           __nv_bfloat162* g2 = reinterpret_cast<__nv_bfloat162*>(h + int64_t(r) * ldh + act::gate_column(col, block));
           __nv_bfloat162* u2 = g2 + up / 2;
           const __nv_bfloat162 hg = *g2, hu = *u2;

@@ -132,19 +132,25 @@ class Report(unittest.TestCase):
         self.assertEqual((merged["gpu"], merged["commit"], merged["torch"]), ("H100", "abc", "2.11"))
         for title in ("## bf16 grouped GEMM", "## FP8 grouped GEMM alone", "## FP8 quantization",
                       "## expert MLP", "## GroupedLinear (bias, f32 main_grad) against the torch composition",
+                      "## GroupedLinear with FP8 recipes against the torch composition",
                       "GroupedLinear (grouped bias, f32 main_grad accumulated)",
-                      "GroupedLinear with FP8 recipes", "Errors:"):
+                      "against the bf16 layer timed interleaved with it", "Errors:"):
             self.assertIn(title, md)
         # bf16 GEMM: 800/640 = 1.25x and 600/750 = 0.80x, geomean 1.00x.
         self.assertIn("1.25x", md)
         self.assertIn("0.80x", md)
         self.assertIn(f"{math.sqrt(1.25 * 0.8):.2f}x", md)
-        # The layer against torch's: bf16 700/560 = 1.25x; FP8 910/650 = 1.40x (compiled), 3.50x (eager).
-        layer_md = md.split("## GroupedLinear (bias, f32 main_grad) against the torch composition")[1]
-        self.assertIn("1.40x", layer_md.split("\n\n")[1])
-        self.assertIn("3.50x", layer_md.split("\n\n")[1])
+        # The layer against torch's: bf16 700/560 = 1.25x, and no bf16-against-FP8 column; FP8 910/650
+        # = 1.40x (compiled), 3.50x (eager), and no FP8-against-bf16 column.
+        bf16_md = md.split("## GroupedLinear (bias, f32 main_grad) against the torch composition")[1].split("\n\n")[1]
+        self.assertIn("1.25x", bf16_md)
+        self.assertNotIn("fp8", bf16_md)
+        fp8_md = md.split("## GroupedLinear with FP8 recipes against the torch composition")[1].split("\n\n")[1]
+        self.assertIn("1.40x", fp8_md)
+        self.assertIn("3.50x", fp8_md)
+        self.assertNotIn("/torch_linear ", fp8_md)
         # The FP8 layer against the bf16 layer timed beside it: bare_ms / ms = 1.30x; overhead 5.0%.
-        self.assertIn("1.30x", md.split("GroupedLinear with FP8 recipes")[1])
+        self.assertIn("1.30x", md.split("against the bf16 layer timed interleaved with it")[1])
         self.assertIn("5.0%", md)
         # The MLP: gmoe / torch_compile = 1.25x.
         self.assertIn("1.25x", md.split("## expert MLP")[1])

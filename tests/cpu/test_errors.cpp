@@ -237,7 +237,14 @@ TEST(DgradActivationBackward, BitwiseTheCompositionAndRefusalsNameTheArgument) {
                     "options.kind", "gated");
   GMOE_EXPECT_ERROR(grouped_gemm_dgrad_activation_backward(p.dy.view(), w, p.counts.view(), h_odd.view(),
                                                            h_odd.view(), act),
-                    "h:", "expected [");
+                    "h:", "input columns");
+  HostTensor h_short(DType::bf16, {c.capacity - 1, 2 * F}), dh_f32(DType::f32, {c.capacity, 2 * F});
+  GMOE_EXPECT_ERROR(grouped_gemm_dgrad_activation_backward(p.dy.view(), w, p.counts.view(), h_short.view(),
+                                                           h_short.view(), act),
+                    "h:", "dy's", "rows");
+  GMOE_EXPECT_ERROR(grouped_gemm_dgrad_activation_backward(p.dy.view(), w, p.counts.view(), h.view(), dh_f32.view(),
+                                                           act),
+                    "dh:", "expected dtype");
   GMOE_EXPECT_ERROR(grouped_gemm_dgrad_activation_backward(p.dy.view(), w, p.counts.view(), h_f32.view(),
                                                            h_f32.view(), act),
                     "h:", "dy's dtype");

@@ -197,8 +197,8 @@ inline void expect_launch(const std::string& what, bool fp8, int64_t experts, bo
     EXPECT_EQ(l.row_chunk, cuda_backend::row_chunk_rows()) << what;
     if (l.row_chunk > 0) EXPECT_GT(l.num_groups, experts) << what << ": the experts were not split";
   }
-  if (std::getenv("GMOE_CUDA_TILE") == nullptr && std::getenv("GMOE_FP8_ROWS_CLUSTER") == nullptr &&
-      cuda_backend::forced_cluster() < 0) {
+  if (std::getenv("GMOE_CUDA_TILE") == nullptr && cuda_backend::forced_cluster() < 0 &&
+      cuda_backend::forced_fp8_rows_cluster() < 0) {
     EXPECT_EQ(l.cluster_m, cluster_m) << what << ": cluster";
     EXPECT_EQ(l.cluster_n, cluster_n) << what << ": cluster";
   }

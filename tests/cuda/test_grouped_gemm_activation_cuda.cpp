@@ -404,5 +404,49 @@ TEST(CudaGroupedGemmActivationBackwardGraph, FusedLaunchesFewerKernelsAndReplays
   disable_backward_fusion();
 }
 
+// An odd F with concatenated halves over a strided h (rows of 16 bytes, so alignment alone would
+// admit it; FC2's weights and dz strided too, as the GEMM's TMA needs 16-byte rows): the up column
+// F further would be 2-byte aligned and a dz column pair would straddle the last column, so the op
+// must take the composition (the same kernel nodes as the two ops in turn, its dz padded to 16-byte
+// rows) and write its bits.
+TEST(CudaGroupedGemmActivationBackwardGraph, OddFOverAStridedHTakesTheComposition) {
+  GMOE_SKIP_WITHOUT_GPU();
+  enable_backward_fusion();
+  Rng rng;
+  cudaStream_t stream;
+  GMOE_TEST_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const int64_t E = 4, F = 45, H = 128, per = 70, slack = 10;
+  const int64_t ld_w = 48, ld_h = 96;  // w's rows of F in 48 columns, h's 2F = 90 in 96
+  ShapeCase c = graph_case(E, H, ld_w, per, slack);
+  const GemmProblem p(c, DType::bf16, rng);  // dy [capacity, H], w [E, H, 48] (F of them used)
+  DeviceTensor dy(p.dy), counts(p.counts), w_store(p.w_stacked);
+  const TensorView wv(w_store.view().data, DType::bf16, Device::cuda(0), {E, H, F}, {H * ld_w, ld_w, 1});
+  const ExpertWeights w = ExpertWeights::from_stacked(wv);
+  HostTensor h0(DType::bf16, {c.capacity, ld_h});
+  fill_random(h0, rng, -3.0, 3.0);
+  HostTensor dz0(DType::bf16, {c.capacity, ld_w});
+  poison(dz0);
+  DeviceTensor h(h0), h_ref(h0), dz_store(dz0);
+  const TensorView dz(dz_store.view().data, DType::bf16, Device::cuda(0), {c.capacity, F}, {ld_w, 1});
+  const auto strided = [&](const DeviceTensor& t) {
+    return TensorView(t.view().data, DType::bf16, Device::cuda(0), {c.capacity, 2 * F}, {ld_h, 1});
+  };
+  const ActivationOptions act = variants_for({GluLayout::concatenated, 1})[0];  // SwiGLU
+  const CapturedGraph op(stream, [&] {
+    grouped_gemm_dgrad_activation_backward(dy.view(), w, counts.view(), strided(h), strided(h), act, stream);
+  });
+  const CapturedGraph composed(stream, [&] {
+    grouped_gemm_dgrad(dy.view(), w, counts.view(), dz, stream);
+    grouped_activation_backward(strided(h_ref), dz, counts.view(), strided(h_ref), act, {}, {}, {}, stream);
+  });
+  EXPECT_EQ(op.kernel_nodes(), composed.kernel_nodes()) << "an odd F was fused";
+  op.replay(stream);
+  composed.replay(stream);
+  check_device_errors(stream);
+  EXPECT_TRUE(bitwise_equal(h.download(), h_ref.download(), "dh (and h's padding columns, untouched)"));
+  GMOE_TEST_CUDA(cudaStreamDestroy(stream));
+  disable_backward_fusion();
+}
+
 }  // namespace
 }  // namespace gmoe::test
