@@ -88,7 +88,8 @@ int main(int argc, char** argv) {
                  "layer mode on CUDA: also GroupedLinear with these FP8 recipes (fp8_blockwise, fp8_tensorwise, "
                  "mxfp8; with '+native_wgrad' the weight gradient in bf16, with '+cached_weights' the weights "
                  "quantized once instead of before every forward; x's columnwise FP8 copy kept from forward, or with "
-                 "'+requant_input' x by reference and quantized again in backward; '+pow2': power-of-two scales), rows gmoe_linear_<recipe>, timed "
+                 "'+requant_input' x by reference and quantized again in backward; '+pow2': power-of-two scales; "
+                 "'+fast_accum': fprop and dgrad with fast accumulation), rows gmoe_linear_<recipe>, timed "
                  "interleaved with the native layer; mlp mode: GroupedMLP with the recipe on both FCs ('+quant_after_act': "
                  "z quantized after the activation instead of inside it; '+quant_in_act_bwd': dh quantized inside "
                  "the activation's backward)")

@@ -37,6 +37,21 @@
 
 namespace gmoe {
 
+/// Options of the fprop and dgrad FP8 GEMMs.
+struct Fp8GemmOptions {
+  /// Fast accumulation (tensorwise on CUDA; a permission, not a demand): the tensor cores'
+  /// accumulators sum the whole reduction, as Transformer Engine's FP8 fprop does by default
+  /// (`use_split_accumulator=False`), instead of being added into fp32 accumulators every 128 of
+  /// the reduction (the default: DeepSeek-V3's promotion, which the blockwise recipe always does).
+  /// Hopper's FP8 tensor cores keep about 14 significant bits while they accumulate, so the error
+  /// grows with the reduction length: at most one such rounding per 32 of the reduction, of Σ|a·b|
+  /// (the tests' bound), against one per 128 promoted. With it the GEMM runs 128x256 tiles: 1.07-1.26x
+  /// faster on the large cases of an H100 (docs/architecture.md). Blockwise and mxfp8, an e5m2 A,
+  /// a fused bias (tensorwise fprop with a bf16 bias) and reductions of 16384 or more keep the
+  /// promoted kernel; the CPU reference accumulates in fp32 either way.
+  bool fast_accumulation = false;
+};
+
 /// fprop: y[rows of e] = dequant(x)[rows of e] · dequant(W_e)ᵀ; rows past the real total are
 /// zeroed.
 /// x: rowwise copy (data [capacity, K], scale_inv); w: rowwise copy (data [E, N, K], scale_inv);
@@ -52,12 +67,20 @@ void fp8_grouped_gemm_fprop(const Fp8Grouped& x, const Fp8Weights& w, const Tens
 void fp8_grouped_gemm_fprop(const Fp8Grouped& x, const Fp8Weights& w, const ExpertBias& bias,
                             const TensorView& counts, const TensorView& y, Stream stream = nullptr,
                             Allocator* alloc = nullptr);
+/// The same with options (bias may be empty: ExpertBias()).
+void fp8_grouped_gemm_fprop(const Fp8Grouped& x, const Fp8Weights& w, const ExpertBias& bias,
+                            const TensorView& counts, const TensorView& y, const Fp8GemmOptions& options,
+                            Stream stream = nullptr, Allocator* alloc = nullptr);
 
 /// dgrad: dx[rows of e] = dequant(dy)[rows of e] · dequant(W_e); rows past the real total are
 /// zeroed. dy: rowwise copy (data [capacity, N]); w: transposed copy (data_t [E, K, N],
 /// scale_inv_t); dx: [capacity, K] bf16 (f32 on the CPU).
 void fp8_grouped_gemm_dgrad(const Fp8Grouped& dy, const Fp8Weights& w, const TensorView& counts,
                             const TensorView& dx, Stream stream = nullptr,
+                            Allocator* alloc = nullptr);
+/// The same with options.
+void fp8_grouped_gemm_dgrad(const Fp8Grouped& dy, const Fp8Weights& w, const TensorView& counts,
+                            const TensorView& dx, const Fp8GemmOptions& options, Stream stream = nullptr,
                             Allocator* alloc = nullptr);
 
 /// wgrad: dW_e = dequant(dy_e)ᵀ · dequant(x_e), the reduction over expert e's tokens read from

@@ -18,6 +18,7 @@
 #include "gmoe/activation.h"
 #include "gmoe/allocator.h"
 #include "gmoe/fp8.h"
+#include "gmoe/fp8_gemm.h"
 #include "gmoe/grouped.h"
 #include "gmoe/grouped_bias.h"
 #include "gmoe/stream.h"
@@ -99,6 +100,10 @@ struct GroupedLinearOptions {
   /// see above): the blockwise FP8 wgrad measured 0.94-1.14x our bf16 one on an H100, before the
   /// columnwise quantizations it needs.
   bool fp8_wgrad = true;
+  /// FP8 recipes: fprop and dgrad with Fp8GemmOptions::fast_accumulation (gmoe/fp8_gemm.h: the
+  /// tensor cores' own accumulation over the whole reduction, Transformer Engine's fprop default;
+  /// used by fp8_tensorwise on CUDA, ignored elsewhere). The weight gradient always promotes.
+  bool fp8_fast_accumulation = false;
 };
 
 /// What forward saves for backward (and backward for backward_dw). One per forward in flight.
@@ -193,6 +198,7 @@ class GroupedLinear {
   /// What forward and backward quantize x and dy with.
   Fp8QuantizeOptions fp8_input_options() const { return fp8_options(DType::e4m3, true, fp8_keeps_x_cols()); }
   Fp8QuantizeOptions fp8_grad_options() const { return fp8_options(options_.grad_format, true, options_.fp8_wgrad); }
+  Fp8GemmOptions fp8_gemm_options() const { return Fp8GemmOptions{options_.fp8_fast_accumulation}; }
   /// forward once the input ([capacity, in_features] of dtype `dt`) is quantized into `xq`: the FP8
   /// fprop (+ bias, + `act`), its columnwise copy (if any) kept for the weight gradient. ctx keeps
   /// the input's shape only: without a columnwise copy, the caller hands the input over with

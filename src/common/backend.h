@@ -134,11 +134,13 @@ void dequantize_grouped(const Fp8Grouped& q, const TensorView& counts, const Ten
                         Fp8Copy which, Stream stream, Allocator& alloc);
 void dequantize_weights(const Fp8Weights& q, const ExpertWeights& out, Fp8Copy which,
                         Stream stream, Allocator& alloc);
-/// FP8 grouped GEMM (see the cpu_backend twins); counts stay on the device.
+/// FP8 grouped GEMM (see the cpu_backend twins); counts stay on the device. fast_accumulation:
+/// Fp8GemmOptions (gmoe/fp8_gemm.h).
 void fp8_grouped_gemm_fprop(const Fp8Grouped& x, const Fp8Weights& w, const TensorView& counts,
-                            const TensorView& y, Stream stream, Allocator& alloc, const ExpertBias& bias);
+                            const TensorView& y, Stream stream, Allocator& alloc, const ExpertBias& bias,
+                            bool fast_accumulation);
 void fp8_grouped_gemm_dgrad(const Fp8Grouped& dy, const Fp8Weights& w, const TensorView& counts,
-                            const TensorView& dx, Stream stream, Allocator& alloc);
+                            const TensorView& dx, Stream stream, Allocator& alloc, bool fast_accumulation);
 void fp8_grouped_gemm_wgrad(const Fp8Grouped& dy, const Fp8Grouped& x, const TensorView& counts,
                             const ExpertWeights& dw, const WgradOptions& options, Stream stream,
                             Allocator& alloc);

@@ -81,11 +81,11 @@ void dequantize_weights(const Fp8Weights&, const ExpertWeights&, Fp8Copy, Stream
   unavailable();
 }
 void fp8_grouped_gemm_fprop(const Fp8Grouped&, const Fp8Weights&, const TensorView&,
-                            const TensorView&, Stream, Allocator&, const ExpertBias&) {
+                            const TensorView&, Stream, Allocator&, const ExpertBias&, bool) {
   unavailable();
 }
 void fp8_grouped_gemm_dgrad(const Fp8Grouped&, const Fp8Weights&, const TensorView&,
-                            const TensorView&, Stream, Allocator&) {
+                            const TensorView&, Stream, Allocator&, bool) {
   unavailable();
 }
 void fp8_grouped_gemm_wgrad(const Fp8Grouped&, const Fp8Grouped&, const TensorView&,

@@ -43,6 +43,12 @@ void fp8_grouped_gemm_fprop(const Fp8Grouped& x, const Fp8Weights& w, const Tens
 void fp8_grouped_gemm_fprop(const Fp8Grouped& x, const Fp8Weights& w, const ExpertBias& bias,
                             const TensorView& counts, const TensorView& y, Stream stream,
                             Allocator* alloc) {
+  fp8_grouped_gemm_fprop(x, w, bias, counts, y, Fp8GemmOptions{}, stream, alloc);
+}
+
+void fp8_grouped_gemm_fprop(const Fp8Grouped& x, const Fp8Weights& w, const ExpertBias& bias,
+                            const TensorView& counts, const TensorView& y, const Fp8GemmOptions& options,
+                            Stream stream, Allocator* alloc) {
   GMOE_CHECK(x.data.defined(), "x: the rowwise copy (data) is absent; fprop reads it");
   const Device device = x.data.device;
   check_counts(counts, "counts", device);
@@ -58,13 +64,20 @@ void fp8_grouped_gemm_fprop(const Fp8Grouped& x, const Fp8Weights& w, const Expe
     cpu_backend::fp8_grouped_gemm_fprop(x, w, counts, y, bias);
   } else {
     check_cuda_compiled("fp8_grouped_gemm_fprop");
-    cuda_backend::fp8_grouped_gemm_fprop(x, w, counts, y, stream, pick_allocator(alloc, device), bias);
+    cuda_backend::fp8_grouped_gemm_fprop(x, w, counts, y, stream, pick_allocator(alloc, device), bias,
+                                         options.fast_accumulation);
   }
   after_op(device, stream);
 }
 
 void fp8_grouped_gemm_dgrad(const Fp8Grouped& dy, const Fp8Weights& w, const TensorView& counts,
                             const TensorView& dx, Stream stream, Allocator* alloc) {
+  fp8_grouped_gemm_dgrad(dy, w, counts, dx, Fp8GemmOptions{}, stream, alloc);
+}
+
+void fp8_grouped_gemm_dgrad(const Fp8Grouped& dy, const Fp8Weights& w, const TensorView& counts,
+                            const TensorView& dx, const Fp8GemmOptions& options, Stream stream,
+                            Allocator* alloc) {
   GMOE_CHECK(dy.data.defined(), "dy: the rowwise copy (data) is absent; dgrad reads it");
   const Device device = dy.data.device;
   check_counts(counts, "counts", device);
@@ -79,7 +92,8 @@ void fp8_grouped_gemm_dgrad(const Fp8Grouped& dy, const Fp8Weights& w, const Ten
     cpu_backend::fp8_grouped_gemm_dgrad(dy, w, counts, dx);
   } else {
     check_cuda_compiled("fp8_grouped_gemm_dgrad");
-    cuda_backend::fp8_grouped_gemm_dgrad(dy, w, counts, dx, stream, pick_allocator(alloc, device));
+    cuda_backend::fp8_grouped_gemm_dgrad(dy, w, counts, dx, stream, pick_allocator(alloc, device),
+                                         options.fast_accumulation);
   }
   after_op(device, stream);
 }

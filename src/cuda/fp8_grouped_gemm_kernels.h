@@ -47,16 +47,26 @@ enum class Fp8Operands {
   wgrad  ///< A, B = columnwise (transposed) grouped rows (K = count_e), D = dW_e
 };
 
-/// The CTA tile is 128x128x128 (sm90_fp8_grouped_gemm.cuh); the cluster is 1x1, 2x1 or 2x2.
+/// The CTA tile is 128x128x128, the wgmma accumulators promoted to fp32 every 128 of the reduction;
+/// or, for tensorwise rows with fast accumulation, 128x256x128 without promotion
+/// (sm90_fp8_grouped_gemm.cuh). The cluster is 1x1, 2x1 or 2x2.
 enum class Fp8Tile {
   t128x128,     ///< cluster 1x1: every instantiation
   t128x128_2x1,  ///< clusters of two CTAs along M, each loading half of B's tile and
                  ///< multicasting it to both: e4m3 A, no fused bias, not the blockwise weight
                  ///< gradient (fp8_grouped_gemm.cu: find_kernel, choose_rows_tile;
                  ///< wgrad_cluster_2x1)
-  t128x128_2x2   ///< clusters of 2x2 CTAs: A's tile multicast along N as well (fprop/dgrad with
+  t128x128_2x2,  ///< clusters of 2x2 CTAs: A's tile multicast along N as well (fprop/dgrad with
                  ///< e4m3 A, no fused bias; choose_rows_tile in fp8_grouped_gemm.cu)
+  t128x256,      ///< 128x256x128 tiles with fast accumulation (Fp8GemmOptions), cluster 1x1:
+                 ///< tensorwise rows only (e4m3 A, no fused bias)
+  t128x256_2x1   ///< the same in clusters of two along M
 };
+
+/// The CTA tile's N extent of an instantiation.
+constexpr int fp8_tile_n(Fp8Tile t) {
+  return t == Fp8Tile::t128x256 || t == Fp8Tile::t128x256_2x1 ? 256 : 128;
+}
 
 /// Everything one launch reads: the plain grouped GEMM arrays plus the FP8 scale arrays.
 struct Fp8GemmLaunch {

@@ -199,6 +199,7 @@ struct LaunchRecord {
   int32_t num_groups = 0;  ///< groups of the launch (the experts, plus the row chunks' extra groups)
   int32_t row_chunk = 0;   ///< fprop/dgrad: most rows of an expert per group (0: one group each)
   int32_t cluster_m = 1, cluster_n = 1;  ///< the cluster of the instantiation that ran
+  int32_t tile_n = 128;                  ///< FP8 launches: the CTA tile's N extent (tensorwise rows: 128 or 256)
 };
 /// This thread's record (see LaunchRecord).
 LaunchRecord& last_launch_record();

@@ -319,12 +319,20 @@ template <> struct Fp8TileTraits<Fp8Tile::t128x128_2x1> : Fp8TileTraits<Fp8Tile:
 template <> struct Fp8TileTraits<Fp8Tile::t128x128_2x2> : Fp8TileTraits<Fp8Tile::t128x128> {
   using ClusterShape = cute::Shape<cute::_2, cute::_2, cute::_1>;
 };
+template <> struct Fp8TileTraits<Fp8Tile::t128x256> : Fp8TileTraits<Fp8Tile::t128x128> {
+  using TileShape = cute::Shape<cute::_128, cute::_256, cute::_128>;
+};
+template <> struct Fp8TileTraits<Fp8Tile::t128x256_2x1> : Fp8TileTraits<Fp8Tile::t128x256> {
+  using ClusterShape = cute::Shape<cute::_2, cute::_1, cute::_1>;
+};
 
 template <Fp8Scaling S, Fp8Operands Ops, DType Out, bool Bias, DType FormatA, Fp8Tile Tile>
 struct Fp8GemmTypes {
   static_assert(!Bias || (Ops == Fp8Operands::rows && Out == DType::bf16 && FormatA == DType::e4m3),
                 "a fused bias is an fprop epilogue to bf16, for e4m3 activations");
   static_assert(FormatA == DType::e4m3 || FormatA == DType::e5m2, "A is e4m3 or e5m2");
+  static_assert(fp8_tile_n(Tile) == 128 || (S == Fp8Scaling::tensorwise && Ops == Fp8Operands::rows && !Bias),
+                "128x256 tiles (fast accumulation) are compiled for tensorwise rows without a fused bias only");
   // A: the activations (fprop) or the gradient dy (dgrad, wgrad), e4m3 or e5m2; B: the weights
   // (fprop, dgrad) or the activations (wgrad), e4m3. wgmma takes the mixed pair at full rate.
   using ElementA = std::conditional_t<FormatA == DType::e5m2, cutlass::float_e5m2_t, cutlass::float_e4m3_t>;
@@ -342,7 +350,14 @@ struct Fp8GemmTypes {
 
   // 128x128x128, two consumer warpgroups of 64x128 each. The blockwise mainloop keeps a second
   // set of accumulators for the k-tile's partial sums, so a 128x256 tile would need 256 registers
-  // per thread; the k-tile is the 128-long scale block. The cluster (Fp8TileTraits) is chosen per
+  // per thread; the k-tile is the 128-long scale block. The tensorwise mainloop promotes too:
+  // CUTLASS's FP8 mainloop adds the wgmma accumulators into fp32 ones every 4 k-steps (128 of the
+  // reduction), for the precision the tensor cores' own FP8 accumulation lacks; so a 128x256
+  // tensorwise tile needs 256 accumulator registers per thread as well, and spilled (ptxas: 864
+  // bytes) and ran 0.32-0.63x the 128x128 one on an H100 (gemm mode, 2026-11-25). Fast
+  // accumulation (Fp8GemmOptions: no promotion, the accumulators live in the wgmma registers only)
+  // fits 128x256x128 tiles (64x256 per warpgroup, 128 registers, no spills): 1.07-1.26x on the
+  // large cases (fp8_grouped_gemm.cu, choose_rows_tile). The cluster (Fp8TileTraits) is chosen per
   // call: 2x1 and 2x2 cost an all-out-of-range tile where a group has an odd tile count
   // (fp8_grouped_gemm.cu, choose_rows_tile). A ping-pong 64x128x128 variant (each
   // consumer warpgroup its own tile, one's promotion and epilogue overlapping the other's wgmma)
@@ -352,7 +367,9 @@ struct Fp8GemmTypes {
   using ClusterShape = typename Fp8TileTraits<Tile>::ClusterShape;
   using KernelSchedule = std::conditional_t<S == Fp8Scaling::blockwise,
                                             cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise,
-                                            cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>;
+                                            std::conditional_t<fp8_tile_n(Tile) == 256,
+                                            cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8FastAccum,
+                                            cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>>;
   using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 
   static constexpr int kAlignAB = 16;  // TMA: 16-byte aligned rows of 1-byte elements

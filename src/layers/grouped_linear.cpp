@@ -252,7 +252,7 @@ Tensor GroupedLinear::forward_fp8(Fp8Placed xq, DType dt, const TensorView& coun
   Allocator& alloc = allocator();
   Tensor y = out.defined() ? Tensor::wrap(out) : Tensor::empty({cap, out_features()}, dt, alloc, stream);
   if (!fp8_weight_valid_) quantize_weight(stream);
-  fp8_grouped_gemm_fprop(xq.q, fp8_weight_.q, bias_, counts, y, stream, &alloc);  // bias: see there
+  fp8_grouped_gemm_fprop(xq.q, fp8_weight_.q, bias_, counts, y, fp8_gemm_options(), stream, &alloc);  // bias: see there
   if (xq.q.data_t.defined()) {
     st.x_cols.q = xq.q;
     st.x_cols.q.data = TensorView();
@@ -411,7 +411,7 @@ GroupedLinearBackward GroupedLinear::backward_fp8(GroupedLinearContext& ctx, Fp8
 void GroupedLinear::fp8_dgrad(GroupedLinearContext& ctx, Fp8Placed dyq, const TensorView& dx, Stream stream) const {
   GroupedLinearContext::State& st = *ctx.state_;
   Allocator& alloc = allocator();
-  fp8_grouped_gemm_dgrad(dyq.q, fp8_weight_.q, st.counts, dx, stream, &alloc);
+  fp8_grouped_gemm_dgrad(dyq.q, fp8_weight_.q, st.counts, dx, fp8_gemm_options(), stream, &alloc);
   if (dyq.q.data_t.defined()) {
     st.dy_cols.q = dyq.q;
     st.dy_cols.q.data = TensorView();

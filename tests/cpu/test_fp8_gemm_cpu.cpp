@@ -80,6 +80,27 @@ TEST_P(CpuFp8Gemm, Dgrad) {
   }
 }
 
+// Fast accumulation (Fp8GemmOptions) is a CUDA kernel choice: the CPU reference accumulates in
+// fp32 either way, so fprop (with a bias) and dgrad are bitwise their calls without options.
+TEST_P(CpuFp8Gemm, FastAccumulationIsTheReference) {
+  Rng rng;
+  const ShapeCase c = make(rng);
+  const Fp8Problem p(c, recipe(), rng);
+  HostTensor bias(DType::f32, {c.E, c.N});
+  fill_random(bias, rng, -2.0, 2.0);
+  const ExpertBias b = ExpertBias::from_grouped(bias.view());
+  HostTensor y(DType::f32, {c.capacity, c.N}), y_fast(DType::f32, {c.capacity, c.N});
+  HostTensor dx(DType::f32, {c.capacity, c.K}), dx_fast(DType::f32, {c.capacity, c.K});
+  poison(y_fast);
+  poison(dx_fast);
+  fp8_grouped_gemm_fprop(p.x.q, p.w.q, b, p.base.counts.view(), y.view());
+  fp8_grouped_gemm_fprop(p.x.q, p.w.q, b, p.base.counts.view(), y_fast.view(), Fp8GemmOptions{true});
+  fp8_grouped_gemm_dgrad(p.dy.q, p.w.q, p.base.counts.view(), dx.view());
+  fp8_grouped_gemm_dgrad(p.dy.q, p.w.q, p.base.counts.view(), dx_fast.view(), Fp8GemmOptions{true});
+  EXPECT_EQ(y_fast.to_double(), y.to_double());
+  EXPECT_EQ(dx_fast.to_double(), dx.to_double());
+}
+
 TEST_P(CpuFp8Gemm, Wgrad) {
   Rng rng;
   const ShapeCase c = make(rng);

@@ -39,13 +39,26 @@ namespace {
 // Σ|a·b| (the recipe's own error is 2^-3 of it, so a misplaced scale or block still fails).
 constexpr double kAccumulationFraction = 1.0 / 2048.0;
 
-std::vector<double> tight_bound(const ExactResult& exact, DType out) {
+// With fast accumulation (Fp8GemmOptions, tensorwise) nothing is promoted: the tensor cores'
+// accumulator, about 14 significant bits, takes one rounding per 32-long k-step of the reduction,
+// each at most 2^-13 of the partial sum's magnitude, itself at most Σ|a·b|.
+constexpr double kFastAccumulationStep = 1.0 / 8192.0;
+
+// reduction > 0: the bound of fast accumulation over a reduction of that length.
+std::vector<double> tight_bound(const ExactResult& exact, DType out, int64_t reduction = 0) {
+  const double fraction =
+      kAccumulationFraction + (reduction > 0 ? static_cast<double>((reduction + 31) / 32) * kFastAccumulationStep : 0.0);
   std::vector<double> b(exact.value.size());
   for (size_t i = 0; i < b.size(); ++i) {
-    b[i] = unit_roundoff(out) * std::abs(exact.value[i]) +
-           kAccumulationFraction * exact.abs_sum[i] + 1e-30;
+    b[i] = unit_roundoff(out) * std::abs(exact.value[i]) + fraction * exact.abs_sum[i] + 1e-30;
   }
   return b;
+}
+
+// The reduction the tight bound must allow fast accumulation over: only tensorwise accumulates
+// fast (blockwise always promotes; mxfp8 runs bf16 GEMMs), so the others keep the promoted bound.
+int64_t fast_reduction(Fp8Recipe recipe, const Fp8GemmOptions& options, int64_t reduction) {
+  return options.fast_accumulation && recipe == Fp8Recipe::tensorwise ? reduction : 0;
 }
 
 std::vector<double> values_of(const HostTensor& t) { return t.to_double(); }
@@ -58,7 +71,8 @@ const char* recipe_str(Fp8Recipe r) { return fp8_recipe_name(r); }
 // with_bias: a per-expert bf16 bias, grouped [E, N] or a list, added in the epilogue by every
 // recipe (blockwise and tensorwise in the FP8 kernels, mxfp8 in the bf16 fprop it runs on): one
 // rounding of the f32 result, the bound of the exact sum.
-void check_fprop(const ShapeCase& c, Fp8Recipe recipe, Rng& rng, bool with_bias = false) {
+void check_fprop(const ShapeCase& c, Fp8Recipe recipe, Rng& rng, bool with_bias = false,
+                 const Fp8GemmOptions& options = {}) {
   const Fp8Problem p(c, recipe, rng, rng.integer(0, 1) ? DType::i32 : DType::i64);
   HostTensor bias(DType::bf16, {c.E, c.N});
   fill_random(bias, rng, -2.0, 2.0);
@@ -81,7 +95,10 @@ void check_fprop(const ShapeCase& c, Fp8Recipe recipe, Rng& rng, bool with_bias 
   HostTensor y_h(DType::bf16, {c.capacity, c.N});
   poison(y_h);
   DeviceTensor y(y_h);
-  if (with_bias) {
+  const int64_t fast_k = fast_reduction(recipe, options, c.K);
+  if (options.fast_accumulation) {
+    fp8_grouped_gemm_fprop(x.q, w.q, bias_v, counts.view(), y.view(), options);
+  } else if (with_bias) {
     fp8_grouped_gemm_fprop(x.q, w.q, bias_v, counts.view(), y.view());
   } else {
     fp8_grouped_gemm_fprop(x.q, w.q, counts.view(), y.view());
@@ -91,7 +108,7 @@ void check_fprop(const ShapeCase& c, Fp8Recipe recipe, Rng& rng, bool with_bias 
   const std::vector<double> got = y.download().to_double();
   ExactResult exact = exact_fprop(p.x_rows, p.w_data, c.counts);
   if (!with_bias) {
-    EXPECT_TRUE(within_bound(got, exact.value, tight_bound(exact, DType::bf16), "fprop tight"));
+    EXPECT_TRUE(within_bound(got, exact.value, tight_bound(exact, DType::bf16, fast_k), "fprop tight"));
     const double u = fp8_relative_error(recipe, p.format);
     EXPECT_TRUE(within_bound(got, exact_fprop(p.base.x, p.base.w, c.counts).value,
                              recipe_bound_fprop(p, u, DType::bf16), "fprop vs bf16 source"));
@@ -103,7 +120,7 @@ void check_fprop(const ShapeCase& c, Fp8Recipe recipe, Rng& rng, bool with_bias 
       for (int64_t n = 0; n < c.N; ++n) exact.value[row * c.N + n] += bias.get(e * c.N + n);
     }
   }
-  EXPECT_TRUE(within_bound(got, exact.value, tight_bound(exact, DType::bf16),
+  EXPECT_TRUE(within_bound(got, exact.value, tight_bound(exact, DType::bf16, fast_k),
                            std::string("fprop + bias (") + (as_list ? "list)" : "grouped)")));
 }
 
@@ -153,7 +170,8 @@ void check_fprop_e5m2_x(const ShapeCase& c, Fp8Recipe recipe, Rng& rng) {
   }
 }
 
-void check_dgrad(const ShapeCase& c, Fp8Recipe recipe, Rng& rng, DType grad_format = DType::e4m3) {
+void check_dgrad(const ShapeCase& c, Fp8Recipe recipe, Rng& rng, DType grad_format = DType::e4m3,
+                 const Fp8GemmOptions& options = {}) {
   const Fp8Problem p(c, recipe, rng, rng.integer(0, 1) ? DType::i32 : DType::i64, DType::e4m3, grad_format);
   DeviceGrouped dy(p.dy.q);
   DeviceWeights w(p.w.q);
@@ -161,12 +179,17 @@ void check_dgrad(const ShapeCase& c, Fp8Recipe recipe, Rng& rng, DType grad_form
   HostTensor dx_h(DType::bf16, {c.capacity, c.K});
   poison(dx_h);
   DeviceTensor dx(dx_h);
-  fp8_grouped_gemm_dgrad(dy.q, w.q, counts.view(), dx.view());
+  if (options.fast_accumulation) {
+    fp8_grouped_gemm_dgrad(dy.q, w.q, counts.view(), dx.view(), options);
+  } else {
+    fp8_grouped_gemm_dgrad(dy.q, w.q, counts.view(), dx.view());
+  }
   GMOE_TEST_CUDA(cudaDeviceSynchronize());
   check_device_errors(nullptr);
   const std::vector<double> got = dx.download().to_double();
   const ExactResult exact = exact_dgrad(p.dy_rows, p.w_t, c.counts);
-  EXPECT_TRUE(within_bound(got, exact.value, tight_bound(exact, DType::bf16), "dgrad tight"));
+  EXPECT_TRUE(within_bound(got, exact.value, tight_bound(exact, DType::bf16, fast_reduction(recipe, options, c.N)),
+                           "dgrad tight"));
   const double u = p.u_grads();
   EXPECT_TRUE(within_bound(got, exact_dgrad(p.base.dy, p.base.w, c.counts).value,
                            recipe_bound_dgrad(p, u, DType::bf16), "dgrad vs bf16 source"));
@@ -306,6 +329,23 @@ TEST_P(CudaFp8Gemm, WgradAccumulateWithMaskE5m2) {
   check_wgrad_accumulate_mask(make(rng), recipe(), layout, rng, DType::e5m2);
 }
 
+// Fast accumulation (tensorwise's 128x256 kernels; the other recipes ignore it and must keep the
+// promoted bound); with a bias (tensorwise: the promoted fused-bias kernel) and an e5m2 dy (the
+// promoted e5m2 kernel).
+TEST_P(CudaFp8Gemm, FpropFastAccumulation) {
+  Rng rng;
+  const ShapeCase c = make(rng);
+  check_fprop(c, recipe(), rng, /*with_bias=*/false, Fp8GemmOptions{true});
+  check_fprop(c, recipe(), rng, /*with_bias=*/true, Fp8GemmOptions{true});
+}
+
+TEST_P(CudaFp8Gemm, DgradFastAccumulation) {
+  Rng rng;
+  const ShapeCase c = make(rng);
+  check_dgrad(c, recipe(), rng, DType::e4m3, Fp8GemmOptions{true});
+  check_dgrad(c, recipe(), rng, DType::e5m2, Fp8GemmOptions{true});
+}
+
 TEST_P(CudaFp8Gemm, FpropE5m2Activations) {
   Rng rng;
   check_fprop_e5m2_x(make(rng), recipe(), rng);
@@ -372,6 +412,38 @@ TEST(CudaFp8GemmLarge, WideTensorwiseOutputsIn1x1) {
     check_dgrad(fixed_case("wide_k", 144, 2176, {4100}, 60), r, rng);
     expect_launch("dgrad", true, 1, true, cluster_m, 1);
   }
+}
+
+// Fast accumulation runs tensorwise fprop/dgrad in 128x256 tiles (fp8_grouped_gemm.cu,
+// choose_rows_tile): N = 400 for fprop (one full 256-column tile and a partial one) and 1040 for
+// dgrad (four and 16 columns), experts of 0, 129, 517 and 1000 rows; then experts of 4100 and more
+// rows (row chunks with a last group of one M tile, 2x1 clusters), N = 384, K = 1168. An e5m2 dy has
+// no 128x256 kernel and blockwise never takes one: both stay 128x128 (and promoted).
+TEST(CudaFp8GemmLarge, FastAccumulationTiles) {
+  GMOE_SKIP_WITHOUT_GPU();
+  Rng rng;
+  const ShapeCase small = fixed_case("fast_small", 400, 1040, {0, 129, 517, 1000}, 5);
+  const ShapeCase big = fixed_case("fast_big", 384, 1168, {9000, 0, 4100}, 200);
+  // Forced 2x2 clusters (gpu_check's forced runs) keep 128x128 tiles.
+  const bool clusters_forced = cuda_backend::forced_fp8_rows_cluster() >= 0;
+  const int wide = cuda_backend::forced_fp8_rows_cluster() == 2 ? 128 : 256;
+  const Fp8GemmOptions fast{true};
+  auto tile_n = [] { return cuda_backend::last_launch_record().tile_n; };
+  check_fprop(small, Fp8Recipe::tensorwise, rng, false, fast);
+  EXPECT_EQ(tile_n(), wide) << "fprop";
+  check_dgrad(small, Fp8Recipe::tensorwise, rng, DType::e4m3, fast);
+  EXPECT_EQ(tile_n(), wide) << "dgrad";
+  check_dgrad(small, Fp8Recipe::tensorwise, rng, DType::e5m2, fast);
+  EXPECT_EQ(tile_n(), 128) << "dgrad, e5m2 dy";
+  check_fprop(big, Fp8Recipe::tensorwise, rng, false, fast);
+  EXPECT_EQ(tile_n(), wide) << "fprop, big experts";
+  if (!clusters_forced) EXPECT_EQ(cuda_backend::last_launch_record().cluster_m, 2) << "fprop, big experts";
+  check_dgrad(big, Fp8Recipe::tensorwise, rng, DType::e4m3, fast);
+  EXPECT_EQ(tile_n(), wide) << "dgrad, big experts";
+  check_fprop(small, Fp8Recipe::blockwise, rng, false, fast);
+  EXPECT_EQ(tile_n(), 128) << "blockwise fprop";
+  check_fprop(small, Fp8Recipe::tensorwise, rng);
+  EXPECT_EQ(tile_n(), 128) << "tensorwise fprop without fast accumulation";
 }
 
 // Reductions of 16384 or more run fprop/dgrad in 2x2 clusters by default (fp8_grouped_gemm.cu,

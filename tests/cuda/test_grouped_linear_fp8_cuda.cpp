@@ -133,6 +133,48 @@ INSTANTIATE_TEST_SUITE_P(E5m2Grads, CudaGroupedLinearFp8,
                                             ::testing::Values(DType::e5m2)),
                          param_name);
 
+// GroupedLinearOptions::fp8_fast_accumulation: y and dx bitwise the FP8 ops with
+// Fp8GemmOptions::fast_accumulation on the layer's own quantization of x, dy and W (tensorwise:
+// the 128x256 kernels), dW the promoted weight gradient, and every recipe within its bound of the
+// bf16 source (the recipes that ignore the option bitwise their layer without it).
+TEST(CudaGroupedLinearFp8Fast, BitwiseTheOpsWithFastAccumulation) {
+  GMOE_SKIP_WITHOUT_GPU();
+  for (const LinearRecipe recipe : {LinearRecipe::fp8_tensorwise, LinearRecipe::fp8_blockwise}) {
+    for (const char* case_name : {"uniform", "skewed", "ragged", "zero_total"}) {
+      SCOPED_TRACE(std::string(linear_recipe_name(recipe)) + ", " + case_name);
+      Rng rng;
+      const ShapeCase c = make_case(case_name, rng, CaseScale::kLarge);
+      const Fp8Problem p(c, fp8_recipe_of(recipe), rng, DType::i32);
+      const GemmProblem& base = p.base;
+      DeviceTensor x(base.x), dy(base.dy), counts(base.counts);
+      DeviceExperts w(base.w_stacked, base.w, Layout::kStacked);
+      DeviceGrouped qx(p.x.q), qdy(p.dy.q);
+      DeviceWeights qw(p.w.q);
+      DeviceTensor y_ref(DType::bf16, {c.capacity, c.N}), dx_ref(DType::bf16, {c.capacity, c.K});
+      DeviceTensor dw_ref(DType::bf16, {c.E, c.N, c.K});
+      const Fp8GemmOptions fast{true};
+      fp8_grouped_gemm_fprop(qx.q, qw.q, ExpertBias(), counts.view(), y_ref.view(), fast);
+      fp8_grouped_gemm_dgrad(qdy.q, qw.q, counts.view(), dx_ref.view(), fast);
+      fp8_grouped_gemm_wgrad(qdy.q, qx.q, counts.view(), ExpertWeights::from_stacked(dw_ref.view()));
+      GroupedLinearOptions opt;
+      opt.recipe = recipe;
+      opt.fp8_fast_accumulation = true;
+      GroupedLinear layer(w.view(), ExpertBias(), opt);
+      GroupedLinearContext ctx;
+      Tensor y = layer.forward(x.view(), counts.view(), ctx, nullptr);
+      GroupedLinearBackward b = layer.backward(ctx, dy.view(), nullptr);
+      GMOE_TEST_CUDA(cudaDeviceSynchronize());
+      check_device_errors(nullptr);
+      EXPECT_EQ(values(y.view()), values(y_ref.view())) << "y";
+      EXPECT_EQ(values(b.dx.view()), values(dx_ref.view())) << "dx";
+      EXPECT_EQ(values(b.grads.weight), values(dw_ref.view())) << "dW";
+      const double u = p.u_grads();
+      EXPECT_TRUE(within_bound(values(b.dx.view()), exact_dgrad(base.dy, base.w, c.counts).value,
+                               recipe_bound_dgrad(p, u, DType::bf16), "dx vs bf16 source"));
+    }
+  }
+}
+
 // forward + backward + backward_dw of an FP8 layer with its weights quantized inside the graph
 // (the cache was invalidated before capture, so every replay quantizes the current weights):
 // replayed under changing counts and after the weights changed, bitwise equal to eager runs.

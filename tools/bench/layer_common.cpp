@@ -14,11 +14,12 @@ bool bench_keeps_input_reference(LinearRecipe recipe, bool fp8_wgrad, bool requa
 
 GroupedLinear make_bench_layer(const TensorView& w, const TensorView& bias, const TensorView& main_grad,
                                const BenchOptions& o, LinearRecipe recipe, bool fp8_wgrad, bool requant_input,
-                               bool pow2) {
+                               bool pow2, bool fast_accum) {
   GroupedLinearOptions opt;
   opt.recipe = recipe;
   opt.fp8_wgrad = fp8_wgrad;
   opt.fp8_pow2_scales = pow2;
+  opt.fp8_fast_accumulation = fast_accum;
   opt.main_grad = ExpertWeights::from_stacked(main_grad);
   opt.accumulate = true;
   opt.save_original_input = bench_keeps_input_reference(recipe, fp8_wgrad, requant_input, o.layer_copy_input);
@@ -45,9 +46,11 @@ BenchRecipe bench_recipe_from_name(const std::string& name) {
       r.requant_input = true;
     } else if (option == "pow2") {
       r.pow2 = true;
+    } else if (option == "fast_accum") {
+      r.fast_accum = true;
     } else {
       GMOE_CHECK(false, "--layer-fp8: '", name, "': unknown option '+", option,
-                 "' (native_wgrad, cached_weights, quant_after_act, quant_in_act_bwd, requant_input, pow2)");
+                 "' (native_wgrad, cached_weights, quant_after_act, quant_in_act_bwd, requant_input, pow2, fast_accum)");
     }
     at = next;
   }

@@ -27,7 +27,8 @@ namespace gmoe::bench {
 /// Transformer Engine's), unless requant_input (x by reference, quantized again in backward).
 GroupedLinear make_bench_layer(const TensorView& w, const TensorView& bias, const TensorView& main_grad,
                                const BenchOptions& o, LinearRecipe recipe = LinearRecipe::native,
-                               bool fp8_wgrad = true, bool requant_input = false, bool pow2 = false);
+                               bool fp8_wgrad = true, bool requant_input = false, bool pow2 = false,
+                               bool fast_accum = false);
 
 /// Whether a bench layer keeps its input by reference (see make_bench_layer).
 bool bench_keeps_input_reference(LinearRecipe recipe, bool fp8_wgrad, bool requant_input, bool copy_input);
@@ -44,6 +45,7 @@ struct BenchRecipe {
   bool quant_in_act_bwd = false;  ///< mlp mode: fp8_quantize_in_activation_backward ("+quant_in_act_bwd": on)
   bool requant_input = false;     ///< "+requant_input": x (FC1's) by reference, quantized again in backward
   bool pow2 = false;              ///< "+pow2": scales rounded down to powers of two (fp8_pow2_scales)
+  bool fast_accum = false;        ///< "+fast_accum": fprop/dgrad with fast accumulation (fp8_fast_accumulation)
   std::string name;  ///< as given: the rows' impl suffix
 };
 BenchRecipe bench_recipe_from_name(const std::string& name);

@@ -195,7 +195,8 @@ std::vector<ResultRow> run_layer_case_cuda(const BenchCase& c, const BenchOption
     const BenchRecipe br = bench_recipe_from_name(name);
     std::vector<GroupedLinear> fp8_layers;
     for (int s = 0; s < b.sets; ++s) {
-      fp8_layers.push_back(make_bench_layer(b.w(s), b.b(), b.mg(), o, br.recipe, br.fp8_wgrad, br.requant_input, br.pow2));
+      fp8_layers.push_back(make_bench_layer(b.w(s), b.b(), b.mg(), o, br.recipe, br.fp8_wgrad, br.requant_input, br.pow2,
+                                              br.fast_accum));
     }
     const LayerCheck fchk = check_run(fp8_layers[0], recipe_quant_u(br.recipe), br.fp8_wgrad);
     if (br.cached_weights) {

@@ -57,7 +57,7 @@ struct MlpParams {
 /// keeps x as make_bench_layer keeps a layer's input (requant_input likewise).
 GroupedMLP make_bench_mlp(const BenchCase& c, const MlpParams& p, LinearRecipe recipe = LinearRecipe::native,
                           bool fp8_wgrad = true, bool quant_in_act = true, bool quant_in_act_bwd = false,
-                          bool requant_input = false, bool pow2 = false);
+                          bool requant_input = false, bool pow2 = false, bool fast_accum = false);
 
 /// The unfused composition of separate public ops, in the same configuration.
 class UnfusedMlp {
