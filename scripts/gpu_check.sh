@@ -144,7 +144,7 @@ for stage in "${stages[@]}"; do
       # GMOE_BENCH_MODE (a list of gemm, layer, mlp, all; default all) and the FP8 recipes of the
       # gemm and layer modes (GMOE_BENCH_FP8, GMOE_BENCH_LAYER_FP8; "none" for none) narrow a run to
       # what a session still needs; torch always runs beside it (GMOE_TORCH_KIND: gemm, mlp or all).
-      fp8="${GMOE_BENCH_FP8:-blockwise,tensorwise,mxfp8}"
+      fp8="${GMOE_BENCH_FP8:-blockwise,tensorwise,tensorwise_fast,mxfp8}"
       layer_fp8="${GMOE_BENCH_LAYER_FP8:-fp8_blockwise,fp8_tensorwise,mxfp8}"
       fp8_args=()
       [ "$fp8" != none ] && fp8_args+=(--fp8 "$fp8")

@@ -108,10 +108,11 @@ int main(int argc, char** argv) {
   std::vector<std::string> fp8_recipes;
   app.add_option("--fp8", fp8_recipes,
                  "gemm mode on CUDA: also the FP8 grouped GEMM with these recipes (blockwise, "
-                 "tensorwise, mxfp8; blockwise_pow2, tensorwise_pow2: power-of-two scales), rows "
+                 "tensorwise, mxfp8; blockwise_pow2, tensorwise_pow2: power-of-two scales; tensorwise_fast: fprop "
+                 "and dgrad with fast accumulation), rows "
                  "gmoe_fp8_<recipe> / gmoe_mxfp8, dtype fp8")
       ->delimiter(',')
-      ->check(CLI::IsMember({"blockwise", "tensorwise", "mxfp8", "blockwise_pow2", "tensorwise_pow2"}));
+      ->check(CLI::IsMember({"blockwise", "tensorwise", "mxfp8", "blockwise_pow2", "tensorwise_pow2", "tensorwise_fast"}));
   std::string fp8_wgrad_out = "bf16";
   app.add_option("--fp8-wgrad-out", fp8_wgrad_out,
                  "FP8 gemm rows: dW dtype of the wgrad pass (bf16 as the bf16 row and torch write; f32: "

@@ -12,11 +12,13 @@
 
 namespace gmoe::bench {
 
-/// A recipe of the gemm mode's FP8 rows: blockwise, tensorwise, mxfp8, or blockwise_pow2 /
-/// tensorwise_pow2 (every scale rounded down to a power of two, Fp8QuantizeOptions::pow2_scales).
+/// A recipe of the gemm mode's FP8 rows: blockwise, tensorwise, mxfp8, blockwise_pow2 /
+/// tensorwise_pow2 (every scale rounded down to a power of two, Fp8QuantizeOptions::pow2_scales),
+/// or tensorwise_fast (fprop and dgrad with Fp8GemmOptions::fast_accumulation).
 struct Fp8BenchRecipe {
   Fp8Recipe recipe = Fp8Recipe::blockwise;
   bool pow2 = false;
+  bool fast = false;
   std::string name;  ///< as given: the rows' impl is gmoe_fp8_<name> (gmoe_mxfp8 for mxfp8)
 };
 
