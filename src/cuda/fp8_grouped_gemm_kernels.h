@@ -20,6 +20,8 @@
 //   blockwise  wgrad       bf16 out
 //   tensorwise rows        bf16 out    per-expert alpha (also serves wgrad to bf16)
 //   tensorwise wgrad       f32 out     per-expert alpha, C = D for accumulate
+//   tensorwise rows        bf16 out    128x256 tiles with fast accumulation (_n256, 1x1 and 2x1;
+//                                      e4m3 A, no bias: Fp8GemmOptions::fast_accumulation)
 // Ping-pong 64x128x128 blockwise kernels (rows, and wgrad to f32) were measured on the public suite
 // (H100, 2026-11-23) at 0.71-1.02x these cooperative ones, 0.85x in the geometric mean, and dropped.
 #pragma once
