@@ -57,11 +57,14 @@ const std::vector<GluFormat>& layouts() {
   return kLayouts;
 }
 
-// The fused path (SwiGLU, blocks of 8 or 16), which these tests enable (GMOE_FUSED_ACTIVATION=1)
-// and disable again, so that the other suites of the process run the default.
+// The fused paths' switches, which these tests turn on ("1") and off again, so that the other
+// suites of the process run the default: the activation in FC1's epilogue (SwiGLU, blocks of 8 or
+// 16: fused_layout) and its backward in FC2's dgrad epilogue (SwiGLU, dh over h).
+constexpr char kFusedActivation[] = "GMOE_FUSED_ACTIVATION";
+constexpr char kFusedActivationBwd[] = "GMOE_FUSED_ACTIVATION_BWD";
 bool fused_layout(const GluFormat& g) { return g.layout == GluLayout::interleaved && (g.block == 8 || g.block == 16); }
-void enable_fusion() { setenv("GMOE_FUSED_ACTIVATION", "1", 1); }
-void disable_fusion() { unsetenv("GMOE_FUSED_ACTIVATION"); }
+void enable_fusion(const char* env) { setenv(env, "1", 1); }
+void disable_fusion(const char* env) { unsetenv(env); }
 
 enum class BiasMode { kNone, kGroupedBf16, kListBf16, kGroupedF32 };
 const char* bias_name(BiasMode m) {
@@ -142,16 +145,20 @@ Outputs run_poisoned(const Problem& q, cudaStream_t stream,
 
 using Param = std::tuple<int, std::string>;  // index into layouts(), named case
 
-class CudaGroupedGemmActivation : public ::testing::TestWithParam<Param> {
+// A test over (gate/up layout, named case) with the fusion switch Env on for its duration.
+template <const char* Env>
+class FusionTest : public ::testing::TestWithParam<Param> {
  protected:
   void SetUp() override {
     GMOE_SKIP_WITHOUT_GPU();
-    enable_fusion();
+    enable_fusion(Env);
   }
-  void TearDown() override { disable_fusion(); }
+  void TearDown() override { disable_fusion(Env); }
   const GluFormat& glu() const { return layouts()[std::get<0>(GetParam())]; }
   const std::string& case_name() const { return std::get<1>(GetParam()); }
 };
+
+using CudaGroupedGemmActivation = FusionTest<kFusedActivation>;
 
 TEST_P(CudaGroupedGemmActivation, BitwiseTheGemmThenTheActivation) {
   Rng rng;
@@ -209,7 +216,7 @@ INSTANTIATE_TEST_SUITE_P(Cases, CudaGroupedGemmActivation,
 // all empty) are bitwise the composition's replays.
 TEST(CudaGroupedGemmActivationGraph, FusedLaunchesFewerKernelsAndReplaysUnderChangingCounts) {
   GMOE_SKIP_WITHOUT_GPU();
-  enable_fusion();
+  enable_fusion(kFusedActivation);
   Rng rng;
   cudaStream_t stream;
   GMOE_TEST_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
@@ -261,16 +268,11 @@ TEST(CudaGroupedGemmActivationGraph, FusedLaunchesFewerKernelsAndReplaysUnderCha
     }
   }
   GMOE_TEST_CUDA(cudaStreamDestroy(stream));
-  disable_fusion();
+  disable_fusion(kFusedActivation);
 }
 
 // ---------------------------------------------------------------------------------------------
 // grouped_gemm_dgrad_activation_backward: FC2's dgrad with the activation's backward.
-
-// The fused backward (SwiGLU, dh over h), enabled for these tests (GMOE_FUSED_ACTIVATION_BWD=1)
-// and disabled again.
-void enable_backward_fusion() { setenv("GMOE_FUSED_ACTIVATION_BWD", "1", 1); }
-void disable_backward_fusion() { unsetenv("GMOE_FUSED_ACTIVATION_BWD"); }
 
 // One problem on the device: dy [capacity, H], FC2's weights [E, H, F] in a layout, counts, and h
 // [capacity, 2F] with NaN in the rows past the total. F: a multiple of 32 (every layout's block
@@ -300,16 +302,7 @@ struct BackwardProblem {
   }
 };
 
-class CudaGroupedGemmActivationBackward : public ::testing::TestWithParam<Param> {
- protected:
-  void SetUp() override {
-    GMOE_SKIP_WITHOUT_GPU();
-    enable_backward_fusion();
-  }
-  void TearDown() override { disable_backward_fusion(); }
-  const GluFormat& glu() const { return layouts()[std::get<0>(GetParam())]; }
-  const std::string& case_name() const { return std::get<1>(GetParam()); }
-};
+using CudaGroupedGemmActivationBackward = FusionTest<kFusedActivationBwd>;
 
 TEST_P(CudaGroupedGemmActivationBackward, BitwiseTheDgradThenTheActivationBackward) {
   Rng rng;
@@ -359,7 +352,7 @@ INSTANTIATE_TEST_SUITE_P(Cases, CudaGroupedGemmActivationBackward,
 // composition's replays.
 TEST(CudaGroupedGemmActivationBackwardGraph, FusedLaunchesFewerKernelsAndReplaysUnderChangingCounts) {
   GMOE_SKIP_WITHOUT_GPU();
-  enable_backward_fusion();
+  enable_fusion(kFusedActivationBwd);
   Rng rng;
   cudaStream_t stream;
   GMOE_TEST_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
@@ -401,7 +394,7 @@ TEST(CudaGroupedGemmActivationBackwardGraph, FusedLaunchesFewerKernelsAndReplays
     }
   }
   GMOE_TEST_CUDA(cudaStreamDestroy(stream));
-  disable_backward_fusion();
+  disable_fusion(kFusedActivationBwd);
 }
 
 // An odd F with concatenated halves over a strided h (rows of 16 bytes, so alignment alone would
@@ -411,7 +404,7 @@ TEST(CudaGroupedGemmActivationBackwardGraph, FusedLaunchesFewerKernelsAndReplays
 // rows) and write its bits.
 TEST(CudaGroupedGemmActivationBackwardGraph, OddFOverAStridedHTakesTheComposition) {
   GMOE_SKIP_WITHOUT_GPU();
-  enable_backward_fusion();
+  enable_fusion(kFusedActivationBwd);
   Rng rng;
   cudaStream_t stream;
   GMOE_TEST_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
@@ -445,7 +438,7 @@ TEST(CudaGroupedGemmActivationBackwardGraph, OddFOverAStridedHTakesTheCompositio
   check_device_errors(stream);
   EXPECT_TRUE(bitwise_equal(h.download(), h_ref.download(), "dh (and h's padding columns, untouched)"));
   GMOE_TEST_CUDA(cudaStreamDestroy(stream));
-  disable_backward_fusion();
+  disable_fusion(kFusedActivationBwd);
 }
 
 }  // namespace
