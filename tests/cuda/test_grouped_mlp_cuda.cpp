@@ -96,6 +96,8 @@ MlpOutputs run_cuda(const MlpProblem& p, const DeviceMlp& d, RunSpec spec, cudaS
 MlpOutputs run_unfused_cuda(const MlpProblem& p, const DeviceMlp& d, const RunSpec& spec, cudaStream_t s) {
   GroupedLinearOptions o1, o2;
   o1.recipe = o2.recipe = spec.options.recipe;
+  o1.fp8_fast_accumulation = spec.options.fc1.fp8_fast_accumulation;
+  o2.fp8_fast_accumulation = spec.options.fc2.fp8_fast_accumulation;
   o2.save_original_input = spec.options.recipe != LinearRecipe::native;
   GroupedLinear fc1(d.w1.view(), d.b1(spec.bias), o1), fc2(d.w2.view(), d.b2(spec.bias), o2);
   GroupedLinearContext c1, c2;
@@ -265,20 +267,26 @@ TEST_P(CudaGroupedMlpOptions, DelayedOnASecondStreamAndRecomputeAreBitwiseImmedi
 
 // FP8 recipes: GroupedMLP with options.recipe is, bitwise, the device composition of FP8
 // GroupedLinear layers of that recipe around the bf16 activation (the CPU suite checks the recipes'
-// error against the exact MLP, and the FP8 layer suites the layers themselves).
+// error against the exact MLP, and the FP8 layer suites the layers themselves). Tensorwise also with
+// fp8_fast_accumulation on both FCs (the layers of the composition take it too).
 TEST(CudaGroupedMlpFp8, EachRecipeIsTheCompositionOfFp8Layers) {
   GMOE_SKIP_WITHOUT_GPU();
   Rng rng;
   const ForkedStreams streams;
-  for (LinearRecipe recipe : {LinearRecipe::fp8_tensorwise, LinearRecipe::fp8_blockwise, LinearRecipe::mxfp8}) {
+  const std::pair<LinearRecipe, bool> configs[] = {{LinearRecipe::fp8_tensorwise, false},
+                                                   {LinearRecipe::fp8_tensorwise, true},
+                                                   {LinearRecipe::fp8_blockwise, false},
+                                                   {LinearRecipe::mxfp8, false}};
+  for (const auto& [recipe, fast] : configs) {
     for (int v : {0, 6, 8}) {  // swiglu, clamped swiglu, squared relu
       for (const char* case_name : {"uniform", "skewed", "all_empty"}) {
-        SCOPED_TRACE(std::string(linear_recipe_name(recipe)) + " " +
+        SCOPED_TRACE(std::string(linear_recipe_name(recipe)) + (fast ? " fast accumulation " : " ") +
                      activation_case_name(mlp_activation_variants()[v]) + " " + case_name);
         const MlpProblem p(case_name, mlp_activation_variants()[v], rng, CaseScale::kLarge);
         const DeviceMlp d(p, Layout::kStacked);
         RunSpec spec{MlpBias::kGrouped, true, false, {}};
         spec.options.recipe = recipe;
+        spec.options.fc1.fp8_fast_accumulation = spec.options.fc2.fp8_fast_accumulation = fast;
         spec.options.activation = p.act;
         const MlpOutputs want = run_unfused_cuda(p, d, spec, streams.main());
         EXPECT_TRUE(same_outputs(run_cuda(p, d, spec, streams.main(), streams.side()), want,
@@ -340,20 +348,23 @@ INSTANTIATE_TEST_SUITE_P(Cases, CudaGroupedMlpOptions,
 // dprobs: captured once in global capture mode, replayed under four routings, each replay bitwise
 // equal to an eager run of the same calls; in bf16 keeping z and recomputing it, and with FP8
 // recipes (weights quantized inside the graph: their caches are invalidated before the capture),
-// blockwise with z quantized inside the activation, tensorwise recomputing z with e5m2 gradients.
+// blockwise with z quantized inside the activation, tensorwise recomputing z with e5m2 gradients,
+// and tensorwise with fast accumulation (the 128x256 kernels) keeping z.
 TEST(CudaGroupedMlpGraph, CaptureForwardBackwardDwOnceReplayUnderChangingCounts) {
   GMOE_SKIP_WITHOUT_GPU();
   struct Config {
     LinearRecipe recipe;
     bool recompute;
     DType grad_format;
+    bool fast = false;
   };
-  for (const auto& [recipe, recompute, grad_format] :
+  for (const auto& [recipe, recompute, grad_format, fast] :
        {Config{LinearRecipe::native, false, DType::e4m3}, Config{LinearRecipe::native, true, DType::e4m3},
         Config{LinearRecipe::fp8_blockwise, false, DType::e4m3},
-        Config{LinearRecipe::fp8_tensorwise, true, DType::e5m2}}) {
+        Config{LinearRecipe::fp8_tensorwise, true, DType::e5m2},
+        Config{LinearRecipe::fp8_tensorwise, false, DType::e4m3, true}}) {
     SCOPED_TRACE(std::string(linear_recipe_name(recipe)) + (recompute ? ", recompute_activation" : ", z kept") +
-                 (grad_format == DType::e5m2 ? ", e5m2 gradients" : ""));
+                 (grad_format == DType::e5m2 ? ", e5m2 gradients" : "") + (fast ? ", fast accumulation" : ""));
     Rng rng;
     const int64_t E = 16, H = 256, F = 128, cap = 16 * 96 + 7;
     ActivationOptions act;
@@ -387,6 +398,7 @@ TEST(CudaGroupedMlpGraph, CaptureForwardBackwardDwOnceReplayUnderChangingCounts)
     opt.recompute_activation = recompute;
     opt.recipe = recipe;
     opt.fc1.grad_format = opt.fc2.grad_format = grad_format;
+    opt.fc1.fp8_fast_accumulation = opt.fc2.fp8_fast_accumulation = fast;
     opt.fc1.delay_wgrad = opt.fc2.delay_wgrad = true;
     opt.fc1.save_original_input = true;
     opt.fc1.main_grad = mg1.view();
