@@ -19,8 +19,9 @@ LAYER_IMPL = "gmoe_linear"
 # Each row of a table is a (case, pass); a section is printed only when it has rows.
 GEMM_SECTION = ("bf16 grouped GEMM", ["gmoe"], ["cublas_dense", "cublas_loop", "torch"])
 FP8_IMPLS = ["gmoe_fp8_blockwise", "gmoe_fp8_tensorwise", "gmoe_fp8_tensorwise_fast", "gmoe_mxfp8"]
-FP8_SECTION = ("FP8 grouped GEMM alone (torch_fp8_rowwise: use_fast_accum=False, _fast: True)",
-               FP8_IMPLS, ["gmoe", "torch_fp8_rowwise", "torch_fp8_rowwise_fast"])
+FP8_SECTION = ("FP8 grouped GEMM alone (torch_fp8_rowwise: use_fast_accum=False, _fast: True; "
+               "torch_fp8_blockwise: torch._scaled_mm per expert, DeepSeek-V3's scales, cuBLASLt)",
+               FP8_IMPLS, ["gmoe", "torch_fp8_rowwise", "torch_fp8_rowwise_fast", "torch_fp8_blockwise"])
 FP8_QUANT_SECTION = ("FP8 quantization of the pass's activations + grouped GEMM, vs the bf16 GEMM",
                      [i + "_with_quant" for i in FP8_IMPLS], ["gmoe"])
 MLP_SECTION = ("expert MLP", ["gmoe", "gmoe_unfused"], ["torch", "torch_compile"])

@@ -6,7 +6,13 @@ gmoe-bench:  fprop  Y = _grouped_mm(X, Wᵀ, offs)        [rows, N]
              dgrad  dX = _grouped_mm(dY, W, offs)        [rows, K]
              wgrad  dW = _grouped_mm(dYᵀ, X, offs)       [E, N, K]
            and torch._scaled_grouped_mm (e4m3, rowwise scales; per group and row for wgrad) for the
-           same three passes, use_fast_accum off (torch_fp8_rowwise) and on (torch_fp8_rowwise_fast)
+           same three passes, use_fast_accum off (torch_fp8_rowwise) and on (torch_fp8_rowwise_fast);
+           and DeepSeek-V3's blockwise recipe through cuBLASLt (torch._scaled_mm, one call per expert
+           with tokens, impl torch_fp8_blockwise: the host knows the counts, so this loop is a
+           baseline, not a capturable op): fprop x 1x128 by W 128x128, dgrad dy 1x128 by Wᵀ
+           128x128, wgrad dyᵀ 1x128 by xᵀ 1x128 (both scaled along the tokens; each expert's
+           tokens zero-padded to a multiple of 16 for cuBLAS's alignment); each pass's row carries
+           the relative Frobenius error of its first expert against the bf16 product in "note"
 mlp cases: the expert MLP composed of torch ops, FC1 [E, 2·ffn, hidden] whose outputs are the
 concatenated halves [gate | up], the case's gated activation, FC2 [E, hidden, ffn]:
              h = _grouped_mm(x, W1ᵀ, offs); gate, up = h.chunk(2); y = _grouped_mm(act(gate, up), W2ᵀ, offs)
@@ -110,6 +116,7 @@ def gemm_rows(case, args, errors):
             errors.append({"case": case["name"], "pass": name, "impl": "torch", "error": f"{type(e).__name__}: {e}"})
     if not args.no_fp8:
         out += fp8_rowwise_rows(case, args, errors, x, w, dy, offs)
+        out += fp8_blockwise_rows(case, args, errors, x, w, dy)
     del x, w, dy
     torch.cuda.empty_cache()
     return out
@@ -187,6 +194,112 @@ def fp8_rowwise_rows(case, args, errors, x, w, dy, offs):
             except Exception as e:
                 print(f"{impl} {case['name']} {name}: {type(e).__name__}: {e}", file=sys.stderr)
                 errors.append({"case": case["name"], "pass": name, "impl": impl, "error": f"{type(e).__name__}: {e}"})
+    return out
+
+
+def blockwise_fp8(t, block_rows):
+    """e4m3 copy of a 2-d t in blocks of block_rows x 128 (DeepSeek-V3's 1x128 or 128x128; partial
+    blocks at the edges), and the dequantization multipliers [ceil(R/block_rows), ceil(C/128)]."""
+    R, C = t.shape
+    Rp, Cp = -(-R // block_rows) * block_rows, -(-C // 128) * 128
+    padded = torch.zeros(Rp, Cp, device=t.device, dtype=torch.float32)
+    padded[:R, :C] = t
+    blocks = padded.view(Rp // block_rows, block_rows, Cp // 128, 128)
+    amax = blocks.abs().amax(dim=(1, 3), keepdim=True).clamp(min=1e-12)
+    q = (blocks * (448.0 / amax)).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(Rp, Cp)[:R, :C].contiguous()
+    return q, (amax / 448.0).view(Rp // block_rows, Cp // 128)
+
+
+def outer_major(s):
+    """A [R, C] scale matrix with strides (1, R), as cuBLAS's 1x128 scales of A are laid out."""
+    out = torch.empty_strided(s.shape, (1, s.shape[0]), device=s.device, dtype=s.dtype)
+    out.copy_(s)
+    return out
+
+
+def block_scale_b(s, aligned=False):
+    """The 128x128 scales s [Nb, Kb] of a weight B [N, K] as torch._scaled_mm takes them for mat2 =
+    Bᵀ: [Kb, Nb] with strides (1, Kb), or (1, Kb rounded up to 4) where a torch build wants the
+    rows 16-byte aligned (aligned=True)."""
+    if aligned and s.size(1) % 4:
+        padded = torch.zeros(s.size(0), -(-s.size(1) // 4) * 4, device=s.device, dtype=s.dtype)
+        padded[:, :s.size(1)] = s
+        s = padded[:, :s.size(1)]
+    return s.t()
+
+
+def fp8_blockwise_rows(case, args, errors, x, w, dy):
+    """torch._scaled_mm with DeepSeek-V3's blockwise scales (cuBLASLt on sm_90), one call per
+    expert with tokens: the grouped GEMM a user of torch builds from what torch offers for this
+    recipe (torch._scaled_grouped_mm takes blockwise scales only in builds newer than this one's
+    CUDA). Operands quantized before timing, each expert's in the layout the call wants."""
+    E, K, N = case["E"], case["K"], case["N"]
+    flops = gemm_flops(case)
+    bounds = [0]
+    for c in case["counts"]:
+        bounds.append(bounds[-1] + c)
+    experts = [e for e in range(E) if case["counts"][e] > 0]
+    out = []
+    try:
+        fprop, dgrad, wgrad = [], [], []
+        for e in experts:
+            # Each expert's tokens, zero-padded to a multiple of 16 (cuBLAS's alignment; the padding
+            # adds at most 15 rows of FLOPs, not counted).
+            lo, hi = bounds[e], bounds[e + 1]
+            pad = -(-(hi - lo) // 16) * 16
+            xe = torch.zeros(pad, K, device=x.device, dtype=x.dtype)
+            dye = torch.zeros(pad, N, device=x.device, dtype=x.dtype)
+            xe[:hi - lo] = x[lo:hi]
+            dye[:hi - lo] = dy[lo:hi]
+            xq, xs = blockwise_fp8(xe, 1)                          # [pad, K], [pad, Kb]
+            dyq, dys = blockwise_fp8(dye, 1)                       # [pad, N], [pad, Nb]
+            wq, ws = blockwise_fp8(w[e], 128)                      # [N, K], [Nb, Kb]
+            wtq, wts = blockwise_fp8(w[e].t(), 128)                # [K, N], [Kb, Nb]
+            fprop.append((xq, wq.t(), outer_major(xs), ws, (xe, w[e].t())))
+            dgrad.append((dyq, wtq.t(), outer_major(dys), wts, (dye, w[e])))
+            dytq, dyts = blockwise_fp8(dye.t(), 1)                 # [N, pad], [N, pad/128]
+            xtq, xts = blockwise_fp8(xe.t(), 1)                    # [K, pad], [K, pad/128]
+            wgrad.append((dytq, xtq.t(), outer_major(dyts), outer_major(xts).t(), (dye.t(), xe)))
+    except Exception as e:
+        errors.append({"case": case["name"], "impl": "torch_fp8_blockwise", "error": f"{type(e).__name__}: {e}"})
+        return out
+
+    def call(a, b, sa, sb):
+        return torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+
+    for name, calls in (("fprop", fprop), ("dgrad", dgrad), ("wgrad", wgrad)):
+        try:
+            if not calls:
+                continue
+            # 128x128 scales of B (fprop, dgrad): torch builds differ on whether their rows must be
+            # 16-byte aligned; the first call tells.
+            prepared = []
+            for a, b, sa, sb, ref in calls:
+                if name == "wgrad":
+                    call(a, b, sa, sb)
+                else:
+                    try:
+                        sb_ = block_scale_b(sb)
+                        call(a, b, sa, sb_)
+                    except RuntimeError:
+                        sb_ = block_scale_b(sb, aligned=True)
+                        call(a, b, sa, sb_)
+                    sb = sb_
+                prepared.append((a, b, sa, sb, ref))
+            a, b, sa, sb, ref = prepared[0]
+            note = f"first expert: relative Frobenius error {relative_error(call(a, b, sa, sb), ref[0].float() @ ref[1].float()):.4f}"
+
+            def run_all():
+                for a, b, sa, sb, _ in prepared:
+                    call(a, b, sa, sb)
+            r = row(case, name, "torch_fp8_blockwise", time_ms(run_all, args.warmup, args.iters), flops)
+            r["dtype"] = "fp8"
+            r["note"] = note
+            out.append(r)
+        except Exception as e:
+            msg = f"{type(e).__name__}: {e}"
+            print(f"torch_fp8_blockwise {case['name']} {name}: {msg[:300]}", file=sys.stderr)
+            errors.append({"case": case["name"], "pass": name, "impl": "torch_fp8_blockwise", "error": msg[:2000]})
     return out
 
 

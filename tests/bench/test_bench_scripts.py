@@ -117,6 +117,7 @@ class Report(unittest.TestCase):
             gemm_row("a/uniform", "fprop", "torch", 640.0, correct=None),
             gemm_row("b/uniform", "fprop", "torch", 750.0, correct=None),
             gemm_row("a/uniform", "fprop", "torch_fp8_rowwise", 1000.0, correct=None, dtype="fp8"),
+            gemm_row("a/uniform", "fprop", "torch_fp8_blockwise", 960.0, correct=None, dtype="fp8"),
             gemm_row("a/uniform", "forward_backward", "torch_linear", 560.0, correct=None),
             gemm_row("a/uniform", "forward_backward", "torch_linear_fp8_rowwise", 260.0, correct=None, dtype="fp8"),
             gemm_row("a/uniform", "forward_backward", "torch_linear_fp8_rowwise_compile", 650.0, correct=None,
@@ -152,6 +153,13 @@ class Report(unittest.TestCase):
         # The FP8 layer against the bf16 layer timed beside it: bare_ms / ms = 1.30x; overhead 5.0%.
         self.assertIn("1.30x", md.split("against the bf16 layer timed interleaved with it")[1])
         self.assertIn("5.0%", md)
+        # FP8 alone: blockwise 1200 against torch's rowwise 1000 = 1.20x and torch's blockwise (cuBLASLt per
+        # expert) 960 = 1.25x, each its own column.
+        fp8_alone = md.split("## FP8 grouped GEMM alone")[1].split("\n\n")[1]
+        self.assertIn("gmoe_fp8_blockwise/torch_fp8_rowwise", fp8_alone)
+        self.assertIn("gmoe_fp8_blockwise/torch_fp8_blockwise", fp8_alone)
+        self.assertIn("1.20x", fp8_alone)
+        self.assertIn("1.25x", fp8_alone)
         # The MLP: gmoe / torch_compile = 1.25x.
         self.assertIn("1.25x", md.split("## expert MLP")[1])
         self.assertIn("skipped: counts", stdout)
