@@ -67,6 +67,114 @@ struct ScaledBiasTree {
   using type = cutlass::epilogue::fusion::Sm90EVT<Fma, Alpha, cutlass::epilogue::fusion::Sm90AccFetch, RowBias>;
 };
 
+/// The consumer k-loop of gmoe's promoting FP8 mainloops (BlockwiseMainloop, TensorwiseMainloop),
+/// replacing their CUTLASS collectives'. CUTLASS's issue a k-tile's wgmmas, wait for them, and only
+/// then scale the partial sums and add them to the accumulators (tensorwise: every 4 k-steps, its
+/// promotion interval), so the tensor cores idle through every promotion (both consumer
+/// warpgroups reach it together). Here the partial sums alternate between two register fragments:
+/// the wgmmas of k-tile t+1 are issued into one before k-tile t's partial sums in the other are
+/// promoted, so the promotion's arithmetic runs while the tensor cores work (the same register
+/// pipelining as FlashAttention-3's softmax). Cost: one more 64-float fragment per thread. Each
+/// stage goes back to the producer as soon as its partial sums (and scales) have been read, so
+/// mma_tail has nothing left to release. The accumulators start from zero here (CUTLASS's
+/// collectives leave them as they were when a tile has no k-tiles).
+///
+/// `prepare(stage)` runs while k-tile `stage`'s wgmmas may still be in flight (the scale loads);
+/// `promote(part, stage)` once they have completed: accum += part, scaled.
+template <class TiledMma, class TensorA, class TensorB, class FrgTensorC, class Pipeline, class PipelineState,
+          class Prepare, class Promote>
+CUTLASS_DEVICE void promoted_k_loop(TensorA const& sA, TensorB const& sB, int thread_idx, FrgTensorC& accum,
+                                    Pipeline& pipeline, PipelineState smem_pipe_read, int k_tile_count,
+                                    Prepare&& prepare, Promote&& promote) {
+  using namespace cute;
+  constexpr int kNumThreadsPerWarpGroup = 128;
+  constexpr int kMmaWarpGroups = size(TiledMma{}) / kNumThreadsPerWarpGroup;
+  Layout warp_group_thread_layout = make_layout(Int<kMmaWarpGroups>{}, Int<kNumThreadsPerWarpGroup>{});
+  int warp_group_idx = __shfl_sync(0xFFFFFFFF, thread_idx / kNumThreadsPerWarpGroup, 0);
+  TiledMma tiled_mma;
+  auto thread_mma = tiled_mma.get_slice(warp_group_thread_layout(warp_group_idx));
+  Tensor tCrA = thread_mma.make_fragment_A(thread_mma.partition_A(sA));  // (MMA,MMA_M,MMA_K,PIPE)
+  Tensor tCrB = thread_mma.make_fragment_B(thread_mma.partition_B(sB));  // (MMA,MMA_N,MMA_K,PIPE)
+
+  Tensor part0 = make_fragment_like(accum);
+  Tensor part1 = make_fragment_like(accum);
+  clear(accum);
+  warpgroup_fence_operand(accum);
+  if (k_tile_count <= 0) return;  // an empty reduction (a wgrad group without tokens): zeros
+
+  // Issue one k-tile's wgmmas into `part` (overwriting it) and commit them as one batch.
+  auto issue = [&](auto& part, int stage) {
+    tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
+    warpgroup_fence_operand(part);
+    warpgroup_arrive();
+    CUTLASS_PRAGMA_UNROLL
+    for (int k_block = 0; k_block < size<2>(tCrA); ++k_block) {
+      cute::gemm(tiled_mma, tCrA(_, _, k_block, stage), tCrB(_, _, k_block, stage), part);
+      tiled_mma.accumulate_ = GMMA::ScaleOut::One;
+    }
+    warpgroup_commit_batch();
+    warpgroup_fence_operand(part);
+  };
+  auto promote_fenced = [&](auto& part, int stage) {
+    warpgroup_fence_operand(part);
+    warpgroup_fence_operand(accum);
+    promote(part, stage);
+    warpgroup_fence_operand(accum);
+    warpgroup_fence_operand(part);
+  };
+
+  PipelineState smem_pipe_release = smem_pipe_read;
+  // Wait for the next k-tile's stage and issue its wgmmas into `part`; returns the stage.
+  auto issue_next = [&](auto& part) {
+    auto barrier_token = pipeline.consumer_try_wait(smem_pipe_read);
+    pipeline.consumer_wait(smem_pipe_read, barrier_token);
+    const int stage = smem_pipe_read.index();
+    issue(part, stage);
+    ++smem_pipe_read;
+    return stage;
+  };
+  auto release = [&]() {  // the oldest k-tile's operands (and scales) have been read
+    pipeline.consumer_release(smem_pipe_release);
+    ++smem_pipe_release;
+  };
+
+  // k-tile t's wgmmas run into one fragment while t-1's partial sums in the other are promoted.
+  // The steady state takes two k-tiles per trip so that the fragments are named statically and
+  // every wgmma wait is unconditional (ptxas serializes wgmmas it cannot prove are waited for).
+  int stage0 = issue_next(part0);
+  int t = 0;
+  CUTLASS_PRAGMA_NO_UNROLL
+  for (; t + 2 < k_tile_count; t += 2) {
+    const int stage1 = issue_next(part1);
+    prepare(stage0);
+    warpgroup_wait<1>();
+    promote_fenced(part0, stage0);
+    release();
+    stage0 = issue_next(part0);
+    prepare(stage1);
+    warpgroup_wait<1>();
+    promote_fenced(part1, stage1);
+    release();
+  }
+  if (t + 1 < k_tile_count) {  // two k-tiles left: t in part0, t+1 still to issue
+    const int stage1 = issue_next(part1);
+    prepare(stage0);
+    warpgroup_wait<1>();
+    promote_fenced(part0, stage0);
+    release();
+    prepare(stage1);
+    warpgroup_wait<0>();
+    promote_fenced(part1, stage1);
+    release();
+  } else {  // one k-tile left
+    prepare(stage0);
+    warpgroup_wait<0>();
+    promote_fenced(part0, stage0);
+    release();
+  }
+  warpgroup_fence_operand(accum);
+}
+
 /// CUTLASS's grouped blockwise FP8 mainloop with each group's scale layout built from its problem
 /// shape and the per-launch strides `sfa_ld` / `sfb_ld` (see the file comment), and its own
 /// consumer loop (mma, below).
@@ -134,16 +242,8 @@ struct BlockwiseMainloop : Base {
                     cute::size<2>(TileShape{}),
                 "one scale block along K per k-tile: every k-tile is promoted");
 
-  /// The consumer mainloop, replacing the base collective's. The base issues a k-tile's wgmmas,
-  /// waits for them, and only then multiplies the partial sums by the scales and adds them to the
-  /// accumulators, so the tensor cores idle through every promotion (both consumer warpgroups
-  /// reach it together). Here the partial sums alternate between two register fragments: the
-  /// wgmmas of k-tile t+1 are issued into one before k-tile t's partial sums in the other are
-  /// promoted, so the promotion's FMAs run while the tensor cores work (the same register
-  /// pipelining as FlashAttention-3's softmax). Cost: one more 64-float fragment per thread.
-  /// Each stage goes back to the producer as soon as its partial sums and scales have been read,
-  /// so mma_tail has nothing left to release. The accumulators start from zero here (the base
-  /// collective leaves them as they were when a tile has no k-tiles).
+  /// The consumer mainloop (promoted_k_loop above), replacing the base collective's: the partial
+  /// sums of k-tile t are scaled and added while k-tile t+1's wgmmas run.
   ///
   /// Measured against the base loop on an H100 (public suite, two runs each, same session): the
   /// fprop/dgrad kernel 0.95-1.07x per case (qwen3 +2-5%, dsv3 -3% to +7%, about 1.01x overall);
@@ -155,7 +255,6 @@ struct BlockwiseMainloop : Base {
                           TensorStorage& shared_tensors, Params const& /*params*/) {
     using namespace cute;
     static_assert(is_rmem<FrgTensorC>::value, "C tensor must be rmem resident.");
-    constexpr int kNumThreadsPerWarpGroup = 128;
 
     Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()), SmemLayoutA{});
     Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), SmemLayoutB{});
@@ -174,39 +273,12 @@ struct BlockwiseMainloop : Base {
                     make_stride(_0{}, stride<0>(SmemLayoutSFB{}),
                                 make_stride(stride<1>(SmemLayoutSFB{}), stride<2>(SmemLayoutSFB{})))));
 
-    constexpr int kMmaWarpGroups = size(TiledMma{}) / kNumThreadsPerWarpGroup;
-    Layout warp_group_thread_layout =
-        make_layout(Int<kMmaWarpGroups>{}, Int<kNumThreadsPerWarpGroup>{});
-    int warp_group_idx = __shfl_sync(0xFFFFFFFF, thread_idx / kNumThreadsPerWarpGroup, 0);
     TiledMma tiled_mma;
-    auto thread_mma = tiled_mma.get_slice(warp_group_thread_layout(warp_group_idx));
-
     Tensor tCsSFA = tiled_mma.get_slice(thread_idx).partition_C(sSFA);  // (MMA,MMA_M,MMA_N,(K,PIPE))
     Tensor tCsSFB = tiled_mma.get_slice(thread_idx).partition_C(sSFB);
-    Tensor tCrA = thread_mma.make_fragment_A(thread_mma.partition_A(sA));  // (MMA,MMA_M,MMA_K,PIPE)
-    Tensor tCrB = thread_mma.make_fragment_B(thread_mma.partition_B(sB));  // (MMA,MMA_N,MMA_K,PIPE)
     // This thread's distinct row scales (the column mode stays a stride-0 broadcast).
     Tensor tCrSFA = make_tensor_like<ElementBlockScale>(tCsSFA(_, _, _, _0{}));
 
-    Tensor part0 = make_fragment_like(accum);
-    Tensor part1 = make_fragment_like(accum);
-    clear(accum);
-    warpgroup_fence_operand(accum);
-    if (k_tile_count <= 0) return;  // an empty reduction (a wgrad group without tokens): zeros
-
-    // Issue one k-tile's wgmmas into `part` (overwriting it) and commit them as one batch.
-    auto issue = [&](auto& part, int stage) {
-      tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
-      warpgroup_fence_operand(part);
-      warpgroup_arrive();
-      CUTLASS_PRAGMA_UNROLL
-      for (int k_block = 0; k_block < size<2>(tCrA); ++k_block) {
-        cute::gemm(tiled_mma, tCrA(_, _, k_block, stage), tCrB(_, _, k_block, stage), part);
-        tiled_mma.accumulate_ = GMMA::ScaleOut::One;
-      }
-      warpgroup_commit_batch();
-      warpgroup_fence_operand(part);
-    };
     // Read k-tile `stage`'s row scales of A into registers (while wgmmas may still run), folding
     // in B's one scale where B has a single scale per tile.
     auto load_scales = [&](int stage) {
@@ -229,8 +301,6 @@ struct BlockwiseMainloop : Base {
     // packed as exponent bytes (one 4-byte load per four elements, 5 integer operations to
     // unpack) measured 0.87-0.99x of this on the public suite (docs/architecture.md).
     auto promote = [&](auto& part, int stage) {
-      warpgroup_fence_operand(part);
-      warpgroup_fence_operand(accum);
       if constexpr (Base::ScaleNsPerTile == 1) {
         CUTLASS_PRAGMA_UNROLL
         for (int i = 0; i < size(accum); ++i) {
@@ -249,60 +319,46 @@ struct BlockwiseMainloop : Base {
           accum(4 * j + 3) = fmaf(part(4 * j + 3) * sb.y, tCrSFA(4 * j + 3), accum(4 * j + 3));
         }
       }
-      warpgroup_fence_operand(accum);
-      warpgroup_fence_operand(part);
     };
+    promoted_k_loop<TiledMma>(sA, sB, thread_idx, accum, pipeline, smem_pipe_read, k_tile_count, load_scales,
+                              promote);
+  }
 
-    PipelineState smem_pipe_release = smem_pipe_read;
-    // Wait for the next k-tile's stage and issue its wgmmas into `part`; returns the stage.
-    auto issue_next = [&](auto& part) {
-      auto barrier_token = pipeline.consumer_try_wait(smem_pipe_read);
-      pipeline.consumer_wait(smem_pipe_read, barrier_token);
-      const int stage = smem_pipe_read.index();
-      issue(part, stage);
-      ++smem_pipe_read;
-      return stage;
-    };
-    auto release = [&]() {  // the oldest k-tile's operands and scales have been read
-      pipeline.consumer_release(smem_pipe_release);
-      ++smem_pipe_release;
-    };
+  /// mma() has released every stage it consumed.
+  CUTLASS_DEVICE void mma_tail(MainloopPipeline, PipelineState, int) {}
+};
 
-    // k-tile t's wgmmas run into one fragment while t-1's partial sums in the other are promoted.
-    // The steady state takes two k-tiles per trip so that the fragments are named statically and
-    // every wgmma wait is unconditional (ptxas serializes wgmmas it cannot prove are waited for).
-    int stage0 = issue_next(part0);
-    int t = 0;
-    CUTLASS_PRAGMA_NO_UNROLL
-    for (; t + 2 < k_tile_count; t += 2) {
-      const int stage1 = issue_next(part1);
-      load_scales(stage0);
-      warpgroup_wait<1>();
-      promote(part0, stage0);
-      release();
-      stage0 = issue_next(part0);
-      load_scales(stage1);
-      warpgroup_wait<1>();
-      promote(part1, stage1);
-      release();
-    }
-    if (t + 1 < k_tile_count) {  // two k-tiles left: t in part0, t+1 still to issue
-      const int stage1 = issue_next(part1);
-      load_scales(stage0);
-      warpgroup_wait<1>();
-      promote(part0, stage0);
-      release();
-      load_scales(stage1);
-      warpgroup_wait<0>();
-      promote(part1, stage1);
-      release();
-    } else {  // one k-tile left
-      load_scales(stage0);
-      warpgroup_wait<0>();
-      promote(part0, stage0);
-      release();
-    }
-    warpgroup_fence_operand(accum);
+/// CUTLASS's FP8 pointer-array mainloop (tensorwise: no scales in the mainloop) with gmoe's
+/// promoting consumer loop (promoted_k_loop above): accum += part after every 128-long k-tile, as
+/// CUTLASS promotes (its interval: 4 k-steps of 32), but while the next k-tile's wgmmas run instead
+/// of after waiting for them. The sums are added in the same order as CUTLASS's.
+template <class Base>
+struct TensorwiseMainloop : Base {
+  using TiledMma = typename Base::TiledMma;
+  using MainloopPipeline = typename Base::MainloopPipeline;
+  using PipelineState = typename Base::PipelineState;
+  using TensorStorage = typename Base::TensorStorage;
+  using SmemLayoutA = typename Base::SmemLayoutA;
+  using SmemLayoutB = typename Base::SmemLayoutB;
+  using Params = typename Base::Params;
+  static_assert(cute::size<2>(typename Base::TileShape{}) == 128, "one promotion per 128-long k-tile");
+
+  template <class FrgTensorC>
+  CUTLASS_DEVICE void mma(MainloopPipeline pipeline, PipelineState smem_pipe_read,
+                          FrgTensorC& accum, int k_tile_count, int thread_idx,
+                          TensorStorage& shared_tensors, Params const& /*params*/) {
+    using namespace cute;
+    static_assert(is_rmem<FrgTensorC>::value, "C tensor must be rmem resident.");
+    Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()), SmemLayoutA{});
+    Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), SmemLayoutB{});
+    auto promote = [&](auto& part, int) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(accum); ++i) {
+        accum(i) += part(i);
+      }
+    };
+    promoted_k_loop<TiledMma>(sA, sB, thread_idx, accum, pipeline, smem_pipe_read, k_tile_count, [](int) {},
+                              promote);
   }
 
   /// mma() has released every stage it consumed.
@@ -410,8 +466,9 @@ struct Fp8GemmTypes {
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename CollectiveEpilogue::SharedStorage))>,
       KernelSchedule>::CollectiveOp;
-  using CollectiveMainloop = std::conditional_t<S == Fp8Scaling::blockwise,
-                                                BlockwiseMainloop<BuiltMainloop>, BuiltMainloop>;
+  using CollectiveMainloop = std::conditional_t<
+      S == Fp8Scaling::blockwise, BlockwiseMainloop<BuiltMainloop>,
+      std::conditional_t<fp8_tile_n(Tile) == 256, BuiltMainloop, TensorwiseMainloop<BuiltMainloop>>>;
 
   using Kernel =
       cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
