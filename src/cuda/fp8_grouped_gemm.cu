@@ -252,7 +252,11 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // few tiles lose more than the multicast gains. Measured on an H100 (2026-11-24, public suite, 2x1
 // forced against 1x1 in one session): dsv3 (4096 rows per expert) 1.00-1.15x (blockwise dsv3_fc1
 // fprop 1091 -> 1236 TFLOP/s), mixtral (2048) 0.88-1.11x, qwen3moe (512) 0.93-1.05x, small_m
-// (128, one M tile per expert) 0.75-0.82x: 2x1 from 4096 rows per expert on average.
+// (128, one M tile per expert) 0.75-0.82x: 2x1 from 4096 rows per expert on average. Blockwise
+// from 2048: its mixtral fprop (K = 4096, N = 28672; dgrad takes 2x2 below) measured 1.05-1.09x in
+// 2x1 that session and 1.07-1.13x in a later one (2026-11-25, 1057 -> 1190 TFLOP/s uniform, 1010
+// -> 1079 skewed; cuBLAS's blockwise GEMM per expert 1276 and 1074 in the same session), where
+// tensorwise's mixtral rows are 1x1 by the width rule below.
 // 2x2 multicasts A's tile along N as well. The tiles in flight walk along M, so every N tile reads
 // A again; with a long reduction the A tiles in flight (128 rows x K each: 3.6 MB at K = 28672)
 // overflow the L2 and each N tile reads them from DRAM; 2x2 loads each once for two N tiles.
@@ -270,6 +274,7 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // GMOE_FP8_ROWS_CLUSTER=1x1|2x1|2x2 forces the cluster of fprop/dgrad alone (benchmarks);
 // GMOE_CLUSTER forces every pass's.
 constexpr int64_t kCluster2x1MinRows = 4096;
+constexpr int64_t kBlockwiseCluster2x1MinRows = 2048;
 constexpr int64_t kCluster2x2MinK = 16384;
 constexpr int64_t kTensorwise2x1MaxN = 2048;
 
@@ -283,8 +288,8 @@ Fp8Tile choose_rows_cluster(Fp8Scaling scaling, int64_t capacity, int64_t num_ex
   }
   if (gemm_k >= kCluster2x2MinK) return Fp8Tile::t128x128_2x2;
   if (scaling == Fp8Scaling::tensorwise && gemm_n > kTensorwise2x1MaxN) return Fp8Tile::t128x128;
-  return capacity / std::max<int64_t>(num_experts, 1) >= kCluster2x1MinRows ? Fp8Tile::t128x128_2x1
-                                                                             : Fp8Tile::t128x128;
+  const int64_t min_rows = scaling == Fp8Scaling::blockwise ? kBlockwiseCluster2x1MinRows : kCluster2x1MinRows;
+  return capacity / std::max<int64_t>(num_experts, 1) >= min_rows ? Fp8Tile::t128x128_2x1 : Fp8Tile::t128x128;
 }
 
 // Tensorwise fprop/dgrad with fast accumulation (Fp8GemmOptions) run 128x256 tiles in the cluster

@@ -398,6 +398,24 @@ TEST(CudaFp8GemmLarge, BigExpertsChunkedInClusters) {
   }
 }
 
+// Between 2048 and 4096 rows per expert on average, blockwise fprop/dgrad take 2x1 clusters and
+// tensorwise stays 1x1 (fp8_grouped_gemm.cu, choose_rows_cluster): experts of 2500 and 3075 rows
+// (20 and 25 M tiles, the last partial; 25 odd, so one pair holds an all-out-of-range tile), no
+// expert past the 4096-row chunk.
+TEST(CudaFp8GemmLarge, MidSizeExpertsBlockwiseIn2x1) {
+  GMOE_SKIP_WITHOUT_GPU();
+  Rng rng;
+  const ShapeCase c = fixed_case("mid_experts", 256, 384, {2500, 3075}, 11);
+  for (Fp8Recipe r : {Fp8Recipe::blockwise, Fp8Recipe::tensorwise}) {
+    SCOPED_TRACE(recipe_str(r));
+    const int cluster_m = r == Fp8Recipe::blockwise ? 2 : 1;
+    check_fprop(c, r, rng);
+    expect_launch("fprop", true, c.E, false, cluster_m, 1);
+    check_dgrad(c, r, rng);
+    expect_launch("dgrad", true, c.E, false, cluster_m, 1);
+  }
+}
+
 // Tensorwise fprop/dgrad whose output is wider than 2048 columns stay 1x1 where blockwise takes
 // 2x1 (fp8_grouped_gemm.cu, choose_rows_tile): one expert of 4100 rows (33 M tiles, the last of 4
 // rows), N = 2176 (17 N tiles, the last partial), a reduction of 144 (one partial k-tile).
