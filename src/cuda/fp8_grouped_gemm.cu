@@ -252,34 +252,35 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // few tiles lose more than the multicast gains. Measured on an H100 (2026-11-24, public suite, 2x1
 // forced against 1x1 in one session): dsv3 (4096 rows per expert) 1.00-1.15x (blockwise dsv3_fc1
 // fprop 1091 -> 1236 TFLOP/s), mixtral (2048) 0.88-1.11x, qwen3moe (512) 0.93-1.05x, small_m
-// (128, one M tile per expert) 0.75-0.82x: 2x1 from 4096 rows per expert on average. Blockwise
-// from 2048: its mixtral fprop (K = 4096, N = 28672; dgrad takes 2x2 below) measured 1.05-1.09x in
-// 2x1 that session and 1.07-1.13x in a later one (2026-11-25, 1057 -> 1190 TFLOP/s uniform, 1010
-// -> 1079 skewed; cuBLAS's blockwise GEMM per expert 1276 and 1074 in the same session), where
-// tensorwise's mixtral rows are 1x1 by the width rule below.
+// (128, one M tile per expert) 0.75-0.82x: 2x1 from 4096 rows per expert on average then. The
+// promoted mainloops (blockwise, and tensorwise since it takes the same overlapped loop,
+// sm90_fp8_grouped_gemm.cuh) take 2x1 from 2048 rows: blockwise mixtral fprop (K = 4096,
+// N = 28672; its dgrad takes 2x2 below) measured 1.05-1.09x in 2x1 that session and 1.07-1.13x in
+// a later one (2026-11-25, 1057 -> 1190 TFLOP/s uniform, 1010 -> 1079 skewed; cuBLAS's blockwise
+// GEMM per expert 1276 and 1074 in the same session), tensorwise 1.01-1.05x.
 // 2x2 multicasts A's tile along N as well. The tiles in flight walk along M, so every N tile reads
 // A again; with a long reduction the A tiles in flight (128 rows x K each: 3.6 MB at K = 28672)
 // overflow the L2 and each N tile reads them from DRAM; 2x2 loads each once for two N tiles.
 // Measured (2x2 forced against the rule above, dsv3 and mixtral, two runs each): mixtral_fc1 dgrad
 // (K = 28672) blockwise 1.18x uniform and 1.37x skewed (846 -> 1162 TFLOP/s), tensorwise 0.96x and
 // 1.17x; shorter reductions 0.93-1.10x: 2x2 from a reduction of 16384.
-// Tensorwise stays 1x1 when the output is wider than 2048 columns (more than 16 N tiles): its
-// mainloop has no scale loads competing for shared memory, and the multicast gained less than the
-// pairing cost. Measured on an H100 (2026-11-24, FP8 GroupedMLP dsv3_ep32 forward+backward against
-// the bf16 MLP, three rounds interleaved, cached weights): every fprop/dgrad in 2x1 (the rule
-// before) 1.310-1.313x uniform and 1.299-1.300x skewed, every one 1x1 1.309-1.326x and
-// 1.314-1.321x, this rule (FC2's dgrad, N = 2048, keeps 2x1) 1.321-1.326x and 1.318-1.321x. In
-// gemm mode, 1x1 against 2x1: dsv3_fc1 fprop/dgrad 1.01-1.06x, dsv3_fc2 fprop 0.99-1.00x, its dgrad
-// (N = 2048) 0.94-0.99x; blockwise 0.90-0.97x everywhere (it keeps 2x1).
+// Tensorwise with CUTLASS's own promotion (wait, then add; before 2026-11-25) stayed 1x1 when the
+// output was wider than 2048 columns: the multicast gained less than the pairing cost (FP8
+// GroupedMLP dsv3_ep32 1.321-1.326x our bf16 one with that rule, 1.310-1.313x all 2x1). With the
+// overlapped loop, all 2x1 against that rule (H100, 2026-11-25, two rounds interleaved): gemm mode
+// dsv3 fprop 1.06-1.14x, dgrad 1.00-1.05x, mixtral fprop 1.01-1.05x; the GroupedMLP dsv3_ep32
+// forward+backward 1.463x and 1.486x (uniform) against 1.425x and 1.434x, skewed 1.401x and 1.308x
+// against 1.373x and 1.383x. Fast accumulation's 128x256 tiles keep the width rule: all 2x1
+// measured 0.95-1.05x of it.
 // GMOE_FP8_ROWS_CLUSTER=1x1|2x1|2x2 forces the cluster of fprop/dgrad alone (benchmarks);
 // GMOE_CLUSTER forces every pass's.
-constexpr int64_t kCluster2x1MinRows = 4096;
-constexpr int64_t kBlockwiseCluster2x1MinRows = 2048;
+constexpr int64_t kCluster2x1MinRows = 2048;
 constexpr int64_t kCluster2x2MinK = 16384;
-constexpr int64_t kTensorwise2x1MaxN = 2048;
+constexpr int64_t kFastCluster2x1MinRows = 4096;
+constexpr int64_t kFast2x1MaxN = 2048;
 
-Fp8Tile choose_rows_cluster(Fp8Scaling scaling, int64_t capacity, int64_t num_experts, int64_t gemm_n,
-                            int64_t gemm_k) {
+// `fast`: tensorwise with fast accumulation (128x256 tiles, the kernels without promotion).
+Fp8Tile choose_rows_cluster(bool fast, int64_t capacity, int64_t num_experts, int64_t gemm_n, int64_t gemm_k) {
   switch (forced_fp8_rows_cluster()) {
     case 0: return Fp8Tile::t128x128;
     case 1: return Fp8Tile::t128x128_2x1;
@@ -287,8 +288,8 @@ Fp8Tile choose_rows_cluster(Fp8Scaling scaling, int64_t capacity, int64_t num_ex
     default: break;
   }
   if (gemm_k >= kCluster2x2MinK) return Fp8Tile::t128x128_2x2;
-  if (scaling == Fp8Scaling::tensorwise && gemm_n > kTensorwise2x1MaxN) return Fp8Tile::t128x128;
-  const int64_t min_rows = scaling == Fp8Scaling::blockwise ? kBlockwiseCluster2x1MinRows : kCluster2x1MinRows;
+  if (fast && gemm_n > kFast2x1MaxN) return Fp8Tile::t128x128;
+  const int64_t min_rows = fast ? kFastCluster2x1MinRows : kCluster2x1MinRows;
   return capacity / std::max<int64_t>(num_experts, 1) >= min_rows ? Fp8Tile::t128x128_2x1 : Fp8Tile::t128x128;
 }
 
@@ -300,8 +301,9 @@ Fp8Tile choose_rows_cluster(Fp8Scaling scaling, int64_t capacity, int64_t num_ex
 // dsv3_ep32, forward+backward against our bf16 one: 1.440-1.454x against 1.316-1.326x.
 Fp8Tile choose_rows_tile(Fp8Scaling scaling, int64_t capacity, int64_t num_experts, int64_t gemm_n,
                          int64_t gemm_k, bool fast_accumulation) {
-  const Fp8Tile cluster = choose_rows_cluster(scaling, capacity, num_experts, gemm_n, gemm_k);
-  if (!fast_accumulation || scaling != Fp8Scaling::tensorwise || cluster == Fp8Tile::t128x128_2x2) return cluster;
+  const bool fast = fast_accumulation && scaling == Fp8Scaling::tensorwise;
+  const Fp8Tile cluster = choose_rows_cluster(fast, capacity, num_experts, gemm_n, gemm_k);
+  if (!fast || cluster == Fp8Tile::t128x128_2x2) return cluster;
   return cluster == Fp8Tile::t128x128_2x1 ? Fp8Tile::t128x256_2x1 : Fp8Tile::t128x256;
 }
 

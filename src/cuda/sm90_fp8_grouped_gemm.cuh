@@ -11,8 +11,11 @@
 //               the partial sums are multiplied by the A scale of their row (granularity 1 along
 //               M) and the B scale of their column block (128 for weights, 1 for wgrad's x) and
 //               added to the accumulators, while the next k-tile's wgmmas run.
-//   tensorwise  CUTLASS's FP8 pointer-array mainloop (no scales); the epilogue multiplies by the
-//               group's alpha_e = sa[e]·sb[e], read through a per-group pointer array.
+//   tensorwise  CUTLASS's FP8 pointer-array mainloop (no scales) with the same consumer loop
+//               (TensorwiseMainloop: the partial sums added, unscaled, while the next k-tile's
+//               wgmmas run); the epilogue multiplies by the group's alpha_e = sa[e]·sb[e], read
+//               through a per-group pointer array. With fast accumulation (128x256 tiles) the
+//               tensor cores accumulate the whole reduction: CUTLASS's mainloop as it is.
 //
 // The scale layout of a group. In CUTLASS 4.2 the grouped blockwise mainloop derives each group's
 // scale layout from its problem shape alone (K-major: row stride ceil(K/128); MN-major: k-block

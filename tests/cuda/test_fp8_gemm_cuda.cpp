@@ -398,38 +398,43 @@ TEST(CudaFp8GemmLarge, BigExpertsChunkedInClusters) {
   }
 }
 
-// Between 2048 and 4096 rows per expert on average, blockwise fprop/dgrad take 2x1 clusters and
-// tensorwise stays 1x1 (fp8_grouped_gemm.cu, choose_rows_cluster): experts of 2500 and 3075 rows
-// (20 and 25 M tiles, the last partial; 25 odd, so one pair holds an all-out-of-range tile), no
-// expert past the 4096-row chunk.
-TEST(CudaFp8GemmLarge, MidSizeExpertsBlockwiseIn2x1) {
-  GMOE_SKIP_WITHOUT_GPU();
+// The cluster rule of fprop/dgrad (fp8_grouped_gemm.cu, choose_rows_cluster): the promoted kernels
+// (blockwise, tensorwise) take 2x1 clusters from 2048 rows per expert on average, whatever the
+// output's width; fast accumulation's 128x256 tiles from 4096 rows, and 1x1 where the output is
+// wider than 2048 columns. Checked by the launch record, each result against the exact one.
+void check_rows_clusters(const ShapeCase& fprop_case, const ShapeCase& dgrad_case, int promoted_m, int fast_m) {
   Rng rng;
-  const ShapeCase c = fixed_case("mid_experts", 256, 384, {2500, 3075}, 11);
   for (Fp8Recipe r : {Fp8Recipe::blockwise, Fp8Recipe::tensorwise}) {
     SCOPED_TRACE(recipe_str(r));
-    const int cluster_m = r == Fp8Recipe::blockwise ? 2 : 1;
-    check_fprop(c, r, rng);
-    expect_launch("fprop", true, c.E, false, cluster_m, 1);
-    check_dgrad(c, r, rng);
-    expect_launch("dgrad", true, c.E, false, cluster_m, 1);
+    check_fprop(fprop_case, r, rng);
+    expect_launch("fprop", true, fprop_case.E, true, promoted_m, 1);
+    check_dgrad(dgrad_case, r, rng);
+    expect_launch("dgrad", true, dgrad_case.E, true, promoted_m, 1);
   }
+  SCOPED_TRACE("tensorwise, fast accumulation");
+  const Fp8GemmOptions fast{true};
+  const bool forced = cuda_backend::forced_fp8_rows_cluster() >= 0;
+  check_fprop(fprop_case, Fp8Recipe::tensorwise, rng, false, fast);
+  expect_launch("fprop", true, fprop_case.E, true, fast_m, 1);
+  if (!forced) EXPECT_EQ(cuda_backend::last_launch_record().tile_n, 256) << "fprop";
+  check_dgrad(dgrad_case, Fp8Recipe::tensorwise, rng, DType::e4m3, fast);
+  expect_launch("dgrad", true, dgrad_case.E, true, fast_m, 1);
+  if (!forced) EXPECT_EQ(cuda_backend::last_launch_record().tile_n, 256) << "dgrad";
 }
 
-// Tensorwise fprop/dgrad whose output is wider than 2048 columns stay 1x1 where blockwise takes
-// 2x1 (fp8_grouped_gemm.cu, choose_rows_tile): one expert of 4100 rows (33 M tiles, the last of 4
-// rows), N = 2176 (17 N tiles, the last partial), a reduction of 144 (one partial k-tile).
-TEST(CudaFp8GemmLarge, WideTensorwiseOutputsIn1x1) {
+// Experts of 2500 and 3075 rows (20 and 25 M tiles, the last partial; 25 odd, so one pair holds an
+// all-out-of-range tile), no expert past the 4096-row chunk: promoted 2x1, fast 1x1.
+TEST(CudaFp8GemmLarge, MidSizeExpertsClusters) {
   GMOE_SKIP_WITHOUT_GPU();
-  Rng rng;
-  for (Fp8Recipe r : {Fp8Recipe::blockwise, Fp8Recipe::tensorwise}) {
-    SCOPED_TRACE(recipe_str(r));
-    const int cluster_m = r == Fp8Recipe::tensorwise ? 1 : 2;
-    check_fprop(fixed_case("wide_n", 2176, 144, {4100}, 60), r, rng);
-    expect_launch("fprop", true, 1, true, cluster_m, 1);
-    check_dgrad(fixed_case("wide_k", 144, 2176, {4100}, 60), r, rng);
-    expect_launch("dgrad", true, 1, true, cluster_m, 1);
-  }
+  const ShapeCase c = fixed_case("mid_experts", 256, 384, {2500, 3075}, 11);
+  check_rows_clusters(c, c, 2, 1);
+}
+
+// One expert of 4100 rows (33 M tiles, the last of 4 rows; row chunks), an output 2176 wide (17 N
+// tiles, the last partial), a reduction of 144 (one partial k-tile): promoted 2x1, fast 1x1 (wide).
+TEST(CudaFp8GemmLarge, WideOutputsClusters) {
+  GMOE_SKIP_WITHOUT_GPU();
+  check_rows_clusters(fixed_case("wide_n", 2176, 144, {4100}, 60), fixed_case("wide_k", 144, 2176, {4100}, 60), 2, 1);
 }
 
 // Fast accumulation runs tensorwise fprop/dgrad in 128x256 tiles (fp8_grouped_gemm.cu,
