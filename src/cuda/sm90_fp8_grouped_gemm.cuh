@@ -71,7 +71,7 @@ struct ScaledBiasTree {
 };
 
 /// The consumer k-loop of gmoe's promoting FP8 mainloops (BlockwiseMainloop, TensorwiseMainloop),
-/// replacing their CUTLASS collectives'. CUTLASS's issue a k-tile's wgmmas, wait for them, and only
+/// replacing their CUTLASS collectives'. Those issue a k-tile's wgmmas, wait for them, and only
 /// then scale the partial sums and add them to the accumulators (tensorwise: every 4 k-steps, its
 /// promotion interval), so the tensor cores idle through every promotion (both consumer
 /// warpgroups reach it together). Here the partial sums alternate between two register fragments:
