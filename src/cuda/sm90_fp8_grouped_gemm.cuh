@@ -82,14 +82,20 @@ struct ScaledBiasTree {
 /// mma_tail has nothing left to release. The accumulators start from zero here (CUTLASS's
 /// collectives leave them as they were when a tile has no k-tiles).
 ///
+/// `Collective`: the CUTLASS collective whose operand stages (`shared_tensors`) are read.
 /// `prepare(stage)` runs while k-tile `stage`'s wgmmas may still be in flight (the scale loads);
 /// `promote(part, stage)` once they have completed: accum += part, scaled.
-template <class TiledMma, class TensorA, class TensorB, class FrgTensorC, class Pipeline, class PipelineState,
-          class Prepare, class Promote>
-CUTLASS_DEVICE void promoted_k_loop(TensorA const& sA, TensorB const& sB, int thread_idx, FrgTensorC& accum,
-                                    Pipeline& pipeline, PipelineState smem_pipe_read, int k_tile_count,
+template <class Collective, class FrgTensorC, class Prepare, class Promote>
+CUTLASS_DEVICE void promoted_k_loop(typename Collective::TensorStorage& shared_tensors, int thread_idx,
+                                    FrgTensorC& accum, typename Collective::MainloopPipeline& pipeline,
+                                    typename Collective::PipelineState smem_pipe_read, int k_tile_count,
                                     Prepare&& prepare, Promote&& promote) {
   using namespace cute;
+  using TiledMma = typename Collective::TiledMma;
+  using PipelineState = typename Collective::PipelineState;
+  static_assert(is_rmem<FrgTensorC>::value, "C tensor must be rmem resident.");
+  Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()), typename Collective::SmemLayoutA{});
+  Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), typename Collective::SmemLayoutB{});
   constexpr int kNumThreadsPerWarpGroup = 128;
   constexpr int kMmaWarpGroups = size(TiledMma{}) / kNumThreadsPerWarpGroup;
   Layout warp_group_thread_layout = make_layout(Int<kMmaWarpGroups>{}, Int<kNumThreadsPerWarpGroup>{});
@@ -233,8 +239,6 @@ struct BlockwiseMainloop : Base {
   using MainloopPipeline = typename Base::MainloopPipeline;
   using PipelineState = typename Base::PipelineState;
   using TensorStorage = typename Base::TensorStorage;
-  using SmemLayoutA = typename Base::SmemLayoutA;
-  using SmemLayoutB = typename Base::SmemLayoutB;
   using SmemLayoutSFA = typename Base::SmemLayoutSFA;
   using SmemLayoutSFB = typename Base::SmemLayoutSFB;
   static_assert(Base::ScaleMsPerTile == cute::size<0>(TileShape{}),
@@ -257,10 +261,6 @@ struct BlockwiseMainloop : Base {
                           FrgTensorC& accum, int k_tile_count, int thread_idx,
                           TensorStorage& shared_tensors, Params const& /*params*/) {
     using namespace cute;
-    static_assert(is_rmem<FrgTensorC>::value, "C tensor must be rmem resident.");
-
-    Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()), SmemLayoutA{});
-    Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), SmemLayoutB{});
     // The scales as (BLK_M, BLK_N, (BLK_K, PIPE)) views broadcast along the other operand's mode,
     // partitioned like the accumulators (as in the base collective).
     Tensor sSFA = make_tensor(
@@ -323,8 +323,8 @@ struct BlockwiseMainloop : Base {
         }
       }
     };
-    promoted_k_loop<TiledMma>(sA, sB, thread_idx, accum, pipeline, smem_pipe_read, k_tile_count, load_scales,
-                              promote);
+    promoted_k_loop<Base>(shared_tensors, thread_idx, accum, pipeline, smem_pipe_read, k_tile_count, load_scales,
+                          promote);
   }
 
   /// mma() has released every stage it consumed.
@@ -337,12 +337,9 @@ struct BlockwiseMainloop : Base {
 /// of after waiting for them. The sums are added in the same order as CUTLASS's.
 template <class Base>
 struct TensorwiseMainloop : Base {
-  using TiledMma = typename Base::TiledMma;
   using MainloopPipeline = typename Base::MainloopPipeline;
   using PipelineState = typename Base::PipelineState;
   using TensorStorage = typename Base::TensorStorage;
-  using SmemLayoutA = typename Base::SmemLayoutA;
-  using SmemLayoutB = typename Base::SmemLayoutB;
   using Params = typename Base::Params;
   static_assert(cute::size<2>(typename Base::TileShape{}) == 128, "one promotion per 128-long k-tile");
 
@@ -350,18 +347,14 @@ struct TensorwiseMainloop : Base {
   CUTLASS_DEVICE void mma(MainloopPipeline pipeline, PipelineState smem_pipe_read,
                           FrgTensorC& accum, int k_tile_count, int thread_idx,
                           TensorStorage& shared_tensors, Params const& /*params*/) {
-    using namespace cute;
-    static_assert(is_rmem<FrgTensorC>::value, "C tensor must be rmem resident.");
-    Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()), SmemLayoutA{});
-    Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), SmemLayoutB{});
     auto promote = [&](auto& part, int) {
       CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < size(accum); ++i) {
+      for (int i = 0; i < cute::size(accum); ++i) {
         accum(i) += part(i);
       }
     };
-    promoted_k_loop<TiledMma>(sA, sB, thread_idx, accum, pipeline, smem_pipe_read, k_tile_count, [](int) {},
-                              promote);
+    promoted_k_loop<Base>(shared_tensors, thread_idx, accum, pipeline, smem_pipe_read, k_tile_count, [](int) {},
+                          promote);
   }
 
   /// mma() has released every stage it consumed.
@@ -415,8 +408,8 @@ struct Fp8GemmTypes {
   // tensorwise tile needs 256 accumulator registers per thread as well, and spilled (ptxas: 864
   // bytes) and ran 0.32-0.63x the 128x128 one on an H100 (gemm mode, 2026-11-25). Fast
   // accumulation (Fp8GemmOptions: no promotion, the accumulators live in the wgmma registers only)
-  // fits 128x256x128 tiles (64x256 per warpgroup, 128 registers, no spills): 1.07-1.26x on the
-  // large cases (fp8_grouped_gemm.cu, choose_rows_tile). The cluster (Fp8TileTraits) is chosen per
+  // fits 128x256x128 tiles (64x256 per warpgroup, 128 registers, no spills): 1.07-1.27x the promoted
+  // kernel on the large cases (fp8_grouped_gemm.cu, choose_rows_tile). The cluster (Fp8TileTraits) is chosen per
   // call: 2x1 and 2x2 cost an all-out-of-range tile where a group has an odd tile count
   // (fp8_grouped_gemm.cu, choose_rows_tile). A ping-pong 64x128x128 variant (each
   // consumer warpgroup its own tile, one's promotion and epilogue overlapping the other's wgmma)
