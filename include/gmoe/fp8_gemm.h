@@ -45,8 +45,9 @@ struct Fp8GemmOptions {
   /// the reduction (the default: DeepSeek-V3's promotion, which the blockwise recipe always does).
   /// Hopper's FP8 tensor cores keep about 14 significant bits while they accumulate, so the error
   /// grows with the reduction length: at most one such rounding per 32 of the reduction, of Σ|a·b|
-  /// (the tests' bound), against one per 128 promoted. With it the GEMM runs 128x256 tiles: 1.07-1.26x
-  /// faster on the large cases of an H100 (docs/architecture.md). Blockwise and mxfp8, an e5m2 A,
+  /// (the tests' bound), against one per 128 promoted. With it the GEMM runs 128x256 tiles: on an H100 fprop
+  /// 1.09-1.17x and dgrad 1.07-1.27x the promoted kernel on dsv3, mixtral's fprop 1.12-1.13x
+  /// (docs/architecture.md). Blockwise and mxfp8, an e5m2 A,
   /// a fused bias (tensorwise fprop with a bf16 bias) and reductions of 16384 or more keep the
   /// promoted kernel; the CPU reference accumulates in fp32 either way.
   bool fast_accumulation = false;

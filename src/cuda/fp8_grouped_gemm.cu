@@ -297,7 +297,9 @@ Fp8Tile choose_rows_cluster(bool fast, int64_t capacity, int64_t num_experts, in
 // chosen above (1x1 or 2x1; 2x2 keeps the promoted 128x128 kernel, as do an e5m2 A and a fused bias:
 // find_kernel). Measured on an H100 (2026-11-25, gemm mode, fast 128x256 against the promoted
 // 128x128, one session): fprop 1.10-1.26x and dgrad 1.07-1.25x on dsv3, mixtral's fprop and qwen3;
-// small_m/uniform 0.98x; mixtral_fc1's dgrad (2x2) unchanged. The tensorwise FP8 GroupedMLP on
+// small_m/uniform 0.98x; mixtral_fc1's dgrad (2x2) unchanged. Against the promoted kernels with the
+// overlapped loop and their 2x1 rule (9c491a5, one run): dsv3 fprop 1.09-1.17x, dgrad 1.07-1.27x,
+// mixtral fprop 1.12-1.13x. The tensorwise FP8 GroupedMLP on
 // dsv3_ep32, forward+backward against our bf16 one: 1.440-1.454x against 1.316-1.326x.
 Fp8Tile choose_rows_tile(Fp8Scaling scaling, int64_t capacity, int64_t num_experts, int64_t gemm_n,
                          int64_t gemm_k, bool fast_accumulation) {
