@@ -13,11 +13,13 @@
 // tensor; an activation's source computes them from h and dz; rows past the expert's count and
 // columns past `cols` read as 0) and into shared memory (16-byte granules XOR-swizzled by
 // (row / 16) % 8); (2) rowwise: amax of each 1x128 (1x32 for mxfp8) block by warp shuffles
-// over the lanes that hold the row, quantize from registers, store; (3) columnwise: each lane
-// reads one 4-byte word (2 bf16/f16 columns, or 1 f32 column) of 16 consecutive rows — the
-// swizzle makes these reads conflict-free — takes the 128x1 (32x1) amax by shuffles over the 8
-// lanes holding one column's 128 tokens, and stores 16 fp8 bytes of the transposed row: 8 lanes
-// write one 128-byte segment of data_t (coalesced). Grouped rows may also give each tile's
+// over the lanes that hold the row (a 1x128 block's scale then computed once, by one lane, in
+// shared memory), quantize from registers, store; (3) columnwise: each lane reads one 4-byte word
+// (2 bf16/f16 columns, or 1 f32 column) of 16 consecutive rows — the swizzle makes these reads
+// conflict-free — takes the 128x1 (32x1) amax by shuffles over the 8 (2) lanes holding one
+// column's 128 (32) tokens, and stores 16 fp8 bytes of the transposed row: 8 lanes write one
+// 128-byte segment of data_t (coalesced). Amaxes are taken on the source's bits ("Amax on the
+// bits" below). Grouped rows may also give each tile's
 // column sums of the source (QuantParams::col_sums: quantize_grouped's column_sums, the bias
 // gradient of dy), from the registers of phase (1) (tensorwise: of the amax pass, which reads
 // every element too). The host side that the callers share (set_outputs, grouped_params,
@@ -96,9 +98,17 @@ __device__ __forceinline__ int64_t max64(int64_t a, int64_t b) { return a > b ? 
 
 template <typename T>
 struct Elem;
+// Besides the conversions, each type names the bits of |x| (kAbsMask over a 4-byte word; those of
+// 16-bit types are compared as u16x2, of f32 as u32: for x >= 0 the order of the bits is that of
+// the values), the first of them that is not finite (kInfBits: inf, above it NaN), and the value of
+// such bits and back (to_bits of a value of type T only, so both are exact).
 template <>
 struct Elem<__nv_bfloat16> {
   static constexpr int kPerWord = 2;
+  static constexpr uint32_t kAbsMask = 0x7fff7fffu;
+  static constexpr uint32_t kInfBits = 0x7f80u;
+  __device__ static float from_bits(uint32_t b) { return __uint_as_float(b << 16); }
+  __device__ static uint32_t to_bits(float f) { return __float_as_uint(f) >> 16; }
   __device__ static float2 word(uint32_t w) {
     __nv_bfloat162 h;
     memcpy(&h, &w, 4);
@@ -111,6 +121,10 @@ struct Elem<__nv_bfloat16> {
 template <>
 struct Elem<__half> {
   static constexpr int kPerWord = 2;
+  static constexpr uint32_t kAbsMask = 0x7fff7fffu;
+  static constexpr uint32_t kInfBits = 0x7c00u;
+  __device__ static float from_bits(uint32_t b) { return __half2float(__ushort_as_half(static_cast<unsigned short>(b))); }
+  __device__ static uint32_t to_bits(float f) { return __half_as_ushort(__float2half_rn(f)); }
   __device__ static float2 word(uint32_t w) {
     __half2 h;
     memcpy(&h, &w, 4);
@@ -123,6 +137,10 @@ struct Elem<__half> {
 template <>
 struct Elem<float> {
   static constexpr int kPerWord = 1;
+  static constexpr uint32_t kAbsMask = 0x7fffffffu;
+  static constexpr uint32_t kInfBits = 0x7f800000u;
+  __device__ static float from_bits(uint32_t b) { return __uint_as_float(b); }
+  __device__ static uint32_t to_bits(float f) { return __float_as_uint(f); }
   __device__ static float2 word(uint32_t w) { return make_float2(__uint_as_float(w), 0.0f); }
   __device__ static float one(const void* p, int64_t i) { return static_cast<const float*>(p)[i]; }
 };
@@ -136,6 +154,72 @@ __device__ __forceinline__ void granule_to_float(const uint4& g, float* out) {
     const float2 f = Elem<T>::word(w[i]);
     out[i * Elem<T>::kPerWord] = f.x;
     if constexpr (Elem<T>::kPerWord == 2) out[i * 2 + 1] = f.y;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Amax on the bits. The max of |x| over finite values (fp8_rules::finite_abs's) is taken on the
+// source's own bits, two 16-bit elements per instruction (max.u16x2), not on floats (an f32
+// conversion, abs, finiteness test and select per element): masked words are max'ed in their
+// halves, and only where the result is not finite (an inf or NaN among them) are the values
+// taken again one by one. Bits stay bits through the shuffles (two slots' 16-bit maxima share a
+// word); from_bits makes the float that the scale rule takes, the same float as before.
+
+/// Packed max of the |x| bits of word w into m (per 16-bit half, or the whole f32 word).
+template <typename T>
+__device__ __forceinline__ uint32_t abs_bits_max(uint32_t m, uint32_t w) {
+  w &= Elem<T>::kAbsMask;
+  if constexpr (Elem<T>::kPerWord == 2) {
+    return __vmaxu2(m, w);
+  } else {
+    return m > w ? m : w;
+  }
+}
+/// The larger of a packed word's halves (16-bit types; f32: the word).
+template <typename T>
+__device__ __forceinline__ uint32_t fold_abs_bits(uint32_t m) {
+  if constexpr (Elem<T>::kPerWord == 2) {
+    return max(m & 0xffffu, m >> 16);
+  } else {
+    return m;
+  }
+}
+/// Bits of the max over finite values of float array f (the slow path: some value not finite).
+template <typename T, int N>
+__device__ __forceinline__ uint32_t finite_amax_bits(const float (&f)[N]) {
+  float m = 0.0f;
+#pragma unroll
+  for (int j = 0; j < N; ++j) m = fmaxf(m, fp8_rules::finite_abs(f[j]));
+  return Elem<T>::to_bits(m);
+}
+/// Bits of the max |x| over the finite values of a 16-byte granule.
+template <typename T>
+__device__ __forceinline__ uint32_t granule_amax_bits(const uint4& g) {
+  constexpr uint32_t mask = Elem<T>::kAbsMask;
+  const uint32_t b = fold_abs_bits<T>(abs_bits_max<T>(abs_bits_max<T>(abs_bits_max<T>(g.x & mask, g.y), g.z), g.w));
+  if (b < Elem<T>::kInfBits) return b;
+  float f[16 / sizeof(T)];
+  granule_to_float<T>(g, f);
+  return finite_amax_bits<T>(f);
+}
+/// Max of amax bits over aligned groups of `lanes` lanes (every lane calls it), for kN values at
+/// once: 16-bit types shuffle two of them per word.
+template <typename T, int kN>
+__device__ __forceinline__ void warp_max_bits(uint32_t (&b)[kN], int lanes) {
+  if constexpr (Elem<T>::kPerWord == 2) {
+    static_assert(kN % 2 == 0, "pairs of 16-bit values");
+#pragma unroll
+    for (int n = 0; n < kN; n += 2) {
+      uint32_t v = b[n] | (b[n + 1] << 16);
+      for (int d = 1; d < lanes; d <<= 1) v = __vmaxu2(v, __shfl_xor_sync(0xffffffffu, v, d));
+      b[n] = v & 0xffffu;
+      b[n + 1] = v >> 16;
+    }
+  } else {
+#pragma unroll
+    for (int n = 0; n < kN; ++n) {
+      for (int d = 1; d < lanes; d <<= 1) b[n] = max(b[n], __shfl_xor_sync(0xffffffffu, b[n], d));
+    }
   }
 }
 
@@ -183,12 +267,6 @@ __device__ __forceinline__ void store_scale_one(void* base, int64_t i) {
   } else {
     static_cast<float*>(base)[i] = 1.0f;
   }
-}
-
-__device__ __forceinline__ float warp_max_xor(float v, int lanes) {
-  // Max over aligned groups of `lanes` lanes (a power of two <= 32); every lane calls it.
-  for (int d = 1; d < lanes; d <<= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, d));
-  return v;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -475,16 +553,11 @@ __device__ __forceinline__ void quantize_tile(const QuantParams& p, const Tile& 
   if (R == Fp8Recipe::tensorwise) {
     tensor_amax = __uint_as_float(p.amax_bits[g.e]);
   } else if (R == Fp8Recipe::blockwise && kWeights) {
-    float m = 0.0f;
+    uint32_t m[2] = {0, 0};  // (a pair for warp_max_bits; the second stays 0)
 #pragma unroll
-    for (int it = 0; it < kIters; ++it) {
-      float f[V];
-      granule_to_float<T>(raw[it], f);
-#pragma unroll
-      for (int j = 0; j < V; ++j) m = fmaxf(m, fp8_rules::finite_abs(f[j]));
-    }
-    m = warp_max_xor(m, 32);
-    if (lane == 0) warp_amax[warp] = m;
+    for (int it = 0; it < kIters; ++it) m[0] = max(m[0], granule_amax_bits<T>(raw[it]));
+    warp_max_bits<T>(m, 32);
+    if (lane == 0) warp_amax[warp] = Elem<T>::from_bits(m[0]);
   }
   __syncthreads();
   if constexpr (kSums) {
@@ -502,31 +575,56 @@ __device__ __forceinline__ void quantize_tile(const QuantParams& p, const Tile& 
     if (p.scale != nullptr) store_scale<R>(p.scale, (g.e * p.row_tiles + nb) * nbk + kb, tile_scale);
     if (p.scale_t != nullptr) store_scale<R>(p.scale_t, (g.e * nbk + kb) * p.row_tiles + nb, tile_scale);
   }
+  constexpr bool kRowBlocks = R == Fp8Recipe::blockwise && !kWeights;  // 1x128 (and 128x1) blocks
 
   // (2) Rowwise.
   if (p.data != nullptr) {
+    // The blocks' amax bits (1x128 or 1x32: over the lanes holding the block). 1x128 blocks: a
+    // warp's slots hold kWarpBlocks rows (kRowsPerSlot per slot); their amaxes meet in shared
+    // memory, where lane b computes block b's scale (the IEEE division and reciprocal once per
+    // block, not once per lane of its row), stores scale_inv and leaves the multiplier there.
+    constexpr int kRowsPerSlot = 32 / NV;
+    constexpr int kWarpBlocks = kIters * kRowsPerSlot;
+    static_assert(kWarpBlocks <= 32, "a lane per block");
+    __shared__ float row_blocks[kRowBlocks ? kWarps : 1][kWarpBlocks];  // amax in, multiplier out
+    if constexpr (kRowBlocks) {
+      constexpr int kStep = Elem<T>::kPerWord;  // slots per shuffled word
+#pragma unroll
+      for (int it = 0; it < kIters; it += kStep) {
+        uint32_t ab[kStep];
+#pragma unroll
+        for (int q = 0; q < kStep; ++q) ab[q] = granule_amax_bits<T>(raw[it + q]);
+        warp_max_bits<T>(ab, kLanesPerRow);
+        if (lane % NV == 0) {
+#pragma unroll
+          for (int q = 0; q < kStep; ++q) row_blocks[warp][(it + q) * kRowsPerSlot + lane / NV] = Elem<T>::from_bits(ab[q]);
+        }
+      }
+      __syncwarp();
+      if (lane < kWarpBlocks) {
+        const int i = (lane / kRowsPerSlot * kThreads + warp * 32 + (lane % kRowsPerSlot) * NV) / NV;  // its row
+        const BlockScale s = block_scale<R>(row_blocks[warp][lane], p);
+        row_blocks[warp][lane] = s.mult;
+        if (i < g.nrows) store_scale<R>(p.scale, rows_scale_index<R>(p, g.out_row0 + i, col_tile), s);
+      }
+      __syncwarp();
+    }
 #pragma unroll
     for (int it = 0; it < kIters; ++it) {
       const int idx = it * kThreads + tid;
       const int i = idx / NV, v = idx % NV;
-      float f[V];
-      granule_to_float<T>(raw[it], f);
       BlockScale s = tile_scale;
-      if (R == Fp8Recipe::blockwise && !kWeights) {
-        float m = 0.0f;
-#pragma unroll
-        for (int j = 0; j < V; ++j) m = fmaxf(m, fp8_rules::finite_abs(f[j]));
-        m = warp_max_xor(m, kLanesPerRow);
-        s = block_scale<R>(m, p);
-      } else if (R == Fp8Recipe::mxfp8) {
-        float m = 0.0f;
-#pragma unroll
-        for (int j = 0; j < V; ++j) m = fmaxf(m, fp8_rules::finite_abs(f[j]));
-        m = warp_max_xor(m, 32 / V);
-        s = block_scale<R>(m, p);
+      if constexpr (kRowBlocks) {
+        s.mult = row_blocks[warp][it * kRowsPerSlot + lane / NV];
+      } else if constexpr (R == Fp8Recipe::mxfp8) {  // (before the branch: every lane shuffles)
+        uint32_t ab[2] = {granule_amax_bits<T>(raw[it]), 0};
+        warp_max_bits<T>(ab, 32 / V);
+        s = block_scale<R>(Elem<T>::from_bits(ab[0]), p);
       }
       const bool valid = i < g.nrows && v * V < ncols;
       if (!valid) continue;
+      float f[V];
+      granule_to_float<T>(raw[it], f);
       const int64_t orow = g.out_row0 + i;
       uint8_t* out = p.data + orow * p.cols + col0 + v * V;
       uint32_t packed[V / 4];
@@ -548,9 +646,7 @@ __device__ __forceinline__ void quantize_tile(const QuantParams& p, const Tile& 
           if (v * V + j < ncols) out[j] = static_cast<uint8_t>(packed[j / 4] >> (8 * (j % 4)));
         }
       }
-      if (R == Fp8Recipe::blockwise && !kWeights && v == 0) {
-        store_scale<R>(p.scale, rows_scale_index<R>(p, orow, col_tile), s);
-      } else if (R == Fp8Recipe::mxfp8 && (v % (32 / V)) == 0) {
+      if (R == Fp8Recipe::mxfp8 && (v % (32 / V)) == 0) {
         store_scale<R>(p.scale, rows_scale_index<R>(p, orow, (col0 + v * V) / 32), s);
       }
     }
@@ -564,31 +660,53 @@ __device__ __forceinline__ void quantize_tile(const QuantParams& p, const Tile& 
   for (int m = warp; m < NV; m += kWarps) {
     // Words of granule m: columns [m*V + wsub*kWordCols, + kWordCols).
     float f[kWordCols][16];
+    uint32_t amax_word = 0;  // per column (16-bit halves), over this lane's 16 tokens
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
       const int row = 16 * k + j;  // (row >> 4) & 7 == k
-      const float2 w = Elem<T>::word(tile_words[(row * NV + (m ^ k)) * 4 + wsub]);
+      const uint32_t word = tile_words[(row * NV + (m ^ k)) * 4 + wsub];
+      amax_word = abs_bits_max<T>(amax_word, word);
+      const float2 w = Elem<T>::word(word);
       f[0][j] = w.x;
       if constexpr (kWordCols == 2) f[1][j] = w.y;
+    }
+    BlockScale s[kWordCols];
+#pragma unroll
+    for (int wc = 0; wc < kWordCols; ++wc) s[wc] = tile_scale;
+    if constexpr (R != Fp8Recipe::tensorwise && !(R == Fp8Recipe::blockwise && kWeights)) {
+      uint32_t ab[2] = {kWordCols == 2 ? amax_word & 0xffffu : amax_word, kWordCols == 2 ? amax_word >> 16 : 0u};
+#pragma unroll
+      for (int wc = 0; wc < kWordCols; ++wc) {
+        if (ab[wc] >= Elem<T>::kInfBits) ab[wc] = finite_amax_bits<T>(f[wc]);
+      }
+      warp_max_bits<T>(ab, R == Fp8Recipe::mxfp8 ? 2 : 8);
+      if constexpr (R == Fp8Recipe::mxfp8) {
+#pragma unroll
+        for (int wc = 0; wc < kWordCols; ++wc) s[wc] = block_scale<R>(Elem<T>::from_bits(ab[wc]), p);
+      } else {
+        // One block scale per lane: lane k < kWordCols of the 8 holding a column pair computes column
+        // k's, stores its scale_inv, and the others take its multiplier.
+        const int mine = k < kWordCols ? k : 0;
+        const BlockScale own = block_scale<R>(Elem<T>::from_bits(ab[mine]), p);
+        const int c = m * V + wsub * kWordCols + k;
+        if (k < kWordCols && c < ncols) {
+          store_scale<R>(p.scale_t, fp8_cols_scale_index(R, g.out_col_row0 + col0 + c, g.tile_index, p.scale_t_ld, 0),
+                         own);
+        }
+#pragma unroll
+        for (int wc = 0; wc < kWordCols; ++wc) s[wc].mult = __shfl_sync(0xffffffffu, own.mult, (lane & ~7) + wc);
+      }
     }
 #pragma unroll
     for (int wc = 0; wc < kWordCols; ++wc) {
       const int c = m * V + wsub * kWordCols + wc;  // tile column
-      BlockScale s = tile_scale;
-      if (R != Fp8Recipe::tensorwise && !(R == Fp8Recipe::blockwise && kWeights)) {
-        float a = 0.0f;
-#pragma unroll
-        for (int j = 0; j < 16; ++j) a = fmaxf(a, fp8_rules::finite_abs(f[wc][j]));
-        a = warp_max_xor(a, R == Fp8Recipe::mxfp8 ? 2 : 8);
-        s = block_scale<R>(a, p);
-      }
       if (c >= ncols) continue;
       const int64_t orow = g.out_col_row0 + col0 + c;  // data_t row
       uint32_t packed[4];
 #pragma unroll
       for (int j = 0; j < 16; j += 4) {
-        const uint32_t lo = cvt_pair(__fmul_rn(f[wc][j], s.mult), __fmul_rn(f[wc][j + 1], s.mult), p.e5m2);
-        const uint32_t hi = cvt_pair(__fmul_rn(f[wc][j + 2], s.mult), __fmul_rn(f[wc][j + 3], s.mult), p.e5m2);
+        const uint32_t lo = cvt_pair(__fmul_rn(f[wc][j], s[wc].mult), __fmul_rn(f[wc][j + 1], s[wc].mult), p.e5m2);
+        const uint32_t hi = cvt_pair(__fmul_rn(f[wc][j + 2], s[wc].mult), __fmul_rn(f[wc][j + 3], s[wc].mult), p.e5m2);
         packed[j / 4] = lo | (hi << 16);
       }
       uint8_t* out = p.data_t + orow * p.data_t_ld + g.tok0 + 16 * k;
@@ -600,10 +718,8 @@ __device__ __forceinline__ void quantize_tile(const QuantParams& p, const Tile& 
           if (16 * k + j < g.tokens) out[j] = static_cast<uint8_t>(packed[j / 4] >> (8 * (j % 4)));
         }
       }
-      if (R == Fp8Recipe::blockwise && !kWeights && k == 0) {
-        store_scale<R>(p.scale_t, fp8_cols_scale_index(R, orow, g.tile_index, p.scale_t_ld, 0), s);
-      } else if (R == Fp8Recipe::mxfp8 && (k & 1) == 0 && 16 * k < g.tokens) {
-        store_scale<R>(p.scale_t, orow * p.scale_t_ld + (g.tok0 + 16 * k) / 32, s);
+      if (R == Fp8Recipe::mxfp8 && (k & 1) == 0 && 16 * k < g.tokens) {
+        store_scale<R>(p.scale_t, orow * p.scale_t_ld + (g.tok0 + 16 * k) / 32, s[wc]);
       }
     }
   }
@@ -660,7 +776,7 @@ __global__ void __launch_bounds__(kThreads) amax_tile_kernel(const QuantParams p
   constexpr int kIters = kTile * NV / kThreads;
   const Tile g = kWeights ? weights_tile<T>(p, blockIdx.x) : grouped_tile<T>(p, blockIdx.x);
   if (g.tail || g.nrows == 0) return;
-  float m = 0.0f;
+  uint32_t m[2] = {0, 0};  // amax bits (a pair for warp_max_bits; the second stays 0)
   [[maybe_unused]] float sums[V] = {};  // kSums: this thread's column sums
   float dp = 0.0f;  // (unused: sums are the quantization pass's)
   for (int pass = 0; pass < src.passes(); ++pass) {
@@ -671,15 +787,12 @@ __global__ void __launch_bounds__(kThreads) amax_tile_kernel(const QuantParams p
     for (int it = 0; it < kIters; ++it) {
       const int idx = it * kThreads + threadIdx.x;
       const uint4 raw = src.template granule<T>(p, g, idx / NV, idx % NV, ncols, col0, pass, dp, amax_stash + idx);
-      float f[V];
-      granule_to_float<T>(raw, f);
-#pragma unroll
-      for (int j = 0; j < V; ++j) m = fmaxf(m, fp8_rules::finite_abs(f[j]));
+      m[0] = max(m[0], granule_amax_bits<T>(raw));
       if constexpr (kSums) add_to_sums<T>(raw, sums);
     }
   }
-  m = warp_max_xor(m, 32);
-  if ((threadIdx.x & 31) == 0) warp_amax[threadIdx.x >> 5] = m;
+  warp_max_bits<T>(m, 32);
+  if ((threadIdx.x & 31) == 0) warp_amax[threadIdx.x >> 5] = Elem<T>::from_bits(m[0]);
   if constexpr (kSums) {
     if (p.col_sums != nullptr) stage_column_sums<T>(sums, col_red);
   }
