@@ -223,10 +223,13 @@ __device__ __forceinline__ void warp_max_bits(uint32_t (&b)[kN], int lanes) {
   }
 }
 
-/// Two f32 -> two fp8 bytes (low byte = a), RN-even, saturating, NaN -> 0x7F.
-__device__ __forceinline__ uint32_t cvt_pair(float a, float b, bool e5m2) {
+/// Two f32 -> two fp8 bytes (low byte = a), RN-even, saturating, NaN -> 0x7F. The format is a
+/// template parameter: cuda_fp8.hpp selects the instruction by a run-time branch, which ptxas kept
+/// around every conversion of the tile kernel.
+template <bool kE5m2>
+__device__ __forceinline__ uint32_t cvt_pair(float a, float b) {
   const __nv_fp8x2_storage_t s =
-      __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, e5m2 ? __NV_E5M2 : __NV_E4M3);
+      __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, kE5m2 ? __NV_E5M2 : __NV_E4M3);
   return static_cast<uint32_t>(s);
 }
 
@@ -503,7 +506,7 @@ __device__ __forceinline__ void store_column_sums(const QuantParams& p, const Ti
 /// Quantizes the tile's columns [col0, col0 + ncols) (ncols > 0, g.nrows > 0). kWeights: expert
 /// weights (blockwise = one 128x128 block per tile) instead of grouped rows (blockwise = 1x128 and
 /// 128x1 blocks). dp: the source's per-row sums (one per load slot).
-template <typename T, Fp8Recipe R, bool kWeights, class Src, int kIters>
+template <typename T, Fp8Recipe R, bool kWeights, bool kE5m2, class Src, int kIters>
 __device__ __forceinline__ void quantize_tile(const QuantParams& p, const Tile& g, int64_t col0, int ncols,
                                               const Src& src, int pass, float (&dp)[kIters]) {
   extern __shared__ uint4 smem_tile[];  // [128][NV] granules, swizzled; then the source's stash
@@ -630,8 +633,8 @@ __device__ __forceinline__ void quantize_tile(const QuantParams& p, const Tile& 
       uint32_t packed[V / 4];
 #pragma unroll
       for (int j = 0; j < V; j += 4) {
-        const uint32_t lo = cvt_pair(__fmul_rn(f[j], s.mult), __fmul_rn(f[j + 1], s.mult), p.e5m2);
-        const uint32_t hi = cvt_pair(__fmul_rn(f[j + 2], s.mult), __fmul_rn(f[j + 3], s.mult), p.e5m2);
+        const uint32_t lo = cvt_pair<kE5m2>(__fmul_rn(f[j], s.mult), __fmul_rn(f[j + 1], s.mult));
+        const uint32_t hi = cvt_pair<kE5m2>(__fmul_rn(f[j + 2], s.mult), __fmul_rn(f[j + 3], s.mult));
         packed[j / 4] = lo | (hi << 16);
       }
       if (p.vec) {
@@ -705,8 +708,8 @@ __device__ __forceinline__ void quantize_tile(const QuantParams& p, const Tile& 
       uint32_t packed[4];
 #pragma unroll
       for (int j = 0; j < 16; j += 4) {
-        const uint32_t lo = cvt_pair(__fmul_rn(f[wc][j], s[wc].mult), __fmul_rn(f[wc][j + 1], s[wc].mult), p.e5m2);
-        const uint32_t hi = cvt_pair(__fmul_rn(f[wc][j + 2], s[wc].mult), __fmul_rn(f[wc][j + 3], s[wc].mult), p.e5m2);
+        const uint32_t lo = cvt_pair<kE5m2>(__fmul_rn(f[wc][j], s[wc].mult), __fmul_rn(f[wc][j + 1], s[wc].mult));
+        const uint32_t hi = cvt_pair<kE5m2>(__fmul_rn(f[wc][j + 2], s[wc].mult), __fmul_rn(f[wc][j + 3], s[wc].mult));
         packed[j / 4] = lo | (hi << 16);
       }
       uint8_t* out = p.data_t + orow * p.data_t_ld + g.tok0 + 16 * k;
@@ -728,8 +731,8 @@ __device__ __forceinline__ void quantize_tile(const QuantParams& p, const Tile& 
 /// One CTA: one 128-row tile (blockIdx.x) and src.passes() column tiles of it (blockIdx.y).
 /// __launch_bounds__ names no minimum of CTAs per SM: naming 1 let ptxas take 134 registers for
 /// the columnwise kernels (85 without), and on an H100 they ran 1.5x slower at 12% of the warp
-/// slots; minimums of 3-5 made them spill and run slower too.
-template <typename T, Fp8Recipe R, bool kWeights, class Src = RowsSource>
+/// slots; minimums of 3-5 made them spill and run slower too. kE5m2: the output format (p.e5m2).
+template <typename T, Fp8Recipe R, bool kWeights, bool kE5m2, class Src = RowsSource>
 __global__ void __launch_bounds__(kThreads)
     quantize_tile_kernel(const QuantParams p, const Src src) {
   constexpr int kIters = kTile * (kTile * static_cast<int>(sizeof(T)) / 16) / kThreads;
@@ -755,7 +758,7 @@ __global__ void __launch_bounds__(kThreads)
     if (!kWeights && g.tail) {
       zero_tail<R>(p, g, col0, ncols);
     } else if (ncols > 0 && g.nrows > 0) {  // (not: empty matrices; CTA-uniform)
-      quantize_tile<T, R, kWeights>(p, g, col0, ncols, src, pass, dp);
+      quantize_tile<T, R, kWeights, kE5m2>(p, g, col0, ncols, src, pass, dp);
     }
   }
   if (!g.tail && g.nrows > 0) src.finish(p, g, dp);
@@ -849,7 +852,8 @@ void set_outputs(QuantParams& p, const Q& q, const Fp8QuantizeOptions& o) {
 template <typename T, Fp8Recipe R, bool kWeights, class Src>
 void launch_tile(const QuantParams& p, dim3 grid, const Src& src, cudaStream_t stream) {
   const int smem = (p.data_t != nullptr || Src::kStashBytes > 0 ? tile_smem_bytes<T>() : 0) + Src::kStashBytes;
-  auto kernel = quantize_tile_kernel<T, R, kWeights, Src>;
+  auto kernel = p.e5m2 ? quantize_tile_kernel<T, R, kWeights, true, Src>
+                       : quantize_tile_kernel<T, R, kWeights, false, Src>;
   GMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   kernel<<<grid, kThreads, smem, stream>>>(p, src);
   GMOE_CUDA_CHECK(cudaGetLastError());
