@@ -123,7 +123,9 @@ struct Elem<__half> {
   static constexpr int kPerWord = 2;
   static constexpr uint32_t kAbsMask = 0x7fff7fffu;
   static constexpr uint32_t kInfBits = 0x7c00u;
-  __device__ static float from_bits(uint32_t b) { return __half2float(__ushort_as_half(static_cast<unsigned short>(b))); }
+  __device__ static float from_bits(uint32_t b) {
+    return __half2float(__ushort_as_half(static_cast<unsigned short>(b)));
+  }
   __device__ static uint32_t to_bits(float f) { return __half_as_ushort(__float2half_rn(f)); }
   __device__ static float2 word(uint32_t w) {
     __half2 h;
@@ -600,7 +602,9 @@ __device__ __forceinline__ void quantize_tile(const QuantParams& p, const Tile& 
         warp_max_bits<T>(ab, kLanesPerRow);
         if (lane % NV == 0) {
 #pragma unroll
-          for (int q = 0; q < kStep; ++q) row_blocks[warp][(it + q) * kRowsPerSlot + lane / NV] = Elem<T>::from_bits(ab[q]);
+          for (int q = 0; q < kStep; ++q) {
+            row_blocks[warp][(it + q) * kRowsPerSlot + lane / NV] = Elem<T>::from_bits(ab[q]);
+          }
         }
       }
       __syncwarp();
