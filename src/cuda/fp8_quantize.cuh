@@ -204,8 +204,12 @@ __device__ __forceinline__ uint32_t granule_amax_bits(const uint4& g) {
   granule_to_float<T>(g, f);
   return finite_amax_bits<T>(f);
 }
-/// Max of amax bits over aligned groups of `lanes` lanes (every lane calls it), for kN values at
-/// once: 16-bit types shuffle two of them per word.
+/// Max of amax bits over aligned groups of `lanes` lanes (a power of two <= 32; every lane calls
+/// it): one value, or kN values at once, of which 16-bit types shuffle two per word.
+__device__ __forceinline__ uint32_t warp_max_bits(uint32_t b, int lanes) {
+  for (int d = 1; d < lanes; d <<= 1) b = max(b, __shfl_xor_sync(0xffffffffu, b, d));
+  return b;
+}
 template <typename T, int kN>
 __device__ __forceinline__ void warp_max_bits(uint32_t (&b)[kN], int lanes) {
   if constexpr (Elem<T>::kPerWord == 2) {
@@ -219,9 +223,7 @@ __device__ __forceinline__ void warp_max_bits(uint32_t (&b)[kN], int lanes) {
     }
   } else {
 #pragma unroll
-    for (int n = 0; n < kN; ++n) {
-      for (int d = 1; d < lanes; d <<= 1) b[n] = max(b[n], __shfl_xor_sync(0xffffffffu, b[n], d));
-    }
+    for (int n = 0; n < kN; ++n) b[n] = warp_max_bits(b[n], lanes);
   }
 }
 
@@ -558,11 +560,11 @@ __device__ __forceinline__ void quantize_tile(const QuantParams& p, const Tile& 
   if (R == Fp8Recipe::tensorwise) {
     tensor_amax = __uint_as_float(p.amax_bits[g.e]);
   } else if (R == Fp8Recipe::blockwise && kWeights) {
-    uint32_t m[2] = {0, 0};  // (a pair for warp_max_bits; the second stays 0)
+    uint32_t m = 0;
 #pragma unroll
-    for (int it = 0; it < kIters; ++it) m[0] = max(m[0], granule_amax_bits<T>(raw[it]));
-    warp_max_bits<T>(m, 32);
-    if (lane == 0) warp_amax[warp] = Elem<T>::from_bits(m[0]);
+    for (int it = 0; it < kIters; ++it) m = max(m, granule_amax_bits<T>(raw[it]));
+    m = warp_max_bits(m, 32);
+    if (lane == 0) warp_amax[warp] = Elem<T>::from_bits(m);
   }
   __syncthreads();
   if constexpr (kSums) {
@@ -624,9 +626,7 @@ __device__ __forceinline__ void quantize_tile(const QuantParams& p, const Tile& 
       if constexpr (kRowBlocks) {
         s.mult = row_blocks[warp][it * kRowsPerSlot + lane / NV];
       } else if constexpr (R == Fp8Recipe::mxfp8) {  // (before the branch: every lane shuffles)
-        uint32_t ab[2] = {granule_amax_bits<T>(raw[it]), 0};
-        warp_max_bits<T>(ab, 32 / V);
-        s = block_scale<R>(Elem<T>::from_bits(ab[0]), p);
+        s = block_scale<R>(Elem<T>::from_bits(warp_max_bits(granule_amax_bits<T>(raw[it]), 32 / V)), p);
       }
       const bool valid = i < g.nrows && v * V < ncols;
       if (!valid) continue;
@@ -681,7 +681,9 @@ __device__ __forceinline__ void quantize_tile(const QuantParams& p, const Tile& 
 #pragma unroll
     for (int wc = 0; wc < kWordCols; ++wc) s[wc] = tile_scale;
     if constexpr (R != Fp8Recipe::tensorwise && !(R == Fp8Recipe::blockwise && kWeights)) {
-      uint32_t ab[2] = {kWordCols == 2 ? amax_word & 0xffffu : amax_word, kWordCols == 2 ? amax_word >> 16 : 0u};
+      uint32_t ab[kWordCols];  // the lane's columns' amax bits
+      ab[0] = kWordCols == 2 ? amax_word & 0xffffu : amax_word;
+      if constexpr (kWordCols == 2) ab[1] = amax_word >> 16;
 #pragma unroll
       for (int wc = 0; wc < kWordCols; ++wc) {
         if (ab[wc] >= Elem<T>::kInfBits) ab[wc] = finite_amax_bits<T>(f[wc]);
@@ -783,7 +785,7 @@ __global__ void __launch_bounds__(kThreads) amax_tile_kernel(const QuantParams p
   constexpr int kIters = kTile * NV / kThreads;
   const Tile g = kWeights ? weights_tile<T>(p, blockIdx.x) : grouped_tile<T>(p, blockIdx.x);
   if (g.tail || g.nrows == 0) return;
-  uint32_t m[2] = {0, 0};  // amax bits (a pair for warp_max_bits; the second stays 0)
+  uint32_t m = 0;  // amax bits
   [[maybe_unused]] float sums[V] = {};  // kSums: this thread's column sums
   float dp = 0.0f;  // (unused: sums are the quantization pass's)
   for (int pass = 0; pass < src.passes(); ++pass) {
@@ -794,12 +796,12 @@ __global__ void __launch_bounds__(kThreads) amax_tile_kernel(const QuantParams p
     for (int it = 0; it < kIters; ++it) {
       const int idx = it * kThreads + threadIdx.x;
       const uint4 raw = src.template granule<T>(p, g, idx / NV, idx % NV, ncols, col0, pass, dp, amax_stash + idx);
-      m[0] = max(m[0], granule_amax_bits<T>(raw));
+      m = max(m, granule_amax_bits<T>(raw));
       if constexpr (kSums) add_to_sums<T>(raw, sums);
     }
   }
-  warp_max_bits<T>(m, 32);
-  if ((threadIdx.x & 31) == 0) warp_amax[threadIdx.x >> 5] = Elem<T>::from_bits(m[0]);
+  m = warp_max_bits(m, 32);
+  if ((threadIdx.x & 31) == 0) warp_amax[threadIdx.x >> 5] = Elem<T>::from_bits(m);
   if constexpr (kSums) {
     if (p.col_sums != nullptr) stage_column_sums<T>(sums, col_red);
   }
