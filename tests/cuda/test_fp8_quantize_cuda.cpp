@@ -101,6 +101,15 @@ HostTensor random_rows(DType dtype, int64_t cap, int64_t cols, Rng& rng, bool na
     // A tiny-only row: its blocks have subnormal amax (scale clamped to FLT_MAX for f32 input).
     const int64_t r = rng.integer(0, cap - 1);
     for (int64_t c = 0; c < cols; ++c) x.set(r * cols + c, dtype == DType::f32 ? 3e-41 * (c % 5) : 1e-7 * (c % 5));
+    // Blocks whose only non-zero values are not finite (their amax is 0: scale 1): a row of zeros
+    // but for -inf and a negative NaN, and one inf in the last column (zero in every other row).
+    // The kernels take amaxes on the values' bits and fall back to the values only where a max
+    // is not finite.
+    const int64_t z = rng.integer(0, cap - 1);
+    for (int64_t c = 0; c < cols; ++c) x.set(z * cols + c, 0.0);
+    x.set(z * cols + rng.integer(0, cols - 1), -std::numeric_limits<double>::infinity());
+    x.set(z * cols + rng.integer(0, cols - 1), -std::numeric_limits<double>::quiet_NaN());
+    x.set(rng.integer(0, cap - 1) * cols + (cols - 1), std::numeric_limits<double>::infinity());
   }
   return x;
 }
