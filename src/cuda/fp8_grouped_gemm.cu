@@ -62,10 +62,11 @@ Fp8KernelEntry entry() {
   return {&K::workspace_bytes, &K::run, Tile};
 }
 
-// The instantiations in clusters, all e4m3 A without a fused bias: 2x1, blockwise rows, and
-// tensorwise rows (which also serve the tensorwise bf16 weight gradient) and f32 weight gradient;
-// 2x2, blockwise and tensorwise rows (fprop/dgrad only: the wgrad plans never ask for it). Every
-// other combination runs its 1x1 kernel. The blockwise weight gradient measured the same in 2x1
+// The instantiations in clusters, all e4m3 A: 2x1, blockwise rows, and tensorwise rows (which
+// also serve the tensorwise bf16 weight gradient) and f32 weight gradient, and the fprop of both
+// with a fused bias; 2x2, blockwise and tensorwise rows without a bias (fprop/dgrad only: the
+// wgrad plans never ask for it; choose_rows_tile asks no fused-bias kernel for it). Every other
+// combination runs its 1x1 kernel. The blockwise weight gradient measured the same in 2x1
 // clusters (0.98-1.00x of the 1x1 kernel on the dsv3 cases, H100): its time goes to the promotion
 // by its column scales (sm90_fp8_grouped_gemm.cuh), not to B's tiles.
 template <DType A>
@@ -75,7 +76,10 @@ Fp8KernelEntry find_kernel(Fp8Scaling scaling, Fp8Operands ops, DType out, bool 
   if (scaling == Fp8Scaling::blockwise) {
     if (ops == Fp8Operands::rows) {
       if constexpr (A == DType::e4m3) {
-        if (bias) return entry<Fp8Scaling::blockwise, Fp8Operands::rows, DType::bf16, true>();
+        if (bias) {
+          return tile == k2x1 ? entry<Fp8Scaling::blockwise, Fp8Operands::rows, DType::bf16, true, A, k2x1>()
+                              : entry<Fp8Scaling::blockwise, Fp8Operands::rows, DType::bf16, true>();
+        }
         if (tile == k2x1) return entry<Fp8Scaling::blockwise, Fp8Operands::rows, DType::bf16, false, A, k2x1>();
         if (tile == k2x2) return entry<Fp8Scaling::blockwise, Fp8Operands::rows, DType::bf16, false, A, k2x2>();
       }
@@ -91,7 +95,10 @@ Fp8KernelEntry find_kernel(Fp8Scaling scaling, Fp8Operands ops, DType out, bool 
     return entry<Fp8Scaling::tensorwise, Fp8Operands::wgrad, DType::f32, false, A>();
   }
   if constexpr (A == DType::e4m3) {
-    if (bias && ops == Fp8Operands::rows) return entry<Fp8Scaling::tensorwise, Fp8Operands::rows, DType::bf16, true>();
+    if (bias && ops == Fp8Operands::rows) {
+      return tile == k2x1 ? entry<Fp8Scaling::tensorwise, Fp8Operands::rows, DType::bf16, true, A, k2x1>()
+                          : entry<Fp8Scaling::tensorwise, Fp8Operands::rows, DType::bf16, true>();
+    }
     if (tile == k2x1) return entry<Fp8Scaling::tensorwise, Fp8Operands::rows, DType::bf16, false, A, k2x1>();
     if (tile == k2x2) return entry<Fp8Scaling::tensorwise, Fp8Operands::rows, DType::bf16, false, A, k2x2>();
     if (tile == Fp8Tile::t128x256)
@@ -301,10 +308,20 @@ Fp8Tile choose_rows_cluster(bool fast, int64_t capacity, int64_t num_experts, in
 // overlapped loop and their 2x1 rule (9c491a5, one run): dsv3 fprop 1.09-1.17x, dgrad 1.07-1.27x,
 // mixtral fprop 1.12-1.13x. The tensorwise FP8 GroupedMLP on
 // dsv3_ep32, forward+backward against our bf16 one: 1.440-1.454x against 1.316-1.326x.
+//
+// A fused bias (fprop) runs the promoted 128x128 kernels in 1x1 or 2x1 clusters: where the rule
+// says 2x2, 2x1 if the experts are big enough for it, else 1x1. Until 2026-11-25 the fused-bias
+// kernels ran 1x1 only, which cost the FP8 GroupedLinear's fprop on dsv3_fc1 the 2x1 gain
+// (H100 timeline of one layer step, blockwise: fprop 1768-1802 us against 1570-1580 us for the
+// same GEMM without a bias in 2x1).
 Fp8Tile choose_rows_tile(Fp8Scaling scaling, int64_t capacity, int64_t num_experts, int64_t gemm_n,
-                         int64_t gemm_k, bool fast_accumulation) {
-  const bool fast = fast_accumulation && scaling == Fp8Scaling::tensorwise;
+                         int64_t gemm_k, bool fast_accumulation, bool bias) {
+  const bool fast = fast_accumulation && scaling == Fp8Scaling::tensorwise && !bias;
   const Fp8Tile cluster = choose_rows_cluster(fast, capacity, num_experts, gemm_n, gemm_k);
+  if (bias && cluster == Fp8Tile::t128x128_2x2) {
+    return capacity / std::max<int64_t>(num_experts, 1) >= kCluster2x1MinRows ? Fp8Tile::t128x128_2x1
+                                                                              : Fp8Tile::t128x128;
+  }
   if (!fast || cluster == Fp8Tile::t128x128_2x2) return cluster;
   return cluster == Fp8Tile::t128x128_2x1 ? Fp8Tile::t128x256_2x1 : Fp8Tile::t128x256;
 }
@@ -354,7 +371,8 @@ void rows_pass(GemmPass pass, const Fp8Grouped& a, const TensorView& b_data,
     plan.prep.alpha_b = static_cast<const float*>(b_scale.data);
   }
   plan.run_gemm = capacity > 0 && gemm_n > 0 && gemm_k > 0;
-  plan.tile = choose_rows_tile(plan.scaling, capacity, counts.size(0), gemm_n, gemm_k, fast_accumulation);
+  plan.tile = choose_rows_tile(plan.scaling, capacity, counts.size(0), gemm_n, gemm_k, fast_accumulation,
+                               fused_bias != nullptr);
   plan.out_base = d.data;
   plan.out_ld_bytes = d.stride(0) * static_cast<int64_t>(dtype_size(d.dtype));
   plan.out_row_bytes = gemm_n * static_cast<int64_t>(dtype_size(d.dtype));

@@ -55,9 +55,9 @@ enum class Fp8Operands {
 enum class Fp8Tile {
   t128x128,     ///< cluster 1x1: every instantiation
   t128x128_2x1,  ///< clusters of two CTAs along M, each loading half of B's tile and
-                 ///< multicasting it to both: e4m3 A, no fused bias, not the blockwise weight
-                 ///< gradient (fp8_grouped_gemm.cu: find_kernel, choose_rows_tile;
-                 ///< wgrad_cluster_2x1)
+                 ///< multicasting it to both: e4m3 A (fprop with or without a fused bias),
+                 ///< not the blockwise weight gradient (fp8_grouped_gemm.cu: find_kernel,
+                 ///< choose_rows_tile; wgrad_cluster_2x1)
   t128x128_2x2,  ///< clusters of 2x2 CTAs: A's tile multicast along N as well (fprop/dgrad with
                  ///< e4m3 A, no fused bias; choose_rows_tile in fp8_grouped_gemm.cu)
   t128x256,      ///< 128x256x128 tiles with fast accumulation (Fp8GemmOptions), cluster 1x1:

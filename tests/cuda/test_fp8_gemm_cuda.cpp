@@ -408,6 +408,8 @@ void check_rows_clusters(const ShapeCase& fprop_case, const ShapeCase& dgrad_cas
     SCOPED_TRACE(recipe_str(r));
     check_fprop(fprop_case, r, rng);
     expect_launch("fprop", true, fprop_case.E, true, promoted_m, 1);
+    check_fprop(fprop_case, r, rng, true);  // a grouped bias or a list (which leaves experts whole)
+    expect_launch("fprop with a bias", true, fprop_case.E, false, promoted_m, 1);
     check_dgrad(dgrad_case, r, rng);
     expect_launch("dgrad", true, dgrad_case.E, true, promoted_m, 1);
   }
@@ -467,6 +469,10 @@ TEST(CudaFp8GemmLarge, FastAccumulationTiles) {
   EXPECT_EQ(tile_n(), 128) << "blockwise fprop";
   check_fprop(small, Fp8Recipe::tensorwise, rng);
   EXPECT_EQ(tile_n(), 128) << "tensorwise fprop without fast accumulation";
+  // A fused bias runs the promoted 128x128 kernels, in 2x1 clusters for big experts.
+  check_fprop(big, Fp8Recipe::tensorwise, rng, true, fast);
+  EXPECT_EQ(tile_n(), 128) << "fprop with a bias, fast accumulation asked";
+  expect_launch("fprop with a bias, fast accumulation asked", true, big.E, false, 2, 1);
 }
 
 // Reductions of 16384 or more run fprop/dgrad in 2x2 clusters by default (fp8_grouped_gemm.cu,
@@ -476,8 +482,12 @@ TEST(CudaFp8GemmLarge, LongReductionsIn2x2Clusters) {
   Rng rng;
   for (Fp8Recipe r : {Fp8Recipe::blockwise, Fp8Recipe::tensorwise}) {
     SCOPED_TRACE(recipe_str(r));
-    check_fprop(fixed_case("long_k", 384, 16384, {300, 0, 517}, 9), r, rng);
+    const ShapeCase long_k = fixed_case("long_k", 384, 16384, {300, 0, 517}, 9);
+    check_fprop(long_k, r, rng);
     expect_launch("fprop", true, 3, false, 2, 2);
+    // The fused-bias kernels have no 2x2 instantiation: 1x1 for these small experts.
+    check_fprop(long_k, r, rng, true);
+    expect_launch("fprop with a bias", true, 3, false, 1, 1);
     check_dgrad(fixed_case("long_n", 16384, 384, {300, 0, 517}, 9), r, rng);
     expect_launch("dgrad", true, 3, false, 2, 2);
   }
