@@ -222,7 +222,9 @@ std::vector<ResultRow> run_layer_case_cuda(const BenchCase& c, const BenchOption
     ft.forward_bare_ms = ffwd[1];
     ft.forward_backward_ms = ffb[0];
     ft.forward_backward_bare_ms = ffb[1];
-    const std::vector<ResultRow> r = layer_rows(c, dt, ft, fchk, br.name);
+    std::vector<ResultRow> r = layer_rows(c, dt, ft, fchk, br.name);  // forward, forward_backward
+    r[0].native_alone_ms = t.forward_ms;
+    r[1].native_alone_ms = t.forward_backward_ms;
     rows.insert(rows.end(), r.begin(), r.end());
   }
   check_device_errors(stream);

@@ -237,6 +237,8 @@ std::vector<ResultRow> run_mlp_case_cuda(const BenchCase& c, const BenchOptions&
     std::vector<ResultRow> r = mlp_rows(c, dt, std::string("gmoe_") + name, {f[0], g[0]}, quantized, o.mlp_main_grad);
     r[0].bare_ms = f[1];
     r[1].bare_ms = g[1];
+    r[0].native_alone_ms = fwd[0];
+    r[1].native_alone_ms = fb[0];
     for (ResultRow& row : r) row.dtype = "fp8";
     rows.insert(rows.end(), r.begin(), r.end());
     fp8.clear();

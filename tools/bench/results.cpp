@@ -234,6 +234,7 @@ void write_json(const std::string& path, const RunInfo& info, const std::vector<
       jr["bare_ms"] = *r.bare_ms;
       jr["overhead"] = overhead(r);
     }
+    if (r.native_alone_ms) jr["native_alone_ms"] = *r.native_alone_ms;
     if (r.launches) {
       jr["launches"] = r.launches->kernels;
       jr["graph_nodes"] = {{"kernel", r.launches->kernels}, {"memset", r.launches->memsets},

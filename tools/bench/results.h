@@ -36,6 +36,11 @@ struct ResultRow {
   std::string note;             ///< e.g. the correctness detail
   // Layer rows (impl gmoe_linear) only:
   std::optional<double> bare_ms;            ///< the bare GEMMs of the same work, timed in the same run
+  /// FP8 rows (whose bare_ms is the native layer or MLP timed interleaved with them): the native
+  /// one's time from the same run beside its bare GEMMs (layer) or the unfused MLP (mlp), not beside
+  /// the FP8 one. At a GPU's power cap the two interleaved layers share the clocks the limiter
+  /// sets, so a lighter FP8 step also speeds its bf16 twin up: both ratios are worth reading.
+  std::optional<double> native_alone_ms;
   std::optional<GraphNodeCounts> launches;  ///< what one call launches (CUDA graph capture)
 };
 
