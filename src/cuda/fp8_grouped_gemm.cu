@@ -71,12 +71,14 @@ Fp8KernelEntry entry() {
 // by its column scales (sm90_fp8_grouped_gemm.cuh), not to B's tiles.
 template <DType A>
 Fp8KernelEntry find_kernel(Fp8Scaling scaling, Fp8Operands ops, DType out, bool bias, Fp8Tile tile) {
+  constexpr Fp8Tile k1x1 = Fp8Tile::t128x128;
   constexpr Fp8Tile k2x1 = Fp8Tile::t128x128_2x1;
   constexpr Fp8Tile k2x2 = Fp8Tile::t128x128_2x2;
   if (scaling == Fp8Scaling::blockwise) {
     if (ops == Fp8Operands::rows) {
       if constexpr (A == DType::e4m3) {
         if (bias) {
+          GMOE_CHECK(tile == k1x1 || tile == k2x1, "FP8 grouped GEMM: no fused-bias kernel in this cluster");
           return tile == k2x1 ? entry<Fp8Scaling::blockwise, Fp8Operands::rows, DType::bf16, true, A, k2x1>()
                               : entry<Fp8Scaling::blockwise, Fp8Operands::rows, DType::bf16, true>();
         }
@@ -96,6 +98,7 @@ Fp8KernelEntry find_kernel(Fp8Scaling scaling, Fp8Operands ops, DType out, bool 
   }
   if constexpr (A == DType::e4m3) {
     if (bias && ops == Fp8Operands::rows) {
+      GMOE_CHECK(tile == k1x1 || tile == k2x1, "FP8 grouped GEMM: no fused-bias kernel in this cluster");
       return tile == k2x1 ? entry<Fp8Scaling::tensorwise, Fp8Operands::rows, DType::bf16, true, A, k2x1>()
                           : entry<Fp8Scaling::tensorwise, Fp8Operands::rows, DType::bf16, true>();
     }
@@ -287,14 +290,17 @@ constexpr int64_t kFastCluster2x1MinRows = 4096;
 constexpr int64_t kFast2x1MaxN = 2048;
 
 // `fast`: tensorwise with fast accumulation (128x256 tiles, the kernels without promotion).
-Fp8Tile choose_rows_cluster(bool fast, int64_t capacity, int64_t num_experts, int64_t gemm_n, int64_t gemm_k) {
+// `bias`: fprop with a fused bias, whose kernels come in 1x1 and 2x1 only: the 2x2 rule (and a
+// forced 2x2) does not apply, the 2x1 rule does.
+Fp8Tile choose_rows_cluster(bool fast, bool bias, int64_t capacity, int64_t num_experts, int64_t gemm_n,
+                            int64_t gemm_k) {
   switch (forced_fp8_rows_cluster()) {
     case 0: return Fp8Tile::t128x128;
     case 1: return Fp8Tile::t128x128_2x1;
-    case 2: return Fp8Tile::t128x128_2x2;
+    case 2: return bias ? Fp8Tile::t128x128_2x1 : Fp8Tile::t128x128_2x2;
     default: break;
   }
-  if (gemm_k >= kCluster2x2MinK) return Fp8Tile::t128x128_2x2;
+  if (!bias && gemm_k >= kCluster2x2MinK) return Fp8Tile::t128x128_2x2;
   if (fast && gemm_n > kFast2x1MaxN) return Fp8Tile::t128x128;
   const int64_t min_rows = fast ? kFastCluster2x1MinRows : kCluster2x1MinRows;
   return capacity / std::max<int64_t>(num_experts, 1) >= min_rows ? Fp8Tile::t128x128_2x1 : Fp8Tile::t128x128;
@@ -309,19 +315,15 @@ Fp8Tile choose_rows_cluster(bool fast, int64_t capacity, int64_t num_experts, in
 // mixtral fprop 1.12-1.13x. The tensorwise FP8 GroupedMLP on
 // dsv3_ep32, forward+backward against our bf16 one: 1.440-1.454x against 1.316-1.326x.
 //
-// A fused bias (fprop) runs the promoted 128x128 kernels in 1x1 or 2x1 clusters: where the rule
-// says 2x2, 2x1 if the experts are big enough for it, else 1x1. Until 2026-11-25 the fused-bias
+// A fused bias (fprop) runs the promoted 128x128 kernels in 1x1 or 2x1 clusters by the 2x1 rule
+// (choose_rows_cluster), whatever the reduction's length. Until 2026-11-25 the fused-bias
 // kernels ran 1x1 only, which cost the FP8 GroupedLinear's fprop on dsv3_fc1 the 2x1 gain
 // (H100 timeline of one layer step, blockwise: fprop 1768-1802 us against 1570-1580 us for the
 // same GEMM without a bias in 2x1).
 Fp8Tile choose_rows_tile(Fp8Scaling scaling, int64_t capacity, int64_t num_experts, int64_t gemm_n,
                          int64_t gemm_k, bool fast_accumulation, bool bias) {
   const bool fast = fast_accumulation && scaling == Fp8Scaling::tensorwise && !bias;
-  const Fp8Tile cluster = choose_rows_cluster(fast, capacity, num_experts, gemm_n, gemm_k);
-  if (bias && cluster == Fp8Tile::t128x128_2x2) {
-    return capacity / std::max<int64_t>(num_experts, 1) >= kCluster2x1MinRows ? Fp8Tile::t128x128_2x1
-                                                                              : Fp8Tile::t128x128;
-  }
+  const Fp8Tile cluster = choose_rows_cluster(fast, bias, capacity, num_experts, gemm_n, gemm_k);
   if (!fast || cluster == Fp8Tile::t128x128_2x2) return cluster;
   return cluster == Fp8Tile::t128x128_2x1 ? Fp8Tile::t128x256_2x1 : Fp8Tile::t128x256;
 }

@@ -70,13 +70,15 @@ const char* recipe_str(Fp8Recipe r) { return fp8_recipe_name(r); }
 
 // with_bias: a per-expert bf16 bias, grouped [E, N] or a list, added in the epilogue by every
 // recipe (blockwise and tensorwise in the FP8 kernels, mxfp8 in the bf16 fprop it runs on): one
-// rounding of the f32 result, the bound of the exact sum.
+// rounding of the f32 result, the bound of the exact sum. `bias_list`, if given: whether the bias
+// was a list (a list leaves the experts whole: no row chunks).
 void check_fprop(const ShapeCase& c, Fp8Recipe recipe, Rng& rng, bool with_bias = false,
-                 const Fp8GemmOptions& options = {}) {
+                 const Fp8GemmOptions& options = {}, bool* bias_list = nullptr) {
   const Fp8Problem p(c, recipe, rng, rng.integer(0, 1) ? DType::i32 : DType::i64);
   HostTensor bias(DType::bf16, {c.E, c.N});
   fill_random(bias, rng, -2.0, 2.0);
   const bool as_list = rng.integer(0, 1) == 1;
+  if (bias_list != nullptr) *bias_list = with_bias && as_list;
   DeviceTensor bias_d(bias);
   std::vector<DeviceTensor> rows_d;
   std::vector<TensorView> list_d;
@@ -408,8 +410,9 @@ void check_rows_clusters(const ShapeCase& fprop_case, const ShapeCase& dgrad_cas
     SCOPED_TRACE(recipe_str(r));
     check_fprop(fprop_case, r, rng);
     expect_launch("fprop", true, fprop_case.E, true, promoted_m, 1);
-    check_fprop(fprop_case, r, rng, true);  // a grouped bias or a list (which leaves experts whole)
-    expect_launch("fprop with a bias", true, fprop_case.E, false, promoted_m, 1);
+    bool bias_list = false;
+    check_fprop(fprop_case, r, rng, true, {}, &bias_list);
+    expect_launch("fprop with a bias", true, fprop_case.E, !bias_list, promoted_m, 1);
     check_dgrad(dgrad_case, r, rng);
     expect_launch("dgrad", true, dgrad_case.E, true, promoted_m, 1);
   }
@@ -470,9 +473,10 @@ TEST(CudaFp8GemmLarge, FastAccumulationTiles) {
   check_fprop(small, Fp8Recipe::tensorwise, rng);
   EXPECT_EQ(tile_n(), 128) << "tensorwise fprop without fast accumulation";
   // A fused bias runs the promoted 128x128 kernels, in 2x1 clusters for big experts.
-  check_fprop(big, Fp8Recipe::tensorwise, rng, true, fast);
+  bool bias_list = false;
+  check_fprop(big, Fp8Recipe::tensorwise, rng, true, fast, &bias_list);
   EXPECT_EQ(tile_n(), 128) << "fprop with a bias, fast accumulation asked";
-  expect_launch("fprop with a bias, fast accumulation asked", true, big.E, false, 2, 1);
+  expect_launch("fprop with a bias, fast accumulation asked", true, big.E, !bias_list, 2, 1);
 }
 
 // Reductions of 16384 or more run fprop/dgrad in 2x2 clusters by default (fp8_grouped_gemm.cu,
@@ -485,9 +489,13 @@ TEST(CudaFp8GemmLarge, LongReductionsIn2x2Clusters) {
     const ShapeCase long_k = fixed_case("long_k", 384, 16384, {300, 0, 517}, 9);
     check_fprop(long_k, r, rng);
     expect_launch("fprop", true, 3, false, 2, 2);
-    // The fused-bias kernels have no 2x2 instantiation: 1x1 for these small experts.
+    // The fused-bias kernels have no 2x2 instantiation: the 2x1 rule, 1x1 for these small experts
+    // and 2x1 for an expert of 4100 rows (row chunks unless the bias is a list).
     check_fprop(long_k, r, rng, true);
     expect_launch("fprop with a bias", true, 3, false, 1, 1);
+    bool bias_list = false;
+    check_fprop(fixed_case("long_k_big", 16, 16384, {4100}, 9), r, rng, true, {}, &bias_list);
+    expect_launch("fprop with a bias, big expert", true, 1, !bias_list, 2, 1);
     check_dgrad(fixed_case("long_n", 16384, 384, {300, 0, 517}, 9), r, rng);
     expect_launch("dgrad", true, 3, false, 2, 2);
   }
