@@ -254,6 +254,18 @@ Comparison compare(const std::vector<double>& got, const std::vector<double>& ex
   return ::testing::AssertionSuccess() << msg.str();
 }
 
+::testing::AssertionResult doubled_exactly(const std::vector<double>& once, const std::vector<double>& twice,
+                                           const std::string& what) {
+  if (once.size() != twice.size()) return ::testing::AssertionFailure() << what << ": sizes differ";
+  for (size_t i = 0; i < once.size(); ++i) {
+    if (!(twice[i] == 2.0 * once[i])) {
+      return ::testing::AssertionFailure() << what << ": element " << i << " is " << twice[i]
+                                           << " after accumulating " << once[i] << " onto itself";
+    }
+  }
+  return ::testing::AssertionSuccess();
+}
+
 ::testing::AssertionResult bitwise_equal(const HostTensor& a, const HostTensor& b,
                                          const std::string& what) {
   if (a.bytes().size() != b.bytes().size()) {

@@ -135,6 +135,11 @@ Comparison compare(const std::vector<double>& got, const std::vector<double>& ex
                                        const std::vector<double>& exact, double atol,
                                        const std::string& what);
 
+/// twice[i] == 2·once[i] exactly: a result accumulated onto itself (f32 x + x is exact), so each
+/// element was added once, no more, no less.
+::testing::AssertionResult doubled_exactly(const std::vector<double>& once, const std::vector<double>& twice,
+                                           const std::string& what);
+
 /// Bitwise equality of two buffers (for graph replay vs eager, delayed vs immediate).
 ::testing::AssertionResult bitwise_equal(const HostTensor& a, const HostTensor& b,
                                          const std::string& what);

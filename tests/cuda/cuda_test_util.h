@@ -280,4 +280,20 @@ struct DeviceExperts {
   }
 };
 
+/// An f32 weight gradient written over random contents, then accumulated onto itself: every
+/// element must come out exactly doubled (stored once, then added once). `run(dw, accumulate)`
+/// computes the gradient into dw.
+template <class Run>
+void expect_overwrite_then_accumulate(Layout layout, int64_t E, int64_t N, int64_t K, Rng& rng, Run&& run) {
+  HostTensor init(DType::f32, {E, N, K});
+  fill_random(init, rng, -4.0, 4.0);
+  HostExpertTensor dw_host(layout, DType::f32, E, N, K);
+  dw_host.set_all(init.to_double());
+  DeviceExperts dw(dw_host);
+  run(dw.view(), false);
+  const std::vector<double> once = dw.to_double();
+  run(dw.view(), true);
+  EXPECT_TRUE(doubled_exactly(once, dw.to_double(), "wgrad f32 overwrite, then accumulate"));
+}
+
 }  // namespace gmoe::test

@@ -273,6 +273,11 @@ void check_wgrad_accumulate_mask(const ShapeCase& c, Fp8Recipe recipe, Layout la
     }
     EXPECT_TRUE(within_bound(got, exact.value, bound, "wgrad f32 accumulate/mask"));
   }
+  expect_overwrite_then_accumulate(layout, c.E, c.N, c.K, rng, [&](const ExpertWeights& out, bool accumulate) {
+    WgradOptions opt;
+    opt.accumulate = accumulate;
+    fp8_grouped_gemm_wgrad(dy.q, x.q, counts.view(), out, opt);
+  });
 }
 
 // ---------------------------------------------------------------------------------------------

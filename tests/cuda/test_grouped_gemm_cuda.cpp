@@ -209,6 +209,11 @@ void check_wgrad_f32_accumulate_mask(const ShapeCase& c, DType dtype, Layout lay
     EXPECT_TRUE(within_rule(got, own.to_double(), exact.value, atol_for(DType::f32, exact),
                             accumulate ? "wgrad f32 accumulate+mask" : "wgrad f32 overwrite+mask"));
   }
+  expect_overwrite_then_accumulate(layout, c.E, c.N, c.K, rng, [&](const ExpertWeights& out, bool accumulate) {
+    WgradOptions opt;
+    opt.accumulate = accumulate;
+    grouped_gemm_wgrad(dy.view(), x.view(), counts.view(), out, opt);
+  });
 }
 
 TEST_P(CudaGroupedGemm, Fprop) {
