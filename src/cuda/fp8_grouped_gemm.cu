@@ -62,6 +62,17 @@ Fp8KernelEntry entry() {
   return {&K::workspace_bytes, &K::run, Tile};
 }
 
+// fprop with a fused bias (e4m3 A, bf16 out): compiled in 1x1 and 2x1 clusters only; any other
+// cluster is refused rather than run in another one.
+template <Fp8Scaling S>
+Fp8KernelEntry fused_bias_entry(Fp8Tile tile) {
+  GMOE_CHECK(tile == Fp8Tile::t128x128 || tile == Fp8Tile::t128x128_2x1,
+             "FP8 grouped GEMM: no fused-bias kernel in this cluster");
+  return tile == Fp8Tile::t128x128_2x1
+             ? entry<S, Fp8Operands::rows, DType::bf16, true, DType::e4m3, Fp8Tile::t128x128_2x1>()
+             : entry<S, Fp8Operands::rows, DType::bf16, true, DType::e4m3, Fp8Tile::t128x128>();
+}
+
 // The instantiations in clusters, all e4m3 A: 2x1, blockwise rows, and tensorwise rows (which
 // also serve the tensorwise bf16 weight gradient) and f32 weight gradient, and the fprop of both
 // with a fused bias; 2x2, blockwise and tensorwise rows without a bias (fprop/dgrad only: the
@@ -71,17 +82,12 @@ Fp8KernelEntry entry() {
 // by its column scales (sm90_fp8_grouped_gemm.cuh), not to B's tiles.
 template <DType A>
 Fp8KernelEntry find_kernel(Fp8Scaling scaling, Fp8Operands ops, DType out, bool bias, Fp8Tile tile) {
-  constexpr Fp8Tile k1x1 = Fp8Tile::t128x128;
   constexpr Fp8Tile k2x1 = Fp8Tile::t128x128_2x1;
   constexpr Fp8Tile k2x2 = Fp8Tile::t128x128_2x2;
   if (scaling == Fp8Scaling::blockwise) {
     if (ops == Fp8Operands::rows) {
       if constexpr (A == DType::e4m3) {
-        if (bias) {
-          GMOE_CHECK(tile == k1x1 || tile == k2x1, "FP8 grouped GEMM: no fused-bias kernel in this cluster");
-          return tile == k2x1 ? entry<Fp8Scaling::blockwise, Fp8Operands::rows, DType::bf16, true, A, k2x1>()
-                              : entry<Fp8Scaling::blockwise, Fp8Operands::rows, DType::bf16, true>();
-        }
+        if (bias) return fused_bias_entry<Fp8Scaling::blockwise>(tile);
         if (tile == k2x1) return entry<Fp8Scaling::blockwise, Fp8Operands::rows, DType::bf16, false, A, k2x1>();
         if (tile == k2x2) return entry<Fp8Scaling::blockwise, Fp8Operands::rows, DType::bf16, false, A, k2x2>();
       }
@@ -97,11 +103,7 @@ Fp8KernelEntry find_kernel(Fp8Scaling scaling, Fp8Operands ops, DType out, bool 
     return entry<Fp8Scaling::tensorwise, Fp8Operands::wgrad, DType::f32, false, A>();
   }
   if constexpr (A == DType::e4m3) {
-    if (bias && ops == Fp8Operands::rows) {
-      GMOE_CHECK(tile == k1x1 || tile == k2x1, "FP8 grouped GEMM: no fused-bias kernel in this cluster");
-      return tile == k2x1 ? entry<Fp8Scaling::tensorwise, Fp8Operands::rows, DType::bf16, true, A, k2x1>()
-                          : entry<Fp8Scaling::tensorwise, Fp8Operands::rows, DType::bf16, true>();
-    }
+    if (bias && ops == Fp8Operands::rows) return fused_bias_entry<Fp8Scaling::tensorwise>(tile);
     if (tile == k2x1) return entry<Fp8Scaling::tensorwise, Fp8Operands::rows, DType::bf16, false, A, k2x1>();
     if (tile == k2x2) return entry<Fp8Scaling::tensorwise, Fp8Operands::rows, DType::bf16, false, A, k2x2>();
     if (tile == Fp8Tile::t128x256)
