@@ -7,7 +7,8 @@
 //           recipe's quantization error implies.
 // Operands are quantized on the host by the CPU backend (no dependence on the CUDA quantizer).
 // Outputs are NaN-poisoned before each run; wgrad to f32 and bf16, stacked and list dW, with
-// accumulate and an expert mask; CUDA-specific bad inputs; one CUDA graph of the three passes
+// accumulate and an expert mask; blockwise scale arrays at any 4-byte offset (bitwise the aligned
+// run); CUDA-specific bad inputs; one CUDA graph of the three passes
 // replayed under changing counts; inconsistent padded offsets are clamped and reported.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
@@ -15,6 +16,7 @@
 #include <cmath>
 #include <cstring>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -381,6 +383,65 @@ TEST(CudaFp8GemmLarge, AllPassesAllRecipes) {
     check_fprop(c, r, rng);
     check_dgrad(c, r, rng);
     check_wgrad(c, r, Layout::kStacked, rng);
+  }
+}
+
+// A copy of a device float array placed `shift` floats into a fresh allocation, and its view.
+struct ShiftedScales {
+  DeviceTensor storage;
+  TensorView view;
+  ShiftedScales(const TensorView& src, int shift) : storage(DType::f32, {src.numel() + 4}) {
+    view = src;
+    view.data = static_cast<float*>(storage.view().data) + shift;
+    if (cudaMemcpy(view.data, src.data, static_cast<size_t>(src.nbytes()), cudaMemcpyDeviceToDevice) != cudaSuccess) {
+      throw std::runtime_error("ShiftedScales: cudaMemcpy failed");
+    }
+  }
+};
+
+// The blockwise kernels copy their scales 4 bytes at a time (CUTLASS's scale-loading warp): scale
+// arrays at every 4-byte offset from a 16-byte boundary give the same three outputs, bit for bit,
+// in 1x1 and 2x1 clusters (fprop/dgrad). (Through TMA, whose boxes start only at 16-byte aligned
+// elements, fprop/dgrad's token-major scales could not come: bench/results/
+// 2026-11-25-h100-c4a7cc5-wgrad-scale-tma.md.)
+TEST(CudaFp8GemmLarge, BlockwiseScalesAtAnyFourByteOffset) {
+  GMOE_SKIP_WITHOUT_GPU();
+  Rng rng;
+  for (const ShapeCase& c : {fixed_case("offsets", 400, 1040, {300, 0, 517, 129, 1000}, 7),
+                             fixed_case("offsets_2x1", 256, 384, {2500, 0, 3075}, 11)}) {
+    SCOPED_TRACE(c.name);
+    const Fp8Problem p(c, Fp8Recipe::blockwise, rng);
+    DeviceGrouped x(p.x.q), dy(p.dy.q);
+    DeviceWeights w(p.w.q);
+    DeviceTensor counts(p.base.counts);
+    DeviceTensor y(DType::bf16, {c.capacity, c.N}), dx(DType::bf16, {c.capacity, c.K});
+    DeviceTensor dw(DType::f32, {c.E, c.N, c.K});
+    auto run = [&](const Fp8Grouped& xq, const Fp8Grouped& dyq, const Fp8Weights& wq) {
+      fp8_grouped_gemm_fprop(xq, wq, counts.view(), y.view());
+      fp8_grouped_gemm_dgrad(dyq, wq, counts.view(), dx.view());
+      fp8_grouped_gemm_wgrad(dyq, xq, counts.view(), ExpertWeights::from_stacked(dw.view()));
+      EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      check_device_errors(nullptr);
+      return std::vector<HostTensor>{y.download(), dx.download(), dw.download()};
+    };
+    const std::vector<HostTensor> aligned = run(x.q, dy.q, w.q);
+    for (int shift : {1, 2, 3, 4}) {
+      SCOPED_TRACE("scales " + std::to_string(4 * shift) + " bytes past a 16-byte boundary");
+      ShiftedScales xs(x.q.scale_inv, shift), xt(x.q.scale_inv_t, shift), ys(dy.q.scale_inv, shift),
+          yt(dy.q.scale_inv_t, shift), ws(w.q.scale_inv, shift), wt(w.q.scale_inv_t, shift);
+      Fp8Grouped xq = x.q, dyq = dy.q;
+      Fp8Weights wq = w.q;
+      xq.scale_inv = xs.view;
+      xq.scale_inv_t = xt.view;
+      dyq.scale_inv = ys.view;
+      dyq.scale_inv_t = yt.view;
+      wq.scale_inv = ws.view;
+      wq.scale_inv_t = wt.view;
+      const std::vector<HostTensor> shifted = run(xq, dyq, wq);
+      EXPECT_TRUE(bitwise_equal(shifted[0], aligned[0], "fprop"));
+      EXPECT_TRUE(bitwise_equal(shifted[1], aligned[1], "dgrad"));
+      EXPECT_TRUE(bitwise_equal(shifted[2], aligned[2], "wgrad"));
+    }
   }
 }
 
