@@ -387,22 +387,25 @@ TEST(CudaFp8GemmLarge, AllPassesAllRecipes) {
   }
 }
 
-// A copy of a device float array placed `shift` floats into a fresh allocation, and its view.
+// A copy of a device float array placed `shift` floats into a fresh allocation whose other floats
+// are NaN (a scale read from outside the array poisons the output), and its view.
 struct ShiftedScales {
   DeviceTensor storage;
   TensorView view;
   ShiftedScales(const TensorView& src, int shift) : storage(DType::f32, {src.numel() + 4}) {
     view = src;
     view.data = static_cast<float*>(storage.view().data) + shift;
-    if (cudaMemcpy(view.data, src.data, static_cast<size_t>(src.nbytes()), cudaMemcpyDeviceToDevice) != cudaSuccess) {
-      throw std::runtime_error("ShiftedScales: cudaMemcpy failed");
+    if (cudaMemset(storage.view().data, 0xFF, static_cast<size_t>(storage.view().nbytes())) != cudaSuccess ||
+        cudaMemcpy(view.data, src.data, static_cast<size_t>(src.nbytes()), cudaMemcpyDeviceToDevice) != cudaSuccess) {
+      throw std::runtime_error("ShiftedScales: cudaMemset/cudaMemcpy failed");
     }
   }
 };
 
 // The blockwise kernels copy their scales 4 bytes at a time (CUTLASS's scale-loading warp): scale
 // arrays at every 4-byte offset from a 16-byte boundary give the same three outputs, bit for bit,
-// with fprop/dgrad in 1x1 clusters (the first case) and 2x1 (the second: 2121 rows per expert on
+// as the aligned run, itself checked against the exact GEMM of the dequantized operands (outputs
+// NaN-poisoned before every run), with fprop/dgrad in 1x1 clusters (the first case) and 2x1 (the second: 2121 rows per expert on
 // average, past the 2048 of choose_rows_cluster), checked by the launch record. (Through TMA,
 // whose boxes start only at 16-byte aligned elements, fprop/dgrad's token-major scales could not
 // come: bench/results/2026-11-25-h100-c4a7cc5-wgrad-scale-tma.md.)
@@ -420,9 +423,16 @@ TEST(CudaFp8GemmLarge, BlockwiseScalesAtAnyFourByteOffset) {
     DeviceGrouped x(p.x.q), dy(p.dy.q);
     DeviceWeights w(p.w.q);
     DeviceTensor counts(p.base.counts);
-    DeviceTensor y(DType::bf16, {c.capacity, c.N}), dx(DType::bf16, {c.capacity, c.K});
-    DeviceTensor dw(DType::f32, {c.E, c.N, c.K});
+    HostTensor y_h(DType::bf16, {c.capacity, c.N}), dx_h(DType::bf16, {c.capacity, c.K});
+    HostTensor dw_h(DType::f32, {c.E, c.N, c.K});
+    poison(y_h);
+    poison(dx_h);
+    poison(dw_h);
+    DeviceTensor y(y_h), dx(dx_h), dw(dw_h);
     auto run = [&](const Fp8Grouped& xq, const Fp8Grouped& dyq, const Fp8Weights& wq) {
+      y.upload(y_h);
+      dx.upload(dx_h);
+      dw.upload(dw_h);
       fp8_grouped_gemm_fprop(xq, wq, counts.view(), y.view());
       expect_launch("fprop", true, c.E, false, rows_cluster_m, 1);
       fp8_grouped_gemm_dgrad(dyq, wq, counts.view(), dx.view());
@@ -433,6 +443,12 @@ TEST(CudaFp8GemmLarge, BlockwiseScalesAtAnyFourByteOffset) {
       return std::vector<HostTensor>{y.download(), dx.download(), dw.download()};
     };
     const std::vector<HostTensor> aligned = run(x.q, dy.q, w.q);
+    const ExactResult fprop = exact_fprop(p.x_rows, p.w_data, c.counts);
+    const ExactResult dgrad = exact_dgrad(p.dy_rows, p.w_t, c.counts);
+    const ExactResult wgrad = exact_wgrad(p.dy_cols, p.x_cols, c.counts, nullptr, nullptr);
+    EXPECT_TRUE(within_bound(aligned[0].to_double(), fprop.value, tight_bound(fprop, DType::bf16), "fprop tight"));
+    EXPECT_TRUE(within_bound(aligned[1].to_double(), dgrad.value, tight_bound(dgrad, DType::bf16), "dgrad tight"));
+    EXPECT_TRUE(within_bound(aligned[2].to_double(), wgrad.value, tight_bound(wgrad, DType::f32), "wgrad tight"));
     for (int shift : {1, 2, 3, 4}) {
       SCOPED_TRACE("scales " + std::to_string(4 * shift) + " bytes past a 16-byte boundary");
       ShiftedScales xs(x.q.scale_inv, shift), xt(x.q.scale_inv_t, shift), ys(dy.q.scale_inv, shift),
