@@ -8,7 +8,7 @@
 // Operands are quantized on the host by the CPU backend (no dependence on the CUDA quantizer).
 // Outputs are NaN-poisoned before each run; wgrad to f32 and bf16, stacked and list dW, with
 // accumulate and an expert mask; blockwise scale arrays at any 4-byte offset (bitwise the aligned
-// run); CUDA-specific bad inputs; one CUDA graph of the three passes
+// run, all three passes and both wgrad outputs); CUDA-specific bad inputs; one CUDA graph of the three passes
 // replayed under changing counts; inconsistent padded offsets are clamped and reported.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
@@ -403,12 +403,13 @@ struct ShiftedScales {
 };
 
 // The blockwise kernels copy their scales 4 bytes at a time (CUTLASS's scale-loading warp): scale
-// arrays at every 4-byte offset from a 16-byte boundary give the same three outputs, bit for bit,
-// as the aligned run, itself checked against the exact GEMM of the dequantized operands (outputs
-// NaN-poisoned before every run), with fprop/dgrad in 1x1 clusters (the first case) and 2x1 (the second: 2121 rows per expert on
-// average, past the 2048 of choose_rows_cluster), checked by the launch record. (Through TMA,
-// whose boxes start only at 16-byte aligned elements, fprop/dgrad's token-major scales could not
-// come: bench/results/2026-11-25-h100-c4a7cc5-wgrad-scale-tma.md.)
+// arrays at every 4-byte offset from a 16-byte boundary give the same outputs (fprop, dgrad, and
+// wgrad into f32 and into bf16: each its own kernel), bit for bit, as the aligned run, itself
+// checked against the exact GEMM of the dequantized operands (outputs NaN-poisoned before every
+// run). fprop/dgrad run in 1x1 clusters in the first case and in 2x1 in the second (2121 rows per
+// expert on average, past the 2048 of choose_rows_cluster), checked by the launch record. (Through
+// TMA, whose boxes start only at 16-byte aligned elements, fprop/dgrad's token-major scales could
+// not come: bench/results/2026-11-25-h100-c4a7cc5-wgrad-scale-tma.md.)
 TEST(CudaFp8GemmLarge, BlockwiseScalesAtAnyFourByteOffset) {
   GMOE_SKIP_WITHOUT_GPU();
   Rng rng;
@@ -424,23 +425,26 @@ TEST(CudaFp8GemmLarge, BlockwiseScalesAtAnyFourByteOffset) {
     DeviceWeights w(p.w.q);
     DeviceTensor counts(p.base.counts);
     HostTensor y_h(DType::bf16, {c.capacity, c.N}), dx_h(DType::bf16, {c.capacity, c.K});
-    HostTensor dw_h(DType::f32, {c.E, c.N, c.K});
+    HostTensor dw_h(DType::f32, {c.E, c.N, c.K}), dw16_h(DType::bf16, {c.E, c.N, c.K});
     poison(y_h);
     poison(dx_h);
     poison(dw_h);
-    DeviceTensor y(y_h), dx(dx_h), dw(dw_h);
+    poison(dw16_h);
+    DeviceTensor y(y_h), dx(dx_h), dw(dw_h), dw16(dw16_h);
     auto run = [&](const Fp8Grouped& xq, const Fp8Grouped& dyq, const Fp8Weights& wq) {
       y.upload(y_h);
       dx.upload(dx_h);
       dw.upload(dw_h);
+      dw16.upload(dw16_h);
       fp8_grouped_gemm_fprop(xq, wq, counts.view(), y.view());
       expect_launch("fprop", true, c.E, false, rows_cluster_m, 1);
       fp8_grouped_gemm_dgrad(dyq, wq, counts.view(), dx.view());
       expect_launch("dgrad", true, c.E, false, rows_cluster_m, 1);
       fp8_grouped_gemm_wgrad(dyq, xq, counts.view(), ExpertWeights::from_stacked(dw.view()));
+      fp8_grouped_gemm_wgrad(dyq, xq, counts.view(), ExpertWeights::from_stacked(dw16.view()));
       EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
       check_device_errors(nullptr);
-      return std::vector<HostTensor>{y.download(), dx.download(), dw.download()};
+      return std::vector<HostTensor>{y.download(), dx.download(), dw.download(), dw16.download()};
     };
     const std::vector<HostTensor> aligned = run(x.q, dy.q, w.q);
     const ExactResult fprop = exact_fprop(p.x_rows, p.w_data, c.counts);
@@ -449,6 +453,8 @@ TEST(CudaFp8GemmLarge, BlockwiseScalesAtAnyFourByteOffset) {
     EXPECT_TRUE(within_bound(aligned[0].to_double(), fprop.value, tight_bound(fprop, DType::bf16), "fprop tight"));
     EXPECT_TRUE(within_bound(aligned[1].to_double(), dgrad.value, tight_bound(dgrad, DType::bf16), "dgrad tight"));
     EXPECT_TRUE(within_bound(aligned[2].to_double(), wgrad.value, tight_bound(wgrad, DType::f32), "wgrad tight"));
+    EXPECT_TRUE(
+        within_bound(aligned[3].to_double(), wgrad.value, tight_bound(wgrad, DType::bf16), "wgrad bf16 tight"));
     for (int shift : {1, 2, 3, 4}) {
       SCOPED_TRACE("scales " + std::to_string(4 * shift) + " bytes past a 16-byte boundary");
       ShiftedScales xs(x.q.scale_inv, shift), xt(x.q.scale_inv_t, shift), ys(dy.q.scale_inv, shift),
@@ -465,6 +471,7 @@ TEST(CudaFp8GemmLarge, BlockwiseScalesAtAnyFourByteOffset) {
       EXPECT_TRUE(bitwise_equal(shifted[0], aligned[0], "fprop"));
       EXPECT_TRUE(bitwise_equal(shifted[1], aligned[1], "dgrad"));
       EXPECT_TRUE(bitwise_equal(shifted[2], aligned[2], "wgrad"));
+      EXPECT_TRUE(bitwise_equal(shifted[3], aligned[3], "wgrad bf16"));
     }
   }
 }
