@@ -8,8 +8,8 @@
 // Operands are quantized on the host by the CPU backend (no dependence on the CUDA quantizer).
 // Outputs are NaN-poisoned before each run; wgrad to f32 and bf16, stacked and list dW, with
 // accumulate and an expert mask; blockwise scale arrays at any 4-byte offset (bitwise the aligned
-// run, all three passes and both wgrad outputs); CUDA-specific bad inputs; one CUDA graph of the three passes
-// replayed under changing counts; inconsistent padded offsets are clamped and reported.
+// run, all three passes and both wgrad outputs); CUDA-specific bad inputs; one CUDA graph of the
+// three passes replayed under changing counts; inconsistent padded offsets are clamped and reported.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
