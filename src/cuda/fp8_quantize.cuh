@@ -109,11 +109,9 @@ struct Elem<__nv_bfloat16> {
   static constexpr uint32_t kInfBits = 0x7f80u;
   __device__ static float from_bits(uint32_t b) { return __uint_as_float(b << 16); }
   __device__ static uint32_t to_bits(float f) { return __float_as_uint(f) >> 16; }
-  __device__ static float2 word(uint32_t w) {
-    __nv_bfloat162 h;
-    memcpy(&h, &w, 4);
-    return __bfloat1622float2(h);
-  }
+  // bf16 -> f32 is the bits shifted up: the high element is the word masked (one LOP3 instead of
+  // a byte permute and a shift).
+  __device__ static float2 word(uint32_t w) { return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u)); }
   __device__ static float one(const void* p, int64_t i) {
     return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
   }
@@ -194,11 +192,20 @@ __device__ __forceinline__ uint32_t finite_amax_bits(const float (&f)[N]) {
   for (int j = 0; j < N; ++j) m = fmaxf(m, fp8_rules::finite_abs(f[j]));
   return Elem<T>::to_bits(m);
 }
+/// The packed max of the |x| bits of a 16-byte granule's words (16-bit types: per half; not folded).
+template <typename T>
+__device__ __forceinline__ uint32_t granule_abs_bits_packed(const uint4& g) {
+  return abs_bits_max<T>(abs_bits_max<T>(abs_bits_max<T>(g.x & Elem<T>::kAbsMask, g.y), g.z), g.w);
+}
+/// Whether either 16-bit half of packed amax bits is not finite (kInfBits or above).
+template <typename T>
+__device__ __forceinline__ bool any_half_not_finite(uint32_t w) {
+  return (w & 0xffffu) >= Elem<T>::kInfBits || (w >> 16) >= Elem<T>::kInfBits;
+}
 /// Bits of the max |x| over the finite values of a 16-byte granule.
 template <typename T>
 __device__ __forceinline__ uint32_t granule_amax_bits(const uint4& g) {
-  constexpr uint32_t mask = Elem<T>::kAbsMask;
-  const uint32_t b = fold_abs_bits<T>(abs_bits_max<T>(abs_bits_max<T>(abs_bits_max<T>(g.x & mask, g.y), g.z), g.w));
+  const uint32_t b = fold_abs_bits<T>(granule_abs_bits_packed<T>(g));
   if (b < Elem<T>::kInfBits) return b;
   float f[16 / sizeof(T)];
   granule_to_float<T>(g, f);
@@ -465,6 +472,11 @@ template <class Src, bool kWeights>
 constexpr bool kColumnSums =
     !kWeights && (std::is_same<Src, RowsSource>::value || std::is_same<Src, RowsSourceTileSums>::value);
 
+/// Whether Src is the tensor as stored (RowsSource and its tile-sums variant), whose granules the
+/// tile kernel loads itself, from one base pointer.
+template <class Src>
+constexpr bool kFromMemory = std::is_base_of<RowsSource, Src>::value;
+
 /// Adds a 16-byte granule's values to the thread's running column sums (V of them).
 template <typename T>
 __device__ __forceinline__ void add_to_sums(const uint4& raw, float (&sums)[16 / sizeof(T)]) {
@@ -524,27 +536,50 @@ __device__ __forceinline__ void quantize_tile(const QuantParams& p, const Tile& 
   static_assert(kIters == kTile * NV / kThreads, "load slots per thread");
   constexpr int kWordCols = Elem<T>::kPerWord;  // columns per 4-byte word
   constexpr int kLanesPerRow = NV;              // lanes sharing one row in the rowwise phase
+  // Load slot it of thread tid is granule (it * kRowsPerIt + r0, v): every slot of a thread has the
+  // same granule column, and the rows advance by kRowsPerIt, a divisor of the swizzle's 16 rows,
+  // so a slot's swizzle ((row / 16) % 8) is a constant of the slot. Unsigned index math: the
+  // divisions are shifts (signed ones took ~20 instructions per slot).
+  constexpr int kRowsPerIt = kThreads / NV;
+  static_assert(kThreads % NV == 0 && 16 % kRowsPerIt == 0, "slots of whole rows within a swizzle period");
 
-  const int tid = threadIdx.x;
-  const int lane = tid & 31;
-  const int warp = tid >> 5;
+  const unsigned tid = threadIdx.x;
+  const int lane = static_cast<int>(tid & 31u);
+  const int warp = static_cast<int>(tid >> 5);
+  const int r0 = static_cast<int>(tid / NV);
+  const int v = static_cast<int>(tid % NV);
   const int64_t col_tile = static_cast<int64_t>(static_cast<uint64_t>(col0) / kTile);
   const bool do_cols = p.data_t != nullptr;
 
   // (1) Load.
   uint4 raw[kIters];
   uint4* stash = smem_tile + kTile * NV;
+  if constexpr (kFromMemory<Src>) {
+    if (p.vec) {  // 16-byte loads from one base pointer and row step (one test of p.vec per tile)
+      const char* const base = g.src + r0 * g.src_ld_bytes + (col0 + v * V) * static_cast<int64_t>(sizeof(T));
+      const int64_t step = kRowsPerIt * g.src_ld_bytes;
+      const bool col_ok = v * V < ncols;
 #pragma unroll
-  for (int it = 0; it < kIters; ++it) {
-    const int idx = it * kThreads + tid;
-    raw[it] = src.template granule<T>(p, g, idx / NV, idx % NV, ncols, col0, pass, dp[it], stash + idx);
-  }
-  if (do_cols) {
+      for (int it = 0; it < kIters; ++it) {
+        raw[it] = col_ok && it * kRowsPerIt + r0 < g.nrows ? __ldg(reinterpret_cast<const uint4*>(base + it * step))
+                                                           : make_uint4(0, 0, 0, 0);
+      }
+    } else {
+#pragma unroll
+      for (int it = 0; it < kIters; ++it) raw[it] = load_granule<T>(p, g, it * kRowsPerIt + r0, v, ncols, col0);
+    }
+  } else {
 #pragma unroll
     for (int it = 0; it < kIters; ++it) {
-      const int idx = it * kThreads + tid;
-      const int i = idx / NV, v = idx % NV;
-      smem_tile[i * NV + (v ^ ((i >> 4) & 7))] = raw[it];
+      raw[it] = src.template granule<T>(p, g, it * kRowsPerIt + r0, v, ncols, col0, pass, dp[it],
+                                        stash + it * kThreads + tid);
+    }
+  }
+  if (do_cols) {
+    uint4* const row0 = smem_tile + r0 * NV;
+#pragma unroll
+    for (int it = 0; it < kIters; ++it) {
+      row0[it * kRowsPerIt * NV + (v ^ (((it * kRowsPerIt) >> 4) & 7))] = raw[it];
     }
   }
   if constexpr (kSums) {
@@ -594,7 +629,39 @@ __device__ __forceinline__ void quantize_tile(const QuantParams& p, const Tile& 
     constexpr int kWarpBlocks = kIters * kRowsPerSlot;
     static_assert(kWarpBlocks <= 32, "a lane per block");
     __shared__ float row_blocks[kRowBlocks ? kWarps : 1][kWarpBlocks];  // amax in, multiplier out
-    if constexpr (kRowBlocks) {
+    if constexpr (kRowBlocks && Elem<T>::kPerWord == 2) {
+      // 16-bit sources: slots 2q and 2q+1 share word q, (slot 2q's amax bits, slot 2q+1's), folded
+      // from their packed maxima by two byte permutes and one max; one test of all the words for a
+      // value that is not finite (then every slot is taken again by granule_amax_bits, whose
+      // values these are otherwise), and one shuffle per word.
+      static_assert(kIters % 2 == 0, "slots in pairs");
+      uint32_t wv[kIters / 2];
+      uint32_t any = 0;
+#pragma unroll
+      for (int q = 0; q < kIters / 2; ++q) {
+        const uint32_t a = granule_abs_bits_packed<T>(raw[2 * q]);
+        const uint32_t b = granule_abs_bits_packed<T>(raw[2 * q + 1]);
+        wv[q] = __vmaxu2(__byte_perm(a, b, 0x5410), __byte_perm(a, b, 0x7632));
+        any = __vmaxu2(any, wv[q]);
+      }
+      if (any_half_not_finite<T>(any)) {
+#pragma unroll
+        for (int q = 0; q < kIters / 2; ++q) {
+          wv[q] = granule_amax_bits<T>(raw[2 * q]) | (granule_amax_bits<T>(raw[2 * q + 1]) << 16);
+        }
+      }
+#pragma unroll
+      for (int q = 0; q < kIters / 2; ++q) {
+        for (int d = 1; d < kLanesPerRow; d <<= 1) wv[q] = __vmaxu2(wv[q], __shfl_xor_sync(0xffffffffu, wv[q], d));
+      }
+      if (lane % NV == 0) {
+#pragma unroll
+        for (int q = 0; q < kIters / 2; ++q) {
+          row_blocks[warp][2 * q * kRowsPerSlot + lane / NV] = Elem<T>::from_bits(wv[q] & 0xffffu);
+          row_blocks[warp][(2 * q + 1) * kRowsPerSlot + lane / NV] = Elem<T>::from_bits(wv[q] >> 16);
+        }
+      }
+    } else if constexpr (kRowBlocks) {
       constexpr int kStep = Elem<T>::kPerWord;  // slots per shuffled word
 #pragma unroll
       for (int it = 0; it < kIters; it += kStep) {
@@ -609,6 +676,8 @@ __device__ __forceinline__ void quantize_tile(const QuantParams& p, const Tile& 
           }
         }
       }
+    }
+    if constexpr (kRowBlocks) {
       __syncwarp();
       if (lane < kWarpBlocks) {
         const int i = (lane / kRowsPerSlot * kThreads + warp * 32 + (lane % kRowsPerSlot) * NV) / NV;  // its row
@@ -618,22 +687,24 @@ __device__ __forceinline__ void quantize_tile(const QuantParams& p, const Tile& 
       }
       __syncwarp();
     }
+    // The thread's output granule of slot 0; slot it is kRowsPerIt rows further.
+    uint8_t* out = p.data + (g.out_row0 + r0) * p.cols + col0 + v * V;  // advanced by a slot's rows
+    const int64_t out_step = kRowsPerIt * p.cols;
 #pragma unroll
     for (int it = 0; it < kIters; ++it) {
-      const int idx = it * kThreads + tid;
-      const int i = idx / NV, v = idx % NV;
+      const int i = it * kRowsPerIt + r0;
       BlockScale s = tile_scale;
       if constexpr (kRowBlocks) {
         s.mult = row_blocks[warp][it * kRowsPerSlot + lane / NV];
       } else if constexpr (R == Fp8Recipe::mxfp8) {  // (before the branch: every lane shuffles)
         s = block_scale<R>(Elem<T>::from_bits(warp_max_bits(granule_amax_bits<T>(raw[it]), 32 / V)), p);
       }
+      if (it > 0) out += out_step;
       const bool valid = i < g.nrows && v * V < ncols;
       if (!valid) continue;
       float f[V];
       granule_to_float<T>(raw[it], f);
       const int64_t orow = g.out_row0 + i;
-      uint8_t* out = p.data + orow * p.cols + col0 + v * V;
       uint32_t packed[V / 4];
 #pragma unroll
       for (int j = 0; j < V; j += 4) {
@@ -664,6 +735,9 @@ __device__ __forceinline__ void quantize_tile(const QuantParams& p, const Tile& 
   const int k = lane & 7;        // token chunk: tokens [16k, 16k + 16)
   const int wsub = lane >> 3;    // word within the granule
   const uint32_t* tile_words = reinterpret_cast<const uint32_t*>(smem_tile);
+  // data_t row of the lane's first column (tile column wsub * kWordCols), at its 16 tokens.
+  uint8_t* const out_t0 =
+      p.data_t + (g.out_col_row0 + col0 + wsub * kWordCols) * p.data_t_ld + g.tok0 + 16 * k;
   for (int m = warp; m < NV; m += kWarps) {
     // Words of granule m: columns [m*V + wsub*kWordCols, + kWordCols).
     float f[kWordCols][16];
@@ -682,21 +756,31 @@ __device__ __forceinline__ void quantize_tile(const QuantParams& p, const Tile& 
     for (int wc = 0; wc < kWordCols; ++wc) s[wc] = tile_scale;
     if constexpr (R != Fp8Recipe::tensorwise && !(R == Fp8Recipe::blockwise && kWeights)) {
       uint32_t ab[kWordCols];  // the lane's columns' amax bits
-      ab[0] = kWordCols == 2 ? amax_word & 0xffffu : amax_word;
-      if constexpr (kWordCols == 2) ab[1] = amax_word >> 16;
-#pragma unroll
-      for (int wc = 0; wc < kWordCols; ++wc) {
-        if (ab[wc] >= Elem<T>::kInfBits) ab[wc] = finite_amax_bits<T>(f[wc]);
+      if constexpr (kWordCols == 2) {
+        // The packed word is what warp_max_bits would shuffle: one test for both columns.
+        uint32_t w = amax_word;
+        if (any_half_not_finite<T>(w)) {
+          const uint32_t lo = (w & 0xffffu) >= Elem<T>::kInfBits ? finite_amax_bits<T>(f[0]) : w & 0xffffu;
+          const uint32_t hi = (w >> 16) >= Elem<T>::kInfBits ? finite_amax_bits<T>(f[1]) : w >> 16;
+          w = lo | (hi << 16);
+        }
+        for (int d = 1; d < (R == Fp8Recipe::mxfp8 ? 2 : 8); d <<= 1) w = __vmaxu2(w, __shfl_xor_sync(0xffffffffu, w, d));
+        ab[0] = w & 0xffffu;
+        ab[1] = w >> 16;
+      } else {
+        ab[0] = amax_word;
+        if (ab[0] >= Elem<T>::kInfBits) ab[0] = finite_amax_bits<T>(f[0]);
+        warp_max_bits<T>(ab, R == Fp8Recipe::mxfp8 ? 2 : 8);
       }
-      warp_max_bits<T>(ab, R == Fp8Recipe::mxfp8 ? 2 : 8);
       if constexpr (R == Fp8Recipe::mxfp8) {
 #pragma unroll
         for (int wc = 0; wc < kWordCols; ++wc) s[wc] = block_scale<R>(Elem<T>::from_bits(ab[wc]), p);
       } else {
         // One block scale per lane: lane k < kWordCols of the 8 holding a column pair computes column
         // k's, stores its scale_inv, and the others take its multiplier.
-        const int mine = k < kWordCols ? k : 0;
-        const BlockScale own = block_scale<R>(Elem<T>::from_bits(ab[mine]), p);
+        // (A select, not ab[mine]: a run-time index put ab in local memory.)
+        const uint32_t ab_mine = kWordCols == 2 && k == 1 ? ab[kWordCols - 1] : ab[0];
+        const BlockScale own = block_scale<R>(Elem<T>::from_bits(ab_mine), p);
         const int c = m * V + wsub * kWordCols + k;
         if (k < kWordCols && c < ncols) {
           store_scale<R>(p.scale_t, fp8_cols_scale_index(R, g.out_col_row0 + col0 + c, g.tile_index, p.scale_t_ld, 0),
@@ -718,7 +802,7 @@ __device__ __forceinline__ void quantize_tile(const QuantParams& p, const Tile& 
         const uint32_t hi = cvt_pair<kE5m2>(__fmul_rn(f[wc][j + 2], s[wc].mult), __fmul_rn(f[wc][j + 3], s[wc].mult));
         packed[j / 4] = lo | (hi << 16);
       }
-      uint8_t* out = p.data_t + orow * p.data_t_ld + g.tok0 + 16 * k;
+      uint8_t* const out = out_t0 + static_cast<int64_t>(m * V + wc) * p.data_t_ld;
       if (p.vec_t && 16 * k + 16 <= g.tokens) {
         *reinterpret_cast<uint4*>(out) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
       } else {
