@@ -556,13 +556,14 @@ __device__ __forceinline__ void quantize_tile(const QuantParams& p, const Tile& 
   uint4* stash = smem_tile + kTile * NV;
   if constexpr (kFromMemory<Src>) {
     if (p.vec) {  // 16-byte loads from one base pointer and row step (one test of p.vec per tile)
-      const char* const base = g.src + r0 * g.src_ld_bytes + (col0 + v * V) * static_cast<int64_t>(sizeof(T));
+      const char* ptr = g.src + r0 * g.src_ld_bytes + (col0 + v * V) * static_cast<int64_t>(sizeof(T));
       const int64_t step = kRowsPerIt * g.src_ld_bytes;
-      const bool col_ok = v * V < ncols;
+      // Slots it < my_slots hold rows of the tile (none where the granule column is past ncols).
+      const int my_slots = v * V < ncols ? (g.nrows - r0 + kRowsPerIt - 1) / kRowsPerIt : 0;
 #pragma unroll
       for (int it = 0; it < kIters; ++it) {
-        raw[it] = col_ok && it * kRowsPerIt + r0 < g.nrows ? __ldg(reinterpret_cast<const uint4*>(base + it * step))
-                                                           : make_uint4(0, 0, 0, 0);
+        raw[it] = it < my_slots ? __ldg(reinterpret_cast<const uint4*>(ptr)) : make_uint4(0, 0, 0, 0);
+        ptr += step;
       }
     } else {
 #pragma unroll
