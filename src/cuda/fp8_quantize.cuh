@@ -111,7 +111,9 @@ struct Elem<__nv_bfloat16> {
   __device__ static uint32_t to_bits(float f) { return __float_as_uint(f) >> 16; }
   // bf16 -> f32 is the bits shifted up: the high element is the word masked (one LOP3 instead of
   // a byte permute and a shift).
-  __device__ static float2 word(uint32_t w) { return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u)); }
+  __device__ static float2 word(uint32_t w) {
+    return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+  }
   __device__ static float one(const void* p, int64_t i) {
     return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
   }
@@ -765,7 +767,8 @@ __device__ __forceinline__ void quantize_tile(const QuantParams& p, const Tile& 
           const uint32_t hi = (w >> 16) >= Elem<T>::kInfBits ? finite_amax_bits<T>(f[1]) : w >> 16;
           w = lo | (hi << 16);
         }
-        for (int d = 1; d < (R == Fp8Recipe::mxfp8 ? 2 : 8); d <<= 1) w = __vmaxu2(w, __shfl_xor_sync(0xffffffffu, w, d));
+        constexpr int kColLanes = R == Fp8Recipe::mxfp8 ? 2 : 8;  // lanes holding a column block
+        for (int d = 1; d < kColLanes; d <<= 1) w = __vmaxu2(w, __shfl_xor_sync(0xffffffffu, w, d));
         ab[0] = w & 0xffffu;
         ab[1] = w >> 16;
       } else {
