@@ -219,14 +219,18 @@ __device__ __forceinline__ uint32_t warp_max_bits(uint32_t b, int lanes) {
   for (int d = 1; d < lanes; d <<= 1) b = max(b, __shfl_xor_sync(0xffffffffu, b, d));
   return b;
 }
+/// The same for a word of two 16-bit amax bits (each half its own max).
+__device__ __forceinline__ uint32_t warp_max_u16x2(uint32_t v, int lanes) {
+  for (int d = 1; d < lanes; d <<= 1) v = __vmaxu2(v, __shfl_xor_sync(0xffffffffu, v, d));
+  return v;
+}
 template <typename T, int kN>
 __device__ __forceinline__ void warp_max_bits(uint32_t (&b)[kN], int lanes) {
   if constexpr (Elem<T>::kPerWord == 2) {
     static_assert(kN % 2 == 0, "pairs of 16-bit values");
 #pragma unroll
     for (int n = 0; n < kN; n += 2) {
-      uint32_t v = b[n] | (b[n + 1] << 16);
-      for (int d = 1; d < lanes; d <<= 1) v = __vmaxu2(v, __shfl_xor_sync(0xffffffffu, v, d));
+      const uint32_t v = warp_max_u16x2(b[n] | (b[n + 1] << 16), lanes);
       b[n] = v & 0xffffu;
       b[n + 1] = v >> 16;
     }
@@ -655,7 +659,7 @@ __device__ __forceinline__ void quantize_tile(const QuantParams& p, const Tile& 
       }
 #pragma unroll
       for (int q = 0; q < kIters / 2; ++q) {
-        for (int d = 1; d < kLanesPerRow; d <<= 1) wv[q] = __vmaxu2(wv[q], __shfl_xor_sync(0xffffffffu, wv[q], d));
+        wv[q] = warp_max_u16x2(wv[q], kLanesPerRow);
       }
       if (lane % NV == 0) {
 #pragma unroll
@@ -767,8 +771,7 @@ __device__ __forceinline__ void quantize_tile(const QuantParams& p, const Tile& 
           const uint32_t hi = (w >> 16) >= Elem<T>::kInfBits ? finite_amax_bits<T>(f[1]) : w >> 16;
           w = lo | (hi << 16);
         }
-        constexpr int kColLanes = R == Fp8Recipe::mxfp8 ? 2 : 8;  // lanes holding a column block
-        for (int d = 1; d < kColLanes; d <<= 1) w = __vmaxu2(w, __shfl_xor_sync(0xffffffffu, w, d));
+        w = warp_max_u16x2(w, R == Fp8Recipe::mxfp8 ? 2 : 8);  // over the lanes holding a column block
         ab[0] = w & 0xffffu;
         ab[1] = w >> 16;
       } else {
