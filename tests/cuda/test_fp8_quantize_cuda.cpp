@@ -115,12 +115,30 @@ HostTensor random_rows(DType dtype, int64_t cap, int64_t cols, Rng& rng, bool na
 }
 
 // A case's grouped rows on the host and on the device (counts i32 or i64 at random).
+// Nasty rows also get, in the first expert of at least 17 rows, an inf in its row 0 and a finite
+// row 16 holding a 5, above the random values: with 16-bit sources the tile kernel folds the
+// row amaxes of rows i and i + 16 into one word and tests the pair once for a value that is not
+// finite, so this pair's fallback must still give row 16 its own scale (the random placements
+// above reach such a pair only by chance).
 struct CaseRows {
   CaseRows(const GroupedCase& c, DType dtype, Rng& rng, bool nasty)
-      : x(random_rows(dtype, c.capacity, c.cols, rng, nasty)),
+      : x(with_inf_paired_row(random_rows(dtype, c.capacity, c.cols, rng, nasty), c, nasty)),
         counts_h(make_counts(c.counts, rng.integer(0, 1) ? DType::i32 : DType::i64)),
         xd(x),
         counts_d(counts_h) {}
+  static HostTensor with_inf_paired_row(HostTensor x, const GroupedCase& c, bool nasty) {
+    if (!nasty || c.cols < 3) return x;
+    int64_t row0 = 0;
+    for (int64_t n : c.counts) {
+      if (n >= 17) {
+        x.set(row0 * c.cols + 1, std::numeric_limits<double>::infinity());
+        x.set((row0 + 16) * c.cols + 1, 5.0);
+        break;
+      }
+      row0 += n;
+    }
+    return x;
+  }
   HostTensor x, counts_h;
   DeviceTensor xd, counts_d;
   GroupedRows host() const { return {x.view(), counts_h.view()}; }
