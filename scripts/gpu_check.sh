@@ -87,8 +87,8 @@ for stage in "${stages[@]}"; do
         pids+=($!)
       done
       # The tile heuristic picks one config per shape: force each in turn so every kernel runs.
-      forced() {  # name, env assignments (space-separated), filter
-        if env $2 OMP_NUM_THREADS=$threads "$BUILD/gmoe_tests_cuda" --gtest_brief=1 --gtest_filter="$3" \
+      forced() {  # name, env assignment, filter
+        if env "$2" OMP_NUM_THREADS=$threads "$BUILD/gmoe_tests_cuda" --gtest_brief=1 --gtest_filter="$3" \
              >"$OUT/forced_$1.log" 2>&1; then echo "test forced $1: ok"; else echo "test forced $1: FAILED"; return 1; fi
       }
       rows_filter='LargeCases/CudaGroupedGemm*:CudaGroupedGemmGraph*:CudaGroupedGemmTiles*:NamedCases/CudaGroupedGemm*e256:NamedCases/CudaGroupedGemm*ragged:*CudaGroupedGemmActivation*'
@@ -98,11 +98,7 @@ for stage in "${stages[@]}"; do
         { forced tile_coop GMOE_CUDA_TILE=coop "$rows_filter";
           forced fused_activation_bwd GMOE_FUSED_ACTIVATION_BWD=1 '*CudaGroupedMlp*'; } >"$OUT/forced_status_a.txt" &
         pids+=($!)
-        # The FP8 fprop/dgrad's 128x128 kernels in 2x1 clusters, which the rules leave for 128x192
-        # ones (GMOE_FP8_ROWS_N=128 keeps them, for benchmarks).
-        { forced tile_pingpong GMOE_CUDA_TILE=pingpong "$rows_filter";
-          forced fp8_rows_128_2x1 "GMOE_FP8_ROWS_N=128 GMOE_FP8_ROWS_CLUSTER=2x1" '*CudaFp8Gemm*:*CudaGroupedLinearFp8*'; } \
-          >"$OUT/forced_status_b.txt" &
+        forced tile_pingpong GMOE_CUDA_TILE=pingpong "$rows_filter" >"$OUT/forced_status_b.txt" &
         pids+=($!)
         { forced raster_m GMOE_RASTER=m '*Wgrad*'; forced raster_n GMOE_RASTER=n '*Wgrad*';
           forced fused_activation GMOE_FUSED_ACTIVATION=1 '*CudaGroupedMlp*';

@@ -62,14 +62,12 @@ Fp8KernelEntry entry() {
   return {&K::workspace_bytes, &K::run, Tile};
 }
 
-// fprop with a fused bias (e4m3 A, bf16 out): compiled in 1x1 and 2x1 clusters only (2x1 in
-// 128x128 and 128x192 tiles); any other cluster is refused rather than run in another one.
+// fprop with a fused bias (e4m3 A, bf16 out): compiled in 1x1 and 2x1 clusters only; any other
+// cluster is refused rather than run in another one.
 template <Fp8Scaling S>
 Fp8KernelEntry fused_bias_entry(Fp8Tile tile) {
-  GMOE_CHECK(tile == Fp8Tile::t128x128 || tile == Fp8Tile::t128x128_2x1 || tile == Fp8Tile::t128x192_2x1,
+  GMOE_CHECK(tile == Fp8Tile::t128x128 || tile == Fp8Tile::t128x128_2x1,
              "FP8 grouped GEMM: no fused-bias kernel in this cluster");
-  if (tile == Fp8Tile::t128x192_2x1)
-    return entry<S, Fp8Operands::rows, DType::bf16, true, DType::e4m3, Fp8Tile::t128x192_2x1>();
   return tile == Fp8Tile::t128x128_2x1
              ? entry<S, Fp8Operands::rows, DType::bf16, true, DType::e4m3, Fp8Tile::t128x128_2x1>()
              : entry<S, Fp8Operands::rows, DType::bf16, true, DType::e4m3, Fp8Tile::t128x128>();
@@ -77,11 +75,10 @@ Fp8KernelEntry fused_bias_entry(Fp8Tile tile) {
 
 // The instantiations in clusters, all e4m3 A: 2x1, blockwise rows, and tensorwise rows (which
 // also serve the tensorwise bf16 weight gradient) and f32 weight gradient, and the fprop of both
-// with a fused bias, the rows in 128x128 and 128x192 tiles; 2x2, blockwise and tensorwise rows
-// without a bias (fprop/dgrad only: the wgrad plans never ask for it; choose_rows_tile asks no
-// fused-bias kernel for it). Every other combination runs its 1x1 kernel. The blockwise weight
-// gradient measured the same in 2x1 clusters (0.98-1.00x of the 1x1 kernel on the dsv3 cases,
-// H100, twice; the blockwise layer on dsv3_fc1 3% slower with it): its time goes to the promotion
+// with a fused bias; 2x2, blockwise and tensorwise rows without a bias (fprop/dgrad only: the
+// wgrad plans never ask for it; choose_rows_tile asks no fused-bias kernel for it). Every other
+// combination runs its 1x1 kernel. The blockwise weight gradient measured the same in 2x1
+// clusters (0.98-1.00x of the 1x1 kernel on the dsv3 cases, H100): its time goes to the promotion
 // by its column scales (sm90_fp8_grouped_gemm.cuh), not to B's tiles.
 template <DType A>
 Fp8KernelEntry find_kernel(Fp8Scaling scaling, Fp8Operands ops, DType out, bool bias, Fp8Tile tile) {
@@ -93,8 +90,6 @@ Fp8KernelEntry find_kernel(Fp8Scaling scaling, Fp8Operands ops, DType out, bool 
         if (bias) return fused_bias_entry<Fp8Scaling::blockwise>(tile);
         if (tile == k2x1) return entry<Fp8Scaling::blockwise, Fp8Operands::rows, DType::bf16, false, A, k2x1>();
         if (tile == k2x2) return entry<Fp8Scaling::blockwise, Fp8Operands::rows, DType::bf16, false, A, k2x2>();
-        if (tile == Fp8Tile::t128x192_2x1)
-          return entry<Fp8Scaling::blockwise, Fp8Operands::rows, DType::bf16, false, A, Fp8Tile::t128x192_2x1>();
       }
       return entry<Fp8Scaling::blockwise, Fp8Operands::rows, DType::bf16, false, A>();
     }
@@ -115,8 +110,6 @@ Fp8KernelEntry find_kernel(Fp8Scaling scaling, Fp8Operands ops, DType out, bool 
       return entry<Fp8Scaling::tensorwise, Fp8Operands::rows, DType::bf16, false, A, Fp8Tile::t128x256>();
     if (tile == Fp8Tile::t128x256_2x1)
       return entry<Fp8Scaling::tensorwise, Fp8Operands::rows, DType::bf16, false, A, Fp8Tile::t128x256_2x1>();
-    if (tile == Fp8Tile::t128x192_2x1)
-      return entry<Fp8Scaling::tensorwise, Fp8Operands::rows, DType::bf16, false, A, Fp8Tile::t128x192_2x1>();
   }
   // fprop, dgrad and the bf16 weight gradient are the same tensorwise GEMM: TN, bf16 out, no
   // source operand; only the arrays that prepare writes differ.
@@ -329,64 +322,12 @@ Fp8Tile choose_rows_cluster(bool fast, bool bias, int64_t capacity, int64_t num_
 // kernels ran 1x1 only, which cost the FP8 GroupedLinear's fprop on dsv3_fc1 the 2x1 gain
 // (H100 timeline of one layer step, blockwise: fprop 1768-1802 us against 1570-1580 us for the
 // same GEMM without a bias in 2x1).
-//
-// Where the promoted kernels take 2x1 clusters (big experts: dsv3, mixtral), they run 128x192 tiles
-// (e4m3 A; an e5m2 A keeps 128x128, the only tiles compiled for it): CUTLASS's serial promotion
-// loop there (sm90_fp8_grouped_gemm.cuh, Fp8GemmTypes), and for blockwise the weights' scales
-// expanded to 64-column blocks before the launch (expand_block_scales). Measured on an H100
-// (2026-11-26, gemm mode, 128 and 192 interleaved, two calls): blockwise fprop 1.00-1.08x and
-// dgrad 1.00-1.10x on dsv3 and mixtral's fprop, tensorwise 0.99-1.15x (qwen3moe and mixtral's
-// dgrad run 1x1 and 2x2: unchanged); the GroupedLinear forward+backward on dsv3 0.995-1.022x, within
-// its noise (bench/results/2026-11-26-h100-rows-192.md). GMOE_FP8_ROWS_N=128 keeps 128x128
-// (benchmarks).
-Fp8Tile choose_rows_tile(Fp8Scaling scaling, DType format_a, int64_t capacity, int64_t num_experts,
-                         int64_t gemm_n, int64_t gemm_k, bool fast_accumulation, bool bias) {
+Fp8Tile choose_rows_tile(Fp8Scaling scaling, int64_t capacity, int64_t num_experts, int64_t gemm_n,
+                         int64_t gemm_k, bool fast_accumulation, bool bias) {
   const bool fast = fast_accumulation && scaling == Fp8Scaling::tensorwise && !bias;
   const Fp8Tile cluster = choose_rows_cluster(fast, bias, capacity, num_experts, gemm_n, gemm_k);
-  if (!fast) {
-    return cluster == Fp8Tile::t128x128_2x1 && format_a == DType::e4m3 && forced_fp8_rows_n() != 0
-               ? Fp8Tile::t128x192_2x1
-               : cluster;
-  }
-  if (cluster == Fp8Tile::t128x128_2x2) return cluster;
+  if (!fast || cluster == Fp8Tile::t128x128_2x2) return cluster;
   return cluster == Fp8Tile::t128x128_2x1 ? Fp8Tile::t128x256_2x1 : Fp8Tile::t128x256;
-}
-
-// The weights' block scales [E, nb, kb] (128x128 blocks, K-major, row stride `in_ld`) as the
-// 192-wide blockwise tiles read them: per 64-column block, [E, nb64, kb] contiguous, out[e, j, k] =
-// in[e, min(j / 2, nb - 1), k]. nb64 covers whole 192-column tiles: CUTLASS's scale producer does
-// not mask the 64-column blocks of a tile past N (its bounds test sees the blocks' inner
-// broadcast coordinate, always in range), so the last tile's reads past N land here, on copies of
-// the last block (their columns are never stored).
-__global__ void expand_block_scales_kernel(const float* __restrict__ in, int64_t in_expert_stride, int64_t in_ld,
-                                           int64_t nb, int64_t nb64, int64_t kb, int64_t total,
-                                           float* __restrict__ out) {
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total;
-       i += int64_t{gridDim.x} * blockDim.x) {
-    const int64_t k = i % kb;
-    const int64_t j = (i / kb) % nb64;
-    const int64_t e = i / (kb * nb64);
-    out[i] = in[e * in_expert_stride + std::min(j / 2, nb - 1) * in_ld + k];
-  }
-}
-
-// Expands `b_scale` [E, nb, kb] for a GEMM of N = gemm_n into `buffer` (allocated here, freed on
-// the stream by its owner after the GEMM); returns the expanded copy's per-expert stride.
-int64_t expand_block_scales(const TensorView& b_scale, int64_t gemm_n, Buffer& buffer, Stream stream,
-                            Allocator& alloc) {
-  const int64_t E = b_scale.size(0), nb = b_scale.size(1), kb = b_scale.size(2);
-  GMOE_CHECK(b_scale.stride(2) == 1 && nb == ceil_div(gemm_n, 128), "FP8 grouped GEMM: weight scales of shape [",
-             E, ", ", nb, ", ", kb, "] for N = ", gemm_n);
-  const int64_t nb64 = 3 * ceil_div(gemm_n, 192);
-  const int64_t total = E * nb64 * kb;
-  buffer = Buffer(alloc, static_cast<std::size_t>(total) * sizeof(float), stream);
-  if (total == 0) return nb64 * kb;
-  const int64_t blocks = std::min<int64_t>(ceil_div(total, 256), 1024);
-  expand_block_scales_kernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(
-      static_cast<const float*>(b_scale.data), b_scale.stride(0), b_scale.stride(1), nb, nb64, kb, total,
-      static_cast<float*>(buffer.data()));
-  GMOE_CUDA_CHECK(cudaGetLastError());
-  return nb64 * kb;
 }
 
 // fprop and dgrad: A = grouped rows (rowwise copy), B = one copy of the weights, D = rows.
@@ -434,18 +375,12 @@ void rows_pass(GemmPass pass, const Fp8Grouped& a, const TensorView& b_data,
     plan.prep.alpha_b = static_cast<const float*>(b_scale.data);
   }
   plan.run_gemm = capacity > 0 && gemm_n > 0 && gemm_k > 0;
-  plan.tile = choose_rows_tile(plan.scaling, a.format, capacity, counts.size(0), gemm_n, gemm_k,
-                               fast_accumulation, fused_bias != nullptr);
+  plan.tile = choose_rows_tile(plan.scaling, capacity, counts.size(0), gemm_n, gemm_k, fast_accumulation,
+                               fused_bias != nullptr);
   plan.out_base = d.data;
   plan.out_ld_bytes = d.stride(0) * static_cast<int64_t>(dtype_size(d.dtype));
   plan.out_row_bytes = gemm_n * static_cast<int64_t>(dtype_size(d.dtype));
   plan.zero_all_rows = gemm_k == 0;  // an empty reduction: every row is zero
-  Buffer block64_scales;  // freed on the stream after the GEMM
-  if (plan.scaling == Fp8Scaling::blockwise && fp8_tile_n(plan.tile) == 192 && plan.run_gemm) {
-    const int64_t expert_stride = expand_block_scales(b_scale, gemm_n, block64_scales, stream, alloc);
-    plan.prep.scale_b = {static_cast<const float*>(block64_scales.data()), ScaleStart::expert, 0, expert_stride};
-    plan.sfb_ld = static_cast<int32_t>(b_scale.size(2));
-  }
   execute(plan, stream, alloc);
 }
 

@@ -49,10 +49,9 @@ enum class Fp8Operands {
   wgrad  ///< A, B = columnwise (transposed) grouped rows (K = count_e), D = dW_e
 };
 
-/// The CTA tile is 128x128x128 or, for fprop/dgrad in 2x1 clusters, 128x192x128, the wgmma
-/// accumulators promoted to fp32 every 128 of the reduction; or, for tensorwise rows with fast
-/// accumulation, 128x256x128 without promotion (sm90_fp8_grouped_gemm.cuh). The cluster is 1x1, 2x1
-/// or 2x2.
+/// The CTA tile is 128x128x128, the wgmma accumulators promoted to fp32 every 128 of the reduction;
+/// or, for tensorwise rows with fast accumulation, 128x256x128 without promotion
+/// (sm90_fp8_grouped_gemm.cuh). The cluster is 1x1, 2x1 or 2x2.
 enum class Fp8Tile {
   t128x128,     ///< cluster 1x1: every instantiation
   t128x128_2x1,  ///< clusters of two CTAs along M, each loading half of B's tile and
@@ -63,15 +62,12 @@ enum class Fp8Tile {
                  ///< e4m3 A, no fused bias; choose_rows_tile in fp8_grouped_gemm.cu)
   t128x256,      ///< 128x256x128 tiles with fast accumulation (Fp8GemmOptions), cluster 1x1:
                  ///< tensorwise rows only (e4m3 A, no fused bias)
-  t128x256_2x1,  ///< the same in clusters of two along M
-  t128x192_2x1   ///< 128x192x128 promoted tiles in clusters of two along M: fprop/dgrad with e4m3
-                 ///< A, with or without a fused bias, wherever the promoted kernels take 2x1
-                 ///< (choose_rows_tile); blockwise reads B's scales per 64-column block
+  t128x256_2x1   ///< the same in clusters of two along M
 };
 
 /// The CTA tile's N extent of an instantiation.
 constexpr int fp8_tile_n(Fp8Tile t) {
-  return t == Fp8Tile::t128x256 || t == Fp8Tile::t128x256_2x1 ? 256 : t == Fp8Tile::t128x192_2x1 ? 192 : 128;
+  return t == Fp8Tile::t128x256 || t == Fp8Tile::t128x256_2x1 ? 256 : 128;
 }
 
 /// Everything one launch reads: the plain grouped GEMM arrays plus the FP8 scale arrays.

@@ -560,11 +560,6 @@ int forced_fp8_rows_cluster() {
   return forced >= 0 ? forced : forced_cluster();
 }
 
-int forced_fp8_rows_n() {
-  static const int forced = env_option("GMOE_FP8_ROWS_N", {"128", "192"});
-  return forced;
-}
-
 // A 2x1 cluster halves the L2-to-SM traffic of B's tiles (TMA multicast) but schedules tiles in
 // pairs along M: a group whose M tiles are odd in number computes one all-out-of-range tile per N
 // tile. The weight gradient's M is the layer's N, host-known. Measured on an H100 (2026-11-24,

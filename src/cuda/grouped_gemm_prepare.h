@@ -231,8 +231,5 @@ int forced_cluster();
 /// The FP8 fprop/dgrad cluster forced by GMOE_FP8_ROWS_CLUSTER (same values, read once), else by
 /// GMOE_CLUSTER; -1 when neither forces one.
 int forced_fp8_rows_cluster();
-/// The promoted FP8 fprop/dgrad tile width in 2x1 clusters forced by GMOE_FP8_ROWS_N=128|192 (read
-/// once): 0 for 128, 1 for 192, -1 when unset (the default: 192).
-int forced_fp8_rows_n();
 
 }  // namespace gmoe::cuda_backend

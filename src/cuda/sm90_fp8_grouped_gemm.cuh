@@ -16,12 +16,6 @@
 //               wgmmas run); the epilogue multiplies by the group's alpha_e = sa[e]·sb[e], read
 //               through a per-group pointer array. With fast accumulation (128x256 tiles) the
 //               tensor cores accumulate the whole reduction: CUTLASS's mainloop as it is.
-// fprop/dgrad in 2x1 clusters take 128x192 tiles (Fp8Tile::t128x192_2x1): 96 accumulators per
-// thread leave no room for a second partial fragment, so the k-loop is serial there (each
-// warpgroup waits for its k-tile's wgmmas, then promotes, while the other warpgroup's run):
-// CUTLASS's own FP8 loop for tensorwise, promoted_k_loop<..., false> for blockwise, whose weight
-// scales (128x128 blocks) a 192-wide tile reads per 64-column block (fp8_grouped_gemm.cu expands
-// them). Why, measured: Fp8GemmTypes.
 //
 // The scale layout of a group. In CUTLASS 4.2 the grouped blockwise mainloop derives each group's
 // scale layout from its problem shape alone (K-major: row stride ceil(K/128); MN-major: k-block
@@ -91,7 +85,7 @@ struct ScaledBiasTree {
 /// `Collective`: the CUTLASS collective whose operand stages (`shared_tensors`) are read.
 /// `prepare(stage)` runs while k-tile `stage`'s wgmmas may still be in flight (the scale loads);
 /// `promote(part, stage)` once they have completed: accum += part, scaled.
-template <class Collective, bool kOverlap = true, class FrgTensorC, class Prepare, class Promote>
+template <class Collective, class FrgTensorC, class Prepare, class Promote>
 CUTLASS_DEVICE void promoted_k_loop(typename Collective::TensorStorage& shared_tensors, int thread_idx,
                                     FrgTensorC& accum, typename Collective::MainloopPipeline& pipeline,
                                     typename Collective::PipelineState smem_pipe_read, int k_tile_count,
@@ -153,20 +147,6 @@ CUTLASS_DEVICE void promoted_k_loop(typename Collective::TensorStorage& shared_t
     ++smem_pipe_release;
   };
 
-  if constexpr (!kOverlap) {
-    // One fragment: each k-tile's wgmmas, their wait, then the promotion. The two consumer
-    // warpgroups overlap each other instead (one promotes while the other's wgmmas run).
-    CUTLASS_PRAGMA_NO_UNROLL
-    for (int t = 0; t < k_tile_count; ++t) {
-      const int stage = issue_next(part0);
-      prepare(stage);
-      warpgroup_wait<0>();
-      promote_fenced(part0, stage);
-      release();
-    }
-    warpgroup_fence_operand(accum);
-    return;
-  }
   // k-tile t's wgmmas run into one fragment while t-1's partial sums in the other are promoted.
   // The steady state takes two k-tiles per trip so that the fragments are named statically and
   // every wgmma wait is unconditional (ptxas serializes wgmmas it cannot prove are waited for).
@@ -263,13 +243,8 @@ struct BlockwiseMainloop : Base {
   using SmemLayoutSFB = typename Base::SmemLayoutSFB;
   static_assert(Base::ScaleMsPerTile == cute::size<0>(TileShape{}),
                 "A is scaled row by row (1x128 blocks)");
-  // The weights' scales of a 192-wide tile: 64-column blocks (each 128x128 block's scale read as
-  // two, from the expanded copy that fp8_grouped_gemm.cu makes for these kernels).
-  static constexpr bool kWeightBlocks64 =
-      Base::ScaleNsPerTile > 1 && Base::ScaleNsPerTile * 64 == cute::size<1>(TileShape{});
-  static_assert(Base::ScaleNsPerTile == 1 || Base::ScaleNsPerTile == cute::size<1>(TileShape{}) || kWeightBlocks64,
-                "B is scaled per 128-column block (weights), per 64-column block (weights, 192-wide "
-                "tiles) or column by column (wgrad's x)");
+  static_assert(Base::ScaleNsPerTile == 1 || Base::ScaleNsPerTile == cute::size<1>(TileShape{}),
+                "B is scaled per 128-column block (weights) or column by column (wgrad's x)");
   static_assert(Base::ScalePromotionInterval * cute::size<2>(typename TiledMma::AtomShape_MNK{}) ==
                     cute::size<2>(TileShape{}),
                 "one scale block along K per k-tile: every k-tile is promoted");
@@ -348,43 +323,8 @@ struct BlockwiseMainloop : Base {
         }
       }
     };
-    if constexpr (kWeightBlocks64) {
-      // 192-wide tiles: 96 accumulators per thread leave no room for a second partial fragment, so
-      // the loop is serial (the warpgroups overlap each other). A thread's columns 8j + 2(lane % 4)
-      // (+1) lie in 64-column block j / 8: the two row scales times the tile's block scales of B
-      // are 2 x ScaleNsPerTile products, then one FMA per accumulator.
-      constexpr int kBlocks = Base::ScaleNsPerTile;
-      Tensor sSFBb = make_tensor(make_smem_ptr(shared_tensors.smem_SFB.data()), SmemLayoutSFB{});  // (N,K,PIPE)
-      float sb[kBlocks];
-      auto load_block_scales = [&](int stage) {
-        copy(tCsSFA(_, _, _, make_coord(_0{}, stage)), tCrSFA);
-        CUTLASS_PRAGMA_UNROLL
-        for (int b = 0; b < kBlocks; ++b) sb[b] = sSFBb(64 * b, 0, stage);  // mode 0: (64, blocks):(0, 1)
-      };
-      auto promote_blocks = [&](auto& part, int) {
-        static_assert(cute::size(typename FrgTensorC::layout_type{}) == 32 * kBlocks,
-                      "a 64x(64·blocks) accumulator fragment per warpgroup");
-        float s0[kBlocks], s1[kBlocks];
-        CUTLASS_PRAGMA_UNROLL
-        for (int b = 0; b < kBlocks; ++b) {
-          s0[b] = tCrSFA(0) * sb[b];
-          s1[b] = tCrSFA(2) * sb[b];
-        }
-        CUTLASS_PRAGMA_UNROLL
-        for (int j = 0; j < size(accum) / 4; ++j) {
-          const int b = j / 8;
-          accum(4 * j + 0) = fmaf(part(4 * j + 0), s0[b], accum(4 * j + 0));
-          accum(4 * j + 1) = fmaf(part(4 * j + 1), s0[b], accum(4 * j + 1));
-          accum(4 * j + 2) = fmaf(part(4 * j + 2), s1[b], accum(4 * j + 2));
-          accum(4 * j + 3) = fmaf(part(4 * j + 3), s1[b], accum(4 * j + 3));
-        }
-      };
-      promoted_k_loop<Base, false>(shared_tensors, thread_idx, accum, pipeline, smem_pipe_read, k_tile_count,
-                                   load_block_scales, promote_blocks);
-    } else {
-      promoted_k_loop<Base>(shared_tensors, thread_idx, accum, pipeline, smem_pipe_read, k_tile_count,
-                            load_scales, promote);
-    }
+    promoted_k_loop<Base>(shared_tensors, thread_idx, accum, pipeline, smem_pipe_read, k_tile_count, load_scales,
+                          promote);
   }
 
   /// mma() has released every stage it consumed.
@@ -437,21 +377,14 @@ template <> struct Fp8TileTraits<Fp8Tile::t128x256> : Fp8TileTraits<Fp8Tile::t12
 template <> struct Fp8TileTraits<Fp8Tile::t128x256_2x1> : Fp8TileTraits<Fp8Tile::t128x256> {
   using ClusterShape = cute::Shape<cute::_2, cute::_1, cute::_1>;
 };
-template <> struct Fp8TileTraits<Fp8Tile::t128x192_2x1> : Fp8TileTraits<Fp8Tile::t128x128> {
-  using TileShape = cute::Shape<cute::_128, cute::_192, cute::_128>;
-  using ClusterShape = cute::Shape<cute::_2, cute::_1, cute::_1>;
-};
 
 template <Fp8Scaling S, Fp8Operands Ops, DType Out, bool Bias, DType FormatA, Fp8Tile Tile>
 struct Fp8GemmTypes {
   static_assert(!Bias || (Ops == Fp8Operands::rows && Out == DType::bf16 && FormatA == DType::e4m3),
                 "a fused bias is an fprop epilogue to bf16, for e4m3 activations");
   static_assert(FormatA == DType::e4m3 || FormatA == DType::e5m2, "A is e4m3 or e5m2");
-  static_assert(fp8_tile_n(Tile) == 128 ||
-                    (Ops == Fp8Operands::rows && FormatA == DType::e4m3 &&
-                     (fp8_tile_n(Tile) == 192 || (S == Fp8Scaling::tensorwise && !Bias))),
-                "128x256 tiles (fast accumulation) are compiled for tensorwise rows without a fused bias "
-                "only, 128x192 tiles for rows with e4m3 A");
+  static_assert(fp8_tile_n(Tile) == 128 || (S == Fp8Scaling::tensorwise && Ops == Fp8Operands::rows && !Bias),
+                "128x256 tiles (fast accumulation) are compiled for tensorwise rows without a fused bias only");
   // A: the activations (fprop) or the gradient dy (dgrad, wgrad), e4m3 or e5m2; B: the weights
   // (fprop, dgrad) or the activations (wgrad), e4m3. wgmma takes the mixed pair at full rate.
   using ElementA = std::conditional_t<FormatA == DType::e5m2, cutlass::float_e5m2_t, cutlass::float_e4m3_t>;
@@ -476,14 +409,8 @@ struct Fp8GemmTypes {
   // bytes) and ran 0.32-0.63x the 128x128 one on an H100 (gemm mode, 2026-11-25). Fast
   // accumulation (Fp8GemmOptions: no promotion, the accumulators live in the wgmma registers only)
   // fits 128x256x128 tiles (64x256 per warpgroup, 128 registers, no spills): 1.07-1.27x the promoted
-  // kernel on the large cases (fp8_grouped_gemm.cu, choose_rows_tile). 128x192x128 (64x192 per
-  // warpgroup: 96 + 96 registers, 168 per thread before setmaxnreg, no spills) takes the serial
-  // promotion loop instead of the overlapped one (file comment) and reads 17% fewer operand bytes
-  // per MAC from L2 than 128x128: measured on an H100 (2026-11-26, gemm mode, against 128x128 in 2x1
-  // clusters, interleaved, two calls) blockwise fprop 1.00-1.08x and dgrad 1.00-1.10x on dsv3 and
-  // mixtral's fprop, tensorwise 0.99-1.15x; the GroupedLinear forward+backward on dsv3 within its
-  // noise (0.995-1.022x, four runs each; bench/results/2026-11-26-h100-rows-192.md). The cluster
-  // (Fp8TileTraits) is chosen per call: 2x1 and 2x2 cost an all-out-of-range tile where a group has an odd tile count
+  // kernel on the large cases (fp8_grouped_gemm.cu, choose_rows_tile). The cluster (Fp8TileTraits) is chosen per
+  // call: 2x1 and 2x2 cost an all-out-of-range tile where a group has an odd tile count
   // (fp8_grouped_gemm.cu, choose_rows_tile). A ping-pong 64x128x128 variant (each
   // consumer warpgroup its own tile, one's promotion and epilogue overlapping the other's wgmma)
   // measured 0.85x this one in the geometric mean of the public suite on an H100 (fprop/dgrad
@@ -504,8 +431,7 @@ struct Fp8GemmTypes {
   // 128x128 blocks (weights) or row by row (wgrad's x, 1x128 along tokens). A's scales are
   // MN-major in every pass (grouped rows: token-major; wgrad: token-block-major; see the file
   // comment); the weights' (fprop/dgrad B, one per tile and k-tile) K-major.
-  // 192-wide tiles read the weights' scales per 64-column block (fp8_grouped_gemm.cu expands them).
-  static constexpr int kScaleN = Ops == Fp8Operands::rows ? (fp8_tile_n(Tile) == 192 ? 64 : 128) : 1;
+  static constexpr int kScaleN = Ops == Fp8Operands::rows ? 128 : 1;
   static constexpr auto kScaleMajorB =
       Ops == Fp8Operands::rows ? cute::GMMA::Major::K : cute::GMMA::Major::MN;
   using ScaleConfig =
@@ -536,10 +462,9 @@ struct Fp8GemmTypes {
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename CollectiveEpilogue::SharedStorage))>,
       KernelSchedule>::CollectiveOp;
-  // Tensorwise: CUTLASS's own loop where the overlapped one does not fit (192 and 256 wide).
   using CollectiveMainloop = std::conditional_t<
       S == Fp8Scaling::blockwise, BlockwiseMainloop<BuiltMainloop>,
-      std::conditional_t<fp8_tile_n(Tile) != 128, BuiltMainloop, TensorwiseMainloop<BuiltMainloop>>>;
+      std::conditional_t<fp8_tile_n(Tile) == 256, BuiltMainloop, TensorwiseMainloop<BuiltMainloop>>>;
 
   using Kernel =
       cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
