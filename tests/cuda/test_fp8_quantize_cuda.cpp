@@ -127,7 +127,7 @@ struct CaseRows {
         xd(x),
         counts_d(counts_h) {}
   static HostTensor with_inf_paired_row(HostTensor x, const GroupedCase& c, bool nasty) {
-    if (!nasty || c.cols < 3) return x;
+    if (!nasty || c.cols < 3) return x;  // column 1 must not be the last one (zero in every row)
     int64_t row0 = 0;
     for (int64_t n : c.counts) {
       if (n >= 17) {
