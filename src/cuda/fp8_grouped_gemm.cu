@@ -116,8 +116,8 @@ Fp8KernelEntry find_kernel(Fp8Scaling scaling, Fp8Operands ops, DType out, bool 
   return entry<Fp8Scaling::tensorwise, Fp8Operands::rows, DType::bf16, false, A>();
 }
 
-// bias: fprop with a bf16 bias in the epilogue (blockwise or tensorwise, with an e4m3 A only, see
-// fp8_grouped_gemm_fprop). format_a: A's format (e4m3 or e5m2; B is always e4m3).
+// bias: fprop with a fused bf16 bias (blockwise from the mainloop, tensorwise in the epilogue;
+// e4m3 A only, see fp8_grouped_gemm_fprop). format_a: A's format (e4m3 or e5m2; B always e4m3).
 Fp8KernelEntry find_kernel(Fp8Scaling scaling, Fp8Operands ops, DType out, bool bias, DType format_a,
                            Fp8Tile tile) {
   GMOE_CHECK(!bias || format_a == DType::e4m3, "FP8 grouped GEMM: no fused-bias kernel for an ",
@@ -141,6 +141,19 @@ void check_extent(int64_t v, const char* name, const char* what) {
 
 // FP8 rows are read by TMA in 16-byte units: both GEMM extents of the layer (its K and N) must be
 // multiples of 16 elements. (y/dx rows of N or K bf16 are then 16-byte multiples too.)
+// Whether every expert's bias vector is contiguous and starts at a multiple of `bytes`.
+bool bias_rows_aligned(const ExpertBias& bias, int64_t bytes) {
+  if (bias.is_grouped()) {
+    const TensorView& b = bias.grouped;
+    return b.stride(1) == 1 && aligned(b.data, bytes) &&
+           (b.size(0) <= 1 || (b.stride(0) * static_cast<int64_t>(dtype_size(b.dtype))) % bytes == 0);
+  }
+  for (const TensorView& v : bias.list) {
+    if (!aligned(v.data, bytes) || (v.size(0) > 1 && v.stride(0) != 1)) return false;
+  }
+  return true;
+}
+
 void check_dim16(int64_t v, const char* name, const char* what) {
   GMOE_CHECK(v % 16 == 0, name, ": ", what, " = ", v,
              " is not a multiple of 16; the CUDA FP8 GEMM reads FP8 rows with TMA in 16-byte "
@@ -553,10 +566,13 @@ void fp8_grouped_gemm_fprop(const Fp8Grouped& x, const Fp8Weights& w, const Tens
     mx_rows_pass(x, w.data, w.scale_inv, w.rows, w.cols, w.format, counts, y, stream, alloc, bias);
     return;
   }
-  // A bf16 bias with an e4m3 x: in the epilogue (blockwise acc + bias, tensorwise alpha_e·acc +
-  // bias, in f32 with one rounding; the bias is read element-wise into shared memory, so it needs
-  // no alignment). Other bias dtypes and an e5m2 x: a second pass over y.
-  if (bias.defined() && bias.dtype() == DType::bf16 && x.format == DType::e4m3) {
+  // A bf16 bias with an e4m3 x, fused: blockwise starts the accumulators from the bias (each
+  // tile's 128 values copied 16 bytes at a time, so every expert's bias must start 16-byte
+  // aligned), tensorwise adds it in the epilogue (alpha_e·acc + bias, read element-wise: any
+  // alignment); both in f32 with one rounding. Otherwise (another dtype, an e5m2 x, a misaligned
+  // blockwise bias, K = 0 where y = bias): a second pass over y.
+  if (bias.defined() && bias.dtype() == DType::bf16 && x.format == DType::e4m3 && x.cols > 0 &&
+      (x.recipe != Fp8Recipe::blockwise || bias_rows_aligned(bias, 16))) {
     rows_pass(GemmPass::fprop, x, w.data, w.scale_inv, counts, y, stream, alloc, fast_accumulation, &bias);
     return;
   }

@@ -1,4 +1,4 @@
-// src/cuda/sm90_fp8_grouped_gemm_blockwise_rows_bias.cu — FP8 (e4m3 A and B) fprop grouped GEMM, blockwise scales, bf16 out + bf16 bias in the epilogue, cooperative 128x128x128.
+// src/cuda/sm90_fp8_grouped_gemm_blockwise_rows_bias.cu — FP8 (e4m3 A and B) fprop grouped GEMM, blockwise scales, bf16 out + bf16 bias (the accumulators start from it: BlockwiseMainloop), cooperative 128x128x128.
 // One explicit instantiation per file: the CUTLASS templates compile in parallel and only once.
 #include "cuda/sm90_fp8_grouped_gemm.cuh"
 

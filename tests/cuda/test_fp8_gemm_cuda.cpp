@@ -71,29 +71,37 @@ const char* recipe_str(Fp8Recipe r) { return fp8_recipe_name(r); }
 // ---------------------------------------------------------------------------------------------
 // The passes.
 
-// with_bias: a per-expert bf16 bias, grouped [E, N] or a list, added in the epilogue by every
-// recipe (blockwise and tensorwise in the FP8 kernels, mxfp8 in the bf16 fprop it runs on): one
-// rounding of the f32 result, the bound of the exact sum. `bias_list`, if given: whether the bias
-// was a list (a list leaves the experts whole: no row chunks).
+// with_bias: a per-expert bf16 bias, grouped [E, N] or a list, fused by every recipe (blockwise
+// from the accumulators' start, tensorwise in the epilogue, mxfp8 in the bf16 fprop it runs on):
+// one rounding of the f32 result, the bound of the exact sum. `bias_list`, if given: whether the
+// bias was a list (a list leaves the experts whole: no row chunks). bias_offset: every expert's
+// vector starts that many elements past a 256-byte boundary (an odd offset is not the 16-byte
+// alignment the blockwise kernel copies the bias with: the second pass then adds it).
 void check_fprop(const ShapeCase& c, Fp8Recipe recipe, Rng& rng, bool with_bias = false,
-                 const Fp8GemmOptions& options = {}, bool* bias_list = nullptr) {
+                 const Fp8GemmOptions& options = {}, bool* bias_list = nullptr, int64_t bias_offset = 0) {
   const Fp8Problem p(c, recipe, rng, rng.integer(0, 1) ? DType::i32 : DType::i64);
   HostTensor bias(DType::bf16, {c.E, c.N});
   fill_random(bias, rng, -2.0, 2.0);
   const bool as_list = rng.integer(0, 1) == 1;
   if (bias_list != nullptr) *bias_list = with_bias && as_list;
-  DeviceTensor bias_d(bias);
+  // The grouped bias, [E, N] at bias_offset elements into its buffer.
+  HostTensor grouped_h(DType::bf16, {c.E * c.N + bias_offset});
+  for (int64_t i = 0; i < c.E * c.N; ++i) grouped_h.set(bias_offset + i, bias.get(i));
+  DeviceTensor bias_d(grouped_h);
+  auto at_offset = [bias_offset](const TensorView& buffer, std::initializer_list<int64_t> shape) {
+    return TensorView(static_cast<char*>(buffer.data) + bias_offset * 2, DType::bf16, buffer.device, shape);
+  };
   std::vector<DeviceTensor> rows_d;
   std::vector<TensorView> list_d;
   for (int64_t e = 0; e < c.E; ++e) {
-    HostTensor v(DType::bf16, {c.N});
-    for (int64_t n = 0; n < c.N; ++n) v.set(n, bias.get(e * c.N + n));
+    HostTensor v(DType::bf16, {c.N + bias_offset});
+    for (int64_t n = 0; n < c.N; ++n) v.set(bias_offset + n, bias.get(e * c.N + n));
     rows_d.emplace_back(v);
   }
-  for (DeviceTensor& r : rows_d) list_d.push_back(r.view());
+  for (DeviceTensor& r : rows_d) list_d.push_back(at_offset(r.view(), {c.N}));
   const ExpertBias bias_v = !with_bias ? ExpertBias()
                             : as_list  ? ExpertBias::from_list(list_d)
-                                       : ExpertBias::from_grouped(bias_d.view());
+                                       : ExpertBias::from_grouped(at_offset(bias_d.view(), {c.E, c.N}));
   DeviceGrouped x(p.x.q);
   DeviceWeights w(p.w.q);
   DeviceTensor counts(p.base.counts);
@@ -131,7 +139,7 @@ void check_fprop(const ShapeCase& c, Fp8Recipe recipe, Rng& rng, bool with_bias 
 
 // grad_format: dy's format (e5m2 runs the kernels whose A operand is e5m2).
 // x in e5m2 (the weights in e4m3): the kernels whose A operand is e5m2, and for a bias its second
-// pass (the fused-bias epilogue is compiled for e4m3 x only).
+// pass (the fused-bias kernels are compiled for e4m3 x only).
 void check_fprop_e5m2_x(const ShapeCase& c, Fp8Recipe recipe, Rng& rng) {
   const Fp8Problem p(c, recipe, rng);
   Fp8QuantizeOptions o;
@@ -304,6 +312,20 @@ TEST_P(CudaFp8Gemm, Fprop) {
 TEST_P(CudaFp8Gemm, FpropBias) {
   Rng rng;
   check_fprop(make(rng), recipe(), rng, /*with_bias=*/true);
+}
+
+// The bias's second pass (fp8_grouped_gemm_fprop): an expert's bias not 16-byte aligned (2 bytes
+// past a boundary) and an empty reduction (K = 0: y = bias on every counted row).
+TEST_P(CudaFp8Gemm, FpropBiasSecondPass) {
+  Rng rng;
+  {
+    SCOPED_TRACE("bias 2 bytes past 16-byte alignment");
+    check_fprop(make(rng), recipe(), rng, /*with_bias=*/true, {}, nullptr, /*bias_offset=*/1);
+  }
+  {
+    SCOPED_TRACE("K = 0");
+    check_fprop(fixed_case("k0", 32, 0, {5, 0, 7}, 3), recipe(), rng, /*with_bias=*/true);
+  }
 }
 
 TEST_P(CudaFp8Gemm, Dgrad) {
