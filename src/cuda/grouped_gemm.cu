@@ -380,8 +380,9 @@ void grouped_gemm_fprop(const TensorView& x, const ExpertWeights& w, const Tenso
     return;
   }
   // bf16 with a bf16 bias: in the epilogue (the bias is read element-wise into shared memory, so
-  // it needs no alignment). Other dtypes: a second pass over y.
-  if (bias_in_epilogue(x.dtype, bias.dtype(), y.dtype)) {
+  // it needs no alignment). Other dtypes, and an empty reduction (K = 0 runs no GEMM, so y = 0 +
+  // bias needs the bias added to the zeroed rows): a second pass over y.
+  if (bias_in_epilogue(x.dtype, bias.dtype(), y.dtype) && x.size(1) > 0) {
     rows_pass(GemmPass::fprop, x, w, counts, y, stream, alloc, "x", "y", &bias);
     return;
   }

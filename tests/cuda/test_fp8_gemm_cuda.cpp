@@ -127,14 +127,20 @@ void check_fprop(const ShapeCase& c, Fp8Recipe recipe, Rng& rng, bool with_bias 
                              recipe_bound_fprop(p, u, DType::bf16), "fprop vs bf16 source"));
     return;
   }
+  const std::vector<double> product = exact.value;
   int64_t row = 0;
   for (int64_t e = 0; e < c.E; ++e) {
     for (int64_t r = 0; r < c.counts[e]; ++r, ++row) {
       for (int64_t n = 0; n < c.N; ++n) exact.value[row * c.N + n] += bias.get(e * c.N + n);
     }
   }
-  EXPECT_TRUE(within_bound(got, exact.value, tight_bound(exact, DType::bf16, fast_k),
-                           std::string("fprop + bias (") + (as_list ? "list)" : "grouped)")));
+  std::vector<double> bound = tight_bound(exact, DType::bf16, fast_k);
+  // A bias off 16-byte alignment: blockwise (and the bf16 GEMM behind mxfp8) add it in a second
+  // pass, after y's rounding to bf16; tensorwise's epilogue reads it at any alignment.
+  if (bias_offset % 8 != 0 && recipe != Fp8Recipe::tensorwise) {
+    for (size_t i = 0; i < bound.size(); ++i) bound[i] += unit_roundoff(DType::bf16) * std::abs(product[i]);
+  }
+  EXPECT_TRUE(within_bound(got, exact.value, bound, std::string("fprop + bias (") + (as_list ? "list)" : "grouped)")));
 }
 
 // grad_format: dy's format (e5m2 runs the kernels whose A operand is e5m2).

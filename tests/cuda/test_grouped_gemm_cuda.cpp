@@ -226,6 +226,7 @@ TEST_P(CudaGroupedGemm, FpropWithBias) {
   check_fprop_bias(make(rng), dtype(), layout(), rng);
 }
 
+
 TEST_P(CudaGroupedGemm, Dgrad) {
   Rng rng;
   check_dgrad(make(rng), dtype(), layout(), rng);
@@ -266,6 +267,19 @@ INSTANTIATE_TEST_SUITE_P(LargeCases, CudaGroupedGemm,
 // The second-pass bias add (grouped_bias_add) bitwise against the CPU's: 16-bit y with a bias of
 // its dtype or f32, grouped or a list, N a multiple of 8 (16-byte path) or not (element path), a
 // padded row stride, empty experts and rows past the total (left as they were).
+// An empty reduction (K = 0): y = bias on every counted row, also where the bias would be fused
+// (bf16 with a bf16 bias), whose GEMM does not run.
+TEST(CudaGroupedGemmEdge, FpropWithBiasEmptyReduction) {
+  GMOE_SKIP_WITHOUT_GPU();
+  Rng rng;
+  for (DType dtype : {DType::bf16, DType::f16}) {
+    for (Layout layout : {Layout::kStacked, Layout::kList}) {
+      SCOPED_TRACE(std::string(dtype_name(dtype)) + (layout == Layout::kList ? ", list" : ", stacked"));
+      check_fprop_bias(fixed_case("k0", 32, 0, {5, 0, 7}, 3), dtype, layout, rng, /*bias_of_x_dtype=*/true);
+    }
+  }
+}
+
 TEST(CudaGroupedBiasAdd, BitwiseTheCpuOnEveryPath) {
   GMOE_SKIP_WITHOUT_GPU();
   Rng rng;
