@@ -139,8 +139,6 @@ void check_extent(int64_t v, const char* name, const char* what) {
              " exceeds the 32-bit extents of the CUDA grouped GEMM");
 }
 
-// FP8 rows are read by TMA in 16-byte units: both GEMM extents of the layer (its K and N) must be
-// multiples of 16 elements. (y/dx rows of N or K bf16 are then 16-byte multiples too.)
 // Whether every expert's bias vector is contiguous and starts at a multiple of `bytes`.
 bool bias_rows_aligned(const ExpertBias& bias, int64_t bytes) {
   if (bias.is_grouped()) {
@@ -154,6 +152,8 @@ bool bias_rows_aligned(const ExpertBias& bias, int64_t bytes) {
   return true;
 }
 
+// FP8 rows are read by TMA in 16-byte units: both GEMM extents of the layer (its K and N) must be
+// multiples of 16 elements. (y/dx rows of N or K bf16 are then 16-byte multiples too.)
 void check_dim16(int64_t v, const char* name, const char* what) {
   GMOE_CHECK(v % 16 == 0, name, ": ", what, " = ", v,
              " is not a multiple of 16; the CUDA FP8 GEMM reads FP8 rows with TMA in 16-byte "
