@@ -365,6 +365,10 @@ PreparedCall prepare_call(const CallPlan& plan, std::size_t cutlass_bytes, cudaS
   const int sms = sm_count(device);
   const int E = plan.prep.num_experts;
   const bool wgrad = plan.prep.pass == GemmPass::wgrad;
+  // An empty reduction runs no GEMM, so a fused bias would never be added: the dispatchers send
+  // such calls to the bias's second pass (y = 0 + bias).
+  GMOE_CHECK(!plan.zero_all_rows || plan.bias == nullptr,
+             "grouped GEMM: a fused bias with an empty reduction (K = 0)");
   // Lists of expert tensors or biases: their pointers are written per expert, by value, after the
   // preparation kernel (which computes stacked and grouped ones itself).
   const bool experts_list = plan.experts != nullptr && !plan.experts->is_stacked();

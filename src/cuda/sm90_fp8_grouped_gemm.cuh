@@ -509,8 +509,9 @@ struct Fp8GemmTypes {
 
   static constexpr int kAlignAB = 16;  // TMA: 16-byte aligned rows of 1-byte elements
   // The shared memory the stage count leaves for the mainloop bias (BlockwiseMainloop's per-stage
-  // 128 bf16), as for up to 8 stages.
-  static constexpr int kBiasCarveout = 8 * 128 * 2;
+  // tile row of bf16), as for up to 8 stages (the static_assert below checks the total).
+  static constexpr int kBiasCarveout =
+      8 * cute::size<1>(typename Fp8TileTraits<Tile>::TileShape{}) * static_cast<int>(sizeof(cutlass::bfloat16_t));
   static constexpr int kAlignD = 16 / sizeof(ElementD);
 
   // Scale granularity (M, N, K): A rows are scaled one by one (1x128 blocks along K); B by
