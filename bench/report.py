@@ -245,12 +245,14 @@ def main():
                 write_markdown_table(f, layer)
             if fp8_layer:
                 f.write("\nGroupedLinear with FP8 recipes (quantization of x, dy and the weights inside, weights "
-                        "quantized in every forward) against the bf16 layer timed interleaved with it, and "
+                        "quantized in every forward, or once with '+cached_weights') against the bf16 layer timed "
+                        "interleaved with it, and "
                         "against the bf16 layer timed alone in the same run (at a power cap the interleaved "
                         "pair shares the clocks the limiter sets).\n\n")
                 write_markdown_table(f, fp8_layer)
             if fp8_mlp:
-                f.write("\nGroupedMLP with FP8 recipes on both FCs (weights quantized in every forward) against the "
+                f.write("\nGroupedMLP with FP8 recipes on both FCs (weights quantized in every forward, or once with "
+                        "'+cached_weights') against the "
                         "bf16 GroupedMLP timed interleaved with it, and against it timed beside the unfused one in "
                         "the same run.\n\n")
                 write_markdown_table(f, fp8_mlp)

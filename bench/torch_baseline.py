@@ -40,7 +40,8 @@ layer (the gemm cases, as gmoe-bench --mode layer): the GroupedLinear forward an
            multiple of 16 (see fp8_rowwise_rows): on other counts only the forward is timed.
 offs are the cumulative int32 row offsets of the counts.
 
-Timed with CUDA events: warm-up, then the median of --iters runs. Writes rows in the
+Timed with CUDA events: warm-up, then (mlp and layer cases) --warm-ms of untimed back-to-back work,
+then the median of --iters runs. Writes rows in the
 BENCHMARKS.md results format (correct null). --dry-run prints the cases and what would be timed
 without importing torch.
 
@@ -59,7 +60,7 @@ def time_ms(fn, warmup, iters, warm_ms=0.0):
     for _ in range(warmup):
         fn()
     # warm_ms: more untimed runs until that much wall-clock time of back-to-back work has passed,
-    # so the timed runs see the clocks of sustained load (gmoe-bench's --mlp-warm-ms does the same).
+    # so the timed runs see the clocks of sustained load (gmoe-bench's --warm-ms does the same).
     t0 = time.time()
     while warm_ms > 0:
         torch.cuda.synchronize()
@@ -383,7 +384,7 @@ def layer_rows(case, args, errors):
                                    "error": "skipped: torch._scaled_grouped_mm (2d x 2d) needs every count to "
                                             "be a multiple of 16"})
                     continue
-                r = row(case, name, impl, time_ms(fn, args.warmup, args.iters), f)
+                r = row(case, name, impl, time_ms(fn, args.warmup, args.iters, args.warm_ms), f)
                 if impl != "torch_linear":
                     r["dtype"] = "fp8"
                 if note:
@@ -506,7 +507,7 @@ def mlp_rows(case, args, errors):
             continue
         for pass_name, run, pass_flops in (("forward", forward, flops), ("forward_backward", forward_backward, 3 * flops)):
             try:
-                ms = time_ms(run, args.warmup, args.iters, args.mlp_warm_ms)
+                ms = time_ms(run, args.warmup, args.iters, args.warm_ms)
                 out.append(row(case, pass_name, impl, ms, pass_flops))
             except Exception as e:
                 msg = f"{type(e).__name__}: {e}"
@@ -552,8 +553,9 @@ def main():
     ap.add_argument("--no-compile", action="store_true", help="mlp and layer: skip the torch.compile baselines")
     ap.add_argument("--no-fp8", action="store_true", help="gemm and layer: skip torch._scaled_grouped_mm")
     ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--mlp-warm-ms", type=float, default=1000.0,
-                    help="mlp cases: ms of back-to-back untimed work before each timing (clocks of sustained load)")
+    ap.add_argument("--warm-ms", "--mlp-warm-ms", dest="warm_ms", type=float, default=1000.0,
+                    help="mlp and layer cases: ms of back-to-back untimed work before each timing (clocks of "
+                         "sustained load, as gmoe-bench's --warm-ms)")
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--dry-run", action="store_true", help="print the cases and what would be timed, then exit")
     args = ap.parse_args()

@@ -144,6 +144,9 @@ for stage in "${stages[@]}"; do
       # GMOE_BENCH_MODE (a list of gemm, layer, mlp, all; default all) and the FP8 recipes of the
       # gemm and layer modes (GMOE_BENCH_FP8, GMOE_BENCH_LAYER_FP8; "none" for none) narrow a run to
       # what a session still needs; torch always runs beside it (GMOE_TORCH_KIND: gemm, mlp or all).
+      # GMOE_BENCH_WARM_MS (default 1000): the sustained work before each layer and mlp timing, in
+      # both gmoe-bench and torch (0 saves about 4 minutes of the full run, timing those at boost clocks).
+      warm="${GMOE_BENCH_WARM_MS:-1000}"
       fp8="${GMOE_BENCH_FP8:-blockwise,tensorwise,tensorwise_fast,mxfp8}"
       layer_fp8="${GMOE_BENCH_LAYER_FP8:-fp8_blockwise,fp8_tensorwise,mxfp8}"
       fp8_args=()
@@ -151,13 +154,13 @@ for stage in "${stages[@]}"; do
       [ "$layer_fp8" != none ] && fp8_args+=(--layer-fp8 "$layer_fp8")
       : >"$OUT/bench.log"
       for mode in ${GMOE_BENCH_MODE:-all}; do
-        "$BUILD/gmoe-bench" --suite bench/suites/public.json --mode "$mode" --iters 20 \
+        "$BUILD/gmoe-bench" --suite bench/suites/public.json --mode "$mode" --iters 20 --warm-ms "$warm" \
           "${fp8_args[@]}" --json "$OUT/gmoe_$mode.json" >>"$OUT/bench.log" 2>&1 || status=1
       done
       grep -E "^  E = |the same for E = 8 and E = 256" "$OUT/bench.log" | tee -a "$OUT/summary.txt"
       tail -5 "$OUT/bench.log" | tee -a "$OUT/summary.txt"
       PYTHONUNBUFFERED=1 python3 bench/torch_baseline.py --suite bench/suites/public.json --iters 20 \
-        --kind "${GMOE_TORCH_KIND:-all}" --json "$OUT/torch.json" >>"$OUT/bench.log" 2>&1 || summary "torch baseline: FAILED"
+        --warm-ms "$warm" --kind "${GMOE_TORCH_KIND:-all}" --json "$OUT/torch.json" >>"$OUT/bench.log" 2>&1 || summary "torch baseline: FAILED"
       python3 bench/report.py "$OUT"/gmoe_*.json "$OUT/torch.json" --out "$OUT/results.json" \
         --markdown "$OUT/results.md" | tee -a "$OUT/bench.log"
       rm -f "$OUT"/gmoe_*.json "$OUT/torch.json"
@@ -231,7 +234,7 @@ PY
         # shellcheck disable=SC2086
         timeout "${GMOE_PROFILE_TIMEOUT:-120}" ncu --csv --print-units base --metrics gpu__time_duration.sum \
           --clock-control none --cache-control none --launch-count "${GMOE_TIMELINE_LAUNCHES:-60}" \
-          "$BUILD/gmoe-bench" --suite bench/suites/public.json $args --iters 1 --warmup 0 \
+          "$BUILD/gmoe-bench" --suite bench/suites/public.json $args --iters 1 --warmup 0 --warm-ms 0 \
           >/tmp/gmoe_timeline.csv 2>>"$OUT/timeline.log" || status=1
         cat /tmp/gmoe_timeline.csv >>"$OUT/timeline.log"
         python3 - /tmp/gmoe_timeline.csv >>"$OUT/timeline.txt" <<'PY' || status=1

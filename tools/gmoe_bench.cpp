@@ -128,9 +128,11 @@ int main(int argc, char** argv) {
   app.add_option("--mlp-glu-block", o.mlp_glu_block,
                  "mlp mode: FC1's gate/up rows interleaved in blocks of this many (0: concatenated; 8 or 16: the "
                  "layouts in which FC1's epilogue can compute SwiGLU, GMOE_FUSED_ACTIVATION=1)");
-  app.add_option("--mlp-warm-ms", o.mlp_warm_ms,
-                 "mlp mode (CUDA): milliseconds of back-to-back untimed work before each timing, to time at "
-                 "the clocks of sustained load (as bench/torch_baseline.py's --mlp-warm-ms)");
+  app.add_option("--warm-ms,--mlp-warm-ms", o.warm_ms,
+                 "layer and mlp modes (CUDA): milliseconds of back-to-back untimed work before each timing, so "
+                 "that it runs at the clocks of sustained load, as in training (an H100 at its 700 W cap runs "
+                 "GEMMs near 1.5 GHz instead of 1.98); 0 times right after the warm-up runs. "
+                 "bench/torch_baseline.py's --warm-ms does the same");
   app.add_option("--pass", o.only_pass, "gemm mode: only this pass (e.g. to profile one kernel)")
       ->check(CLI::IsMember({"fprop", "dgrad", "wgrad"}));
   CLI11_PARSE(app, argc, argv);

@@ -174,13 +174,13 @@ std::vector<ResultRow> run_layer_case_cuda(const BenchCase& c, const BenchOption
   };
   auto native_forward = [&](int i) { layer_forward(layers[i % b.sets], b, i, stream); };
   auto native_forward_backward = [&](int i) { layer_forward_backward(layers[i % b.sets], b, i, stream); };
-  const std::vector<double> fwd = time_interleaved_ms({native_forward, bare_fprop}, o.warmup, o.iters, stream);
+  const std::vector<double> fwd = time_interleaved_ms({native_forward, bare_fprop}, o.warmup, o.iters, stream, o.warm_ms);
   const std::vector<double> fb = time_interleaved_ms({native_forward_backward,
                                                       [&](int i) {
                                                         bare_fprop(i);
                                                         bare_backward(i);
                                                       }},
-                                                     o.warmup, o.iters, stream);
+                                                     o.warmup, o.iters, stream, o.warm_ms);
   t.forward_ms = fwd[0];
   t.forward_bare_ms = fwd[1];
   t.forward_backward_ms = fb[0];
@@ -215,9 +215,9 @@ std::vector<ResultRow> run_layer_case_cuda(const BenchCase& c, const BenchOption
     LayerTimes ft;
     ft.forward_nodes = capture_node_counts([&] { fp8_forward(0); }, stream);
     ft.forward_backward_nodes = capture_node_counts([&] { fp8_forward_backward(0); }, stream);
-    const std::vector<double> ffwd = time_interleaved_ms({fp8_forward, native_forward}, o.warmup, o.iters, stream);
+    const std::vector<double> ffwd = time_interleaved_ms({fp8_forward, native_forward}, o.warmup, o.iters, stream, o.warm_ms);
     const std::vector<double> ffb =
-        time_interleaved_ms({fp8_forward_backward, native_forward_backward}, o.warmup, o.iters, stream);
+        time_interleaved_ms({fp8_forward_backward, native_forward_backward}, o.warmup, o.iters, stream, o.warm_ms);
     ft.forward_ms = ffwd[0];
     ft.forward_bare_ms = ffwd[1];
     ft.forward_backward_ms = ffb[0];

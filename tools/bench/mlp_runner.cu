@@ -175,11 +175,11 @@ std::vector<ResultRow> run_mlp_case_cuda(const BenchCase& c, const BenchOptions&
   const std::vector<double> fwd = time_interleaved_ms(
       {[&](int i) { mlp_forward(mlps[i % b.sets], b, i, stream); },
        [&](int i) { unfused_forward(unfused[i % b.sets], b, i, stream); }},
-      o.warmup, o.iters, stream, o.mlp_warm_ms);
+      o.warmup, o.iters, stream, o.warm_ms);
   const std::vector<double> fb = time_interleaved_ms(
       {[&](int i) { mlp_forward_backward(mlps[i % b.sets], b, i, stream); },
        [&](int i) { unfused_forward_backward(unfused[i % b.sets], b, i, stream); }},
-      o.warmup, o.iters, stream, o.mlp_warm_ms);
+      o.warmup, o.iters, stream, o.warm_ms);
   // The activation alone: h [rows, R1] (FC1's output of set 0, rebuilt by one GroupedMLP forward
   // is not needed: any values time alike), z and dz [rows, F], dh [rows, R1].
   DeviceBuffer h(c.rows * R1 * es), z(c.rows * c.ffn * es), dz(c.rows * c.ffn * es), dh(c.rows * R1 * es);
@@ -192,13 +192,13 @@ std::vector<ResultRow> run_mlp_case_cuda(const BenchCase& c, const BenchOptions&
   auto act_forward = [&](int) { grouped_activation_forward(hv, b.cv(), zv, act, {}, stream); };
   auto act_backward = [&](int) { grouped_activation_backward(hv, dzv, b.cv(), dhv, act, {}, {}, {}, stream); };
   // After the same sustained warm-up as the MLP rows, so that the share compares like with like.
-  const double act_fwd = time_ms(act_forward, o.warmup, o.iters, stream, o.mlp_warm_ms);
+  const double act_fwd = time_ms(act_forward, o.warmup, o.iters, stream, o.warm_ms);
   const double act_fb = time_ms(
       [&](int i) {
         act_forward(i);
         act_backward(i);
       },
-      o.warmup, o.iters, stream, o.mlp_warm_ms);
+      o.warmup, o.iters, stream, o.warm_ms);
   check_device_errors(stream);
   std::vector<ResultRow> rows = mlp_rows(c, dt, "gmoe", {fwd[0], fb[0]}, chk_mlp, o.mlp_main_grad);
   const std::vector<ResultRow> u = mlp_rows(c, dt, "gmoe_unfused", {fwd[1], fb[1]}, chk_unfused, o.mlp_main_grad);
@@ -230,7 +230,7 @@ std::vector<ResultRow> run_mlp_case_cuda(const BenchCase& c, const BenchOptions&
                                     pass(fp8[i % b.sets], b, i, stream);
                                   },
                                   [&](int i) { pass(mlps[i % b.sets], b, i, stream); }},
-                                 o.warmup, o.iters, stream, o.mlp_warm_ms);
+                                 o.warmup, o.iters, stream, o.warm_ms);
     };
     const std::vector<double> f = against_bf16(mlp_forward);
     const std::vector<double> g = against_bf16(mlp_forward_backward);

@@ -34,10 +34,11 @@ struct BenchOptions {
   bool mlp_main_grad = false;
   /// mlp mode: FC1's gate/up rows interleaved in blocks of this many (0: concatenated).
   int64_t mlp_glu_block = 0;
-  /// mlp mode on CUDA: wall-clock milliseconds of untimed back-to-back work before each timing,
-  /// so that GroupedMLP and bench/torch_baseline.py's compositions (which warm the same way) are
-  /// timed at the clocks of sustained load (cuda_util.h, time_interleaved_ms).
-  double mlp_warm_ms = 1000;
+  /// layer and mlp modes on CUDA: wall-clock milliseconds of untimed back-to-back work before each
+  /// timing, so that GroupedLinear, GroupedMLP and bench/torch_baseline.py's compositions (which
+  /// warm the same way) are timed at the clocks of sustained load (cuda_util.h,
+  /// time_interleaved_ms). gemm mode times bursts, as the anchors in BENCHMARKS.md were measured.
+  double warm_ms = 1000;
   /// gemm mode: only this pass (fprop, dgrad or wgrad; empty: all three), e.g. to profile one kernel.
   std::string only_pass;
   bool runs_pass(const std::string& pass) const { return only_pass.empty() || only_pass == pass; }
