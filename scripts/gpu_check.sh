@@ -145,7 +145,7 @@ for stage in "${stages[@]}"; do
       # gemm and layer modes (GMOE_BENCH_FP8, GMOE_BENCH_LAYER_FP8; "none" for none) narrow a run to
       # what a session still needs; torch always runs beside it (GMOE_TORCH_KIND: gemm, mlp or all).
       # GMOE_BENCH_WARM_MS (default 1000): the sustained work before each layer and mlp timing, in
-      # both gmoe-bench and torch (0 saves about 4 minutes of the full run, timing those at boost clocks).
+      # both gmoe-bench and torch (0: a second less per timing, those timed at boost clocks instead).
       warm="${GMOE_BENCH_WARM_MS:-1000}"
       fp8="${GMOE_BENCH_FP8:-blockwise,tensorwise,tensorwise_fast,mxfp8}"
       layer_fp8="${GMOE_BENCH_LAYER_FP8:-fp8_blockwise,fp8_tensorwise,mxfp8}"
