@@ -226,7 +226,6 @@ TEST_P(CudaGroupedGemm, FpropWithBias) {
   check_fprop_bias(make(rng), dtype(), layout(), rng);
 }
 
-
 TEST_P(CudaGroupedGemm, Dgrad) {
   Rng rng;
   check_dgrad(make(rng), dtype(), layout(), rng);
@@ -264,9 +263,6 @@ INSTANTIATE_TEST_SUITE_P(LargeCases, CudaGroupedGemm,
                                             ::testing::Values(CaseScale::kLarge)),
                          param_name);
 
-// The second-pass bias add (grouped_bias_add) bitwise against the CPU's: 16-bit y with a bias of
-// its dtype or f32, grouped or a list, N a multiple of 8 (16-byte path) or not (element path), a
-// padded row stride, empty experts and rows past the total (left as they were).
 // An empty reduction (K = 0): y = bias on every counted row, also where the bias would be fused
 // (bf16 with a bf16 bias), whose GEMM does not run.
 TEST(CudaGroupedGemmEdge, FpropWithBiasEmptyReduction) {
@@ -280,6 +276,9 @@ TEST(CudaGroupedGemmEdge, FpropWithBiasEmptyReduction) {
   }
 }
 
+// The second-pass bias add (grouped_bias_add) bitwise against the CPU's: 16-bit y with a bias of
+// its dtype or f32, grouped or a list, N a multiple of 8 (16-byte path) or not (element path), a
+// padded row stride, empty experts and rows past the total (left as they were).
 TEST(CudaGroupedBiasAdd, BitwiseTheCpuOnEveryPath) {
   GMOE_SKIP_WITHOUT_GPU();
   Rng rng;
