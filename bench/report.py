@@ -212,6 +212,8 @@ def main():
     fp8_layer = fp8_layer_table(merged["rows"])
     fp8_mlp = fp8_layer_table([r for r in merged["rows"] if r["pass"] in ("forward", "forward_backward")
                                and not r["impl"].startswith(LAYER_IMPL)], "gmoe_", "bf16 GroupedMLP")
+    fp8_gemm = fp8_layer_table([r for r in merged["rows"] if r["pass"] in ("fprop", "dgrad", "wgrad")], "gmoe_",
+                               "bf16 GEMM")
     act_share = activation_share_table(merged["rows"])
     for title, lines in tables:
         print(f"\n{title}:")
@@ -225,6 +227,9 @@ def main():
     if fp8_mlp:
         print("\nGroupedMLP with FP8 recipes vs the bf16 GroupedMLP (interleaved; weights quantized every forward):")
         print_table(fp8_mlp)
+    if fp8_gemm:
+        print("\nFP8 grouped GEMMs vs the bf16 grouped GEMM of the same pass (interleaved):")
+        print_table(fp8_gemm)
     if act_share:
         print("\nThe activation kernels alone, as a share of GroupedMLP's time:")
         print_table(act_share)
@@ -256,6 +261,11 @@ def main():
                         "bf16 GroupedMLP timed interleaved with it, and against it timed beside the unfused one in "
                         "the same run.\n\n")
                 write_markdown_table(f, fp8_mlp)
+            if fp8_gemm:
+                f.write("\nFP8 grouped GEMMs (alone, and with the quantization of the pass's activations) against "
+                        "gmoe's bf16 grouped GEMM of the same pass, inputs and output dtype, timed interleaved "
+                        "with them (the column 'alone' is empty here).\n\n")
+                write_markdown_table(f, fp8_gemm)
             if act_share:
                 f.write("\nThe activation kernels alone (forward; forward and backward) as a share of GroupedMLP's "
                         "time: the most that fusing them into the GEMMs' epilogues could save.\n\n")

@@ -133,6 +133,9 @@ int main(int argc, char** argv) {
                  "that it runs at the clocks of sustained load, as in training (an H100 at its 700 W cap runs "
                  "GEMMs near 1.5 GHz instead of 1.98); 0 times right after the warm-up runs. "
                  "bench/torch_baseline.py's --warm-ms does the same");
+  app.add_option("--gemm-warm-ms", o.gemm_warm_ms,
+                 "gemm mode (CUDA): milliseconds of back-to-back untimed work before each timing, as --warm-ms "
+                 "(default 0: bursts)");
   app.add_option("--pass", o.only_pass, "gemm mode: only this pass (e.g. to profile one kernel)")
       ->check(CLI::IsMember({"fprop", "dgrad", "wgrad"}));
   CLI11_PARSE(app, argc, argv);

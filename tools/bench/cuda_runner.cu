@@ -169,10 +169,10 @@ std::vector<ResultRow> run_gemm_case_cuda(const BenchCase& c, const BenchOptions
     check_device_errors(stream);
     BENCH_CUDA(cudaMemcpy(hout.data(), p.out->ptr, p.out_elems * es, cudaMemcpyDeviceToHost));
     const CheckResult chk = check_pass(hd, p.name, hout.data(), dt, o.samples, o.seed + 7);
-    add(p.name, "gmoe", time_ms(p.gmoe, o.warmup, o.iters, stream), chk.ok, chk.detail);
+    add(p.name, "gmoe", time_ms(p.gmoe, o.warmup, o.iters, stream, o.gemm_warm_ms), chk.ok, chk.detail);
     if (o.baselines) {
-      add(p.name, "cublas_dense", time_ms(p.dense, o.warmup, o.iters, stream), std::nullopt, "");
-      add(p.name, "cublas_loop", time_ms(p.loop, o.warmup, o.iters, stream), std::nullopt, "");
+      add(p.name, "cublas_dense", time_ms(p.dense, o.warmup, o.iters, stream, o.gemm_warm_ms), std::nullopt, "");
+      add(p.name, "cublas_loop", time_ms(p.loop, o.warmup, o.iters, stream, o.gemm_warm_ms), std::nullopt, "");
     }
   }
   cublasDestroy(h);

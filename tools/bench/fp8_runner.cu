@@ -27,6 +27,7 @@
 #include "common/fp8_rules.h"
 #include "gmoe/error.h"
 #include "gmoe/fp8_gemm.h"
+#include "gmoe/grouped_gemm.h"
 
 namespace gmoe::bench {
 namespace {
@@ -244,35 +245,30 @@ std::vector<ResultRow> run_fp8_gemm_case_cuda(const BenchCase& c, const BenchOpt
   const TensorView cv(counts_d.ptr, DType::i32, gpu, {c.E});
   const std::vector<int64_t> off = prefix_offsets(c.counts);
 
-  // bf16 sources of set 0 stay for the quantize+GEMM timing; other sets' are freed after use.
-  DeviceBuffer x0(nx * 2), dy0(ndy * 2);
+  // The bf16 operands of every set stay: set 0's x and dy are the sources of the quantize+GEMM
+  // timing, and every set's feed the bf16 grouped GEMM timed interleaved with the FP8 one.
   const size_t fp8_set_bytes = static_cast<size_t>(2 * (nx + ndy + nw));
   const int sets = rotation_sets(fp8_set_bytes);
   std::vector<Fp8Set> fp8(sets);
+  std::vector<std::unique_ptr<DeviceBuffer>> xb, dyb, wb;
+  auto x_bf16 = [&](int s) { return TensorView(xb[s]->ptr, DType::bf16, gpu, {c.rows, c.K}); };
+  auto dy_bf16 = [&](int s) { return TensorView(dyb[s]->ptr, DType::bf16, gpu, {c.rows, c.N}); };
+  auto w_bf16 = [&](int s) {
+    return ExpertWeights::from_stacked(TensorView(wb[s]->ptr, DType::bf16, gpu, {c.E, c.N, c.K}));
+  };
   for (int s = 0; s < sets; ++s) {
-    std::unique_ptr<DeviceBuffer> xs, dys;
-    void* xp = x0.ptr;
-    void* dyp = dy0.ptr;
-    if (s > 0) {
-      xs = std::make_unique<DeviceBuffer>(nx * 2);
-      dys = std::make_unique<DeviceBuffer>(ndy * 2);
-      xp = xs->ptr;
-      dyp = dys->ptr;
-    }
-    DeviceBuffer wb(nw * 2);
-    fill_uniform(xp, DType::bf16, nx, o.seed + 10 * s);
-    fill_uniform(dyp, DType::bf16, ndy, o.seed + 10 * s + 1);
-    fill_uniform(wb.ptr, DType::bf16, nw, o.seed + 10 * s + 2);
+    xb.push_back(std::make_unique<DeviceBuffer>(nx * 2));
+    dyb.push_back(std::make_unique<DeviceBuffer>(ndy * 2));
+    wb.push_back(std::make_unique<DeviceBuffer>(nw * 2));
+    fill_uniform(xb[s]->ptr, DType::bf16, nx, o.seed + 10 * s);
+    fill_uniform(dyb[s]->ptr, DType::bf16, ndy, o.seed + 10 * s + 1);
+    fill_uniform(wb[s]->ptr, DType::bf16, nw, o.seed + 10 * s + 2);
     BENCH_CUDA(cudaDeviceSynchronize());
-    fp8[s].x = quantize_grouped(GroupedRows{TensorView(xp, DType::bf16, gpu, {c.rows, c.K}), cv}, qo,
-                                stream);
-    fp8[s].dy = quantize_grouped(GroupedRows{TensorView(dyp, DType::bf16, gpu, {c.rows, c.N}), cv},
-                                 qo_grad, stream);
-    fp8[s].w = quantize_weights(
-        ExpertWeights::from_stacked(TensorView(wb.ptr, DType::bf16, gpu, {c.E, c.N, c.K})), qo,
-        stream);
-    BENCH_CUDA(cudaStreamSynchronize(stream));  // before the bf16 buffers go
+    fp8[s].x = quantize_grouped(GroupedRows{x_bf16(s), cv}, qo, stream);
+    fp8[s].dy = quantize_grouped(GroupedRows{dy_bf16(s), cv}, qo_grad, stream);
+    fp8[s].w = quantize_weights(w_bf16(s), qo, stream);
   }
+  BENCH_CUDA(cudaStreamSynchronize(stream));
   check_device_errors(stream);
 
   DeviceBuffer y(ndy * 2), dx(nx * 2), dw(nw * 4);
@@ -301,8 +297,8 @@ std::vector<ResultRow> run_fp8_gemm_case_cuda(const BenchCase& c, const BenchOpt
   };
   const Fp8Grouped x_rows_out = rows_out(fp8[0].x.q), dy_rows_out = rows_out(fp8[0].dy.q);
   const Fp8Grouped x_cols_out = cols_out(fp8[0].x.q), dy_cols_out = cols_out(fp8[0].dy.q);
-  const GroupedRows x_src{TensorView(x0.ptr, DType::bf16, gpu, {c.rows, c.K}), cv};
-  const GroupedRows dy_src{TensorView(dy0.ptr, DType::bf16, gpu, {c.rows, c.N}), cv};
+  const GroupedRows x_src{x_bf16(0), cv};
+  const GroupedRows dy_src{dy_bf16(0), cv};
 
   struct Pass {
     const char* name;
@@ -310,6 +306,7 @@ std::vector<ResultRow> run_fp8_gemm_case_cuda(const BenchCase& c, const BenchOpt
     int64_t out_elems;
     DType out_dtype;
     std::function<void(int)> gemm, with_quant;
+    std::function<void(int)> native;  ///< the bf16 grouped GEMM of the same pass and output dtype
   };
   const Fp8Set& s0 = fp8[0];
   const Fp8GemmOptions gemm_options{br.fast};
@@ -319,20 +316,23 @@ std::vector<ResultRow> run_fp8_gemm_case_cuda(const BenchCase& c, const BenchOpt
        [&](int) {
          quantize_grouped(x_src, rowwise_only, stream, nullptr, &x_rows_out);
          fp8_grouped_gemm_fprop(s0.x.q, s0.w.q, {}, cv, yv, gemm_options, stream);
-       }},
+       },
+       [&](int i) { grouped_gemm_fprop(x_bf16(i % sets), w_bf16(i % sets), cv, yv, stream); }},
       {"dgrad", dx.ptr, nx, DType::bf16,
        [&](int i) { fp8_grouped_gemm_dgrad(fp8[i % sets].dy.q, fp8[i % sets].w.q, cv, dxv, gemm_options, stream); },
        [&](int) {
          quantize_grouped(dy_src, grad_rowwise_only, stream, nullptr, &dy_rows_out);
          fp8_grouped_gemm_dgrad(s0.dy.q, s0.w.q, cv, dxv, gemm_options, stream);
-       }},
+       },
+       [&](int i) { grouped_gemm_dgrad(dy_bf16(i % sets), w_bf16(i % sets), cv, dxv, stream); }},
       {"wgrad", dw.ptr, nw, dw_dtype,
        [&](int i) { fp8_grouped_gemm_wgrad(fp8[i % sets].dy.q, fp8[i % sets].x.q, cv, dwv, {}, stream); },
        [&](int) {
          quantize_grouped(dy_src, grad_columnwise_only, stream, nullptr, &dy_cols_out);
          quantize_grouped(x_src, columnwise_only, stream, nullptr, &x_cols_out);
          fp8_grouped_gemm_wgrad(s0.dy.q, s0.x.q, cv, dwv, {}, stream);
-       }},
+       },
+       [&](int i) { grouped_gemm_wgrad(dy_bf16(i % sets), x_bf16(i % sets), cv, dwv, {}, stream); }},
   };
 
   const std::string impl = recipe == Fp8Recipe::mxfp8
@@ -352,11 +352,17 @@ std::vector<ResultRow> run_fp8_gemm_case_cuda(const BenchCase& c, const BenchOpt
     std::vector<uint8_t> host(out_bytes);
     BENCH_CUDA(cudaMemcpy(host.data(), p.out, out_bytes, cudaMemcpyDeviceToHost));
     const CheckResult chk = check_fp8_pass(c, off, s0, p.name, host, p.out_dtype, o.samples, o.seed + 7, br.fast);
-    const std::vector<double> ms = time_interleaved_ms({p.gemm, p.with_quant}, o.warmup, o.iters, stream);
+    // The FP8 GEMM, the same with its quantization, and the bf16 GEMM of the pass, interleaved: at a
+    // power cap the three share the clocks the limiter sets, so the ratios to the bf16 one (bare_ms)
+    // compare like with like in bursts and in sustained runs (--gemm-warm-ms) alike.
+    const std::vector<double> ms =
+        time_interleaved_ms({p.gemm, p.with_quant, p.native}, o.warmup, o.iters, stream, o.gemm_warm_ms);
     const std::string name =
         impl + (o.fp8_grad_format == DType::e5m2 && std::string(p.name) != "fprop" ? "_e5m2" : "");
     add(p.name, name, ms[0], chk.ok, chk.detail);
     add(p.name, name + "_with_quant", ms[1], std::nullopt, "quantization of the pass's activations + GEMM");
+    rows[rows.size() - 2].bare_ms = ms[2];
+    rows[rows.size() - 1].bare_ms = ms[2];
   }
   fp8.clear();  // frees the FP8 operands on `stream`, before it goes
   BENCH_CUDA(cudaStreamSynchronize(stream));

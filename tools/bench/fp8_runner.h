@@ -31,7 +31,9 @@ Fp8BenchRecipe fp8_recipe_from_name(const std::string& name);
 /// for non-finite outputs), then timed alone (impl gmoe_fp8_<name>, gmoe_mxfp8 for mxfp8) and
 /// with the quantization of its activation operands in front (impl ..._with_quant: fprop
 /// quantizes x, dgrad dy, wgrad dy and x columnwise; the weights stay quantized, as a training
-/// step caches them). dtype "fp8".
+/// step caches them). dtype "fp8". Both rows are timed interleaved with the bf16 grouped GEMM of
+/// the same pass on the same (unquantized) inputs and output dtype, whose time is their bare_ms,
+/// after o.gemm_warm_ms of untimed work.
 std::vector<ResultRow> run_fp8_gemm_case_cuda(const BenchCase& c, const BenchOptions& o,
                                               const Fp8BenchRecipe& recipe);
 

@@ -39,6 +39,10 @@ struct BenchOptions {
   /// warm the same way) are timed at the clocks of sustained load (cuda_util.h,
   /// time_interleaved_ms). gemm mode times bursts, as the anchors in BENCHMARKS.md were measured.
   double warm_ms = 1000;
+  /// gemm mode on CUDA: the same warm-up before each timing (0, the default: bursts, as the anchors
+  /// in BENCHMARKS.md were measured). The FP8 rows are timed interleaved with the bf16 grouped GEMM
+  /// of the same pass (their bare_ms), so their ratio to it holds at either clock.
+  double gemm_warm_ms = 0;
   /// gemm mode: only this pass (fprop, dgrad or wgrad; empty: all three), e.g. to profile one kernel.
   std::string only_pass;
   bool runs_pass(const std::string& pass) const { return only_pass.empty() || only_pass == pass; }
