@@ -666,7 +666,15 @@ void fp8_grouped_gemm_wgrad(const Fp8Grouped& dy, const Fp8Grouped& x, const Ten
   }
   plan.run_gemm = dy.capacity > 0 && dy.cols > 0 && x.cols > 0;
   plan.beta = options.accumulate ? 1.0f : 0.0f;
-  plan.raster_along_n = choose_wgrad_raster_along_n(dy.cols, x.cols, pc, counts.size(0), DType::e4m3);
+  // The tensorwise weight gradient without a source (not into f32) runs the rows kernel (find_kernel).
+  // Along M, the rule's choice on dsv3_fc1, that kernel's time was bimodal between runs on the skewed
+  // split (782-1068 TFLOP/s in one call, the bf16 GEMM timed interleaved at 1.07-1.57x its time); along
+  // N it held 1070-1094 (1.61-1.68x), and no case of the public suite's weight gradients measured
+  // slower along N (H100, session 27, bench/results/2026-11-26-h100-fp8-gemm-interleaved-bf16.md).
+  // The f32 tensorwise kernel and the blockwise ones measured 2-7% slower along N there.
+  const bool rows_kernel = plan.scaling == Fp8Scaling::tensorwise && dw.dtype() != DType::f32;
+  plan.raster_along_n =
+      choose_wgrad_raster_along_n(dy.cols, x.cols, pc, counts.size(0), DType::e4m3, rows_kernel);
   plan.tile = wgrad_cluster_2x1(dy.cols) ? Fp8Tile::t128x128_2x1 : Fp8Tile::t128x128;
   plan.experts = &dw;
   plan.dw_elem_bytes = static_cast<int32_t>(dtype_size(dw.dtype()));

@@ -533,10 +533,13 @@ int32_t row_chunk_rows() {
 // 676 vs 657; dsv3_fc1 (A 34 MB, B 59 MB) along M 771 vs 623 and 735 vs 483; qwen3moe and small_m
 // (both operands fit) within 5% either way, along M kept. Along M is also CUTLASS's default for
 // grouped problems. GMOE_RASTER=m|n forces an order (benchmarks, tests). The FP8 weight gradient
-// takes the same rule with its 1-byte operands.
-bool choose_wgrad_raster_along_n(int64_t m, int64_t n, int64_t capacity, int64_t num_experts, DType in) {
+// takes the same rule with its 1-byte operands, except the tensorwise one without a source, which
+// walks along N (`along_n`; the call site has the measurements).
+bool choose_wgrad_raster_along_n(int64_t m, int64_t n, int64_t capacity, int64_t num_experts, DType in,
+                                 bool along_n) {
   static const int forced = env_option("GMOE_RASTER", {"m", "n"});
   if (forced >= 0) return forced == 1;
+  if (along_n) return true;
   const int64_t tokens = capacity / std::max<int64_t>(num_experts, 1);
   const int64_t elem = static_cast<int64_t>(dtype_size(in));
   const int64_t half_l2 = l2_bytes(current_device()) / 2;

@@ -213,8 +213,11 @@ int32_t row_chunk_rows();
 /// Whether the weight gradient D[M, N] (M = the layer's N, N = its K; reductions over each
 /// expert's tokens) walks its tiles along N rather than M: along N when, at the average tokens per
 /// expert, the A operand does not fit in half the L2 and B does (measurements in the definition).
-/// GMOE_RASTER=m|n forces an order.
-bool choose_wgrad_raster_along_n(int64_t m, int64_t n, int64_t capacity, int64_t num_experts, DType in);
+/// `along_n`: the caller's kernel is measured to walk best along N whatever the sizes (the FP8
+/// tensorwise weight gradient without a source, fp8_grouped_gemm.cu). GMOE_RASTER=m|n forces an
+/// order over both.
+bool choose_wgrad_raster_along_n(int64_t m, int64_t n, int64_t capacity, int64_t num_experts, DType in,
+                                 bool along_n = false);
 
 /// A run-time override from the environment: the index of the variable's value in `values`, or
 /// -1 when it is unset or none of them (callers read it once, into a static).
