@@ -37,7 +37,7 @@ struct BenchOptions {
   /// layer and mlp modes on CUDA: wall-clock milliseconds of untimed back-to-back work before each
   /// timing, so that GroupedLinear, GroupedMLP and bench/torch_baseline.py's compositions (which
   /// warm the same way) are timed at the clocks of sustained load (cuda_util.h,
-  /// time_interleaved_ms). gemm mode times bursts, as the anchors in BENCHMARKS.md were measured.
+  /// time_interleaved_ms). The gemm mode has its own, gemm_warm_ms.
   double warm_ms = 1000;
   /// gemm mode on CUDA: the same warm-up before each timing (0, the default: bursts, as the anchors
   /// in BENCHMARKS.md were measured). The FP8 rows are timed interleaved with the bf16 grouped GEMM
