@@ -374,7 +374,6 @@ void check(cudaError_t e, const char* what) {
   }
 }
 
-
 // ---------------------------------------------------------------------------------------------
 // Part 2 (`pipelined`): the same consumers inside a whole persistent mainloop. A TMA producer
 // thread streams each k-tile's A and B tiles and their scales (A's per row, B's per column,
