@@ -69,8 +69,7 @@ enum DeviceErrorBits : uint32_t {
 /// gmoe::Error describing each recorded problem. A no-op in a CPU-only build.
 void check_device_errors(Stream stream);
 
-/// Debug mode: when enabled (or when the environment variable GMOE_DEBUG_SYNC=1 is set at start),
-/// every CUDA op ends with check_device_errors(stream). Off by default; never enable it under graph
+/// Debug mode: when enabled, every CUDA op ends with check_device_errors(stream). Off by default; never enable it under graph
 /// capture.
 void set_debug_sync(bool enabled);
 bool debug_sync_enabled();

@@ -76,7 +76,7 @@ void check_device_errors(Stream stream) {
 
 namespace {
 std::atomic<bool>& debug_sync_flag() {
-  static std::atomic<bool> flag{env_equals("GMOE_DEBUG_SYNC", "1")};
+  static std::atomic<bool> flag{false};
   return flag;
 }
 }  // namespace
