@@ -1,7 +1,7 @@
 // tools/gmoe_bench.cpp — gmoe-bench: runs a benchmark suite, checking correctness before timing.
 //
 //   gmoe-bench [--suite bench/suites/public.json] [--backend auto|cpu|cuda] [--mode gemm|layer|mlp|all]
-//              [--json F] [--markdown F]
+//              [--json F] [--markdown F] [--tuning SPEC]
 //
 // On a GPU (sm_90) it runs the CUDA backend on the suite as given, with the cuBLAS baselines in the
 // same run. Without one it runs the CPU reference backend on a reduced suite: the same cases with
@@ -10,8 +10,9 @@
 // times GroupedLinear forward and forward+backward on the same cases beside its bare GEMMs, with the
 // kernel launches per call (CUDA graph capture) and a check that they do not grow with E; `mlp`
 // times GroupedMLP forward and forward+backward on the mlp cases beside the same work composed of
-// separate public ops (impl gmoe_unfused); `all` (default) runs all three. Exits non-zero when any
-// correctness check fails.
+// separate public ops (impl gmoe_unfused); `all` (default) runs all three. --tuning overrides the
+// kernel heuristics for the whole run (gmoe/tuning.h). Exits non-zero when any correctness check
+// fails.
 #include <CLI/CLI.hpp>
 
 #include <chrono>
@@ -26,6 +27,7 @@
 #include "bench/runner.h"
 #include "bench/suite.h"
 #include "gmoe/error.h"
+#include "gmoe/tuning.h"
 
 #ifndef GMOE_WITH_CUDA
 namespace gmoe::bench {
@@ -126,8 +128,7 @@ int main(int argc, char** argv) {
                "mlp mode: weight gradients accumulated in f32 into main_grads (Megatron) instead of fresh bf16 "
                "ones (as torch's autograd returns them)");
   app.add_option("--mlp-glu-block", o.mlp_glu_block,
-                 "mlp mode: FC1's gate/up rows interleaved in blocks of this many (0: concatenated; 8 or 16: the "
-                 "layouts in which FC1's epilogue can compute SwiGLU, GMOE_FUSED_ACTIVATION=1)");
+                 "mlp mode: FC1's gate/up rows interleaved in blocks of this many (0: concatenated)");
   app.add_option("--warm-ms,--mlp-warm-ms", o.warm_ms,
                  "layer and mlp modes (CUDA): milliseconds of back-to-back untimed work before each timing, so "
                  "that it runs at the clocks of sustained load, as in training (an H100 at its 700 W cap runs "
@@ -136,6 +137,10 @@ int main(int argc, char** argv) {
   app.add_option("--gemm-warm-ms", o.gemm_warm_ms,
                  "gemm mode (CUDA): milliseconds of back-to-back untimed work before each timing, as --warm-ms "
                  "(default 0: bursts)");
+  std::string tuning;
+  app.add_option("--tuning", tuning,
+                 "kernel heuristic overrides for the whole run, gmoe::parse_tuning's syntax (e.g. "
+                 "tile=coop,cluster=2x1,raster=n,row_chunk=256; keys tile, cluster, fp8_rows_cluster, raster, row_chunk)");
   app.add_option("--pass", o.only_pass, "gemm mode: only this pass (e.g. to profile one kernel)")
       ->check(CLI::IsMember({"fprop", "dgrad", "wgrad"}));
   CLI11_PARSE(app, argc, argv);
@@ -145,6 +150,7 @@ int main(int argc, char** argv) {
   o.dtype = gmoe::dtype_from_name(dtype);
 
   try {
+    const gmoe::ScopedTuning tuning_scope(gmoe::parse_tuning(tuning));
     const Suite suite = load_suite(suite_path);
     std::string gpu;
     const bool have_gpu = cuda_available(&gpu);
@@ -156,6 +162,7 @@ int main(int argc, char** argv) {
     }
     std::printf("gmoe-bench: suite %s (%zu cases) on %s\n", suite.name.c_str(), suite.cases.size(),
                 use_cuda ? gpu.c_str() : "the CPU reference backend (rows scaled down)");
+    if (!tuning.empty()) std::printf("gmoe-bench: tuning %s\n", gmoe::tuning_spec(gmoe::current_tuning()).c_str());
     const bool run_gemm = mode == "gemm" || mode == "all", run_layer = mode == "layer" || mode == "all";
     const bool run_mlp = mode == "mlp" || mode == "all";
     std::vector<ResultRow> rows;

@@ -46,15 +46,10 @@ void grouped_gemm_fprop(const TensorView& x, const ExpertWeights& w, const Exper
 
 /// FC1 of an expert MLP with its activation: h = fprop(x, w, bias) exactly as grouped_gemm_fprop
 /// writes it, and z = act(h) [· probs] exactly as grouped_activation_forward(h, counts, z, options,
-/// probs) writes it (h is still written: backward needs it). The result is bitwise that
-/// composition on every backend. On CUDA the activation runs in the GEMM's epilogue, from the
-/// accumulators of the tile, when: bf16 x, w, h and z; a gated activation whose gate and up
-/// columns are interleaved in blocks of 8 or 16 (options.glu: the layout that puts each pair in one
-/// thread's accumulators); no bias or a bf16 one; K > 0; z 16-byte aligned with rows of a multiple
-/// of 16 bytes. That saves the activation kernel's read of h. Otherwise the two ops run in turn.
-/// x: [capacity, K]; h: [capacity, N] with N = activation_input_cols(kind, F); z: [capacity, F],
-/// both of x's dtype, disjoint from each other and from every input; probs: absent or f32
-/// [capacity]. Rows past the real total: h = 0, z = 0.
+/// probs) writes it (h is still written: backward needs it). On every backend, CUDA included, it
+/// runs those two ops in turn. x: [capacity, K]; h: [capacity, N] with N =
+/// activation_input_cols(kind, F); z: [capacity, F], both of x's dtype, disjoint from each other
+/// and from every input; probs: absent or f32 [capacity]. Rows past the real total: h = 0, z = 0.
 void grouped_gemm_fprop_activation(const TensorView& x, const ExpertWeights& w, const ExpertBias& bias,
                                    const TensorView& counts, const TensorView& h, const TensorView& z,
                                    const ActivationOptions& options, const TensorView& probs = {},
@@ -69,12 +64,9 @@ void grouped_gemm_dgrad(const TensorView& dy, const ExpertWeights& w, const Tens
 /// exactly as grouped_gemm_dgrad writes it, then dh = grouped_activation_backward(h, dz, counts, dh,
 /// options) (no probabilities, no recomputed z), bitwise that composition on every backend. dy:
 /// [capacity, H]; w: [E, H, F] (FC2's weights); h: [capacity, 2F] (a gated activation), dh: h's
-/// shape and dtype, h itself or disjoint from it. On CUDA, with GMOE_FUSED_ACTIVATION_BWD=1, the
-/// activation's backward runs in the GEMM's epilogue from the accumulators of dz, which never
-/// reaches memory, when: bf16; SwiGLU with gate and up concatenated or interleaved in blocks of an
-/// even number of columns; dh written over h; h 16-byte aligned with rows of a multiple of 16
-/// bytes; H > 0. Otherwise dz goes through a scratch buffer from `alloc`. Rows past the real
-/// total: dh = 0.
+/// shape and dtype, h itself or disjoint from it. On every backend, CUDA included, it runs those
+/// two ops in turn, dz in a scratch buffer from `alloc` (on CUDA its rows padded to 16 bytes).
+/// Rows past the real total: dh = 0.
 void grouped_gemm_dgrad_activation_backward(const TensorView& dy, const ExpertWeights& w, const TensorView& counts,
                                             const TensorView& h, const TensorView& dh,
                                             const ActivationOptions& options, Stream stream = nullptr,

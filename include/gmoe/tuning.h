@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 namespace gmoe {
 
@@ -69,5 +70,17 @@ const char* wgrad_raster_name(WgradRaster raster);
 GemmTile parse_gemm_tile(const char* name, const char* what);
 ClusterShape parse_cluster_shape(const char* name, const char* what);
 WgradRaster parse_wgrad_raster(const char* name, const char* what);
+
+/// A Tuning from a command-line spec: comma-separated key=value items, each key at most once, in
+/// any order; keys left out keep the heuristic's choice, and "" is the default Tuning. Keys and
+/// values: tile=auto|coop|pingpong, cluster=auto|1x1|2x1|2x2, fp8_rows_cluster=auto|1x1|2x1|2x2,
+/// raster=auto|m|n, row_chunk=auto|<rows> (auto: -1; 0: no splitting), e.g.
+/// "tile=coop,cluster=2x1,raster=n,row_chunk=256". Throws gmoe::Error naming the bad item, key or
+/// value.
+Tuning parse_tuning(const std::string& spec);
+
+/// The spec of `tuning` that parse_tuning reads back: its non-default fields in the order above
+/// ("" for the default Tuning).
+std::string tuning_spec(const Tuning& tuning);
 
 }  // namespace gmoe

@@ -69,16 +69,14 @@ void check_device_errors(Stream stream);
 /// `bias` may be absent; bias_in_epilogue: in the GEMM's epilogue, else in a second pass.
 void grouped_gemm_fprop(const TensorView& x, const ExpertWeights& w, const TensorView& counts,
                         const TensorView& y, Stream stream, Allocator& alloc, const ExpertBias& bias = {});
-/// grouped_gemm_fprop then grouped_activation_forward, the activation in the GEMM's epilogue where
-/// the kernels allow it (bitwise the same results either way).
+/// grouped_gemm_fprop then grouped_activation_forward.
 void grouped_gemm_fprop_activation(const TensorView& x, const ExpertWeights& w, const TensorView& counts,
                                    const TensorView& h, const TensorView& z, const ActivationOptions& options,
                                    const TensorView& probs, Stream stream, Allocator& alloc,
                                    const ExpertBias& bias = {});
 void grouped_gemm_dgrad(const TensorView& dy, const ExpertWeights& w, const TensorView& counts,
                         const TensorView& dx, Stream stream, Allocator& alloc);
-/// grouped_gemm_dgrad into a dz scratch then grouped_activation_backward(h, dz, counts, dh), the
-/// activation's backward in the GEMM's epilogue where the kernels allow it (bitwise the same).
+/// grouped_gemm_dgrad into a dz scratch then grouped_activation_backward(h, dz, counts, dh).
 void grouped_gemm_dgrad_activation_backward(const TensorView& dy, const ExpertWeights& w, const TensorView& counts,
                                             const TensorView& h, const TensorView& dh,
                                             const ActivationOptions& options, Stream stream, Allocator& alloc);

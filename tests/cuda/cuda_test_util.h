@@ -15,8 +15,10 @@
 #include "common/gemm_fixture.h"
 #include "common/harness.h"
 #include "cuda/gemm/grouped_gemm_prepare.h"
+#include "cuda/gemm/grouped_gemm_heuristics.h"
 #include "gmoe/grouped.h"
 #include "gmoe/grouped_bias.h"
+#include "gmoe/tuning.h"
 
 namespace gmoe::test {
 
@@ -185,9 +187,9 @@ class DeviceTensor {
 /// A host copy of a contiguous view on either device, shape kept.
 /// Checks what the last grouped GEMM call on this thread launched (cuda_backend::LaunchRecord)
 /// against the default rules' choice: that it ran, as FP8 or not, with row chunks of
-/// row_chunk_rows() where `chunked` (more groups than the `experts`), and, unless GMOE_CUDA_TILE or
-/// GMOE_CLUSTER force a tile or cluster (gpu_check's forced runs), in a cluster_m x cluster_n
-/// cluster: a silent fallback to another instantiation or to unsplit experts fails here.
+/// row_chunk_rows() where `chunked` (more groups than the `experts`), and, unless the run's
+/// --tuning (main.cpp) forces a tile or a cluster (gpu_check's forced runs), in a cluster_m x
+/// cluster_n cluster: a silent fallback to another instantiation or to unsplit experts fails here.
 inline void expect_launch(const std::string& what, bool fp8, int64_t experts, bool chunked, int cluster_m,
                           int cluster_n) {
   const cuda_backend::LaunchRecord& l = cuda_backend::last_launch_record();
@@ -197,8 +199,9 @@ inline void expect_launch(const std::string& what, bool fp8, int64_t experts, bo
     EXPECT_EQ(l.row_chunk, cuda_backend::row_chunk_rows()) << what;
     if (l.row_chunk > 0) EXPECT_GT(l.num_groups, experts) << what << ": the experts were not split";
   }
-  if (std::getenv("GMOE_CUDA_TILE") == nullptr && cuda_backend::forced_cluster() < 0 &&
-      cuda_backend::forced_fp8_rows_cluster() < 0) {
+  const Tuning& t = current_tuning();
+  if (t.gemm_tile == GemmTile::automatic && t.cluster == ClusterShape::automatic &&
+      t.fp8_rows_cluster == ClusterShape::automatic) {
     EXPECT_EQ(l.cluster_m, cluster_m) << what << ": cluster";
     EXPECT_EQ(l.cluster_n, cluster_n) << what << ": cluster";
   }

@@ -1,24 +1,21 @@
 // tests/cuda/test_grouped_gemm_activation_cuda.cpp — grouped_gemm_fprop_activation on the device:
-// h and z bitwise equal to grouped_gemm_fprop followed by grouped_activation_forward: SwiGLU with
-// gate/up interleaved in blocks of 8 and 16 (the activation in the GEMM's epilogue, enabled here
-// with GMOE_FUSED_ACTIVATION=1), and, through the fallback to the two ops in turn, SwiGLU in blocks
-// of 32 or concatenated and clamped SwiGLU (the epilogue computes SwiGLU only), without and with a bias
-// (bf16: fused too; f32: a second pass), with and without router probabilities, on the named
-// cases at GPU scale. Outputs are NaN-poisoned first, so unwritten elements (rows past the total
-// included) fail. Also: the fused path launches fewer kernels than the composition (it is taken),
-// both captured in global mode (no host sync), and replays of one capture under changing counts
-// are bitwise the eager results. The composition itself is tested against the CPU reference in the
-// GEMM and activation suites.
+// h and z bitwise equal to grouped_gemm_fprop followed by grouped_activation_forward, its contract
+// (on CUDA the op runs the GEMM, then the activation kernel), for SwiGLU and clamped SwiGLU, gate/up
+// interleaved in blocks of 8, 16 and 32 or concatenated, without and with a bias (bf16 grouped or a
+// list: in the GEMM's epilogue; f32: a second pass), with and without router probabilities, on the
+// named cases at GPU scale. Outputs are NaN-poisoned first, so unwritten elements (rows past the
+// total included) fail. Also: the op captured in global mode (no host sync) launches the same
+// kernels as the composition, and replays of one capture under changing counts are bitwise the
+// composition's replays. The composition itself is tested against the CPU reference in the GEMM
+// and activation suites.
 // And grouped_gemm_dgrad_activation_backward: dh bitwise equal to grouped_gemm_dgrad into dz then
-// grouped_activation_backward(h, dz, counts, dh). SwiGLU in every layout with dh over h runs the
-// activation's backward in the dgrad's epilogue (GMOE_FUSED_ACTIVATION_BWD=1); clamped SwiGLU and
-// dh apart from h take the fallback; h's rows past the total hold NaN, so a dh row the fused path
-// did not zero fails; the fused capture has fewer kernel nodes and replays under changing counts.
+// grouped_activation_backward(h, dz, counts, dh), with dh over h or apart from it (h's rows past
+// the total hold NaN, so a dh row left unwritten fails); captured and replayed alike; and an odd F
+// over a strided h, whose scratch dz the op pads to 16-byte rows.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <functional>
 #include <limits>
 #include <string>
@@ -35,8 +32,7 @@
 namespace gmoe::test {
 namespace {
 
-// SwiGLU, the activation the epilogue computes, and clamped SwiGLU (a limit that unit-sized h
-// exceeds), which must take the fallback, in one gate/up layout.
+// SwiGLU and clamped SwiGLU (a limit that unit-sized h exceeds), in one gate/up layout.
 std::vector<ActivationOptions> variants_for(const GluFormat& glu) {
   std::vector<ActivationOptions> v;
   for (ActivationKind kind : {ActivationKind::swiglu, ActivationKind::clamped_swiglu}) {
@@ -56,15 +52,6 @@ const std::vector<GluFormat>& layouts() {
                                                   {GluLayout::concatenated, 1}};
   return kLayouts;
 }
-
-// The fused paths' switches, which these tests turn on ("1") and off again, so that the other
-// suites of the process run the default: the activation in FC1's epilogue (SwiGLU, blocks of 8 or
-// 16: fused_layout) and its backward in FC2's dgrad epilogue (SwiGLU, dh over h).
-constexpr char kFusedActivation[] = "GMOE_FUSED_ACTIVATION";
-constexpr char kFusedActivationBwd[] = "GMOE_FUSED_ACTIVATION_BWD";
-bool fused_layout(const GluFormat& g) { return g.layout == GluLayout::interleaved && (g.block == 8 || g.block == 16); }
-void enable_fusion(const char* env) { setenv(env, "1", 1); }
-void disable_fusion(const char* env) { unsetenv(env); }
 
 enum class BiasMode { kNone, kGroupedBf16, kListBf16, kGroupedF32 };
 const char* bias_name(BiasMode m) {
@@ -145,20 +132,15 @@ Outputs run_poisoned(const Problem& q, cudaStream_t stream,
 
 using Param = std::tuple<int, std::string>;  // index into layouts(), named case
 
-// A test over (gate/up layout, named case) with the fusion switch Env on for its duration.
-template <const char* Env>
-class FusionTest : public ::testing::TestWithParam<Param> {
+// A test over (gate/up layout, named case).
+class ActivationOpTest : public ::testing::TestWithParam<Param> {
  protected:
-  void SetUp() override {
-    GMOE_SKIP_WITHOUT_GPU();
-    enable_fusion(Env);
-  }
-  void TearDown() override { disable_fusion(Env); }
+  void SetUp() override { GMOE_SKIP_WITHOUT_GPU(); }
   const GluFormat& glu() const { return layouts()[std::get<0>(GetParam())]; }
   const std::string& case_name() const { return std::get<1>(GetParam()); }
 };
 
-using CudaGroupedGemmActivation = FusionTest<kFusedActivation>;
+using CudaGroupedGemmActivation = ActivationOpTest;
 
 TEST_P(CudaGroupedGemmActivation, BitwiseTheGemmThenTheActivation) {
   Rng rng;
@@ -172,20 +154,19 @@ TEST_P(CudaGroupedGemmActivation, BitwiseTheGemmThenTheActivation) {
                    layout_name(layout));
       const Problem q(case_name(), layout, rng);
       const TensorView probs = with_probs ? q.probs.view() : TensorView();
-      const Outputs fused = run_poisoned(q, stream, [&](const TensorView& h, const TensorView& z) {
+      const Outputs op = run_poisoned(q, stream, [&](const TensorView& h, const TensorView& z) {
         grouped_gemm_fprop_activation(q.x.view(), q.w.view(), q.bias(bias), q.counts.view(), h, z, act, probs, stream);
       });
       const Outputs composed = run_poisoned(q, stream, [&](const TensorView& h, const TensorView& z) {
         grouped_gemm_fprop(q.x.view(), q.w.view(), q.bias(bias), q.counts.view(), h, stream);
         grouped_activation_forward(h, q.counts.view(), z, act, probs, stream);
       });
-      EXPECT_TRUE(bitwise_equal(fused.h, composed.h, "h"));
-      EXPECT_TRUE(bitwise_equal(fused.z, composed.z, "z"));
-      // Rows past the real total are zeros in both (the composition's are tested elsewhere; here
-      // they also prove the fused path wrote them over the poison).
+      EXPECT_TRUE(bitwise_equal(op.h, composed.h, "h"));
+      EXPECT_TRUE(bitwise_equal(op.z, composed.z, "z"));
+      // Rows past the real total are zeros, written over the poison.
       for (int64_t r = q.c.total(); r < q.c.capacity; ++r) {
-        ASSERT_EQ(fused.z.get(r * q.F), 0.0) << "z row " << r << " past the total";
-        ASSERT_EQ(fused.h.get(r * q.c.N), 0.0) << "h row " << r << " past the total";
+        ASSERT_EQ(op.z.get(r * q.F), 0.0) << "z row " << r << " past the total";
+        ASSERT_EQ(op.h.get(r * q.c.N), 0.0) << "h row " << r << " past the total";
       }
     }
   }
@@ -209,14 +190,12 @@ INSTANTIATE_TEST_SUITE_P(Cases, CudaGroupedGemmActivation,
                          ::testing::Combine(::testing::Range(0, int(layouts().size())), ::testing::ValuesIn(cases())),
                          param_name);
 
-// The fused path is taken where it should be and only there: captured in global mode (any host
-// sync fails the capture), SwiGLU in blocks of 8 or 16 launches fewer kernels than the composition
-// (no activation kernel; one more zeroing launch), every other case the same kernels. Replays of
-// the one capture under changing counts (uniform, skewed with empty experts, all in one expert,
-// all empty) are bitwise the composition's replays.
-TEST(CudaGroupedGemmActivationGraph, FusedLaunchesFewerKernelsAndReplaysUnderChangingCounts) {
+// Captured in global mode (any host sync fails the capture), the op launches the composition's
+// kernels, for SwiGLU in every layout and clamped SwiGLU; replays of the one capture under
+// changing counts (uniform, skewed with empty experts, all in one expert, all empty) are bitwise
+// the composition's replays.
+TEST(CudaGroupedGemmActivationGraph, CapturedLikeTheCompositionAndReplaysUnderChangingCounts) {
   GMOE_SKIP_WITHOUT_GPU();
-  enable_fusion(kFusedActivation);
   Rng rng;
   cudaStream_t stream;
   GMOE_TEST_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
@@ -235,11 +214,11 @@ TEST(CudaGroupedGemmActivationGraph, FusedLaunchesFewerKernelsAndReplaysUnderCha
   DeviceTensor h(h0), z(z0), h_ref(h0), z_ref(z0);
   std::vector<ActivationOptions> acts;
   for (const GluFormat& glu : layouts()) acts.push_back(variants_for(glu)[0]);  // SwiGLU in every layout
-  acts.push_back(variants_for({GluLayout::interleaved, 16})[1]);             // clamped: not fused
+  acts.push_back(variants_for({GluLayout::interleaved, 16})[1]);             // clamped SwiGLU
   for (const ActivationOptions& act : acts) {
     const GluFormat& glu = act.glu;
     const ExpertBias b = ExpertBias::from_grouped(bias.view());
-    const CapturedGraph fused(stream, [&] {
+    const CapturedGraph op(stream, [&] {
       grouped_gemm_fprop_activation(x.view(), w.view(), b, counts.view(), h.view(), z.view(), act, probs.view(),
                                     stream);
     });
@@ -249,18 +228,14 @@ TEST(CudaGroupedGemmActivationGraph, FusedLaunchesFewerKernelsAndReplaysUnderCha
     });
     SCOPED_TRACE(glu.layout == GluLayout::concatenated ? "concatenated" : "interleaved " + std::to_string(glu.block));
     SCOPED_TRACE(activation_name(act.kind));
-    if (act.kind == ActivationKind::swiglu && fused_layout(glu)) {
-      EXPECT_LT(fused.kernel_nodes(), composed.kernel_nodes()) << "the activation was not fused";
-    } else {
-      EXPECT_EQ(fused.kernel_nodes(), composed.kernel_nodes());
-    }
+    EXPECT_EQ(op.kernel_nodes(), composed.kernel_nodes());
     for (const std::vector<int64_t>& routing : graph_routings(E, per, slack, rng)) {
       counts.upload(make_counts(routing));
       h.upload(h0);
       z.upload(z0);
       h_ref.upload(h0);
       z_ref.upload(z0);
-      fused.replay(stream);
+      op.replay(stream);
       composed.replay(stream);
       check_device_errors(stream);
       EXPECT_TRUE(bitwise_equal(h.download(), h_ref.download(), "h replay"));
@@ -268,7 +243,6 @@ TEST(CudaGroupedGemmActivationGraph, FusedLaunchesFewerKernelsAndReplaysUnderCha
     }
   }
   GMOE_TEST_CUDA(cudaStreamDestroy(stream));
-  disable_fusion(kFusedActivation);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -302,7 +276,7 @@ struct BackwardProblem {
   }
 };
 
-using CudaGroupedGemmActivationBackward = FusionTest<kFusedActivationBwd>;
+using CudaGroupedGemmActivationBackward = ActivationOpTest;
 
 TEST_P(CudaGroupedGemmActivationBackward, BitwiseTheDgradThenTheActivationBackward) {
   Rng rng;
@@ -345,14 +319,12 @@ INSTANTIATE_TEST_SUITE_P(Cases, CudaGroupedGemmActivationBackward,
                          ::testing::Combine(::testing::Range(0, int(layouts().size())), ::testing::ValuesIn(cases())),
                          param_name);
 
-// The fused path is taken where it should be and only there: captured in global mode (any host
-// sync fails the capture), SwiGLU over h launches fewer kernels than the composition (no
-// activation kernel), clamped SwiGLU the same kernels. Replays of the one capture under changing
-// counts (uniform, skewed with empty experts, all in one expert, all empty) are bitwise the
-// composition's replays.
-TEST(CudaGroupedGemmActivationBackwardGraph, FusedLaunchesFewerKernelsAndReplaysUnderChangingCounts) {
+// Captured in global mode (any host sync fails the capture; the op takes its dz scratch from the
+// allocator on the stream), dh over h launches the composition's kernels, for SwiGLU in every
+// layout and clamped SwiGLU; replays of the one capture under changing counts (uniform, skewed
+// with empty experts, all in one expert, all empty) are bitwise the composition's replays.
+TEST(CudaGroupedGemmActivationBackwardGraph, CapturedLikeTheCompositionAndReplaysUnderChangingCounts) {
   GMOE_SKIP_WITHOUT_GPU();
-  enable_fusion(kFusedActivationBwd);
   Rng rng;
   cudaStream_t stream;
   GMOE_TEST_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
@@ -368,9 +340,9 @@ TEST(CudaGroupedGemmActivationBackwardGraph, FusedLaunchesFewerKernelsAndReplays
   DeviceTensor h(h0), h_ref(h0), dz(dz0);
   std::vector<ActivationOptions> acts;
   for (const GluFormat& glu : layouts()) acts.push_back(variants_for(glu)[0]);  // SwiGLU in every layout
-  acts.push_back(variants_for({GluLayout::interleaved, 16})[1]);             // clamped: not fused
+  acts.push_back(variants_for({GluLayout::interleaved, 16})[1]);             // clamped SwiGLU
   for (const ActivationOptions& act : acts) {
-    const CapturedGraph fused(stream, [&] {
+    const CapturedGraph op(stream, [&] {
       grouped_gemm_dgrad_activation_backward(dy.view(), w.view(), counts.view(), h.view(), h.view(), act, stream);
     });
     const CapturedGraph composed(stream, [&] {
@@ -378,33 +350,25 @@ TEST(CudaGroupedGemmActivationBackwardGraph, FusedLaunchesFewerKernelsAndReplays
       grouped_activation_backward(h_ref.view(), dz.view(), counts.view(), h_ref.view(), act, {}, {}, {}, stream);
     });
     SCOPED_TRACE(activation_case_name(act));
-    if (act.kind == ActivationKind::swiglu) {
-      EXPECT_LT(fused.kernel_nodes(), composed.kernel_nodes()) << "the activation's backward was not fused";
-    } else {
-      EXPECT_EQ(fused.kernel_nodes(), composed.kernel_nodes());
-    }
+    EXPECT_EQ(op.kernel_nodes(), composed.kernel_nodes());
     for (const std::vector<int64_t>& routing : graph_routings(E, per, slack, rng)) {
       counts.upload(make_counts(routing));
       h.upload(h0);
       h_ref.upload(h0);
-      fused.replay(stream);
+      op.replay(stream);
       composed.replay(stream);
       check_device_errors(stream);
       EXPECT_TRUE(bitwise_equal(h.download(), h_ref.download(), "dh replay"));
     }
   }
   GMOE_TEST_CUDA(cudaStreamDestroy(stream));
-  disable_fusion(kFusedActivationBwd);
 }
 
-// An odd F with concatenated halves over a strided h (rows of 16 bytes, so alignment alone would
-// admit it; FC2's weights and dz strided too, as the GEMM's TMA needs 16-byte rows): the up column
-// F further would be 2-byte aligned and a dz column pair would straddle the last column, so the op
-// must take the composition (the same kernel nodes as the two ops in turn, its dz padded to 16-byte
-// rows) and write its bits.
-TEST(CudaGroupedGemmActivationBackwardGraph, OddFOverAStridedHTakesTheComposition) {
+// An odd F with concatenated halves over a strided h (FC2's weights strided too, as the GEMM's TMA
+// needs 16-byte rows): the op's scratch dz has F = 45 columns in rows padded to 16 bytes, and the
+// result is bitwise the two ops in turn over a dz the test pads alike, h's padding columns untouched.
+TEST(CudaGroupedGemmActivationBackwardGraph, OddFOverAStridedH) {
   GMOE_SKIP_WITHOUT_GPU();
-  enable_fusion(kFusedActivationBwd);
   Rng rng;
   cudaStream_t stream;
   GMOE_TEST_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
@@ -432,13 +396,12 @@ TEST(CudaGroupedGemmActivationBackwardGraph, OddFOverAStridedHTakesTheCompositio
     grouped_gemm_dgrad(dy.view(), w, counts.view(), dz, stream);
     grouped_activation_backward(strided(h_ref), dz, counts.view(), strided(h_ref), act, {}, {}, {}, stream);
   });
-  EXPECT_EQ(op.kernel_nodes(), composed.kernel_nodes()) << "an odd F was fused";
+  EXPECT_EQ(op.kernel_nodes(), composed.kernel_nodes());
   op.replay(stream);
   composed.replay(stream);
   check_device_errors(stream);
   EXPECT_TRUE(bitwise_equal(h.download(), h_ref.download(), "dh (and h's padding columns, untouched)"));
   GMOE_TEST_CUDA(cudaStreamDestroy(stream));
-  disable_fusion(kFusedActivationBwd);
 }
 
 }  // namespace

@@ -4,8 +4,7 @@
 //
 // An mlp run times the expert MLP of an mlp case: stacked bf16 weights FC1 [E, 2·ffn, hidden] (gate
 // and up concatenated, as bench/torch_baseline.py splits them with chunk(2); or with
-// --mlp-glu-block B interleaved in blocks of B rows, the layout in which FC1's epilogue can compute
-// the activation) and FC2 [E, hidden, ffn], no bias, no router probabilities, x kept by reference
+// --mlp-glu-block B interleaved in blocks of B rows) and FC2 [E, hidden, ffn], no bias, no router probabilities, x kept by reference
 // (save_original_input; with an FP8 recipe and FP8 weight gradients FC1 keeps x's columnwise FP8
 // copy from forward instead, its default, unless '+requant_input'). Weight gradients: fresh bf16 tensors, as torch's autograd returns them
 // (the default, so that the comparison with torch is like for like), or with --mlp-main-grad

@@ -1,10 +1,10 @@
 // src/cuda/gemm/grouped_gemm_kernels.h — what the host-side dispatcher knows about the CUTLASS grouped
 // GEMM instantiations, without including CUTLASS.
 //
-// Every (input dtype, output dtype, pass, tile config) that is compiled is one explicit
-// instantiation of GroupedGemmKernel in its own sm90_<dtype>_grouped_gemm_<pass>_<tile>.cu, so the
-// heavy CUTLASS templates are compiled once each and in parallel. The dispatcher
-// (grouped_gemm_dispatch.h) maps runtime values onto exactly these instantiations.
+// Every (input dtype, output dtype, pass, epilogue, tile config) that is compiled is one line of
+// grouped_gemm_instances.def, from which CMake generates one explicit instantiation of
+// GroupedGemmKernel per small .cu file, so the heavy CUTLASS templates are compiled once each and
+// in parallel. The dispatcher (grouped_gemm.cu) maps runtime values onto exactly these lines.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -23,8 +23,14 @@ namespace gmoe::cuda_backend {
 ///   wgrad  M = N,     N = K, K = rows:  A = dy (M-major), B = x (N-major),  D = dW_e (row-major)
 enum class GemmPass { fprop, dgrad, wgrad };
 
-/// Tile configurations (choose_rows_tile / choose_wgrad_tile in grouped_gemm.cu say when each is
-/// used).
+/// What the epilogue computes besides D = alpha·acc + beta·C.
+enum class GemmEpilogue {
+  none,  ///< nothing
+  bias   ///< D = acc + bias_e, a row vector of N per group of the input dtype (fprop only)
+};
+
+/// Tile configurations (choose_rows_tile / choose_wgrad_tile in grouped_gemm_heuristics.h say
+/// when each is used).
 enum class TileConfig {
   coop_128x256,      ///< cooperative: 2 consumer warpgroups share one 128x256x64 tile; large groups
   pingpong_128x128,  ///< ping-pong: 2 consumer warpgroups alternate 128x128x64 tiles, one's
@@ -37,19 +43,6 @@ enum class TileConfig {
 /// each instantiation static_asserts that the layouts agree).
 struct GroupShape {
   int32_t m, n, k;
-};
-
-/// A gated activation fused into the fprop epilogue (GroupedGemmKernel<..., Glu = true>): besides
-/// D = h, the epilogue writes z[r, j] = act(gate, up) · p[r] for each gate/up column pair of the
-/// tile, computed from h as stored (rounded to D's dtype), exactly as grouped_activation_forward
-/// would from h. h's 2F columns are interleaved in blocks of `block` (8 or 16) columns, so that the
-/// pair lies in one thread's accumulator fragment (see sm90_grouped_gemm.cuh).
-struct GluEpilogue {
-  void* const* ptr_z = nullptr;             ///< [E] group e's first row of z
-  const int64_t* stride_z = nullptr;        ///< [E] z's row stride, elements
-  const float* const* ptr_probs = nullptr;  ///< [E] group e's first router probability; nullptr: none
-  int32_t kind = 0;                         ///< ActivationKind: swiglu (the one the node computes)
-  int32_t block = 0;                        ///< interleave block: 8 or 16
 };
 
 /// Device arrays (length num_groups, written by the argument-preparation kernels) and scalars that
@@ -68,12 +61,11 @@ struct GroupedGemmLaunch {
   const int64_t* stride_b = nullptr;
   const int64_t* stride_c = nullptr;
   const int64_t* stride_d = nullptr;
-  const void* const* ptr_bias = nullptr;  ///< [E] bias vectors of N (fprop with a fused bias)
-  GluEpilogue glu;                        ///< fprop with a fused gated activation
+  const void* const* ptr_bias = nullptr;  ///< [E] bias vectors of N (GemmEpilogue::bias)
   /// The persistent scheduler's tile order inside a group: false, along M (consecutive tiles down
   /// the M dimension, the same N tile: B's tile reused, A re-read once per N tile); true, along N
   /// (A's tile reused, B re-read once per M tile). CUTLASS applies no heuristic to grouped
-  /// problems; the host chooses from what it knows (grouped_gemm.cu).
+  /// problems; the host chooses from what it knows (grouped_gemm_heuristics.h).
   bool raster_along_n = false;
   float alpha = 1.0f;
   float beta = 0.0f;              ///< 1 accumulates into C (= D); needs a C-capable instantiation
@@ -81,11 +73,9 @@ struct GroupedGemmLaunch {
   std::size_t workspace_bytes = 0;
 };
 
-/// One compiled grouped GEMM. Defined (explicitly instantiated) only in the sm90_*.cu files; the
-/// dispatcher sees declarations alone. Bias: D = A·B + bias_e (a row vector of N per group, of the
-/// input dtype) in the epilogue, before the output's rounding (fprop only). Glu: the gated
-/// activation of GluEpilogue in the epilogue too (bf16 fprop only).
-template <DType In, DType Out, GemmPass Pass, TileConfig Tile, bool Bias = false, bool Glu = false>
+/// One compiled grouped GEMM. Defined (explicitly instantiated) only in the generated sm90_*.cu
+/// files, one per line of grouped_gemm_instances.def; the dispatcher sees declarations alone.
+template <DType In, DType Out, GemmPass Pass, TileConfig Tile, GemmEpilogue Epilogue = GemmEpilogue::none>
 struct GroupedGemmKernel {
   /// Bytes of CUTLASS workspace for a persistent grid of sm_count CTAs.
   static std::size_t workspace_bytes(int sm_count);

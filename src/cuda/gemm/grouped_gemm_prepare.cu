@@ -8,8 +8,6 @@
 #include <cub/block/block_scan.cuh>
 
 #include <algorithm>
-#include <cstdlib>
-#include <cstring>
 #include <sstream>
 #include <vector>
 
@@ -25,9 +23,6 @@ namespace {
 __device__ uint32_t g_device_error_word = 0;
 
 constexpr int kPrepareThreads = 1024;
-
-// row_chunk_rows()'s default (see there).
-constexpr int32_t kDefaultRowChunk = 4096;
 
 __device__ __forceinline__ int64_t read_count(const void* counts, bool is_i64, int64_t e) {
   return is_i64 ? static_cast<const int64_t*>(counts)[e]
@@ -88,11 +83,6 @@ __device__ __forceinline__ void write_rows_group(const PrepareParams& p, const G
   if (out.ptr_bias != nullptr && p.bias.base != nullptr) {
     out.ptr_bias[g] = offset_ptr(p.bias.base, e * p.bias.expert_stride, p.bias.elem_bytes);
   }
-  if (out.ptr_z != nullptr) {
-    out.ptr_z[g] = const_cast<void*>(offset_ptr(p.rows_z.base, begin * p.rows_z.ld, p.rows_z.elem_bytes));
-    out.stride_z[g] = p.rows_z.ld;
-    if (out.ptr_probs != nullptr) out.ptr_probs[g] = p.probs + begin;
-  }
   if (out.ptr_sfa != nullptr) {
     out.ptr_sfa[g] = scale_start(p.scale_a, e, begin);
     out.ptr_sfb[g] = scale_start(p.scale_b, e, begin);
@@ -100,16 +90,79 @@ __device__ __forceinline__ void write_rows_group(const PrepareParams& p, const G
   if (out.alpha_ptr != nullptr) out.alpha_ptr[g] = out.alpha + e;
 }
 
+// wgrad: expert e's group, its tokens [begin, begin + rows) the reduction. Where they start in A
+// and B: row `begin` of grouped rows, or (FP8) a column of a columnwise operand, clamped so the
+// reduction never leaves it.
+__device__ __forceinline__ void write_wgrad_group(const PrepareParams& p, const GroupedGemmArrays& out, int e,
+                                                  int64_t begin, int32_t rows, uint32_t* errors) {
+  if (out.alpha_ptr != nullptr) out.alpha_ptr[e] = out.alpha + e;
+  int64_t a_start = begin * p.rows_a.ld, b_start = begin * p.rows_b.ld;
+  int64_t a_col = begin, b_col = begin;
+  int32_t k = rows;
+  if (p.rows_a.padded_offsets != nullptr) {
+    int64_t fit_a = rows, fit_b = rows;
+    a_col = columnwise_start(p.rows_a, e, rows, &fit_a, errors);
+    b_col = columnwise_start(p.rows_b, e, rows, &fit_b, errors);
+    a_start = a_col;
+    b_start = b_col;
+    k = static_cast<int32_t>(min(fit_a, fit_b));
+  }
+  const bool write = p.mask == nullptr || p.mask[e] != 0;
+  const bool active = write && k > 0;
+  // An inactive expert gets M = 0: CUTLASS schedules no tile for it (a K = 0 group would be
+  // scheduled and store uninitialised accumulators).
+  out.shapes[e] = active ? GroupShape{p.gemm_m, p.gemm_n, k} : GroupShape{0, p.gemm_n, 0};
+  out.zero_expert[e] = (write && k == 0 && !p.accumulate) ? 1 : 0;
+  out.ptr_a[e] = offset_ptr(p.rows_a.base, a_start, p.rows_a.elem_bytes);
+  out.stride_a[e] = p.rows_a.ld;
+  out.ptr_b[e] = offset_ptr(p.rows_b.base, b_start, p.rows_b.elem_bytes);
+  out.stride_b[e] = p.rows_b.ld;
+  if (out.ptr_sfa != nullptr) {
+    out.ptr_sfa[e] = scale_start(p.scale_a, e, a_col);
+    out.ptr_sfb[e] = scale_start(p.scale_b, e, b_col);
+  }
+  if (p.expert_stacked) {
+    const void* d = offset_ptr(p.expert.base, e * p.expert.expert_stride, p.expert.elem_bytes);
+    out.ptr_d[e] = const_cast<void*>(d);
+    out.stride_d[e] = p.expert.ld;
+    out.ptr_c[e] = d;
+    out.stride_c[e] = p.expert.ld;
+  }
+}
+
+using PrepareScan = cub::BlockScan<int64_t, kPrepareThreads>;
+
+// Row chunks: the number of this thread's first group (experts [first, last), whose rows start at
+// `prefix`), from a second scan over the chunk counts; the groups past the last chunk (of
+// p.num_groups) are written empty.
+__device__ __forceinline__ int64_t first_chunk_group(const PrepareParams& p, const GroupedGemmArrays& out,
+                                                     int first, int last, int64_t prefix,
+                                                     typename PrepareScan::TempStorage& scan_storage) {
+  int64_t chunks = 0;
+  int64_t rows_before = prefix;  // the rows as prepare_grouped_gemm_kernel clamps them
+  for (int e = first; e < last; ++e) {
+    const int64_t c = clamped_count(p, e);
+    const int64_t rows = min(rows_before + c, p.capacity) - min(rows_before, p.capacity);
+    rows_before += c;
+    chunks += (rows + p.row_chunk - 1) / p.row_chunk;
+  }
+  __syncthreads();  // scan_storage is reused
+  int64_t group = 0, total_chunks = 0;
+  PrepareScan(scan_storage).ExclusiveSum(chunks, group, total_chunks);
+  for (int64_t g = total_chunks + threadIdx.x; g < p.num_groups; g += kPrepareThreads) {
+    write_rows_group(p, out, static_cast<int>(g), 0, 0, 0);  // empty: no tile is scheduled
+  }
+  return group;
+}
+
 // One block: thread t owns experts [t*per, (t+1)*per). Counts are clamped to [0, capacity] before
 // the scan so the 64-bit prefix cannot overflow (E * capacity < 2^63); offsets and group sizes are
 // then clamped to capacity in closed form, min(prefix, capacity), so no thread depends on another
 // thread's clamping. With row chunks (fprop/dgrad, p.row_chunk > 0), expert e's rows become
-// ceil(rows_e / row_chunk) groups, numbered after the earlier experts' (a second scan), and the
-// groups past the last (of p.num_groups) are empty.
+// ceil(rows_e / row_chunk) groups, numbered after the earlier experts' (first_chunk_group).
 __global__ void __launch_bounds__(kPrepareThreads)
     prepare_grouped_gemm_kernel(PrepareParams p, GroupedGemmArrays out) {
-  using BlockScan = cub::BlockScan<int64_t, kPrepareThreads>;
-  __shared__ typename BlockScan::TempStorage scan_storage;
+  __shared__ typename PrepareScan::TempStorage scan_storage;
 
   const int E = p.num_experts;
   const int per = (E + kPrepareThreads - 1) / kPrepareThreads;
@@ -125,27 +178,10 @@ __global__ void __launch_bounds__(kPrepareThreads)
   }
   int64_t prefix = 0;
   int64_t sum_all = 0;
-  BlockScan(scan_storage).ExclusiveSum(local, prefix, sum_all);
+  PrepareScan(scan_storage).ExclusiveSum(local, prefix, sum_all);
 
-  // Row chunks: this thread's first group.
   const bool chunked = p.row_chunk > 0 && p.pass != GemmPass::wgrad;
-  int64_t group = 0;
-  if (chunked) {
-    int64_t chunks = 0;
-    int64_t rows_before = prefix;  // the rows as the loop below clamps them
-    for (int e = first; e < last; ++e) {
-      const int64_t c = clamped_count(p, e);
-      const int64_t rows = min(rows_before + c, p.capacity) - min(rows_before, p.capacity);
-      rows_before += c;
-      chunks += (rows + p.row_chunk - 1) / p.row_chunk;
-    }
-    __syncthreads();  // scan_storage is reused
-    int64_t total_chunks = 0;
-    BlockScan(scan_storage).ExclusiveSum(chunks, group, total_chunks);
-    for (int64_t g = total_chunks + threadIdx.x; g < p.num_groups; g += kPrepareThreads) {
-      write_rows_group(p, out, static_cast<int>(g), 0, 0, 0);  // empty: no tile is scheduled
-    }
-  }
+  int64_t group = chunked ? first_chunk_group(p, out, first, last, prefix, scan_storage) : 0;
 
   for (int e = first; e < last; ++e) {
     const int64_t c = clamped_count(p, e);
@@ -159,41 +195,7 @@ __global__ void __launch_bounds__(kPrepareThreads)
       out.alpha[e] = p.alpha_a[e] * p.alpha_b[e];
     }
     if (p.pass == GemmPass::wgrad) {
-      if (out.alpha_ptr != nullptr) out.alpha_ptr[e] = out.alpha + e;
-      // Where group e's tokens start in A and B: row `begin` of grouped rows, or (FP8) a column
-      // of a columnwise operand, clamped so the reduction never leaves it.
-      int64_t a_start = begin * p.rows_a.ld, b_start = begin * p.rows_b.ld;
-      int64_t a_col = begin, b_col = begin;
-      int32_t k = rows;
-      if (p.rows_a.padded_offsets != nullptr) {
-        int64_t fit_a = rows, fit_b = rows;
-        a_col = columnwise_start(p.rows_a, e, rows, &fit_a, &errors);
-        b_col = columnwise_start(p.rows_b, e, rows, &fit_b, &errors);
-        a_start = a_col;
-        b_start = b_col;
-        k = static_cast<int32_t>(min(fit_a, fit_b));
-      }
-      const bool write = p.mask == nullptr || p.mask[e] != 0;
-      const bool active = write && k > 0;
-      // An inactive expert gets M = 0: CUTLASS schedules no tile for it (a K = 0 group would be
-      // scheduled and store uninitialised accumulators).
-      out.shapes[e] = active ? GroupShape{p.gemm_m, p.gemm_n, k} : GroupShape{0, p.gemm_n, 0};
-      out.zero_expert[e] = (write && k == 0 && !p.accumulate) ? 1 : 0;
-      out.ptr_a[e] = offset_ptr(p.rows_a.base, a_start, p.rows_a.elem_bytes);
-      out.stride_a[e] = p.rows_a.ld;
-      out.ptr_b[e] = offset_ptr(p.rows_b.base, b_start, p.rows_b.elem_bytes);
-      out.stride_b[e] = p.rows_b.ld;
-      if (out.ptr_sfa != nullptr) {
-        out.ptr_sfa[e] = scale_start(p.scale_a, e, a_col);
-        out.ptr_sfb[e] = scale_start(p.scale_b, e, b_col);
-      }
-      if (p.expert_stacked) {
-        const void* d = offset_ptr(p.expert.base, e * p.expert.expert_stride, p.expert.elem_bytes);
-        out.ptr_d[e] = const_cast<void*>(d);
-        out.stride_d[e] = p.expert.ld;
-        out.ptr_c[e] = d;
-        out.stride_c[e] = p.expert.ld;
-      }
+      write_wgrad_group(p, out, e, begin, rows, &errors);
     } else if (chunked) {
       for (int64_t at = 0; at < rows; at += p.row_chunk, ++group) {
         write_rows_group(p, out, static_cast<int>(group), e, begin + at,
@@ -360,123 +362,120 @@ LaunchRecord& last_launch_record() {
   return record;
 }
 
-PreparedCall prepare_call(const CallPlan& plan, std::size_t cutlass_bytes, cudaStream_t stream, Allocator& alloc) {
-  const int device = current_device();
-  const int sms = sm_count(device);
-  const int E = plan.prep.num_experts;
-  const bool wgrad = plan.prep.pass == GemmPass::wgrad;
-  // An empty reduction runs no GEMM, so a fused bias would never be added: the dispatchers send
-  // such calls to the bias's second pass (y = 0 + bias).
-  GMOE_CHECK(!plan.zero_all_rows || plan.bias == nullptr,
-             "grouped GEMM: a fused bias with an empty reduction (K = 0)");
-  // Lists of expert tensors or biases: their pointers are written per expert, by value, after the
-  // preparation kernel (which computes stacked and grouped ones itself).
+namespace {
+
+// The groups of one launch: with row chunks (fprop/dgrad, row_chunk_rows), an expert's rows are
+// split into groups of at most row_chunk rows; chunks need every group's pointers from the
+// preparation kernel, so not with lists of expert tensors or biases (written per expert).
+PrepareParams plan_groups(const CallPlan& plan) {
   const bool experts_list = plan.experts != nullptr && !plan.experts->is_stacked();
   const bool bias_list = plan.bias != nullptr && !plan.bias->is_grouped();
-  // Row chunks (fprop/dgrad) need every group's pointers from the kernel: not with lists.
+  const int E = plan.prep.num_experts;
   PrepareParams prep = plan.prep;
-  prep.row_chunk = wgrad || experts_list || bias_list || E == 0 ? 0 : row_chunk_rows();
+  prep.row_chunk = plan.prep.pass == GemmPass::wgrad || experts_list || bias_list || E == 0 ? 0 : row_chunk_rows();
   prep.num_groups = prep.row_chunk > 0 ? static_cast<int32_t>(E + (prep.capacity + prep.row_chunk - 1) / prep.row_chunk)
                                        : E;  // (capacity < 2^31, row_chunk >= 128: no overflow)
-  LaunchRecord& record = last_launch_record();
-  record = LaunchRecord{};
-  record.ran = plan.run_gemm;
-  record.num_groups = prep.num_groups;
-  record.row_chunk = prep.row_chunk;
-  const std::size_t g = static_cast<std::size_t>(prep.num_groups);  // per-group arrays
-  const std::size_t e = static_cast<std::size_t>(E);                // per-expert arrays
+  return prep;
+}
 
-  // One workspace for every array and for CUTLASS (its tensor maps, one set per SM), each part
-  // 128-byte aligned.
-  std::size_t offset = 0;
-  auto take = [&](std::size_t bytes) {
-    const std::size_t at = offset;
-    offset = (offset + bytes + 127) / 128 * 128;
+// Where each array lies in the one workspace of a call, each part 128-byte aligned; `bytes` in all.
+struct WorkspaceLayout {
+  std::size_t shapes, ptrs, strides, total, zero, bias, scale_ptrs, alpha, alpha_ptrs, cutlass;
+  std::size_t bytes = 0;
+
+  WorkspaceLayout(const CallPlan& plan, std::size_t groups, std::size_t experts, std::size_t cutlass_bytes) {
+    const std::size_t g = groups, e = experts;
+    shapes = take(g * sizeof(GroupShape));
+    ptrs = take(4 * g * sizeof(void*));
+    strides = take(4 * g * sizeof(int64_t));
+    total = take(sizeof(int64_t));
+    zero = take(e * sizeof(int32_t));
+    bias = take(plan.bias != nullptr ? g * sizeof(void*) : 0);
+    scale_ptrs = take(plan.block_scales ? 2 * g * sizeof(float*) : 0);
+    alpha = take(plan.alpha ? e * sizeof(float) : 0);
+    alpha_ptrs = take(plan.alpha ? g * sizeof(float*) : 0);
+    cutlass = take(cutlass_bytes);  // CUTLASS's tensor maps, one set per SM
+  }
+
+ private:
+  std::size_t take(std::size_t n) {
+    const std::size_t at = bytes;
+    bytes = (bytes + n + 127) / 128 * 128;
     return at;
-  };
-  const std::size_t o_shapes = take(g * sizeof(GroupShape));
-  const std::size_t o_ptrs = take(4 * g * sizeof(void*));
-  const std::size_t o_strides = take(4 * g * sizeof(int64_t));
-  const std::size_t o_total = take(sizeof(int64_t));
-  const std::size_t o_zero = take(e * sizeof(int32_t));
-  const std::size_t o_bias = take(plan.bias != nullptr ? g * sizeof(void*) : 0);
-  const bool probs = plan.glu && plan.prep.probs != nullptr;
-  const std::size_t o_glu = take(plan.glu ? g * (sizeof(void*) + sizeof(int64_t)) : 0);
-  const std::size_t o_probs = take(probs ? g * sizeof(float*) : 0);
-  const std::size_t o_scale_ptrs = take(plan.block_scales ? 2 * g * sizeof(float*) : 0);
-  const std::size_t o_alpha = take(plan.alpha ? e * sizeof(float) : 0);
-  const std::size_t o_alpha_ptrs = take(plan.alpha ? g * sizeof(float*) : 0);
-  const std::size_t o_cutlass = take(cutlass_bytes);
-  PreparedCall call;
-  call.workspace = Buffer(alloc, offset, stream);
-  char* base = static_cast<char*>(call.workspace.data());
+  }
+};
 
-  GroupedGemmArrays& a = call.arrays;
-  a.shapes = reinterpret_cast<GroupShape*>(base + o_shapes);
-  auto** ptrs = reinterpret_cast<const void**>(base + o_ptrs);
+// The arrays of `layout` in the workspace at `base`; those the call does not use stay nullptr.
+GroupedGemmArrays bind_arrays(const CallPlan& plan, const WorkspaceLayout& layout, std::size_t g, char* base) {
+  GroupedGemmArrays a;
+  a.shapes = reinterpret_cast<GroupShape*>(base + layout.shapes);
+  auto** ptrs = reinterpret_cast<const void**>(base + layout.ptrs);
   a.ptr_a = ptrs;
   a.ptr_b = ptrs + g;
   a.ptr_c = ptrs + 2 * g;
   a.ptr_d = const_cast<void**>(ptrs + 3 * g);
-  auto* strides = reinterpret_cast<int64_t*>(base + o_strides);
+  auto* strides = reinterpret_cast<int64_t*>(base + layout.strides);
   a.stride_a = strides;
   a.stride_b = strides + g;
   a.stride_c = strides + 2 * g;
   a.stride_d = strides + 3 * g;
-  a.total = reinterpret_cast<int64_t*>(base + o_total);
-  a.zero_expert = reinterpret_cast<int32_t*>(base + o_zero);
-  if (plan.bias != nullptr) a.ptr_bias = reinterpret_cast<const void**>(base + o_bias);
-  if (plan.glu) {
-    a.ptr_z = reinterpret_cast<void**>(base + o_glu);
-    a.stride_z = reinterpret_cast<int64_t*>(base + o_glu + g * sizeof(void*));
-    if (probs) a.ptr_probs = reinterpret_cast<const float**>(base + o_probs);
-  }
+  a.total = reinterpret_cast<int64_t*>(base + layout.total);
+  a.zero_expert = reinterpret_cast<int32_t*>(base + layout.zero);
+  if (plan.bias != nullptr) a.ptr_bias = reinterpret_cast<const void**>(base + layout.bias);
   if (plan.block_scales) {
-    auto** sf = reinterpret_cast<const float**>(base + o_scale_ptrs);
+    auto** sf = reinterpret_cast<const float**>(base + layout.scale_ptrs);
     a.ptr_sfa = sf;
     a.ptr_sfb = sf + g;
   }
   if (plan.alpha) {
-    a.alpha = reinterpret_cast<float*>(base + o_alpha);
-    a.alpha_ptr = reinterpret_cast<const float**>(base + o_alpha_ptrs);
+    a.alpha = reinterpret_cast<float*>(base + layout.alpha);
+    a.alpha_ptr = reinterpret_cast<const float**>(base + layout.alpha_ptrs);
   }
+  return a;
+}
 
-  launch_prepare(prep, a, stream);
-  if (bias_list) {  // its pointers, by value (one group per expert)
+// Lists of expert tensors or biases: their pointers, by value, after the preparation kernel (which
+// computes stacked and grouped ones itself); one group per expert.
+void write_list_pointers(const CallPlan& plan, const GroupedGemmArrays& a, cudaStream_t stream) {
+  const int E = plan.prep.num_experts;
+  const std::size_t e = static_cast<std::size_t>(E);
+  if (plan.bias != nullptr && !plan.bias->is_grouped()) {
     std::vector<const void*> host_ptrs(e);
     for (std::size_t i = 0; i < e; ++i) host_ptrs[i] = plan.bias->list[i].data;
     launch_write_pointers(host_ptrs.data(), E, a.ptr_bias, stream);
   }
-  if (experts_list) {  // one group per expert
-    std::vector<const void*> host_ptrs(e);
-    std::vector<int64_t> host_lds(e);
-    for (std::size_t i = 0; i < e; ++i) {
-      host_ptrs[i] = plan.experts->list[i].data;
-      host_lds[i] = plan.experts->list[i].stride(0);
-    }
-    if (wgrad) {
-      launch_write_expert_pointers(host_ptrs.data(), host_lds.data(), E, const_cast<const void**>(a.ptr_d),
-                                   a.stride_d, a.ptr_c, a.stride_c, stream);
-    } else {
-      launch_write_expert_pointers(host_ptrs.data(), host_lds.data(), E, a.ptr_b, a.stride_b, nullptr, nullptr,
-                                   stream);
-    }
+  if (plan.experts == nullptr || plan.experts->is_stacked()) return;
+  std::vector<const void*> host_ptrs(e);
+  std::vector<int64_t> host_lds(e);
+  for (std::size_t i = 0; i < e; ++i) {
+    host_ptrs[i] = plan.experts->list[i].data;
+    host_lds[i] = plan.experts->list[i].stride(0);
   }
-  if (wgrad) {
-    launch_zero_experts(a.ptr_d, a.stride_d, plan.dw_elem_bytes, plan.dw_rows, plan.dw_row_bytes, a.zero_expert, E,
-                        sms, stream);
+  if (plan.prep.pass == GemmPass::wgrad) {
+    launch_write_expert_pointers(host_ptrs.data(), host_lds.data(), E, const_cast<const void**>(a.ptr_d),
+                                 a.stride_d, a.ptr_c, a.stride_c, stream);
+  } else {
+    launch_write_expert_pointers(host_ptrs.data(), host_lds.data(), E, a.ptr_b, a.stride_b, nullptr, nullptr,
+                                 stream);
+  }
+}
+
+// Zeros where the GEMM writes nothing: empty experts' dW (wgrad), or the rows past the real total
+// (fprop/dgrad; every row when the reduction is empty).
+void write_zeros(const CallPlan& plan, const GroupedGemmArrays& a, int sms, cudaStream_t stream) {
+  if (plan.prep.pass == GemmPass::wgrad) {
+    launch_zero_experts(a.ptr_d, a.stride_d, plan.dw_elem_bytes, plan.dw_rows, plan.dw_row_bytes, a.zero_expert,
+                        plan.prep.num_experts, sms, stream);
   } else {
     launch_zero_rows(plan.out_base, plan.out_ld_bytes, plan.out_row_bytes, plan.prep.capacity,
                      plan.zero_all_rows ? nullptr : a.total, sms, stream);
-    if (plan.glu) {
-      const RowsOperand& z = plan.prep.rows_z;
-      launch_zero_rows(const_cast<void*>(z.base), z.ld * z.elem_bytes, plan.z_row_bytes, plan.prep.capacity,
-                       plan.zero_all_rows ? nullptr : a.total, sms, stream);
-    }
   }
+}
 
-  GroupedGemmLaunch& l = call.launch;
-  l.num_groups = prep.num_groups;
+GroupedGemmLaunch launch_arguments(const GroupedGemmArrays& a, int num_groups, int device, int sms,
+                                   void* cutlass_workspace, std::size_t cutlass_bytes) {
+  GroupedGemmLaunch l;
+  l.num_groups = num_groups;
   l.device = device;
   l.sm_count = sms;
   l.shapes = a.shapes;
@@ -489,99 +488,39 @@ PreparedCall prepare_call(const CallPlan& plan, std::size_t cutlass_bytes, cudaS
   l.stride_c = a.stride_c;
   l.stride_d = a.stride_d;
   l.ptr_bias = a.ptr_bias;
-  l.glu.ptr_z = a.ptr_z;
-  l.glu.stride_z = a.stride_z;
-  l.glu.ptr_probs = a.ptr_probs;
-  l.workspace = base + o_cutlass;
+  l.workspace = cutlass_workspace;
   l.workspace_bytes = cutlass_bytes;
+  return l;
+}
+
+}  // namespace
+
+PreparedCall prepare_call(const CallPlan& plan, std::size_t cutlass_bytes, cudaStream_t stream, Allocator& alloc) {
+  // An empty reduction runs no GEMM, so a fused bias would never be added: the dispatchers send
+  // such calls to the bias's second pass (y = 0 + bias).
+  GMOE_CHECK(!plan.zero_all_rows || plan.bias == nullptr,
+             "grouped GEMM: a fused bias with an empty reduction (K = 0)");
+  const int device = current_device();
+  const int sms = sm_count(device);
+  const PrepareParams prep = plan_groups(plan);
+  LaunchRecord& record = last_launch_record();
+  record = LaunchRecord{};
+  record.ran = plan.run_gemm;
+  record.num_groups = prep.num_groups;
+  record.row_chunk = prep.row_chunk;
+
+  const std::size_t g = static_cast<std::size_t>(prep.num_groups);
+  const WorkspaceLayout layout(plan, g, static_cast<std::size_t>(prep.num_experts), cutlass_bytes);
+  PreparedCall call;
+  call.workspace = Buffer(alloc, layout.bytes, stream);
+  char* base = static_cast<char*>(call.workspace.data());
+  call.arrays = bind_arrays(plan, layout, g, base);
+
+  launch_prepare(prep, call.arrays, stream);
+  write_list_pointers(plan, call.arrays, stream);
+  write_zeros(plan, call.arrays, sms, stream);
+  call.launch = launch_arguments(call.arrays, prep.num_groups, device, sms, base + layout.cutlass, cutlass_bytes);
   return call;
-}
-
-// Row chunks. The group scheduler hands out an expert's tiles in order along M (its rows) and then
-// N, so the ~132 tiles that run at once are up to ceil(rows_e / 128) tiles tall: an expert with
-// many rows has its CTAs read as many different row strips of A (each 128 x K) for only one or two
-// column strips of B, and A's strips are read again for every further column strip. Splitting the
-// expert into groups of row_chunk rows bounds the strip count, as the uniform cases have it.
-// Splitting changes no result (each output row is the same dot products in the same order).
-//
-// Measured on an H100 (2026-11-24, gemm mode of the public suite, fprop and dgrad, 4096 against
-// none, each twice, interleaved): dsv3_fc2/skewed dgrad (an expert of 16026 rows) 1.08x bf16,
-// 1.16x FP8 blockwise, 1.18x tensorwise; dsv3_fc1/skewed fprop 1.10x blockwise, 1.12x tensorwise;
-// mixtral_fc1/skewed dgrad 1.03-1.12x; geometric means over every case 1.017x bf16, 1.010x
-// blockwise, 1.019x tensorwise. Cases without an expert above 4096 rows do not change. The one
-// loss: qwen3moe_fc2/skewed fprop (K = 768: short tiles, whose group switches weigh more) 0.97-0.99x.
-// Chunks of 1024 or 2048 rows helped the skewed cases as much but split the uniform ones too, and
-// lost up to 7% there (fprop of dsv3_fc2/uniform, qwen3moe_fc2/skewed). GroupedMLP dsv3_ep32/skewed
-// forward+backward: bf16 1.016x, FP8 blockwise 1.025x, tensorwise 1.070x.
-int32_t row_chunk_rows() {
-  static const int32_t rows = [] {
-    const char* env = std::getenv("GMOE_ROW_CHUNK");
-    if (env == nullptr) return kDefaultRowChunk;
-    const long v = std::strtol(env, nullptr, 10);
-    return v > 0 ? static_cast<int32_t>((v + 127) / 128 * 128) : 0;
-  }();
-  return rows;
-}
-
-// The tile order of the weight gradient (M = the layer's N, N = its K, host-known; K = an expert's
-// tokens, on the device only). Tiles along M share B's tile and re-read A (dy_e, M x tokens) once
-// per N tile unless all of A stays in L2; along N they share A's tile and need all of B (x_e,
-// N x tokens) to stay in L2 instead. So along N when, at the average tokens per expert, A does not
-// fit in half the L2 and B does. Measured on an H100 (2026-11-23, wgrad of the public suite, both
-// orders forced in one run): mixtral_fc1 (A 117 MB, B 17 MB) along N 675 vs 586 TFLOP/s (uniform;
-// skewed, whose larger experts overflow, 579 vs 607), dsv3_fc2 (A 59 MB, B 17 MB) 758 vs 740 and
-// 676 vs 657; dsv3_fc1 (A 34 MB, B 59 MB) along M 771 vs 623 and 735 vs 483; qwen3moe and small_m
-// (both operands fit) within 5% either way, along M kept. Along M is also CUTLASS's default for
-// grouped problems. GMOE_RASTER=m|n forces an order (benchmarks, tests). The FP8 weight gradient
-// takes the same rule with its 1-byte operands, except the tensorwise one without a source, which
-// walks along N (`along_n`; the call site has the measurements).
-bool choose_wgrad_raster_along_n(int64_t m, int64_t n, int64_t capacity, int64_t num_experts, DType in,
-                                 bool along_n) {
-  static const int forced = env_option("GMOE_RASTER", {"m", "n"});
-  if (forced >= 0) return forced == 1;
-  if (along_n) return true;
-  const int64_t tokens = capacity / std::max<int64_t>(num_experts, 1);
-  const int64_t elem = static_cast<int64_t>(dtype_size(in));
-  const int64_t half_l2 = l2_bytes(current_device()) / 2;
-  return m * tokens * elem > half_l2 && n * tokens * elem <= half_l2;
-}
-
-int env_option(const char* name, std::initializer_list<const char*> values) {
-  const char* env = std::getenv(name);
-  if (env == nullptr) return -1;
-  int i = 0;
-  for (const char* v : values) {
-    if (std::strcmp(env, v) == 0) return i;
-    ++i;
-  }
-  return -1;
-}
-
-int forced_cluster() {
-  static const int forced = env_option("GMOE_CLUSTER", {"1x1", "2x1", "2x2"});
-  return forced;
-}
-
-int forced_fp8_rows_cluster() {
-  static const int forced = env_option("GMOE_FP8_ROWS_CLUSTER", {"1x1", "2x1", "2x2"});
-  return forced >= 0 ? forced : forced_cluster();
-}
-
-// A 2x1 cluster halves the L2-to-SM traffic of B's tiles (TMA multicast) but schedules tiles in
-// pairs along M: a group whose M tiles are odd in number computes one all-out-of-range tile per N
-// tile. The weight gradient's M is the layer's N, host-known. Measured on an H100 (2026-11-24,
-// public suite, 2x1 forced against 1x1 in one session; M = 12 to 224 tiles, all even): bf16
-// 0.99-1.18x (dsv3_fc2 1.11-1.15x, mixtral_fc1/skewed 1.18x), tensorwise FP8 1.02-1.20x; the
-// blockwise FP8 weight gradient 0.98-1.00x (not compiled, fp8_grouped_gemm.cu). bf16 fprop/dgrad
-// measured 0.89-1.03x (and the dsv3_ep32 MLP under sustained load 0.975x with every bf16 pass in
-// 2x1, gpt-oss-20b 1.046x; 1.00x with this rule) and are not compiled in 2x1; FP8 fprop/dgrad
-// have their own rule (fp8_grouped_gemm.cu, choose_rows_tile). The f32 (main_grad) kernels, A/B'd
-// alone later (ba68eff): tensorwise FP8 1.12-1.13x on dsv3_fc2, 0.98-1.06x elsewhere; the bf16
-// layer's forward+backward 1.00-1.04x.
-bool wgrad_cluster_2x1(int64_t m) {
-  if (forced_cluster() >= 0) return forced_cluster() >= 1;
-  const int64_t tiles_m = (m + 127) / 128;
-  return tiles_m >= 2 && (tiles_m % 2 == 0 || tiles_m >= 16);
 }
 
 }  // namespace gmoe::cuda_backend

@@ -10,9 +10,9 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <initializer_list>
 
 #include "cuda/gemm/grouped_gemm_kernels.h"
+#include "cuda/gemm/grouped_gemm_heuristics.h"  // the choices prepare_call and the FP8 dispatcher share
 #include "gmoe/allocator.h"
 #include "gmoe/grouped.h"
 #include "gmoe/grouped_bias.h"
@@ -39,10 +39,6 @@ struct GroupedGemmArrays {
   int64_t* total = nullptr;           ///< [1] the clamped real total of rows
   int32_t* zero_expert = nullptr;     ///< [E] wgrad: 1 where dW_e must be written as zeros
   const void** ptr_bias = nullptr;    ///< [E] fprop with a fused bias: expert e's bias vector
-  // fprop with a fused gated activation (GluEpilogue); absent otherwise.
-  void** ptr_z = nullptr;             ///< [E] group e's first row of z
-  int64_t* stride_z = nullptr;        ///< [E] z's row stride, elements
-  const float** ptr_probs = nullptr;  ///< [E] group e's first router probability (absent: no probs)
   // FP8 only (fp8_grouped_gemm.cu); absent (nullptr) for the 16-bit GEMMs.
   const float** ptr_sfa = nullptr;    ///< [E] blockwise: group e's first scale of A
   const float** ptr_sfb = nullptr;    ///< [E] blockwise: group e's first scale of B
@@ -105,10 +101,6 @@ struct PrepareParams {
   /// fprop with a fused grouped [E, N] bias: expert e's vector at base + e * expert_stride
   /// (elements; ld unused). base == nullptr: no bias, or a list (written by write_expert_pointers).
   StackedOperand bias;
-  /// fprop with a fused gated activation: its output z (grouped rows like D), and the router
-  /// probabilities (f32 [capacity], or nullptr).
-  RowsOperand rows_z;
-  const float* probs = nullptr;
   // FP8 only (fp8_grouped_gemm.cu):
   ScaleOperand scale_a, scale_b;   ///< blockwise: where group e's scales of A and B start
   const float* alpha_a = nullptr;  ///< tensorwise: [E] per-expert scale_inv of A (device)
@@ -161,7 +153,6 @@ struct CallPlan {
   /// written by value; nullptr or stacked: the preparation kernel computes them.
   const ExpertWeights* experts = nullptr;
   const ExpertBias* bias = nullptr;  ///< fprop with a bias fused into the epilogue
-  bool glu = false;                  ///< fprop with a gated activation fused (prep.rows_z, prep.probs)
   bool block_scales = false;         ///< FP8 blockwise: per-group scale pointers
   bool alpha = false;                ///< FP8 tensorwise: per-group alpha
   bool run_gemm = false;             ///< false: every extent empty, only the zeros are written
@@ -170,15 +161,13 @@ struct CallPlan {
   void* out_base = nullptr;
   int64_t out_ld_bytes = 0, out_row_bytes = 0;
   bool zero_all_rows = false;
-  int64_t z_row_bytes = 0;  ///< glu: z's rows past the real total too (z at prep.rows_z)
   int32_t dw_elem_bytes = 0;
   int64_t dw_rows = 0, dw_row_bytes = 0;
 };
 
 /// What prepare_call leaves: the workspace (released on the call's stream when this goes), the
 /// arrays in it, and the launch arguments of the grouped kernel (shapes, pointers, strides, bias,
-/// the fused activation's pointers, CUTLASS's workspace; alpha 1, beta 0, no activation scalars:
-/// the caller sets what differs).
+/// CUTLASS's workspace; alpha 1, beta 0: the caller sets what differs).
 struct PreparedCall {
   Buffer workspace;
   GroupedGemmArrays arrays;
@@ -203,36 +192,5 @@ struct LaunchRecord {
 };
 /// This thread's record (see LaunchRecord).
 LaunchRecord& last_launch_record();
-
-/// The most rows of one expert that one group of an fprop/dgrad launch covers (a multiple of the
-/// 128-row tile; 0: a group per expert). Bigger experts are split into several groups so that the
-/// tiles running at once cover a block of the output rather than a tall strip of it (the
-/// definition has why and the measurements). GMOE_ROW_CHUNK=<rows> sets it (benchmarks, tests).
-int32_t row_chunk_rows();
-
-/// Whether the weight gradient D[M, N] (M = the layer's N, N = its K; reductions over each
-/// expert's tokens) walks its tiles along N rather than M: along N when, at the average tokens per
-/// expert, the A operand does not fit in half the L2 and B does (measurements in the definition).
-/// `along_n`: the caller's kernel is measured to walk best along N whatever the sizes (the FP8
-/// tensorwise weight gradient without a source, fp8_grouped_gemm.cu). GMOE_RASTER=m|n forces an
-/// order over both.
-bool choose_wgrad_raster_along_n(int64_t m, int64_t n, int64_t capacity, int64_t num_experts, DType in,
-                                 bool along_n = false);
-
-/// A run-time override from the environment: the index of the variable's value in `values`, or
-/// -1 when it is unset or none of them (callers read it once, into a static).
-int env_option(const char* name, std::initializer_list<const char*> values);
-
-/// Whether the weight gradient D[M, N] (M = the layer's N) runs in clusters of two CTAs along M,
-/// each loading half of B's tile and multicasting it to both (bf16, and FP8 tensorwise): when M
-/// spans an even number of 128-row tiles or at least 16 (measurements in the definition).
-/// GMOE_CLUSTER=1x1 forces it off, 2x1 or 2x2 on.
-bool wgrad_cluster_2x1(int64_t m);
-
-/// GMOE_CLUSTER (read once): 0 for 1x1, 1 for 2x1, 2 for 2x2, -1 when unset or anything else.
-int forced_cluster();
-/// The FP8 fprop/dgrad cluster forced by GMOE_FP8_ROWS_CLUSTER (same values, read once), else by
-/// GMOE_CLUSTER; -1 when neither forces one.
-int forced_fp8_rows_cluster();
 
 }  // namespace gmoe::cuda_backend

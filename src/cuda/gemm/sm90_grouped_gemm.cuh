@@ -1,8 +1,9 @@
 // src/cuda/gemm/sm90_grouped_gemm.cuh — the CUTLASS 3.x grouped (pointer-array) warp-specialized GEMM
 // behind GroupedGemmKernel, for sm_90a (TMA loads/stores, wgmma, persistent grid).
 //
-// Include this only from the one-instantiation sm90_*.cu files: it is heavy. Each of those files
-// ends with `template struct GroupedGemmKernel<...>;`.
+// Include this only from the one-instantiation sm90_*.cu files that CMake generates from
+// grouped_gemm_instances.def: it is heavy. Each of those files holds its line's
+// GMOE_GROUPED_GEMM_INSTANTIATE (at the end): `template struct GroupedGemmKernel<...>;`.
 //
 // How the kernel meets gmoe's contract (counts never on the host):
 // - The problem shapes, pointer arrays and strides live on the device, written by the preparation
@@ -58,7 +59,7 @@ template <> struct PassLayouts<GemmPass::wgrad> {
 
 // Tile shapes and schedules. Cluster 1x1, but for the weight gradient's 2x1 variant: in fprop/dgrad
 // a group with a single M tile (common in MoE) would leave the second CTA of a 2x1 cluster computing
-// an all-out-of-bounds tile; 1x2 clusters along N were measured no faster (wgrad_cluster_2x1).
+// an all-out-of-bounds tile; 1x2 clusters along N gain nothing (wgrad_cluster_2x1).
 template <TileConfig T> struct TileTraits;
 template <> struct TileTraits<TileConfig::coop_128x256> {
   using TileShape = cute::Shape<cute::_128, cute::_256, cute::_64>;  // BLOCK_M, BLOCK_N, BLOCK_K
@@ -76,60 +77,26 @@ template <> struct TileTraits<TileConfig::pingpong_128x128> {
   using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
 };
 
-// The gated activation in the epilogue (GluEpilogue): the root node of the fusion tree, defined in
-// sm90_glu_epilogue.cuh, which only the fused-activation instantiations include (so that the
-// activation's math, shared with the activation kernels, recompiles nothing else).
-template <class ElementZ>
-struct Sm90GatedActivation;
-// Its backward in FC2's data-gradient epilogue (dgrad with Glu): dh from dz's accumulators and h.
-template <class ElementH>
-struct Sm90GatedActivationBackward;
-
 // The epilogue's fusion: D = alpha·acc + beta·C (LinearCombination), or, with a bias, the tree
-// D = acc + bias_e of sm90_bias_epilogue.cuh. With the gated activation, its node (above) is the
-// root over either tree: the accumulators, or acc + bias_e.
-template <class ElementD, class ElementC, class ElementBias, class TileShape, bool Bias, bool Glu>
+// D = acc + bias_e of sm90_bias_epilogue.cuh.
+template <class ElementD, class ElementC, class ElementBias, class TileShape, GemmEpilogue Epilogue>
 struct EpilogueFusion {
   using type = cutlass::epilogue::fusion::LinearCombination<ElementD, float, ElementC, float>;
 };
 template <class ElementD, class ElementC, class ElementBias, class TileShape>
-struct EpilogueFusion<ElementD, ElementC, ElementBias, TileShape, true, false> {
+struct EpilogueFusion<ElementD, ElementC, ElementBias, TileShape, GemmEpilogue::bias> {
   using type = typename BiasTree<ElementD, ElementBias, TileShape>::type;
 };
-template <class ElementD, class ElementC, class ElementBias, class TileShape>
-struct EpilogueFusion<ElementD, ElementC, ElementBias, TileShape, false, true> {
-  using type = cutlass::epilogue::fusion::Sm90EVT<Sm90GatedActivation<ElementD>, cutlass::epilogue::fusion::Sm90AccFetch>;
-};
-template <class ElementD, class ElementC, class ElementBias, class TileShape>
-struct EpilogueFusion<ElementD, ElementC, ElementBias, TileShape, true, true> {
-  using type = cutlass::epilogue::fusion::Sm90EVT<Sm90GatedActivation<ElementD>,
-                                                  typename BiasTree<ElementD, ElementBias, TileShape>::type>;
-};
 
-// dgrad with Glu: the activation's backward is the fusion (and there is no D to store).
-template <class ElementH, class Fallback, bool GluBackward>
-struct DgradGluFusion {
-  using type = Fallback;
-};
-template <class ElementH, class Fallback>
-struct DgradGluFusion<ElementH, Fallback, true> {
-  using type = cutlass::epilogue::fusion::Sm90EVT<Sm90GatedActivationBackward<ElementH>,
-                                                  cutlass::epilogue::fusion::Sm90AccFetch>;
-};
-
-template <DType In, DType Out, GemmPass Pass, TileConfig Tile, bool Bias = false, bool Glu = false>
+template <DType In, DType Out, GemmPass Pass, TileConfig Tile, GemmEpilogue Epilogue>
 struct GemmTypes {
   using ElementIn = typename CutlassElement<In>::type;
-  // dgrad with the activation's backward writes dh from the epilogue and stores no D (dz).
-  static constexpr bool kGluBackward = Glu && Pass == GemmPass::dgrad;
-  using ElementOut = typename CutlassElement<Out>::type;
-  using ElementD = std::conditional_t<kGluBackward, void, ElementOut>;
+  using ElementD = typename CutlassElement<Out>::type;
+  static constexpr bool kBias = Epilogue == GemmEpilogue::bias;
   // Only an f32 weight gradient can accumulate into an existing main_grad; every other output has
   // no source operand at all, which frees the shared memory CUTLASS would stage C in.
   static constexpr bool kHasSource = Pass == GemmPass::wgrad && Out == DType::f32;
-  static_assert(!Bias || (Pass == GemmPass::fprop && !kHasSource), "a fused bias is an fprop epilogue");
-  static_assert(!Glu || (Out == DType::bf16 && (Pass == GemmPass::fprop || (Pass == GemmPass::dgrad && !Bias))),
-                "the fused activation is a bf16 fprop epilogue, its backward a bf16 dgrad one (no bias)");
+  static_assert(!kBias || (Pass == GemmPass::fprop && !kHasSource), "a fused bias is an fprop epilogue");
   using ElementC = std::conditional_t<kHasSource, ElementD, void>;
   using ElementAccumulator = float;
   using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
@@ -139,18 +106,14 @@ struct GemmTypes {
   using Traits = TileTraits<Tile>;
 
   static constexpr int kAlignIn = 16 / sizeof(ElementIn);  // TMA: 16-byte aligned rows
-  static constexpr int kAlignD = 16 / sizeof(ElementOut);
-  using Fusion = typename DgradGluFusion<
-      ElementOut, typename EpilogueFusion<ElementD, ElementC, ElementIn, typename Traits::TileShape, Bias, Glu>::type,
-      kGluBackward>::type;
+  static constexpr int kAlignD = 16 / sizeof(ElementD);
+  using Fusion = typename EpilogueFusion<ElementD, ElementC, ElementIn, typename Traits::TileShape, Epilogue>::type;
 
   using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Traits::TileShape,
       typename Traits::ClusterShape, cutlass::epilogue::collective::EpilogueTileAuto,
       ElementAccumulator, ElementAccumulator, ElementC, LayoutD*, kAlignD, ElementD, LayoutD*,
       kAlignD, typename Traits::EpilogueSchedule, Fusion>::CollectiveOp;
-  static_assert(!Glu || kGluBackward || cute::size<1>(typename CollectiveEpilogue::EpilogueTile{}) == 32,
-                "the fused activation pairs gate and up columns inside a 32-column epilogue subtile");
 
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementIn, LayoutA*, kAlignIn,
@@ -197,13 +160,7 @@ struct GemmTypes {
     args.mainloop.dA = reinterpret_cast<StrideA*>(const_cast<int64_t*>(l.stride_a));
     args.mainloop.ptr_B = reinterpret_cast<ElementIn const**>(const_cast<void const**>(l.ptr_b));
     args.mainloop.dB = reinterpret_cast<StrideB*>(const_cast<int64_t*>(l.stride_b));
-    if constexpr (Bias && Glu) {
-      // {{AccFetch, RowBroadcast {ptr_row, null_default, dRow}, Compute}, GatedActivation}
-      args.epilogue.thread = {{{}, {reinterpret_cast<ElementIn const* const*>(l.ptr_bias), ElementIn(0), {}}, {}},
-                              l.glu};
-    } else if constexpr (Glu) {
-      args.epilogue.thread = {{}, l.glu};  // {AccFetch, GatedActivation}
-    } else if constexpr (Bias) {
+    if constexpr (kBias) {
       // {AccFetch, RowBroadcast {ptr_row, null_default, dRow}, Compute}
       args.epilogue.thread = {{}, {reinterpret_cast<ElementIn const* const*>(l.ptr_bias), ElementIn(0), {}}, {}};
     } else {
@@ -230,30 +187,21 @@ struct GemmTypes {
 
 }  // namespace sm90
 
-template <DType In, DType Out, GemmPass Pass, TileConfig Tile, bool Bias, bool Glu>
-std::size_t GroupedGemmKernel<In, Out, Pass, Tile, Bias, Glu>::workspace_bytes(int sm_count) {
-  using Types = sm90::GemmTypes<In, Out, Pass, Tile, Bias, Glu>;
+template <DType In, DType Out, GemmPass Pass, TileConfig Tile, GemmEpilogue Epilogue>
+std::size_t GroupedGemmKernel<In, Out, Pass, Tile, Epilogue>::workspace_bytes(int sm_count) {
+  using Types = sm90::GemmTypes<In, Out, Pass, Tile, Epilogue>;
   GroupedGemmLaunch l;
   l.sm_count = sm_count;
   return Types::Gemm::get_workspace_size(Types::make_arguments(l));
 }
 
-template <DType In, DType Out, GemmPass Pass, TileConfig Tile, bool Bias, bool Glu>
-void GroupedGemmKernel<In, Out, Pass, Tile, Bias, Glu>::run(const GroupedGemmLaunch& l, cudaStream_t stream) {
-  using Types = sm90::GemmTypes<In, Out, Pass, Tile, Bias, Glu>;
+template <DType In, DType Out, GemmPass Pass, TileConfig Tile, GemmEpilogue Epilogue>
+void GroupedGemmKernel<In, Out, Pass, Tile, Epilogue>::run(const GroupedGemmLaunch& l, cudaStream_t stream) {
+  using Types = sm90::GemmTypes<In, Out, Pass, Tile, Epilogue>;
   using Gemm = typename Types::Gemm;
   GMOE_CHECK(Types::kHasSource || l.beta == 0.0f, "grouped GEMM: this instantiation has no source "
              "operand, but beta = ", l.beta);
-  GMOE_CHECK(!Bias || l.ptr_bias != nullptr, "grouped GEMM: a fused-bias kernel without bias pointers");
-  if constexpr (Types::kGluBackward) {
-    GMOE_CHECK(l.glu.ptr_z != nullptr && l.glu.ptr_probs == nullptr && l.glu.block >= 0 && l.glu.block % 2 == 0,
-               "grouped GEMM: the fused activation backward needs h pointers, no probabilities and an even "
-               "interleave block (or 0), got ", l.glu.block);
-  } else {
-    GMOE_CHECK(!Glu || ((l.glu.block == 8 || l.glu.block == 16) && l.glu.ptr_z != nullptr),
-               "grouped GEMM: a fused-activation kernel needs z pointers and an interleave block of 8 or 16, got ",
-               l.glu.block);
-  }
+  GMOE_CHECK(!Types::kBias || l.ptr_bias != nullptr, "grouped GEMM: a fused-bias kernel without bias pointers");
   const typename Gemm::Arguments args = Types::make_arguments(l);
   const std::size_t need = Gemm::get_workspace_size(args);
   GMOE_CHECK(l.workspace_bytes >= need, "grouped GEMM: workspace of ", l.workspace_bytes,
@@ -273,3 +221,11 @@ void GroupedGemmKernel<In, Out, Pass, Tile, Bias, Glu>::run(const GroupedGemmLau
 }
 
 }  // namespace gmoe::cuda_backend
+
+// The explicit instantiation that a generated sm90_*.cu file holds for its line of
+// grouped_gemm_instances.def (cmake/instances.cmake writes GMOE_GROUPED_GEMM_INSTANTIATE with the
+// line's arguments after the file name).
+#define GMOE_GROUPED_GEMM_INSTANTIATE(in, out, pass, epilogue, tile)                              \
+  template struct gmoe::cuda_backend::GroupedGemmKernel<                                          \
+      gmoe::DType::in, gmoe::DType::out, gmoe::cuda_backend::GemmPass::pass,                      \
+      gmoe::cuda_backend::TileConfig::tile, gmoe::cuda_backend::GemmEpilogue::epilogue>;
