@@ -30,11 +30,7 @@ ResultRow timed_row(const std::string& case_name, const std::string& pass, const
 
 ResultRow skipped_row(const std::string& case_name, const std::string& pass, const std::string& impl,
                       const std::string& dtype, const std::string& reason) {
-  ResultRow r;
-  r.case_name = case_name;
-  r.pass = pass;
-  r.impl = impl;
-  r.dtype = dtype;
+  ResultRow r = timed_row(case_name, pass, impl, dtype, 0, 0);
   r.skipped = reason;
   return r;
 }
