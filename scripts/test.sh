@@ -22,15 +22,17 @@ report() {
   echo "   total: $(( $(date +%s) - run_start )) s"
 }
 trap report EXIT
-# stage NAME COMMAND...: runs COMMAND and records how long it took.
+# stage NAME COMMAND...: runs COMMAND, records how long it took, and returns its exit status.
 stage() {
-  local name="$1" t0
+  local name="$1" t0 took rc=0
   shift
   echo "== $name"
   t0=$(date +%s)
-  "$@"
-  stage_times+=("$(printf '%-28s %5d s' "$name:" $(( $(date +%s) - t0 )))")
-  echo "== $name: $(( $(date +%s) - t0 )) s"
+  "$@" || rc=$?
+  took=$(( $(date +%s) - t0 ))
+  stage_times+=("$(printf '%-24s %5d s' "$name:" "$took")$([ "$rc" = 0 ] || echo "  FAILED (exit $rc)")")
+  echo "== $name: $took s"
+  return "$rc"
 }
 # Each GoogleTest suite's counts (tests/run_suite.cmake prints them; ctest keeps them in its log).
 suite_counts() {
@@ -41,6 +43,6 @@ stage setup scripts/setup_deps.sh
 for preset in default debug; do
   stage "configure $preset" cmake --preset "$preset"
   stage "build $preset" cmake --build --preset "$preset" -j "$jobs"
-  stage "tests $preset" ctest --preset "$preset" -j 1
+  stage "tests $preset" ctest --preset "$preset" -j 1 || { suite_counts "$preset"; exit 1; }
   suite_counts "$preset"
 done
