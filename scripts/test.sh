@@ -5,8 +5,8 @@
 #   default  Release; the CUDA backend when nvcc is found (its code compiled, the CUDA suite
 #            reported as skipped without a GPU); every CPU suite and the tool checks
 #   debug    CPU only, AddressSanitizer + UBSan: proves a build without nvcc works, and runs the
-#            GoogleTest suites and gmoe-bench's skip check under the sanitizers (the checks that do
-#            not depend on the build, e.g. the install and fuzz tests, run in `default` only)
+#            GoogleTest suites under the sanitizers (no tools, no fuzz target: what does not
+#            depend on the build, e.g. the install, fuzz and tool checks, runs in `default` only)
 # Prints the time of every stage, and at the end all of them, so that growth shows in every CI
 # log. Exits non-zero on the first failure.
 set -euo pipefail
