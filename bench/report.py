@@ -34,6 +34,30 @@ LAYER_TORCH_FP8_TITLE = ("GroupedLinear with FP8 recipes against the torch compo
 LAYER_TORCH_FP8_BASELINES = ["torch_linear_fp8_rowwise", "torch_linear_fp8_rowwise_compile"]
 
 
+def cell(row):
+    """A row's TFLOP/s as a table cell ("skipped" for a row that was not run)."""
+    return "skipped" if row.get("skipped") else f"{row['tflops']:.1f}"
+
+
+def skipped_lines(rows):
+    """'case impl: reason', once per case, impl and reason (a skipped case skips all its passes)."""
+    out = []
+    for r in rows:
+        line = f"{r['case']} {r['impl']}: {r['skipped']}" if r.get("skipped") else None
+        if line and line not in out:
+            out.append(line)
+    return out
+
+
+def skipped_row(error):
+    """A row in the BENCHMARKS.md format for an error record {case, pass, impl, error}."""
+    reason = error["error"]
+    reason = reason[len("skipped: "):] if reason.startswith("skipped: ") else reason
+    return {"case": error["case"], "pass": error["pass"], "impl": error["impl"],
+            "dtype": "fp8" if "fp8" in error["impl"] else "bf16", "ms": None, "tflops": None, "correct": None,
+            "skipped": reason}
+
+
 def table(rows, ours, baselines, passes=None):
     """TFLOP/s of every implementation present, and the ratio of each of ours to each baseline, per
     (case, pass); geometric mean of every ratio column. `passes` limits the passes taken."""
@@ -59,9 +83,9 @@ def table(rows, ours, baselines, passes=None):
     logs = {p: [] for p in pairs}
     for k in keys:
         c = cells[k]
-        line = list(k) + [f"{c[i]['tflops']:.1f}" if i in c else "-" for i in impls]
+        line = list(k) + [cell(c[i]) if i in c else "-" for i in impls]
         for o, b in pairs:
-            if o in c and b in c and c[b]["tflops"] > 0 and c[o]["tflops"] > 0:
+            if o in c and b in c and (c[b]["tflops"] or 0) > 0 and (c[o]["tflops"] or 0) > 0:
                 ratio = c[o]["tflops"] / c[b]["tflops"]
                 logs[(o, b)].append(math.log(ratio))
                 line.append(f"{ratio:.2f}x")
@@ -104,6 +128,9 @@ def layer_table(rows):
     lines, logs = [head], {}
     for r in rows:
         if r["impl"] != LAYER_IMPL:
+            continue
+        if r.get("skipped"):
+            lines.append([r["case"], r["pass"], "skipped"] + ["-"] * 7)
             continue
         line = [r["case"], r["pass"], f"{r['tflops']:.1f}", f"{r['ms']:.3f}"]
         bare = r.get("bare_ms")
@@ -158,7 +185,8 @@ def activation_share_table(rows):
     case and pass: what fusing the activation into the GEMMs' epilogues could at most save."""
     ms = {}
     for r in rows:
-        if r["impl"] in ("gmoe", "gmoe_activation") and r["pass"] in ("forward", "forward_backward"):
+        if (r["impl"] in ("gmoe", "gmoe_activation") and r["pass"] in ("forward", "forward_backward")
+                and not r.get("skipped")):
             ms.setdefault((r["case"], r["pass"]), {})[r["impl"]] = r["ms"]
     lines = [["case", "pass", "GroupedMLP ms", "activation ms", "share"]]
     for (case, p), v in ms.items():
@@ -201,9 +229,13 @@ def main():
             merged["rows"] = []
         if "torch" in d:
             merged["torch"] = d["torch"]
-        if d.get("errors"):
-            merged.setdefault("errors", []).extend(d["errors"])
         merged["rows"] += d["rows"]
+        for e in d.get("errors", []):
+            # An error of one (case, pass, impl) is that row not run: a skipped row (BENCHMARKS.md).
+            if e.get("case") and e.get("pass") and e.get("impl"):
+                merged["rows"].append(skipped_row(e))
+            else:
+                merged.setdefault("errors", []).append(e)
     if merged is None:
         raise SystemExit("report: no readable input")
     json.dump(merged, open(args.out, "w"), indent=1)
@@ -233,6 +265,11 @@ def main():
     if act_share:
         print("\nThe activation kernels alone, as a share of GroupedMLP's time:")
         print_table(act_share)
+    skipped = skipped_lines(merged["rows"])
+    if skipped:
+        print("\nSkipped (not run):")
+        for line in skipped:
+            print(f"  {line}")
     for e in merged.get("errors", []):
         print(f"error: {e.get('impl')} {e.get('case')} {e.get('pass', '')}: {e.get('error', '')[:300]}")
     if args.markdown:
@@ -270,6 +307,10 @@ def main():
                 f.write("\nThe activation kernels alone (forward; forward and backward) as a share of GroupedMLP's "
                         "time: the most that fusing them into the GEMMs' epilogues could save.\n\n")
                 write_markdown_table(f, act_share)
+            if skipped:
+                f.write("\nSkipped (not run):\n\n")
+                for line in skipped:
+                    f.write(f"- {line}\n")
             if merged.get("errors"):
                 f.write("\nErrors:\n\n")
                 for e in merged["errors"]:

@@ -4,12 +4,13 @@
 #
 #   scripts/ab_variant.sh BUILD_DIR SHADOW_DIR OUT_BIN TU...
 #
-# SHADOW_DIR holds headers laid out as under src/ (e.g. SHADOW_DIR/cuda/fp8_quantize.cuh, from
-# `git show REV:src/cuda/fp8_quantize.cuh`); it is searched before src/. Each TU (a path under src/,
-# e.g. cuda/fp8_quantize_grouped.cu) is compiled with BUILD_DIR's own command, its object replaces
-# the member of a copy of BUILD_DIR/libgmoe.a, and gmoe-bench is linked again as OUT_BIN. Nothing in
-# BUILD_DIR changes. Works on a build made here and carried (GMOE_BUILD_DIR) or one made on the GPU
-# machine; `git diff --stat REV -- src/` tells which TUs a header reaches.
+# SHADOW_DIR holds headers laid out as under src/ (e.g. SHADOW_DIR/cuda/elementwise/fp8_quantize.cuh,
+# from `git show REV:src/cuda/elementwise/fp8_quantize.cuh`); it is searched before src/. Each TU (a
+# path under src/, e.g. cuda/elementwise/fp8_quantize_grouped.cu) is compiled with BUILD_DIR's own
+# command, its object replaces the member of a copy of BUILD_DIR/libgmoe.a, and gmoe-bench is linked
+# again as OUT_BIN. Nothing in BUILD_DIR changes. Works on a build made here and carried
+# (GMOE_BUILD_DIR) or one made on the GPU machine; `git diff --stat REV -- src/` tells which TUs a
+# header reaches.
 set -euo pipefail
 [ $# -ge 4 ] || { sed -n 2,12p "$0"; exit 2; }
 B=$(cd "$1" && pwd); SHADOW=$(cd "$2" && pwd); OUTB=$3; shift 3

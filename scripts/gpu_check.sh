@@ -1,33 +1,27 @@
 #!/usr/bin/env bash
 # scripts/gpu_check.sh — the one command run on the GPU machine (H100/H200).
 #
-#   scripts/gpu_check.sh [stage ...]     stages: build test sanitize bench tiles profile timeline
-#                                        (default: the first four)
+#   scripts/gpu_check.sh [stage ...]   stages: build test sanitize bench tiles profile timeline
+#                                      (default: build test sanitize bench)
 #
-# build     configure with CUDA and build the CUDA test suite and gmoe-bench with all cores
-#           (build/gpu; GMOE_BUILD_TARGETS="all" builds everything)
-# test      the CUDA test suite in parallel gtest shards, beside its runs with each tile forced
-#           (GMOE_TEST_PARTS="suite forced" by default; either alone to split it over two calls)
-#           (GMOE_TEST_SHARDS, default 4; GMOE_GPU_CPU_SUITES=1 also runs the CPU suites, CI's job)
-# sanitize  compute-sanitizer memcheck on the CUDA test binary, racecheck on a subset
-#           (GMOE_SANITIZE_TOOLS, default "memcheck racecheck"; GMOE_SANITIZE_TIMEOUT s each, 280)
-# bench     gmoe-bench on the public suite (gemm and layer modes, cuBLAS baselines in the same run),
-#           then bench/torch_baseline.py on the same cases (gemm; the layer composition, bf16 and FP8
-#           rowwise; the mlp composition eager and compiled), merged by bench/report.py into one table
-#           (and the layer tables)
-# tiles     gmoe-bench's gemm mode once per forced tile configuration (GMOE_CUDA_TILE), cluster (GMOE_CLUSTER) and weight-gradient
-#           tile order (GMOE_RASTER), no baselines,
-#           beside the heuristic's choice from the bench stage: the data the tile heuristic is tuned on
-# profile   Nsight Compute's speed-of-light and memory sections for the GEMM kernels of the cases that
-#           miss their targets (bf16 wgrad of mixtral_fc1 and small_m, FP8 blockwise wgrad of
-#           dsv3_fc1), one correctness run and one timed run each: ncu.txt
-# timeline  every kernel's duration in launch order (ncu, clocks and caches untouched) for a few
-#           gmoe-bench runs (GMOE_TIMELINE): where a layer's time goes, against its parts alone
+# build     configure with CUDA, build gmoe_tests_cuda and gmoe-bench with all cores (build/gpu)
+# test      the CUDA suite in gtest shards, beside its runs with each tile, cluster, raster and row
+#           chunk forced through `--tuning SPEC` (the heuristics pick one per shape)
+# sanitize  compute-sanitizer memcheck and racecheck on the CUDA suite (subsets)
+# bench     gmoe-bench on bench/suites/public.json (gemm, layer, mlp; cuBLAS baselines) and
+#           bench/torch_baseline.py in the same session, merged by bench/report.py into the
+#           baseline of this GPU: $OUT/<gpu>.json and .md (<gpu>: h100, h200), which replace
+#           bench/results/<gpu>.{json,md}
+# tiles     gmoe-bench's gemm mode once per forced `--tuning` setting beside the heuristics' choice
+# profile   Nsight Compute sections for the GEMM kernels of the cases that miss their targets
+# timeline  every kernel's duration in launch order (ncu) for a few gmoe-bench runs
 #
-# Logs and results go to $OUT (default /tmp/gmoe_out): results.json results.md tiles.md summary.txt, and
-# logs.tgz (build.log tests.log cuda_tests.log sanitizer.log bench.log). The machine has no package registry: carry .deps (made by
-# `scripts/setup_deps.sh --bundle`). Set GMOE_COMMIT to the commit being measured. Stages can be
-# split over several calls while the machine stays warm (the build folder is kept).
+# Options (environment): GMOE_BUILD_DIR (a build made elsewhere and carried here), GMOE_BUILD_TARGETS,
+# GMOE_TEST_PARTS ("suite forced"), GMOE_TEST_SHARDS (4), GMOE_GPU_CPU_SUITES=1, GMOE_SANITIZE_*,
+# GMOE_BENCH_*, GMOE_TORCH_KIND, GMOE_TILES, GMOE_PROFILE_SPECS, GMOE_TIMELINE, GMOE_COMMIT (the
+# commit measured). Logs go to $OUT (default /tmp/gmoe_out) as logs.tgz, with summary.txt. The machine
+# has no package registry: carry .deps (`scripts/setup_deps.sh --bundle`). Stages can be split over
+# several calls while the machine stays warm (the build folder is kept).
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -40,6 +34,10 @@ stages=("$@")
 [ ${#stages[@]} -eq 0 ] && stages=(build test sanitize bench)
 commit="${GMOE_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
 export GMOE_COMMIT="$commit"
+# The baseline's name: the GPU model in lower case (NVIDIA H100 80GB HBM3 -> h100).
+gpu_model="$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)"
+gpu="$(echo "$gpu_model" | grep -oiE 'h[0-9]{3}' | head -1 | tr 'A-Z' 'a-z')"
+gpu="${gpu:-gpu}"
 status=0
 summary() { echo "$*" | tee -a "$OUT/summary.txt"; }
 # The device tool brings back at most 8 files: the logs travel as one archive.
@@ -71,10 +69,8 @@ for stage in "${stages[@]}"; do
           { r=FAILED; status=1; }
         grep -E "tests passed|tests failed|Failed|\*\*\*" "$OUT/tests.log" | tee -a "$OUT/summary.txt"
       fi
-      # GMOE_TEST_PARTS (default "suite forced"): the suite's shards, the forced runs, or both at once.
-      # On an H100 machine (16 cores, ba68eff) the shards alone take about 300 s; the forced runs
-      # about 555 s with or without them, their long pole the three cluster runs in sequence
-      # (139 + 259 + 158 s; row_chunk_256 315 s, each tile ~100 s): near one device call's 600 s.
+      # GMOE_TEST_PARTS (default "suite forced"): the suite's shards, the forced runs, or both
+      # at once; each alone fits one device call when both together do not.
       parts="${GMOE_TEST_PARTS:-suite forced}"
       shards="${GMOE_TEST_SHARDS:-4}"
       [[ " $parts " == *" suite "* ]] || shards=0
@@ -86,32 +82,29 @@ for stage in "${stages[@]}"; do
           "$BUILD/gmoe_tests_cuda" >"$OUT/cuda_tests.$i.log" 2>&1 &
         pids+=($!)
       done
-      # The tile heuristic picks one config per shape: force each in turn so every kernel runs.
-      forced() {  # name, env assignment, filter
-        if env "$2" OMP_NUM_THREADS=$threads "$BUILD/gmoe_tests_cuda" --gtest_brief=1 --gtest_filter="$3" \
+      # The heuristics pick one kernel per shape: force each choice in turn so every kernel runs.
+      forced() {  # name, --tuning spec, filter
+        if OMP_NUM_THREADS=$threads "$BUILD/gmoe_tests_cuda" --tuning "$2" --gtest_brief=1 --gtest_filter="$3" \
              >"$OUT/forced_$1.log" 2>&1; then echo "test forced $1: ok"; else echo "test forced $1: FAILED"; return 1; fi
       }
       rows_filter='LargeCases/CudaGroupedGemm*:CudaGroupedGemmGraph*:CudaGroupedGemmTiles*:NamedCases/CudaGroupedGemm*e256:NamedCases/CudaGroupedGemm*ragged:*CudaGroupedGemmActivation*'
       if [[ " $parts " == *" forced "* ]]; then
-        # The fused activation backward after the coop tile (the chains below are near a device
-        # call's 600 s already).
-        { forced tile_coop GMOE_CUDA_TILE=coop "$rows_filter";
-          forced fused_activation_bwd GMOE_FUSED_ACTIVATION_BWD=1 '*CudaGroupedMlp*'; } >"$OUT/forced_status_a.txt" &
+        { forced tile_coop tile=coop "$rows_filter"; forced raster_m raster=m '*Wgrad*'; } \
+          >"$OUT/forced_status_a.txt" &
         pids+=($!)
-        forced tile_pingpong GMOE_CUDA_TILE=pingpong "$rows_filter" >"$OUT/forced_status_b.txt" &
+        { forced tile_pingpong tile=pingpong "$rows_filter"; forced raster_n raster=n '*Wgrad*'; } \
+          >"$OUT/forced_status_b.txt" &
         pids+=($!)
-        { forced raster_m GMOE_RASTER=m '*Wgrad*'; forced raster_n GMOE_RASTER=n '*Wgrad*';
-          forced fused_activation GMOE_FUSED_ACTIVATION=1 '*CudaGroupedMlp*';
-          # Row chunks of 256 rows: nearly every fprop/dgrad group split (the named cases stay
-          # below the default 4096 rows per expert).
-          forced row_chunk_256 GMOE_ROW_CHUNK=256 '*CudaGroupedGemm*:*CudaFp8Gemm*:*CudaGroupedLinear*:*CudaGroupedMlp*'; } \
+        # Row chunks of 256 rows: nearly every fprop/dgrad group split (the named cases stay below
+        # the heuristic's chunk).
+        forced row_chunk_256 row_chunk=256 '*CudaGroupedGemm*:*CudaFp8Gemm*:*CudaGroupedLinear*:*CudaGroupedMlp*' \
           >"$OUT/forced_status_c.txt" &
         pids+=($!)
         # Clusters: the heuristics keep the named cases' fprop/dgrad on 1x1 and their weight
         # gradients on 2x1; force each the other way, and the FP8 fprop/dgrad into 2x2.
-        { forced cluster_2x1 GMOE_CLUSTER=2x1 "$rows_filter:*CudaFp8Gemm*:*CudaGroupedLinearFp8*";
-          forced cluster_2x2 GMOE_CLUSTER=2x2 '*CudaFp8Gemm*:*CudaGroupedLinearFp8*';
-          forced cluster_1x1 GMOE_CLUSTER=1x1 '*Wgrad*:*CudaFp8Gemm*'; } >"$OUT/forced_status_d.txt" &
+        { forced cluster_2x1 cluster=2x1 "$rows_filter:*CudaFp8Gemm*:*CudaGroupedLinearFp8*";
+          forced cluster_2x2 cluster=2x2 '*CudaFp8Gemm*:*CudaGroupedLinearFp8*';
+          forced cluster_1x1 cluster=1x1 '*Wgrad*:*CudaFp8Gemm*'; } >"$OUT/forced_status_d.txt" &
         pids+=($!)
       fi
       for p in "${pids[@]}"; do wait "$p" || { r=FAILED; status=1; }; done
@@ -161,21 +154,22 @@ for stage in "${stages[@]}"; do
       tail -5 "$OUT/bench.log" | tee -a "$OUT/summary.txt"
       PYTHONUNBUFFERED=1 python3 bench/torch_baseline.py --suite bench/suites/public.json --iters 20 \
         --warm-ms "$warm" --kind "${GMOE_TORCH_KIND:-all}" --json "$OUT/torch.json" >>"$OUT/bench.log" 2>&1 || summary "torch baseline: FAILED"
-      python3 bench/report.py "$OUT"/gmoe_*.json "$OUT/torch.json" --out "$OUT/results.json" \
-        --markdown "$OUT/results.md" | tee -a "$OUT/bench.log"
+      # The whole baseline of this GPU, to be copied over bench/results/$gpu.{json,md}.
+      python3 bench/report.py "$OUT"/gmoe_*.json "$OUT/torch.json" --out "$OUT/$gpu.json" \
+        --markdown "$OUT/$gpu.md" | tee -a "$OUT/bench.log"
       rm -f "$OUT"/gmoe_*.json "$OUT/torch.json"
-      summary "bench: done ($(( $(date +%s) - t0 )) s)" ;;
+      summary "bench: done, $OUT/$gpu.json and $gpu.md ($(( $(date +%s) - t0 )) s)" ;;
     tiles)
-      # gmoe-bench's gemm mode once per forced setting (GMOE_TILES, default: each tile config and
-      # each scheduler order of the weight gradient), no baselines, beside the heuristics' choice
-      # from the bench stage: the data the tile and raster heuristics are tuned on.
-      for setting in ${GMOE_TILES:-GMOE_CUDA_TILE=coop GMOE_CUDA_TILE=pingpong GMOE_RASTER=m GMOE_RASTER=n GMOE_CLUSTER=1x1 GMOE_CLUSTER=2x1 GMOE_CLUSTER=2x2}; do
-        name="${setting#GMOE_}"; name="$(echo "${name}" | tr 'A-Z=' 'a-z_')"
-        env "$setting" "$BUILD/gmoe-bench" --suite bench/suites/public.json --mode gemm --iters 20 \
+      # gmoe-bench's gemm mode once per forced setting (GMOE_TILES: --tuning specs, default each
+      # tile config, weight-gradient tile order and cluster), no baselines, beside the heuristics'
+      # choice from the bench stage: the data the tile, raster and cluster heuristics are tuned on.
+      for spec in ${GMOE_TILES:-tile=coop tile=pingpong raster=m raster=n cluster=1x1 cluster=2x1 cluster=2x2}; do
+        name="$(echo "$spec" | tr '=,' '__')"
+        "$BUILD/gmoe-bench" --tuning "$spec" --suite bench/suites/public.json --mode gemm --iters 20 \
           --no-baselines ${GMOE_TILES_PASS:+--pass $GMOE_TILES_PASS} --json "/tmp/gmoe_tile_$name.json" \
           >>"$OUT/bench.log" 2>&1 || status=1
       done
-      python3 - "$OUT/results.json" /tmp/gmoe_tile_*.json >"$OUT/tiles.md" <<'PY' || status=1
+      python3 - "$OUT/$gpu.json" /tmp/gmoe_tile_*.json >"$OUT/tiles.md" <<'PY' || status=1
 import json, sys
 sys.path.insert(0, "bench")
 import report

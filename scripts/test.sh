@@ -1,23 +1,48 @@
 #!/usr/bin/env bash
-# scripts/test.sh — the README's test command: set-up, configure, build, run every test.
+# scripts/test.sh — the README's test command (CI runs it): set-up, configure, build, every test.
 #
-# Builds twice: the default preset (CUDA backend when nvcc is found: CPU code and CUDA compile
-# checked, CUDA suites skip without a GPU) and the CPU-only preset (proves a build without nvcc
-# works). Exits non-zero on any failure.
+# Two presets, each built and run once:
+#   default  Release; the CUDA backend when nvcc is found (its code compiled, the CUDA suite
+#            reported as skipped without a GPU); every CPU suite and the tool checks
+#   debug    CPU only, AddressSanitizer + UBSan: proves a build without nvcc works, and runs the
+#            GoogleTest suites under the sanitizers (no tools, no fuzz target: what does not
+#            depend on the build, e.g. the install, fuzz and tool checks, runs in `default` only)
+# Prints the time of every stage, and at the end all of them, so that growth shows in every CI
+# log. Exits non-zero on the first failure.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 jobs="$(nproc)"
 
-scripts/setup_deps.sh
-start=$(date +%s)
-for preset in cpu default; do
-  echo "== configure + build: $preset"
-  cmake --preset "$preset" >/dev/null
-  cmake --build --preset "$preset" -j "$jobs"
-done
-echo "== build took $(( $(date +%s) - start )) s"
-for preset in cpu default; do
-  echo "== tests: $preset"
-  ctest --preset "$preset" -j 1
+stage_times=()
+run_start=$(date +%s)
+report() {
+  echo "== stage times"
+  for t in "${stage_times[@]}"; do echo "   $t"; done
+  echo "   total: $(( $(date +%s) - run_start )) s"
+}
+trap report EXIT
+# stage NAME COMMAND...: runs COMMAND, records how long it took, and returns its exit status.
+stage() {
+  local name="$1" t0 took rc=0
+  shift
+  echo "== $name"
+  t0=$(date +%s)
+  "$@" || rc=$?
+  took=$(( $(date +%s) - t0 ))
+  stage_times+=("$(printf '%-24s %5d s' "$name:" "$took")$([ "$rc" = 0 ] || echo "  FAILED (exit $rc)")")
+  echo "== $name: $took s"
+  return "$rc"
+}
+# Each GoogleTest suite's counts (tests/run_suite.cmake prints them; ctest keeps them in its log).
+suite_counts() {
+  grep -h "^gmoe-suite .*passed" "build/$1/Testing/Temporary/LastTest.log" | sed 's/^/   /' || true
+}
+
+stage setup scripts/setup_deps.sh
+for preset in default debug; do
+  stage "configure $preset" cmake --preset "$preset"
+  stage "build $preset" cmake --build --preset "$preset" -j "$jobs"
+  stage "tests $preset" ctest --preset "$preset" -j 1 || { suite_counts "$preset"; exit 1; }
+  suite_counts "$preset"
 done

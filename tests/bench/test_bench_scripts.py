@@ -6,7 +6,7 @@ device call. Here: torch_baseline.py's --dry-run on every --kind (no torch neede
 cases and what it would time) and its argument checks; report.py on synthetic result files of every
 kind of row it tables (bf16 and FP8 GEMMs, the layer against its bare GEMMs, the FP8 layer against
 the bf16 one, the layer against torch's layer composition, the MLP), the ratios and geometric means
-it prints, and its refusal of unreadable input.
+it prints, torch's per-row errors as skipped rows, and its refusal of unreadable input.
 
     python3 tests/bench/test_bench_scripts.py        (ctest: bench_scripts)
 """
@@ -129,8 +129,14 @@ class Report(unittest.TestCase):
             self.write("gmoe.json", ours, gpu="H100", commit="abc", date="today", suite="public"),
             self.write("torch.json", torch_rows, torch="2.11",
                        errors=[{"case": "a/skewed", "pass": "wgrad", "impl": "torch_fp8_rowwise",
-                                "error": "skipped: counts"}]))
-        self.assertEqual(len(merged["rows"]), len(ours) + len(torch_rows))
+                                "error": "skipped: counts"},
+                               {"case": "a/skewed", "impl": "torch_compile", "error": "compile failed"}]))
+        # The error of one (case, pass, impl) is a skipped row; one without a pass stays an error.
+        self.assertEqual(len(merged["rows"]), len(ours) + len(torch_rows) + 1)
+        skipped = [r for r in merged["rows"] if r.get("skipped")]
+        self.assertEqual([(r["case"], r["pass"], r["impl"], r["dtype"], r["skipped"], r["tflops"]) for r in skipped],
+                         [("a/skewed", "wgrad", "torch_fp8_rowwise", "fp8", "counts", None)])
+        self.assertIn("- a/skewed torch_fp8_rowwise: counts", md)
         self.assertEqual((merged["gpu"], merged["commit"], merged["torch"]), ("H100", "abc", "2.11"))
         for title in ("## bf16 grouped GEMM", "## FP8 grouped GEMM alone", "## FP8 quantization",
                       "## expert MLP", "## GroupedLinear (bias, f32 main_grad) against the torch composition",
@@ -173,7 +179,8 @@ class Report(unittest.TestCase):
         self.assertNotIn("forward_backward", fp8_gemm_md)
         # The MLP: gmoe / torch_compile = 1.25x.
         self.assertIn("1.25x", md.split("## expert MLP")[1])
-        self.assertIn("skipped: counts", stdout)
+        self.assertIn("a/skewed torch_fp8_rowwise: counts", stdout)
+        self.assertIn("compile failed", stdout)
 
     def test_unreadable_inputs(self):
         good = self.write("gmoe.json", [gemm_row("a/uniform", "fprop", "gmoe", 800.0)])

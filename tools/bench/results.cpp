@@ -1,6 +1,7 @@
 // tools/bench/results.cpp — result table, JSON and markdown output.
 #include "bench/results.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
@@ -26,6 +27,14 @@ ResultRow timed_row(const std::string& case_name, const std::string& pass, const
   r.note = std::move(note);
   return r;
 }
+
+ResultRow skipped_row(const std::string& case_name, const std::string& pass, const std::string& impl,
+                      const std::string& dtype, const std::string& reason) {
+  ResultRow r = timed_row(case_name, pass, impl, dtype, 0, 0);
+  r.skipped = reason;
+  return r;
+}
+
 namespace {
 
 // Rows grouped by (case, pass) in first-seen order, with the impls in first-seen order.
@@ -90,12 +99,14 @@ std::vector<std::vector<std::string>> table(const std::vector<ResultRow>& all_ro
     std::vector<std::string> line = {key.first, key.second};
     for (const auto& i : g.impls) {
       auto it = cell.find(i);
-      line.push_back(it == cell.end() ? "-" : fmt(it->second->tflops, it->second->tflops < 10 ? 3 : 1));
+      line.push_back(it == cell.end()        ? "-"
+                     : it->second->skipped ? "skipped"
+                                           : fmt(it->second->tflops, it->second->tflops < 10 ? 3 : 1));
     }
     auto gm = cell.find("gmoe");
     for (const auto& b : baselines) {
       auto it = cell.find(b);
-      if (gm == cell.end() || it == cell.end() || it->second->tflops <= 0) {
+      if (gm == cell.end() || it == cell.end() || it->second->tflops <= 0 || gm->second->tflops <= 0) {
         line.push_back("-");
         continue;
       }
@@ -134,6 +145,10 @@ std::vector<std::vector<std::string>> layer_table(const std::vector<ResultRow>& 
   std::map<std::string, std::pair<double, int>> log_sum;  // per pass: Σ log(layer / bare), count
   for (const ResultRow& r : all_rows) {
     if (!is_layer_row(r)) continue;
+    if (r.skipped) {
+      out.push_back({r.case_name, r.pass, "skipped", "-", "-", "-", "-", "-", "-", "-"});
+      continue;
+    }
     std::vector<std::string> line = {r.case_name, r.pass, fmt(r.tflops, r.tflops < 10 ? 3 : 1), fmt(r.ms, 3)};
     if (r.bare_ms && *r.bare_ms > 0) {
       line.push_back(fmt(*r.bare_ms, 3));
@@ -193,6 +208,17 @@ void write_markdown_table(std::ofstream& out, const std::vector<std::vector<std:
   }
 }
 
+// "case impl: reason", once per case, impl and reason (a skipped case skips all its passes).
+std::vector<std::string> skipped_lines(const std::vector<ResultRow>& rows) {
+  std::vector<std::string> out;
+  for (const ResultRow& r : rows) {
+    if (!r.skipped) continue;
+    const std::string line = r.case_name + " " + r.impl + ": " + *r.skipped;
+    if (std::find(out.begin(), out.end(), line) == out.end()) out.push_back(line);
+  }
+  return out;
+}
+
 }  // namespace
 
 std::string GraphNodeCounts::str() const {
@@ -216,6 +242,9 @@ void print_table(const std::vector<ResultRow>& rows) {
     std::printf("GroupedLinear (grouped bias, f32 main_grad accumulated) vs its bare GEMMs, same run:\n");
     print_text(layer);
   }
+  const std::vector<std::string> skipped = skipped_lines(rows);
+  if (!skipped.empty()) std::printf("\nSkipped (not run):\n");
+  for (const std::string& s : skipped) std::printf("  %s\n", s.c_str());
 }
 
 void write_json(const std::string& path, const RunInfo& info, const std::vector<ResultRow>& rows) {
@@ -226,9 +255,11 @@ void write_json(const std::string& path, const RunInfo& info, const std::vector<
   j["suite"] = info.suite;
   j["rows"] = nlohmann::json::array();
   for (const ResultRow& r : rows) {
-    nlohmann::json jr = {{"case", r.case_name}, {"pass", r.pass}, {"impl", r.impl},
-                         {"dtype", r.dtype},    {"ms", r.ms},     {"tflops", r.tflops}};
+    nlohmann::json jr = {{"case", r.case_name}, {"pass", r.pass}, {"impl", r.impl}, {"dtype", r.dtype}};
+    jr["ms"] = r.skipped ? nlohmann::json(nullptr) : nlohmann::json(r.ms);
+    jr["tflops"] = r.skipped ? nlohmann::json(nullptr) : nlohmann::json(r.tflops);
     jr["correct"] = r.correct ? nlohmann::json(*r.correct) : nlohmann::json(nullptr);
+    if (r.skipped) jr["skipped"] = *r.skipped;
     if (!r.note.empty()) jr["note"] = r.note;
     if (r.bare_ms) {
       jr["bare_ms"] = *r.bare_ms;
@@ -254,6 +285,10 @@ void write_markdown(const std::string& path, const RunInfo& info, const std::vec
   out << "# gmoe-bench: suite " << info.suite << " on " << info.gpu << "\n\n"
       << "commit " << info.commit << ", " << info.date << ". TFLOP/s (median), and gmoe's ratio to "
       << "each baseline measured in the same run.\n\n";
+  if (info.gpu == "cpu") {
+    out << "CPU reference backend on rows scaled down: a correctness and smoke run. Its times and TFLOP/s "
+        << "are not performance figures.\n\n";
+  }
   write_markdown_table(out, table(rows, false));
   const auto mlp = table(rows, true);
   if (!mlp.empty()) {
@@ -267,6 +302,9 @@ void write_markdown(const std::string& path, const RunInfo& info, const std::vec
         << "same work in the same run, the overhead, and what one call launches (CUDA graph capture).\n\n";
     write_markdown_table(out, layer);
   }
+  const std::vector<std::string> skipped = skipped_lines(rows);
+  if (!skipped.empty()) out << "\nSkipped (not run):\n\n";
+  for (const std::string& s : skipped) out << "- " << s << "\n";
 }
 
 }  // namespace gmoe::bench

@@ -42,12 +42,19 @@ struct ResultRow {
   /// sets, so a lighter FP8 step also speeds its bf16 twin up: both ratios are worth reading.
   std::optional<double> native_alone_ms;
   std::optional<GraphNodeCounts> launches;  ///< what one call launches (CUDA graph capture)
+  /// Set when the row was not run: the reason (an unsupported combination, or the error that
+  /// ended the case). Such a row has no time and no correctness result.
+  std::optional<std::string> skipped;
 };
 
 /// A row of `flops` done in `ms` (TFLOP/s derived; 0 for a zero time).
 ResultRow timed_row(const std::string& case_name, const std::string& pass, const std::string& impl,
                     const std::string& dtype, double ms, double flops, std::optional<bool> correct = std::nullopt,
                     std::string note = {});
+
+/// A row that was not run, with the reason (BENCHMARKS.md's `skipped`).
+ResultRow skipped_row(const std::string& case_name, const std::string& pass, const std::string& impl,
+                      const std::string& dtype, const std::string& reason);
 
 struct RunInfo {
   std::string gpu;     ///< device name, or "cpu"
@@ -59,7 +66,7 @@ struct RunInfo {
 /// One line per case and pass: TFLOP/s of every impl and gmoe's ratio to each baseline. The rows of
 /// mlp cases (passes forward and forward_backward of impls gmoe, gmoe_unfused) get a table of their
 /// own, with their own geometric means; layer rows (impl gmoe_linear) another: time, bare GEMM
-/// time, overhead, launches.
+/// time, overhead, launches. Skipped rows show as "skipped" and are listed with their reasons.
 void print_table(const std::vector<ResultRow>& rows);
 void write_json(const std::string& path, const RunInfo& info, const std::vector<ResultRow>& rows);
 void write_markdown(const std::string& path, const RunInfo& info, const std::vector<ResultRow>& rows);
