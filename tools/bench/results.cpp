@@ -195,14 +195,6 @@ void write_markdown_table(std::ofstream& out, const std::vector<std::vector<std:
 
 }  // namespace
 
-std::string GraphNodeCounts::str() const {
-  std::ostringstream os;
-  os << kernels << " kernels, " << memsets << " memsets, " << memcpys << " memcpys, " << allocs << " allocs, "
-     << frees << " frees";
-  if (other) os << ", " << other << " other nodes";
-  return os.str();
-}
-
 void print_table(const std::vector<ResultRow>& rows) {
   const auto main = table(rows, false), mlp = table(rows, true), layer = layer_table(rows);
   print_text(main);
