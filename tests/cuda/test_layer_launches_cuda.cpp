@@ -73,8 +73,8 @@ void expect_same_for_both_e(Capture&& launches) {
   EXPECT_TRUE(few.forward_backward == many.forward_backward)
       << "forward + backward launches grow with E: " << trace("forward + backward", 8, few.forward_backward) << "; "
       << trace("forward + backward", 256, many.forward_backward);
-  RecordProperty("forward", few.forward.str());
-  RecordProperty("forward_backward", few.forward_backward.str());
+  ::testing::Test::RecordProperty("forward", few.forward.str());
+  ::testing::Test::RecordProperty("forward_backward", few.forward_backward.str());
 }
 
 /// Captures `call(backward)` on `stream` once without and once with the backward, after one eager
