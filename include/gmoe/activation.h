@@ -17,7 +17,7 @@
 //                   -limit <= u <= limit pass it; g > limit, |u| > limit get 0; NaN gets 0).
 //   squared_relu    relu(h)² (not gated; its derivative 2·relu(h) is 0 at h = 0)
 //
-// Gate/up layout of h's 2F columns (GluFormat of gmoe/checkpoint.h, the layout checkpoints use):
+// Gate/up layout of h's 2F columns (GluFormat below, also the layout checkpoints name):
 // concatenated ([gate | up]), or interleaved in blocks of `block` columns (gate 0..b-1, up 0..b-1,
 // gate b..2b-1, ...), which keeps matching gate and up columns inside one GEMM output tile. The
 // block must divide F. The CUDA kernels move 16 bytes per load when F, the block and every row
@@ -34,11 +34,31 @@
 #include <string>
 
 #include "gmoe/allocator.h"
-#include "gmoe/checkpoint.h"
+#include "gmoe/grouped.h"
+#include "gmoe/grouped_bias.h"
 #include "gmoe/stream.h"
 #include "gmoe/tensor.h"
 
 namespace gmoe {
+
+/// Gate/up layout of a GLU FC1 output dimension of 2F rows (FC1's weight rows, its bias entries, the
+/// columns of its output h).
+enum class GluLayout : uint8_t {
+  concatenated,  ///< rows [0, F) gate, [F, 2F) up
+  interleaved,   ///< blocks of `block` rows: gate 0..b-1, up 0..b-1, gate b..2b-1, up b..2b-1, ...
+};
+
+/// A gate/up layout; `block` matters only when interleaved, and must divide F.
+struct GluFormat {
+  GluLayout layout = GluLayout::concatenated;  ///< how gate and up alternate
+  int64_t block = 1;                           ///< interleaved: rows per gate (or up) block
+  /// Equal layouts (the block is compared only when interleaved).
+  bool operator==(const GluFormat& o) const {
+    return layout == o.layout && (layout == GluLayout::concatenated || block == o.block);
+  }
+  /// Different layouts.
+  bool operator!=(const GluFormat& o) const { return !(*this == o); }
+};
 
 /// The activation between the two GEMMs of an expert MLP.
 enum class ActivationKind : uint8_t {
@@ -57,7 +77,7 @@ constexpr bool is_gated(ActivationKind kind) { return kind != ActivationKind::sq
 
 /// What the activation computes, and how h is laid out.
 struct ActivationOptions {
-  ActivationKind kind = ActivationKind::swiglu;
+  ActivationKind kind = ActivationKind::swiglu;  ///< which activation
   float alpha = 1.702f;    ///< clamped_swiglu: the sigmoid's slope
   float limit = 7.0f;      ///< clamped_swiglu: the clamp (> 0)
   bool gelu_tanh = false;  ///< geglu: the tanh approximation instead of the exact erf form
@@ -93,5 +113,36 @@ void grouped_activation_backward(const TensorView& h, const TensorView& dz,
                                  const TensorView& dprobs = {}, const TensorView& z_out = {},
                                  Stream stream = nullptr, Allocator* alloc = nullptr,
                                  const TensorView& amax_out = {});
+
+/// Copies FC1 weights `src` into `dst` (same number of experts and shapes, dtype and device; either
+/// layout each; not overlapping) re-ordering every expert's 2F rows from gate/up layout `from` to
+/// `to`. CUDA tensors: stream-ordered kernels on `stream`; CPU tensors: the checkpoint module's
+/// convert_glu (contiguous experts).
+void convert_fc1_glu(const ExpertWeights& src, const GluFormat& from, const ExpertWeights& dst,
+                     const GluFormat& to, Stream stream = nullptr);
+/// The same for FC1 biases (E × [2F]).
+void convert_fc1_glu(const ExpertBias& src, const GluFormat& from, const ExpertBias& dst,
+                     const GluFormat& to, Stream stream = nullptr);
+
+/// Concatenated [gate; up] → interleaved in blocks of `block` rows.
+inline void fc1_to_interleaved(const ExpertWeights& src, const ExpertWeights& dst, int64_t block,
+                               Stream stream = nullptr) {
+  convert_fc1_glu(src, {GluLayout::concatenated, 1}, dst, {GluLayout::interleaved, block}, stream);
+}
+/// Interleaved in blocks of `block` rows → concatenated [gate; up].
+inline void fc1_to_concatenated(const ExpertWeights& src, const ExpertWeights& dst, int64_t block,
+                                Stream stream = nullptr) {
+  convert_fc1_glu(src, {GluLayout::interleaved, block}, dst, {GluLayout::concatenated, 1}, stream);
+}
+/// FC1 biases: concatenated [gate; up] → interleaved in blocks of `block` entries.
+inline void fc1_to_interleaved(const ExpertBias& src, const ExpertBias& dst, int64_t block,
+                               Stream stream = nullptr) {
+  convert_fc1_glu(src, {GluLayout::concatenated, 1}, dst, {GluLayout::interleaved, block}, stream);
+}
+/// FC1 biases: interleaved in blocks of `block` entries → concatenated [gate; up].
+inline void fc1_to_concatenated(const ExpertBias& src, const ExpertBias& dst, int64_t block,
+                                Stream stream = nullptr) {
+  convert_fc1_glu(src, {GluLayout::interleaved, block}, dst, {GluLayout::concatenated, 1}, stream);
+}
 
 }  // namespace gmoe

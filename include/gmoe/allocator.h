@@ -39,7 +39,9 @@ Allocator& default_allocator(Device device);
 /// given to reset()). Move-only.
 class Buffer {
  public:
+  /// No memory.
   Buffer() = default;
+  /// `bytes` from `alloc` on `stream`.
   Buffer(Allocator& alloc, std::size_t bytes, Stream stream);
   Buffer(Buffer&& other) noexcept;
   Buffer& operator=(Buffer&& other) noexcept;
@@ -47,8 +49,8 @@ class Buffer {
   Buffer& operator=(const Buffer&) = delete;
   ~Buffer();
 
-  void* data() const { return ptr_; }
-  std::size_t bytes() const { return bytes_; }
+  void* data() const { return ptr_; }            ///< the memory (nullptr when none)
+  std::size_t bytes() const { return bytes_; }  ///< its size
   /// Frees now (stream-ordered on the stream it was made on).
   void reset();
   /// Frees now, ordered on `stream` instead: for memory last used on another stream than the one
@@ -67,15 +69,20 @@ class Buffer {
 /// outputs return one of these either way. Move-only.
 class Tensor {
  public:
+  /// An absent tensor.
   Tensor() = default;
   /// A contiguous tensor of `shape` from `alloc` on `stream` (contents undefined).
   static Tensor empty(std::initializer_list<int64_t> shape, DType dtype, Allocator& alloc, Stream stream);
+  /// The same with the shape as an array of `ndim` sizes.
   static Tensor empty(const int64_t* shape, int ndim, DType dtype, Allocator& alloc, Stream stream);
   /// A non-owning wrapper of `view`.
   static Tensor wrap(const TensorView& view);
 
+  /// The view (absent for an absent tensor).
   const TensorView& view() const { return view_; }
+  /// The view, so that a Tensor passes wherever a TensorView is taken.
   operator const TensorView&() const { return view_; }
+  /// True when made by empty() with memory (not a wrap()).
   bool owns_memory() const { return buffer_.data() != nullptr; }
   /// Frees owned memory ordered on `stream` (see Buffer::reset_on); the view becomes absent.
   void release_on(Stream stream);

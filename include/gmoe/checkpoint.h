@@ -32,6 +32,7 @@
 #include <string>
 #include <vector>
 
+#include "gmoe/activation.h"  // GluLayout, GluFormat
 #include "gmoe/dtype.h"
 #include "gmoe/grouped.h"
 #include "gmoe/tensor.h"
@@ -217,22 +218,6 @@ struct ExpertParamInfo {
 /// many experts (an index past it is an error too). Throws gmoe::Error naming the keys.
 ExpertParamInfo find_expert_param(const Checkpoint& ckpt, const ExpertParamKey& key,
                                   int64_t num_experts = -1);
-
-/// Gate/up layout of a GLU FC1 output dimension of 2F rows.
-enum class GluLayout : uint8_t {
-  concatenated,  ///< rows [0, F) gate, [F, 2F) up
-  interleaved,   ///< blocks of `block` rows: gate 0..b-1, up 0..b-1, gate b..2b-1, up b..2b-1, ...
-};
-
-/// A gate/up layout; `block` matters only when interleaved, and must divide F.
-struct GluFormat {
-  GluLayout layout = GluLayout::concatenated;
-  int64_t block = 1;
-  bool operator==(const GluFormat& o) const {
-    return layout == o.layout && (layout == GluLayout::concatenated || block == o.block);
-  }
-  bool operator!=(const GluFormat& o) const { return !(*this == o); }
-};
 
 /// Parses "concat" / "concatenated" / "interleaved:B" (B a positive integer; "interleaved" alone
 /// means B = 1).

@@ -40,16 +40,21 @@
 
 namespace gmoe {
 
-enum class Fp8Recipe : uint8_t { tensorwise, blockwise, mxfp8 };
+/// How an FP8 tensor is scaled (see the top of this file).
+enum class Fp8Recipe : uint8_t {
+  tensorwise,  ///< one f32 scale per expert (current scaling)
+  blockwise,   ///< f32 scales per 1x128 block of grouped rows, per 128x128 block of weights
+  mxfp8,       ///< e8m0 scales per 1x32 block
+};
 
-// Block sizes, fixed:
+/// Block sizes, fixed:
 constexpr int64_t kFp8Block = 128;     ///< blockwise: 1x128 (activations/grads), 128x128 (weights)
 constexpr int64_t kMxBlock = 32;       ///< mxfp8: 1x32, e8m0 scales
 constexpr int64_t kFp8TokenPad = 128;  ///< columnwise token padding per expert (all recipes)
 
 /// Quantized grouped rows ("activations" x or gradients dy).
 struct Fp8Grouped {
-  Fp8Recipe recipe = Fp8Recipe::blockwise;
+  Fp8Recipe recipe = Fp8Recipe::blockwise;  ///< the scaling of both copies
   DType format = DType::e4m3;  ///< e4m3 or e5m2
   int64_t capacity = 0, cols = 0;  ///< source shape [capacity, cols]
   /// rowwise (optional): data [capacity, cols] fp8, same row positions as the source; rows past
@@ -80,9 +85,9 @@ struct Fp8Grouped {
 
 /// Quantized expert weights W_e [N, K], stacked.
 struct Fp8Weights {
-  Fp8Recipe recipe = Fp8Recipe::blockwise;
-  DType format = DType::e4m3;
-  int64_t experts = 0, rows = 0 /*N*/, cols = 0 /*K*/;
+  Fp8Recipe recipe = Fp8Recipe::blockwise;  ///< the scaling of both copies
+  DType format = DType::e4m3;               ///< e4m3 or e5m2
+  int64_t experts = 0, rows = 0 /*N*/, cols = 0 /*K*/;  ///< the source shape E × [N, K]
   /// [E, N, K] fp8 (for fprop: y = x·Wᵀ, reduction over K).
   TensorView data;
   /// tensorwise [E] f32; blockwise 128x128 [E, ceil(N/128), ceil(K/128)] f32;
@@ -98,7 +103,7 @@ struct Fp8Weights {
 
 /// What to produce.
 struct Fp8QuantizeOptions {
-  Fp8Recipe recipe = Fp8Recipe::blockwise;
+  Fp8Recipe recipe = Fp8Recipe::blockwise;  ///< the scaling
   DType format = DType::e4m3;  ///< e4m3 (activations, weights) or e5m2 (gradients)
   bool rowwise = true;         ///< data + scale_inv
   bool columnwise = false;     ///< data_t + scale_inv_t (grouped rows: + padded_offsets)
@@ -156,12 +161,13 @@ Fp8Weights fp8_weights_layout(int64_t experts, int64_t rows, int64_t cols,
 /// quantize_grouped's result: the views, and the one packed allocation behind the outputs that
 /// were not given by the caller (null when all were given). Copies share the storage.
 struct Fp8GroupedTensor {
-  Fp8Grouped q;
-  std::shared_ptr<Buffer> storage;
+  Fp8Grouped q;                     ///< the views
+  std::shared_ptr<Buffer> storage;  ///< the allocation behind them (null when the caller gave all)
 };
+/// quantize_weights' result, as Fp8GroupedTensor.
 struct Fp8WeightsTensor {
-  Fp8Weights q;
-  std::shared_ptr<Buffer> storage;
+  Fp8Weights q;                     ///< the views
+  std::shared_ptr<Buffer> storage;  ///< the allocation behind them (null when the caller gave all)
 };
 
 /// Quantizes grouped rows x.data [capacity, cols] (bf16/f16/f32, rows contiguous) split by

@@ -45,11 +45,10 @@ struct Fp8GemmOptions {
   /// the reduction (the default: DeepSeek-V3's promotion, which the blockwise recipe always does).
   /// Hopper's FP8 tensor cores keep about 14 significant bits while they accumulate, so the error
   /// grows with the reduction length: at most one such rounding per 32 of the reduction, of Σ|a·b|
-  /// (the tests' bound), against one per 128 promoted. With it the GEMM runs 128x256 tiles: on an H100 fprop
-  /// 1.09-1.17x and dgrad 1.07-1.27x the promoted kernel on dsv3, mixtral's fprop 1.12-1.13x
-  /// (docs/architecture.md). Blockwise and mxfp8, an e5m2 A,
-  /// a fused bias (tensorwise fprop with a bf16 bias) and reductions of 16384 or more keep the
-  /// promoted kernel; the CPU reference accumulates in fp32 either way.
+  /// (the tests' bound), against one per 128 promoted. With it the GEMM runs 128x256 tiles and is
+  /// faster than the promoted kernel (the figures are in docs/decisions.md). Blockwise and mxfp8,
+  /// an e5m2 A, a fused bias (tensorwise fprop with a bf16 bias) and reductions of 16384 or more
+  /// keep the promoted kernel; the CPU reference accumulates in fp32 either way.
   bool fast_accumulation = false;
 };
 
@@ -62,9 +61,10 @@ void fp8_grouped_gemm_fprop(const Fp8Grouped& x, const Fp8Weights& w, const Tens
                             const TensorView& y, Stream stream = nullptr,
                             Allocator* alloc = nullptr);
 /// The same plus a per-expert bias: y[rows of e] += bias_e (grouped [E, N] or a list of E
-/// vectors of N, y's dtype). CUDA: blockwise with a bf16 bias adds it in the GEMM's epilogue (to
-/// the f32 accumulators, before the one rounding to bf16); tensorwise and mxfp8 add it in a
-/// second pass over y, as grouped_bias_add does.
+/// vectors of N, y's dtype). CUDA: a bf16 bias with an e4m3 x is added inside the GEMM, to the f32
+/// accumulators before the one rounding to bf16 (blockwise: every expert's bias 16-byte aligned;
+/// tensorwise: any alignment); otherwise (mxfp8, an e5m2 x, a misaligned blockwise bias, K = 0) a
+/// second pass over y adds it, as grouped_bias_add does.
 void fp8_grouped_gemm_fprop(const Fp8Grouped& x, const Fp8Weights& w, const ExpertBias& bias,
                             const TensorView& counts, const TensorView& y, Stream stream = nullptr,
                             Allocator* alloc = nullptr);

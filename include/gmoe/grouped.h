@@ -22,9 +22,9 @@ struct GroupedRows {
   TensorView data;    ///< [capacity, cols]; rows contiguous (stride(1) == 1), stride(0) >= cols.
   TensorView counts;  ///< [E], i32 or i64, same device as data.
 
-  int64_t capacity() const { return data.size(0); }
-  int64_t cols() const { return data.size(1); }
-  int64_t num_groups() const { return counts.size(0); }
+  int64_t capacity() const { return data.size(0); }   ///< rows of the buffer (host-known)
+  int64_t cols() const { return data.size(1); }       ///< columns of every row
+  int64_t num_groups() const { return counts.size(0); }  ///< E
 };
 
 /// Expert weights in either layout: one stacked tensor [E, N, K], or a list of E tensors [N, K]
@@ -33,19 +33,24 @@ struct ExpertWeights {
   TensorView stacked;            ///< [E, N, K], or absent.
   std::vector<TensorView> list;  ///< E views of [N, K], or empty.
 
+  /// Neither layout (absent weights).
   ExpertWeights() = default;
   /// The stacked layout.
   static ExpertWeights from_stacked(const TensorView& stacked);
   /// The per-expert layout.
   static ExpertWeights from_list(std::vector<TensorView> list);
 
+  /// True for the stacked layout.
   bool is_stacked() const { return stacked.defined(); }
+  /// E.
   int64_t num_experts() const;
   /// Rows of each expert matrix (N for [E, N, K]).
   int64_t rows() const;
   /// Columns of each expert matrix (K for [E, N, K]).
   int64_t cols() const;
+  /// The experts' dtype.
   DType dtype() const;
+  /// The experts' device.
   Device device() const;
   /// The [N, K] view of expert e, in either layout.
   TensorView expert(int64_t e) const;
@@ -69,9 +74,10 @@ enum DeviceErrorBits : uint32_t {
 /// gmoe::Error describing each recorded problem. A no-op in a CPU-only build.
 void check_device_errors(Stream stream);
 
-/// Debug mode: when enabled, every CUDA op ends with check_device_errors(stream). Off by default; never enable it under graph
-/// capture.
+/// Debug mode: when enabled, every CUDA op ends with check_device_errors(stream). Off by default;
+/// never enable it under graph capture.
 void set_debug_sync(bool enabled);
+/// Whether debug mode (set_debug_sync) is on.
 bool debug_sync_enabled();
 
 }  // namespace gmoe

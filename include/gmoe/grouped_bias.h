@@ -17,16 +17,21 @@ struct ExpertBias {
   TensorView grouped;            ///< [E, N], or absent
   std::vector<TensorView> list;  ///< E views of [N], or empty
 
+  /// No bias.
   static ExpertBias none() { return {}; }
+  /// The grouped layout [E, N].
   static ExpertBias from_grouped(const TensorView& grouped);
+  /// The per-expert layout, E vectors [N].
   static ExpertBias from_list(std::vector<TensorView> list);
 
+  /// False for "no bias".
   bool defined() const { return grouped.defined() || !list.empty(); }
+  /// True for the grouped layout.
   bool is_grouped() const { return grouped.defined(); }
-  int64_t num_experts() const;
-  int64_t size() const;  ///< N
-  DType dtype() const;
-  Device device() const;
+  int64_t num_experts() const;  ///< E
+  int64_t size() const;         ///< N
+  DType dtype() const;          ///< the biases' dtype
+  Device device() const;        ///< the biases' device
   /// The [N] view of expert e.
   TensorView expert(int64_t e) const;
 };

@@ -97,8 +97,8 @@ struct GroupedLinearOptions {
   /// fp8_tensorwise / fp8_blockwise: round every scale down to a power of two.
   bool fp8_pow2_scales = false;
   /// FP8 recipes: the weight gradient in FP8 (true) or as the native GEMM of bf16 dy and x (false;
-  /// see above): the blockwise FP8 wgrad measured 0.94-1.14x our bf16 one on an H100, before the
-  /// columnwise quantizations it needs.
+  /// see above), which also spares the columnwise quantizations that the FP8 one needs: where the
+  /// FP8 weight-gradient GEMM is not faster than the bf16 one by their cost, false is faster.
   bool fp8_wgrad = true;
   /// FP8 recipes: fprop and dgrad with Fp8GemmOptions::fast_accumulation (gmoe/fp8_gemm.h: the
   /// tensor cores' own accumulation over the whole reduction, Transformer Engine's fprop default;
@@ -128,18 +128,41 @@ struct GroupedLinearBackward {
   GroupedLinearGrads grads;  ///< weight (unless delayed) and bias gradients
 };
 
+/// An FP8 operand of a GroupedLinear (an input x or an output gradient dy) that the caller
+/// quantizes itself, e.g. inside the kernel that produces it (GroupedMLP quantizes FC2's input in
+/// the activation). Made by GroupedLinear::allocate_fp8_operand, filled by a quantization with the
+/// options it was made for, handed to forward_fp8 or backward_fp8. The two copies live in separate
+/// allocations: the rowwise one goes as soon as its GEMM has read it, the columnwise one stays with
+/// the context until the weight gradient.
+struct GroupedLinearFp8Operand {
+  Fp8Grouped q;                  ///< the quantization's views, placed in `rows` and `cols`
+  std::shared_ptr<Buffer> rows;  ///< the rowwise copy (and padded_offsets without a columnwise one)
+  std::shared_ptr<Buffer> cols;  ///< the columnwise copy and padded_offsets (absent without one)
+};
+
+/// The expert linear layer (see the top of this file): E weights (and biases) applied to grouped
+/// rows, forward and backward with the gradients of every input. Backend-agnostic: the ops of the
+/// weights' device run it. One layer may serve several forwards in flight, each with its context.
 class GroupedLinear {
  public:
   /// weight: E × [N, K] (stacked or list), bf16 or f16 (f32 on the CPU backend). bias: none, or
   /// E × [N] (grouped [E, N] or a list), dtype of the weight or f32. All on one device.
   GroupedLinear(ExpertWeights weight, ExpertBias bias = {}, GroupedLinearOptions options = {});
 
+  /// E.
   int64_t num_experts() const { return weight_.num_experts(); }
+  /// K, the columns of x.
   int64_t in_features() const { return weight_.cols(); }
+  /// N, the columns of y.
   int64_t out_features() const { return weight_.rows(); }
+  /// The weights the layer was built with (views of the caller's memory).
   const ExpertWeights& weight() const { return weight_; }
+  /// The biases the layer was built with (absent: none).
   const ExpertBias& bias() const { return bias_; }
+  /// The options the layer was built with.
   const GroupedLinearOptions& options() const { return options_; }
+  /// True for the FP8 recipes (options().recipe other than native).
+  bool fp8() const { return options_.recipe != LinearRecipe::native; }
 
   /// y = x·W_eᵀ + b_e per expert. x: [capacity, K]; counts: [E] i32/i64 on the layer's device
   /// (kept by reference in ctx: keep it alive and unchanged until backward). `out`, if given, is
@@ -147,15 +170,65 @@ class GroupedLinear {
   Tensor forward(const TensorView& x, const TensorView& counts, GroupedLinearContext& ctx,
                  Stream stream = nullptr, const TensorView& out = {});
 
+  /// forward, and the activation of y written into `z` (the FC1 of an expert MLP, as GroupedMLP
+  /// runs it): z = act(y)·probs, [capacity, F] of x's dtype with N = 2F for gated activations
+  /// (N = F for squared_relu); probs absent or f32 [capacity]. Bitwise forward followed by
+  /// grouped_activation_forward(y, counts, z, activation, probs). Native recipe: one op,
+  /// grouped_gemm_fprop_activation (gmoe/grouped_gemm.h says where its activation runs); FP8
+  /// recipes: the FP8 GEMM, then grouped_activation_forward.
+  Tensor forward_with_activation(const TensorView& x, const TensorView& counts, GroupedLinearContext& ctx,
+                                 const TensorView& z, const ActivationOptions& activation,
+                                 const TensorView& probs = {}, Stream stream = nullptr, const TensorView& out = {});
+
   /// dx = dy·W_e per expert, db, and dW unless delay_wgrad. dy: [capacity, N]. When delayed, dy
   /// is kept by reference until backward_dw (keep it alive and unchanged). `dgrad_out`, if given,
-  /// is [capacity, K] and receives dx.
-  GroupedLinearBackward backward(GroupedLinearContext& ctx, const TensorView& dy,
-                                 Stream stream = nullptr, const TensorView& dgrad_out = {});
+  /// is [capacity, K] and receives dx. `dy_amax` (optional, f32 [E] on the layer's device; used by
+  /// fp8_tensorwise, ignored by the other recipes): each expert's largest finite |dy| over its rows,
+  /// as grouped_activation_backward's amax_out gives it, so that the quantization of dy reads dy
+  /// once (Fp8QuantizeOptions::amax, with its contract: a wrong amax is not detected).
+  GroupedLinearBackward backward(GroupedLinearContext& ctx, const TensorView& dy, Stream stream = nullptr,
+                                 const TensorView& dgrad_out = {}, const TensorView& dy_amax = {});
+
+  /// backward fused with the backward of the activation that made this layer's input from h (the
+  /// FC2 of an expert MLP): dh = act'(h)·(dy·W_e) written into `dh` (h's shape and dtype; h itself
+  /// or disjoint from it), db, and dW unless delayed; the result's dx is absent. Native recipe
+  /// only. One op, grouped_gemm_dgrad_activation_backward: bitwise backward followed by
+  /// grouped_activation_backward(h, dx, counts, dh, activation).
+  GroupedLinearBackward backward_with_activation(GroupedLinearContext& ctx, const TensorView& dy,
+                                                 const TensorView& h, const TensorView& dh,
+                                                 const ActivationOptions& activation, Stream stream = nullptr);
 
   /// The delayed weight gradient, on `stream` (ordered after backward through an event). Returns
   /// the gradients (bias ones included) and calls the hook. Capturable in a CUDA graph.
   GroupedLinearGrads backward_dw(GroupedLinearContext& ctx, Stream stream = nullptr);
+
+  /// FP8 recipes: the quantization that forward makes of x (recipe, e4m3, the scale options):
+  /// rowwise for fprop, and columnwise too when the weight gradient reads x's FP8 columnwise copy
+  /// (fp8_wgrad without save_original_input). Throws gmoe::Error for the native recipe.
+  Fp8QuantizeOptions input_quantization() const;
+  /// FP8 recipes: the quantization that backward makes of dy (in grad_format): rowwise for dgrad,
+  /// and columnwise too with fp8_wgrad. Throws gmoe::Error for the native recipe.
+  Fp8QuantizeOptions grad_quantization() const;
+  /// FP8 recipes: memory for a quantization of `rows` × `cols` with `options` (the views of
+  /// fp8_grouped_layout(rows, cols, num_experts(), options), on the layer's device), from the
+  /// layer's allocator on `stream`, for forward_fp8 or backward_fp8.
+  GroupedLinearFp8Operand allocate_fp8_operand(int64_t rows, int64_t cols, const Fp8QuantizeOptions& options,
+                                               Stream stream = nullptr) const;
+  /// forward from an input that the caller has quantized with `counts` (allocate_fp8_operand,
+  /// then a quantization with input_quantization()'s recipe, format and scales; rowwise, with or
+  /// without the columnwise copy): y = x·W_eᵀ + b_e in the weights' dtype (bf16; f32 on the CPU).
+  /// With fp8_wgrad, ctx keeps x's columnwise copy for the weight gradient. Otherwise (no
+  /// columnwise copy, or a native weight gradient) the layer needs save_original_input, and the
+  /// caller hands the input in its own precision over with set_saved_input before the weight
+  /// gradient. FP8 recipes only.
+  Tensor forward_fp8(GroupedLinearFp8Operand x, const TensorView& counts, GroupedLinearContext& ctx,
+                     Stream stream = nullptr, const TensorView& out = {});
+  /// backward from an output gradient that the caller has quantized with grad_quantization()
+  /// (allocate_fp8_operand, then the quantization, with the counts of forward): dx, and dW unless
+  /// delayed, from the FP8 copies. Needs fp8_wgrad and no bias (the bias gradient reads dy in its
+  /// own precision). FP8 recipes only.
+  GroupedLinearBackward backward_fp8(GroupedLinearContext& ctx, GroupedLinearFp8Operand dy, Stream stream = nullptr,
+                                     const TensorView& dgrad_out = {});
 
   /// For layers built on GroupedLinear that rebuild a saved input instead of keeping it
   /// (GroupedMLP with recompute_activation): with save_original_input, replaces the input that
@@ -176,63 +249,40 @@ class GroupedLinear {
   void invalidate_fp8_weight() { fp8_weight_valid_ = false; }
 
  private:
-  friend class GroupedMLP;
-  /// FC1 of GroupedMLP: forward, and z = act(y)·probs of the activation written into `z` (by
-  /// grouped_gemm_fprop_activation, the activation in the GEMM's epilogue where it can be, with
-  /// the native recipe; after the FP8 GEMM otherwise). Bitwise forward + grouped_activation_forward.
+  /// The activation of forward_with_activation.
   struct ActivationOut {
     TensorView z;
     ActivationOptions options;
     TensorView probs;
   };
-  Tensor forward_impl(const TensorView& x, const TensorView& counts, GroupedLinearContext& ctx, Stream stream,
-                      const TensorView& out, const ActivationOut* act);
-  /// An FP8 quantization of [rows, cols] laid out for `o`, its copies placed in two allocations:
-  /// the rowwise one (with padded_offsets when there is no columnwise copy), which can go as soon
-  /// as its GEMM has read it, and the columnwise one, which the weight gradient keeps.
-  struct Fp8Placed {
-    Fp8Grouped q;
-    std::shared_ptr<Buffer> rows, cols;
-  };
-  Fp8Placed place_fp8(int64_t rows, int64_t cols, const Fp8QuantizeOptions& o, Device device, Stream stream) const;
-  /// What forward and backward quantize x and dy with.
-  Fp8QuantizeOptions fp8_input_options() const { return fp8_options(DType::e4m3, true, fp8_keeps_x_cols()); }
-  Fp8QuantizeOptions fp8_grad_options() const { return fp8_options(options_.grad_format, true, options_.fp8_wgrad); }
-  Fp8GemmOptions fp8_gemm_options() const { return Fp8GemmOptions{options_.fp8_fast_accumulation}; }
-  /// forward once the input ([capacity, in_features] of dtype `dt`) is quantized into `xq`: the FP8
-  /// fprop (+ bias, + `act`), its columnwise copy (if any) kept for the weight gradient. ctx keeps
-  /// the input's shape only: without a columnwise copy, the caller hands the input over with
-  /// set_saved_input (save_original_input) before the weight gradient.
-  Tensor forward_fp8(Fp8Placed xq, DType dt, const TensorView& counts, GroupedLinearContext& ctx, Stream stream,
-                     const TensorView& out, const ActivationOut* act);
-  /// backward once dy ([capacity, out_features] of dtype `dt`) is quantized into `dyq` (with
-  /// fp8_grad_options()): needs the FP8 weight gradient and no bias (whose gradient reads dy).
-  GroupedLinearBackward backward_fp8(GroupedLinearContext& ctx, Fp8Placed dyq, DType dt, Stream stream,
-                                     const TensorView& dgrad_out);
-  /// FC2 of GroupedMLP: the data gradient fused with the activation's backward, dh written over
-  /// `h` (grouped_gemm_dgrad_activation_backward; native recipe only); the result's dx is absent.
+  /// The activation's backward of backward_with_activation.
   struct ActivationBackwardIn {
-    TensorView h;
+    TensorView h, dh;
     ActivationOptions options;
   };
-  /// backward, with dy's per-expert amax (f32 [E]) already computed where the recipe is tensorwise
-  /// (Fp8QuantizeOptions::amax: the quantization of dy then reads it once); ignored otherwise.
+  Tensor forward_impl(const TensorView& x, const TensorView& counts, GroupedLinearContext& ctx, Stream stream,
+                      const TensorView& out, const ActivationOut* act);
+  /// forward once x is quantized (arguments checked): the FP8 fprop (+ bias, + `act`), x's
+  /// columnwise copy (if any) kept for the weight gradient, else x's shape only.
+  Tensor forward_quantized(GroupedLinearFp8Operand xq, const TensorView& counts, GroupedLinearContext& ctx,
+                           Stream stream, const TensorView& out, const ActivationOut* act);
   GroupedLinearBackward backward_impl(GroupedLinearContext& ctx, const TensorView& dy, Stream stream,
                                       const TensorView& dgrad_out, const TensorView& dy_amax,
-                                      const ActivationBackwardIn* act = nullptr);
+                                      const ActivationBackwardIn* act);
   // The shared tails: x kept (by reference or as a copy), the FP8 dgrad, and everything after dx.
   void save_input(GroupedLinearContext& ctx, const TensorView& x, Stream stream) const;
-  void fp8_dgrad(GroupedLinearContext& ctx, Fp8Placed dyq, const TensorView& dx, Stream stream) const;
+  void fp8_dgrad(GroupedLinearContext& ctx, GroupedLinearFp8Operand dyq, const TensorView& dx, Stream stream) const;
   GroupedLinearBackward finish_backward(GroupedLinearContext& ctx, const TensorView& dy, Tensor dx, Stream stream,
                                         const TensorView& db);
   GroupedLinearGrads allocate_grads(Stream stream) const;
   void compute_wgrad(GroupedLinearContext& ctx, GroupedLinearGrads& grads, Stream stream) const;
   Allocator& allocator() const;
+  void check_active_for_backward(const GroupedLinearContext& ctx) const;
 
-  bool fp8() const { return options_.recipe != LinearRecipe::native; }
   /// Forward keeps x's columnwise FP8 copy for the weight gradient instead of x.
   bool fp8_keeps_x_cols() const { return fp8() && options_.fp8_wgrad && !options_.save_original_input; }
   Fp8QuantizeOptions fp8_options(DType format, bool rowwise, bool columnwise) const;
+  Fp8GemmOptions fp8_gemm_options() const { return Fp8GemmOptions{options_.fp8_fast_accumulation}; }
 
   ExpertWeights weight_;
   ExpertBias bias_;

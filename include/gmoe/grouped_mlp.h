@@ -27,11 +27,15 @@
 //   probs, counts                  references to the caller's tensors (keep them alive, unchanged)
 // Backward additionally holds dz (capacity·F·es) while the activation's backward runs, and dprobs.
 //
-// This is the unfused composition (two grouped GEMM passes with the activation as its own
-// memory-bound kernel between them); the options and the context are shaped so that a fused
-// activation epilogue can replace the middle step without changing the API. With an FP8 recipe
-// (options.recipe) both FCs quantize inside as GroupedLinear does (x, z and the gradients in one
-// pass each, the weights cached; see gmoe/grouped_linear.h), the activation in between in bf16.
+// What runs: FC1 and the activation as one op (GroupedLinear::forward_with_activation, i.e.
+// grouped_gemm_fprop_activation: gmoe/grouped_gemm.h says where its activation runs), then FC2;
+// backward FC2's dgrad and the activation's backward as one op where nothing else needs dz
+// (GroupedLinear::backward_with_activation: no probs, no recomputed z, native recipe, gated
+// activation), else FC2's dgrad then grouped_activation_backward; then FC1's backward. Both FCs
+// are GroupedLinear layers driven through their public API. With an FP8 recipe (options.recipe)
+// both FCs quantize inside as GroupedLinear does (x, z and the gradients in one pass each, the
+// weights cached; see gmoe/grouped_linear.h), the activation in between in bf16, with z (and
+// optionally dh) quantized by the activation itself (fp8_quantize_in_activation below).
 #pragma once
 
 #include <cstdint>
@@ -39,7 +43,6 @@
 
 #include "gmoe/activation.h"
 #include "gmoe/allocator.h"
-#include "gmoe/checkpoint.h"
 #include "gmoe/grouped.h"
 #include "gmoe/grouped_bias.h"
 #include "gmoe/grouped_linear.h"
@@ -63,8 +66,8 @@ struct GroupedMLPOptions {
   /// reference (fc2().options() shows what FC2 runs with: save_original_input, and delay_wgrad
   /// also under recompute_activation, since dW2 needs the z that backward rebuilds; backward then
   /// computes it itself unless fc2.delay_wgrad). fc1/fc2.allocator default to `allocator` below.
-  GroupedLinearOptions fc1;
-  GroupedLinearOptions fc2;
+  GroupedLinearOptions fc1;  ///< FC1's settings (see above)
+  GroupedLinearOptions fc2;  ///< FC2's settings (see above)
   /// Do not keep z = act(h)·p from forward to backward; backward recomputes it (see above).
   bool recompute_activation = false;
   /// The precision of both FCs' GEMMs (LinearRecipe of gmoe/grouped_linear.h: native, or an FP8
@@ -82,9 +85,9 @@ struct GroupedMLPOptions {
   /// FP8 recipes: quantize FC1's output gradient inside the activation's backward (dh is not
   /// written in bf16); used when FC1 also has an FP8 weight gradient and no bias (whose gradient
   /// reads dh) and z is not recomputed. Bitwise the same values except dprobs (summed in another
-  /// order). Off by default: on an H100 the fused kernel measured slower than the activation's
-  /// backward followed by the quantizer (dsv3_ep32: 536 µs against about 460). Tensorwise, either
-  /// way, takes dh's amax from the activation's backward, so that FC1 reads dh once to quantize it.
+  /// order). Off by default because the one-pass kernel is slower than the activation's backward
+  /// followed by the quantizer (docs/decisions.md). Tensorwise, either way, takes dh's amax from the
+  /// activation's backward, so that FC1 reads dh once to quantize it.
   bool fp8_quantize_in_activation_backward = false;
   /// Scratch, saved tensors and fresh gradients; nullptr: the device's default allocator.
   Allocator* allocator = nullptr;
@@ -93,8 +96,8 @@ struct GroupedMLPOptions {
 /// Weight and bias gradients of both FCs (see GroupedLinearGrads: fresh gradients are views of one
 /// packed allocation per FC, or the caller's main_grad).
 struct GroupedMLPGrads {
-  GroupedLinearGrads fc1;
-  GroupedLinearGrads fc2;
+  GroupedLinearGrads fc1;  ///< FC1's weight and bias gradients
+  GroupedLinearGrads fc2;  ///< FC2's weight and bias gradients
 };
 
 /// Result of GroupedMLP::backward.
@@ -120,6 +123,9 @@ class GroupedMLPContext {
   std::unique_ptr<State> state_;
 };
 
+/// The expert MLP (see the top of this file): FC1 → activation → FC2 over grouped rows, forward and
+/// backward with the gradients of every input. One layer may serve several forwards in flight, each
+/// with its context.
 class GroupedMLP {
  public:
   /// fc1_weight: E × [2F, H] (gated; E × [F, H] for squared_relu), fc2_weight: E × [H, F], each
@@ -129,11 +135,17 @@ class GroupedMLP {
   GroupedMLP(ExpertWeights fc1_weight, ExpertWeights fc2_weight, ExpertBias fc1_bias = {},
              ExpertBias fc2_bias = {}, GroupedMLPOptions options = {});
 
+  /// E.
   int64_t num_experts() const { return fc1_.num_experts(); }
+  /// H, the columns of x and y.
   int64_t hidden() const { return fc1_.in_features(); }
+  /// F, the columns of z (FC2's input).
   int64_t ffn() const { return fc2_.in_features(); }
+  /// FC1, with the options it runs with.
   const GroupedLinear& fc1() const { return fc1_; }
+  /// FC2, with the options it runs with (see GroupedMLPOptions::fc2).
   const GroupedLinear& fc2() const { return fc2_; }
+  /// The options the layer was built with (fc1/fc2 allocators and recipes filled in).
   const GroupedMLPOptions& options() const { return options_; }
 
   /// FP8 recipes: marks both FCs' quantized weight caches stale (after the optimizer changed the
@@ -179,34 +191,5 @@ class GroupedMLP {
   GroupedLinear fc1_;
   GroupedLinear fc2_;
 };
-
-/// Copies FC1 weights `src` into `dst` (same number of experts and shapes, dtype and device; either
-/// layout each; not overlapping) re-ordering every expert's 2F rows from gate/up layout `from` to
-/// `to`. CUDA tensors: stream-ordered kernels on `stream`; CPU tensors: the checkpoint module's
-/// convert_glu (contiguous experts).
-void convert_fc1_glu(const ExpertWeights& src, const GluFormat& from, const ExpertWeights& dst,
-                     const GluFormat& to, Stream stream = nullptr);
-/// The same for FC1 biases (E × [2F]).
-void convert_fc1_glu(const ExpertBias& src, const GluFormat& from, const ExpertBias& dst,
-                     const GluFormat& to, Stream stream = nullptr);
-
-/// Concatenated [gate; up] → interleaved in blocks of `block` rows.
-inline void fc1_to_interleaved(const ExpertWeights& src, const ExpertWeights& dst, int64_t block,
-                               Stream stream = nullptr) {
-  convert_fc1_glu(src, {GluLayout::concatenated, 1}, dst, {GluLayout::interleaved, block}, stream);
-}
-/// Interleaved in blocks of `block` rows → concatenated [gate; up].
-inline void fc1_to_concatenated(const ExpertWeights& src, const ExpertWeights& dst, int64_t block,
-                                Stream stream = nullptr) {
-  convert_fc1_glu(src, {GluLayout::interleaved, block}, dst, {GluLayout::concatenated, 1}, stream);
-}
-inline void fc1_to_interleaved(const ExpertBias& src, const ExpertBias& dst, int64_t block,
-                               Stream stream = nullptr) {
-  convert_fc1_glu(src, {GluLayout::concatenated, 1}, dst, {GluLayout::interleaved, block}, stream);
-}
-inline void fc1_to_concatenated(const ExpertBias& src, const ExpertBias& dst, int64_t block,
-                                Stream stream = nullptr) {
-  convert_fc1_glu(src, {GluLayout::interleaved, block}, dst, {GluLayout::concatenated, 1}, stream);
-}
 
 }  // namespace gmoe

@@ -15,15 +15,15 @@ enum class DeviceType : uint8_t { cpu, cuda };
 
 /// A device: CPU, or a CUDA device with its ordinal.
 struct Device {
-  DeviceType type = DeviceType::cpu;
+  DeviceType type = DeviceType::cpu;  ///< CPU or CUDA
   int index = 0;  ///< CUDA device ordinal; 0 for the CPU.
 
-  static Device cpu() { return Device{DeviceType::cpu, 0}; }
-  static Device cuda(int index = 0) { return Device{DeviceType::cuda, index}; }
-  bool is_cpu() const { return type == DeviceType::cpu; }
-  bool is_cuda() const { return type == DeviceType::cuda; }
-  bool operator==(const Device& o) const { return type == o.type && index == o.index; }
-  bool operator!=(const Device& o) const { return !(*this == o); }
+  static Device cpu() { return Device{DeviceType::cpu, 0}; }                ///< the CPU
+  static Device cuda(int index = 0) { return Device{DeviceType::cuda, index}; }  ///< CUDA device `index`
+  bool is_cpu() const { return type == DeviceType::cpu; }    ///< type == cpu
+  bool is_cuda() const { return type == DeviceType::cuda; }  ///< type == cuda
+  bool operator==(const Device& o) const { return type == o.type && index == o.index; }  ///< same type and index
+  bool operator!=(const Device& o) const { return !(*this == o); }                        ///< not ==
   /// "cpu" or "cuda:N".
   std::string str() const;
 };
@@ -33,15 +33,16 @@ struct Device {
 /// normal in MoE. A default-constructed view is "absent" (data == nullptr, ndim == 0); optional
 /// arguments are passed that way.
 struct TensorView {
-  static constexpr int kMaxDims = 6;
+  static constexpr int kMaxDims = 6;  ///< the most dimensions a view has
 
-  void* data = nullptr;
-  DType dtype = DType::f32;
-  Device device{};
-  int ndim = 0;
-  std::array<int64_t, kMaxDims> shape{};
-  std::array<int64_t, kMaxDims> strides{};
+  void* data = nullptr;                      ///< element (0, ..., 0); nullptr when absent
+  DType dtype = DType::f32;                  ///< element type
+  Device device{};                           ///< where `data` lives
+  int ndim = 0;                              ///< dimensions in use (0: absent)
+  std::array<int64_t, kMaxDims> shape{};     ///< sizes of the first ndim dimensions
+  std::array<int64_t, kMaxDims> strides{};   ///< strides in elements of the first ndim dimensions
 
+  /// An absent view.
   TensorView() = default;
   /// A contiguous (row-major) view of `shape`.
   TensorView(void* data, DType dtype, Device device, std::initializer_list<int64_t> shape);
@@ -51,9 +52,13 @@ struct TensorView {
 
   /// True when the view refers to something (data != nullptr or a zero-element tensor with a shape).
   bool defined() const { return data != nullptr || ndim > 0; }
+  /// Size of dimension `dim` (negative: from the end).
   int64_t size(int dim) const { return shape[dim < 0 ? dim + ndim : dim]; }
+  /// Stride in elements of dimension `dim` (negative: from the end).
   int64_t stride(int dim) const { return strides[dim < 0 ? dim + ndim : dim]; }
+  /// Number of elements (0 for an absent view).
   int64_t numel() const;
+  /// numel() times the element size.
   int64_t nbytes() const { return numel() * static_cast<int64_t>(dtype_size(dtype)); }
   /// Row-major contiguous (strides are the products of the trailing sizes; size-1 dims ignored).
   bool is_contiguous() const;

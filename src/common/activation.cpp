@@ -50,31 +50,6 @@ void check_activation_options(const ActivationOptions& o, int64_t F, const char*
 
 namespace {
 
-// Bytes [first, last) that the rows of a 2-D view touch (empty views touch nothing).
-struct ByteRange {
-  const char* first = nullptr;
-  const char* last = nullptr;
-};
-ByteRange byte_range(const TensorView& t) {
-  if (!t.defined() || t.numel() == 0) return {};
-  const int64_t es = static_cast<int64_t>(dtype_size(t.dtype));
-  const char* p = static_cast<const char*>(t.data);
-  int64_t last_elem = 0;
-  for (int d = 0; d < t.ndim; ++d) last_elem += (t.size(d) - 1) * t.stride(d);
-  return {p, p + (last_elem + 1) * es};
-}
-
-}  // namespace
-
-void check_disjoint(const TensorView& a, const char* a_name, const TensorView& b, const char* b_name) {
-  const ByteRange ra = byte_range(a), rb = byte_range(b);
-  if (ra.first == nullptr || rb.first == nullptr) return;
-  GMOE_CHECK(ra.last <= rb.first || rb.last <= ra.first, a_name, " and ", b_name,
-             " overlap in memory (", a.str(), " at ", a.data, ", ", b.str(), " at ", b.data, ")");
-}
-
-namespace {
-
 void check_row_vector(const TensorView& v, const char* name, int64_t capacity, Device device) {
   check_f32_vector(v, name, capacity, "one value per row", device);
 }
@@ -186,11 +161,6 @@ void grouped_activation_backward(const TensorView& h, const TensorView& dz, cons
                                               pick_allocator(alloc, h.device));
   }
   after_op(h.device, stream);
-}
-
-bool activation_amax_for(Fp8Recipe recipe) {
-  static const bool on = !env_equals("GMOE_ACT_AMAX", "0");
-  return on && recipe == Fp8Recipe::tensorwise;
 }
 
 Tensor activation_amax_scratch(Fp8Recipe recipe, int64_t experts, Allocator& alloc, Stream stream) {

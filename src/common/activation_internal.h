@@ -21,23 +21,19 @@ void check_activation_forward(const TensorView& h, const TensorView& counts, con
 /// the activation and the options; dh of h's shape, dtype and device, h itself or disjoint from it.
 void check_activation_dh(const TensorView& h, const TensorView& dh, const ActivationOptions& options, int64_t F);
 
-/// Throws gmoe::Error naming both when the bytes that views `a` and `b` touch overlap (absent or
-/// empty views overlap nothing).
-void check_disjoint(const TensorView& a, const char* a_name, const TensorView& b, const char* b_name);
-
+/// Whether a quantization of `recipe` takes its amax from the activation's own pass (the
+/// activation's amax_out handed over as Fp8QuantizeOptions::amax): tensorwise, whose current
+/// scaling otherwise reads its source once more for the amax.
+constexpr bool activation_amax_for(Fp8Recipe recipe) { return recipe == Fp8Recipe::tensorwise; }
+/// f32 [experts] for an activation's amax_out when activation_amax_for(recipe), else absent.
+Tensor activation_amax_scratch(Fp8Recipe recipe, int64_t experts, Allocator& alloc, Stream stream);
 /// GroupedMLP's FP8 path, arguments checked by the layer. z = act(h)·probs ([capacity, q.cols])
 /// quantized into q (every view placed, per fp8_grouped_layout(capacity, F, E, options)): on CUDA in
 /// one pass from h where the fused kernel applies (cuda_backend::quantize_activation_forward),
 /// else grouped_activation_forward into scratch then quantize_grouped; bitwise the same. `fused`
-/// false: always the composition (for comparisons). Tensorwise composes too (the one-pass kernel
-/// evaluates the activation twice, once for the amax and once to quantize; the activation's own
-/// amax_out lets the quantizer read z once; GMOE_ACT_AMAX=0 restores the one-pass kernel, for
-/// comparisons: activation_amax_for).
-/// Whether a quantization of `recipe` takes its amax from the activation's pass: tensorwise, unless
-/// GMOE_ACT_AMAX=0.
-bool activation_amax_for(Fp8Recipe recipe);
-/// f32 [experts] for an activation's amax_out when activation_amax_for(recipe), else absent.
-Tensor activation_amax_scratch(Fp8Recipe recipe, int64_t experts, Allocator& alloc, Stream stream);
+/// false: always the composition (for comparisons in tests). Tensorwise always composes: the
+/// one-pass kernel would evaluate the activation twice (once for the amax, once to quantize),
+/// while the activation's own amax_out lets the quantizer read z once.
 void quantize_activation_forward(const TensorView& h, const TensorView& counts, const ActivationOptions& act,
                                  const TensorView& probs, const Fp8QuantizeOptions& options, const Fp8Grouped& q,
                                  bool fused, Stream stream, Allocator& alloc);

@@ -82,6 +82,31 @@ void check_f32_vector(const TensorView& v, const char* name, int64_t n, const ch
   check_same_device(v.device, device, name);
 }
 
+namespace {
+
+// Bytes [first, last) that a view touches (absent or empty views touch nothing).
+struct ByteRange {
+  const char* first = nullptr;
+  const char* last = nullptr;
+};
+ByteRange byte_range(const TensorView& t) {
+  if (!t.defined() || t.numel() == 0) return {};
+  const int64_t es = static_cast<int64_t>(dtype_size(t.dtype));
+  const char* p = static_cast<const char*>(t.data);
+  int64_t last_elem = 0;
+  for (int d = 0; d < t.ndim; ++d) last_elem += (t.size(d) - 1) * t.stride(d);
+  return {p, p + (last_elem + 1) * es};
+}
+
+}  // namespace
+
+void check_disjoint(const TensorView& a, const char* a_name, const TensorView& b, const char* b_name) {
+  const ByteRange ra = byte_range(a), rb = byte_range(b);
+  if (ra.first == nullptr || rb.first == nullptr) return;
+  GMOE_CHECK(ra.last <= rb.first || rb.last <= ra.first, a_name, " and ", b_name,
+             " overlap in memory (", a.str(), " at ", a.data, ", ", b.str(), " at ", b.data, ")");
+}
+
 bool env_equals(const char* name, const char* value) {
   const char* env = std::getenv(name);
   return env != nullptr && std::strcmp(env, value) == 0;

@@ -30,6 +30,9 @@ void check_expert_bias(const ExpertBias& b, const char* name, int64_t E, int64_t
                        Device device);
 /// `alloc`, checked to serve `device`'s type, or the device's default allocator when nullptr.
 Allocator& pick_allocator(Allocator* alloc, Device device);
+/// Throws gmoe::Error naming both when the bytes that views `a` and `b` touch overlap (absent or
+/// empty views overlap nothing).
+void check_disjoint(const TensorView& a, const char* a_name, const TensorView& b, const char* b_name);
 /// Throws "<op>: tensors are on CUDA but gmoe was built without CUDA".
 void check_cuda_compiled(const char* op);
 

@@ -2,10 +2,9 @@
 // ops (GEMM passes, bias add and gradient), with the context that forward saves for backward.
 #include "gmoe/grouped_linear.h"
 
-#include <cstring>
-
-#include "common/backend.h"
+#include "common/activation_internal.h"
 #include "common/checks.h"
+#include "gmoe/copy.h"
 #include "gmoe/error.h"
 #include "gmoe/fp8_gemm.h"
 #include "gmoe/grouped_gemm.h"
@@ -21,14 +20,10 @@ struct GroupedLinearContext::State {
   TensorView counts;
   TensorView dy;                // delayed: the caller's dy, by reference
   GroupedLinearGrads grads;     // delayed: where backward_dw writes, and the bias gradients
-  void* event = nullptr;        // CUDA: recorded at the end of a delayed backward
+  Event event;                  // recorded at the end of a delayed backward, waited for by backward_dw
   // FP8 recipes: the columnwise copies the weight gradient reads (x's from forward unless
   // save_original_input; dy's from backward when delayed).
   Fp8GroupedTensor x_cols, dy_cols;
-
-  ~State() {
-    if (event != nullptr) cuda_backend::event_destroy(event);
-  }
 
   static void release_fp8(Fp8GroupedTensor& t, Stream stream) {
     if (t.storage) t.storage->reset_on(stream);
@@ -73,21 +68,21 @@ std::shared_ptr<Buffer> place(std::initializer_list<TensorView*> slots, Allocato
   return buffer;
 }
 
-// dst[r, :] = src[r, :] on the tensors' backend (stream-ordered on CUDA).
-void copy_rows_on(const TensorView& dst, const TensorView& src, Stream stream) {
-  if (src.device.is_cpu()) {
-    cpu_backend::copy_rows(dst, src);
-  } else {
-    cuda_backend::copy_rows(dst, src, stream);
+// An operand made by allocate_fp8_operand and quantized by the caller, checked against what the
+// layer reads: the recipe and format, `cols` columns, on the layer's device, with its rowwise copy
+// (and the columnwise one when `need_cols`).
+void check_fp8_operand(const Fp8Grouped& q, const char* name, Fp8Recipe recipe, DType format, int64_t cols,
+                       Device device, bool need_cols) {
+  GMOE_CHECK(q.recipe == recipe && q.format == format, name, ": expected a ", fp8_recipe_name(recipe), " ",
+             dtype_name(format), " quantization, got ", fp8_recipe_name(q.recipe), " ", dtype_name(q.format));
+  GMOE_CHECK(q.cols == cols && q.capacity >= 0, name, ": expected ", cols, " columns, got [", q.capacity, ", ",
+             q.cols, "]");
+  GMOE_CHECK(q.data.defined() && q.scale_inv.defined(), name, ": the rowwise copy (data, scale_inv) is absent");
+  check_same_device(q.data.device, device, name);
+  if (need_cols || q.data_t.defined()) {
+    GMOE_CHECK(q.data_t.defined() && q.scale_inv_t.defined() && q.padded_offsets.defined(), name,
+               ": the columnwise copy (data_t, scale_inv_t, padded_offsets) is ", need_cols ? "needed" : "incomplete");
   }
-}
-
-// The FP8 backward takes the bias gradient from the quantization's pass over dy unless
-// GMOE_FUSED_BIAS_GRAD=0 (then grouped_bias_grad reads dy again, as in the native backward): for
-// benchmarks that time both in one run.
-bool fused_bias_grad() {
-  static const bool on = !env_equals("GMOE_FUSED_BIAS_GRAD", "0");
-  return on;
 }
 
 }  // namespace
@@ -167,7 +162,7 @@ GroupedLinear::GroupedLinear(ExpertWeights weight, ExpertBias bias, GroupedLinea
     fp8_weight_.q = layout;
     // Set-up, not the hot path: make the allocation (stream-ordered on the default stream) usable
     // from every stream the layer will run on.
-    if (dev.is_cuda()) cuda_backend::stream_synchronize(nullptr);
+    synchronize_stream(nullptr, dev);
   }
 }
 
@@ -179,6 +174,16 @@ Fp8QuantizeOptions GroupedLinear::fp8_options(DType format, bool rowwise, bool c
   o.columnwise = columnwise;
   o.pow2_scales = options_.fp8_pow2_scales;
   return o;
+}
+
+Fp8QuantizeOptions GroupedLinear::input_quantization() const {
+  GMOE_CHECK(fp8(), "input_quantization: the native recipe quantizes nothing");
+  return fp8_options(DType::e4m3, true, fp8_keeps_x_cols());
+}
+
+Fp8QuantizeOptions GroupedLinear::grad_quantization() const {
+  GMOE_CHECK(fp8(), "grad_quantization: the native recipe quantizes nothing");
+  return fp8_options(options_.grad_format, true, options_.fp8_wgrad);
 }
 
 void GroupedLinear::quantize_weight(Stream stream) {
@@ -196,6 +201,26 @@ Tensor GroupedLinear::forward(const TensorView& x, const TensorView& counts, Gro
   return forward_impl(x, counts, ctx, stream, out, nullptr);
 }
 
+Tensor GroupedLinear::forward_with_activation(const TensorView& x, const TensorView& counts,
+                                              GroupedLinearContext& ctx, const TensorView& z,
+                                              const ActivationOptions& activation, const TensorView& probs,
+                                              Stream stream, const TensorView& out) {
+  // What the activation needs of z and probs, before anything runs (the ops check the rest).
+  check_rows(x, "x");
+  check_rows(z, "z");
+  const int64_t F = z.size(1);
+  check_activation_options(activation, F, "activation");
+  GMOE_CHECK(activation_input_cols(activation.kind, F) == out_features(), "z: ", activation_name(activation.kind),
+             " of the layer's ", out_features(), " output columns gives ",
+             is_gated(activation.kind) ? out_features() / 2 : out_features(), " columns, got ", z.shape_str());
+  GMOE_CHECK(z.size(0) == x.size(0) && z.dtype == x.dtype, "z: expected ", dtype_name(x.dtype), "[", x.size(0),
+             ", ", F, "] (x's rows and dtype), got ", z.str());
+  check_same_device(z.device, weight_.device(), "z");
+  if (probs.defined()) check_f32_vector(probs, "probs", x.size(0), "one value per row", weight_.device());
+  const ActivationOut act{z, activation, probs};
+  return forward_impl(x, counts, ctx, stream, out, &act);
+}
+
 Tensor GroupedLinear::forward_impl(const TensorView& x, const TensorView& counts, GroupedLinearContext& ctx,
                                    Stream stream, const TensorView& out, const ActivationOut* act) {
   GroupedLinearContext::State& st = *ctx.state_;
@@ -209,10 +234,10 @@ Tensor GroupedLinear::forward_impl(const TensorView& x, const TensorView& counts
   if (fp8()) {
     // One pass: the rowwise copy for fprop, and the columnwise one that the weight gradient reads
     // (unless x itself is kept, or the weight gradient is native).
-    const Fp8QuantizeOptions qo = fp8_input_options();
-    Fp8Placed xq = place_fp8(cap, x.size(1), qo, x.device, stream);
+    const Fp8QuantizeOptions qo = input_quantization();
+    GroupedLinearFp8Operand xq = allocate_fp8_operand(cap, x.size(1), qo, stream);
     quantize_grouped(GroupedRows{x, counts}, qo, stream, &alloc, &xq.q);
-    Tensor y = forward_fp8(std::move(xq), x.dtype, counts, ctx, stream, out, act);
+    Tensor y = forward_quantized(std::move(xq), counts, ctx, stream, out, act);
     if (!fp8_keeps_x_cols()) save_input(ctx, x, stream);
     return y;
   }
@@ -229,10 +254,11 @@ Tensor GroupedLinear::forward_impl(const TensorView& x, const TensorView& counts
   return y;
 }
 
-GroupedLinear::Fp8Placed GroupedLinear::place_fp8(int64_t rows, int64_t cols, const Fp8QuantizeOptions& o,
-                                                  Device device, Stream stream) const {
-  Fp8Placed r;
-  r.q = fp8_grouped_layout(rows, cols, num_experts(), o, device);
+GroupedLinearFp8Operand GroupedLinear::allocate_fp8_operand(int64_t rows, int64_t cols, const Fp8QuantizeOptions& o,
+                                                            Stream stream) const {
+  GMOE_CHECK(fp8(), "allocate_fp8_operand: the native recipe takes no FP8 operands");
+  GroupedLinearFp8Operand r;
+  r.q = fp8_grouped_layout(rows, cols, num_experts(), o, weight_.device());
   Allocator& alloc = allocator();
   if (o.columnwise) {
     if (o.rowwise) r.rows = place({&r.q.data, &r.q.scale_inv}, alloc, stream);
@@ -243,11 +269,26 @@ GroupedLinear::Fp8Placed GroupedLinear::place_fp8(int64_t rows, int64_t cols, co
   return r;
 }
 
-Tensor GroupedLinear::forward_fp8(Fp8Placed xq, DType dt, const TensorView& counts, GroupedLinearContext& ctx,
-                                  Stream stream, const TensorView& out, const ActivationOut* act) {
+Tensor GroupedLinear::forward_fp8(GroupedLinearFp8Operand x, const TensorView& counts, GroupedLinearContext& ctx,
+                                  Stream stream, const TensorView& out) {
+  GMOE_CHECK(fp8(), "forward_fp8: the layer's recipe is native");
+  check_fp8_operand(x.q, "x", fp8_recipe_of(options_.recipe), DType::e4m3, in_features(), weight_.device(), false);
+  GMOE_CHECK((x.q.data_t.defined() && options_.fp8_wgrad) || options_.save_original_input, "x: without a ",
+             "columnwise copy for the FP8 weight gradient the layer needs options.save_original_input (the input in ",
+             "its own precision comes later, by set_saved_input)");
+  check_counts(counts, "counts", weight_.device());
+  GMOE_CHECK(counts.size(0) == num_experts(), "counts: expected one count per expert (", num_experts(), "), got ",
+             counts.size(0));
+  return forward_quantized(std::move(x), counts, ctx, stream, out, nullptr);
+}
+
+Tensor GroupedLinear::forward_quantized(GroupedLinearFp8Operand xq, const TensorView& counts,
+                                        GroupedLinearContext& ctx, Stream stream, const TensorView& out,
+                                        const ActivationOut* act) {
   GroupedLinearContext::State& st = *ctx.state_;
   GMOE_CHECK(!st.active, "ctx: still holds a forward whose weight gradient was not computed");
   const Device dev = weight_.device();
+  const DType dt = weight_.dtype();
   const int64_t cap = xq.q.capacity;
   Allocator& alloc = allocator();
   Tensor y = out.defined() ? Tensor::wrap(out) : Tensor::empty({cap, out_features()}, dt, alloc, stream);
@@ -274,7 +315,7 @@ void GroupedLinear::save_input(GroupedLinearContext& ctx, const TensorView& x, S
     return;
   }
   st.x_copy = Tensor::empty({x.size(0), x.size(1)}, x.dtype, allocator(), stream);
-  copy_rows_on(st.x_copy, x, stream);
+  copy_rows(st.x_copy, x, stream);
   st.x = st.x_copy.view();
 }
 
@@ -303,12 +344,9 @@ GroupedLinearGrads GroupedLinear::allocate_grads(Stream stream) const {
       g.weight = ExpertWeights::from_list(std::move(list));
     }
     if (options_.expert_mask.defined()) {
-      // Masked-out experts are skipped by the kernel: give their fresh views a defined value.
-      if (dev.is_cpu()) {
-        std::memset(base, 0, w_bytes);
-      } else {
-        cuda_backend::zero_bytes(base, w_bytes, stream);
-      }
+      // Masked-out experts are skipped by the kernel: give their fresh views a defined value. The
+      // experts lie back to back in either layout.
+      fill_zero(TensorView(base, wdt, dev, {E * N * K}), stream);
     }
   } else {
     g.weight = options_.main_grad;
@@ -331,11 +369,14 @@ GroupedLinearGrads GroupedLinear::allocate_grads(Stream stream) const {
 
 void GroupedLinear::compute_wgrad(GroupedLinearContext& ctx, GroupedLinearGrads& grads, Stream stream) const {
   GroupedLinearContext::State& st = *ctx.state_;
+  const bool native_wgrad = !fp8() || !options_.fp8_wgrad;
+  GMOE_CHECK((!native_wgrad && st.x_cols.q.data_t.defined()) || st.x.data != nullptr || st.x.numel() == 0,
+             "ctx: forward_fp8 kept no input for the weight gradient: hand it over with set_saved_input first");
   WgradOptions opt;
   const bool main_grad = options_.main_grad.is_stacked() || !options_.main_grad.list.empty();
   opt.accumulate = main_grad && options_.accumulate;
   opt.expert_mask = options_.expert_mask;
-  if (!fp8() || !options_.fp8_wgrad) {
+  if (native_wgrad) {
     grouped_gemm_wgrad(st.dy, st.x, st.counts, grads.weight, opt, stream, &allocator());
     return;
   }
@@ -347,25 +388,40 @@ void GroupedLinear::compute_wgrad(GroupedLinearContext& ctx, GroupedLinearGrads&
   fp8_grouped_gemm_wgrad(st.dy_cols.q, st.x_cols.q, st.counts, grads.weight, opt, stream, &allocator());
 }
 
+void GroupedLinear::check_active_for_backward(const GroupedLinearContext& ctx) const {
+  const GroupedLinearContext::State& st = *ctx.state_;
+  GMOE_CHECK(st.active && !st.wgrad_pending, "ctx: backward needs a context filled by forward (and not yet ",
+             "consumed by backward)");
+}
+
 GroupedLinearBackward GroupedLinear::backward(GroupedLinearContext& ctx, const TensorView& dy, Stream stream,
-                                              const TensorView& dgrad_out) {
-  return backward_impl(ctx, dy, stream, dgrad_out, {});
+                                              const TensorView& dgrad_out, const TensorView& dy_amax) {
+  if (dy_amax.defined()) {
+    check_f32_vector(dy_amax, "dy_amax", num_experts(), "one amax per expert", weight_.device());
+  }
+  return backward_impl(ctx, dy, stream, dgrad_out, dy_amax, nullptr);
+}
+
+GroupedLinearBackward GroupedLinear::backward_with_activation(GroupedLinearContext& ctx, const TensorView& dy,
+                                                              const TensorView& h, const TensorView& dh,
+                                                              const ActivationOptions& activation, Stream stream) {
+  GMOE_CHECK(!fp8(), "backward_with_activation: the activation's backward fuses into the native recipe's dgrad, ",
+             "not into the ", linear_recipe_name(options_.recipe), " one");
+  const ActivationBackwardIn act{h, dh, activation};
+  return backward_impl(ctx, dy, stream, {}, {}, &act);
 }
 
 GroupedLinearBackward GroupedLinear::backward_impl(GroupedLinearContext& ctx, const TensorView& dy, Stream stream,
                                                    const TensorView& dgrad_out, const TensorView& dy_amax,
                                                    const ActivationBackwardIn* act) {
   GroupedLinearContext::State& st = *ctx.state_;
-  GMOE_CHECK(st.active && !st.wgrad_pending, "ctx: backward needs a context filled by forward (and not yet ",
-             "consumed by backward)");
+  check_active_for_backward(ctx);
   check_rows(dy, "dy");
   GMOE_CHECK(dy.size(0) == st.x.size(0) && dy.size(1) == out_features(), "dy: expected [", st.x.size(0), ", ",
              out_features(), "], got ", dy.shape_str());
   Allocator& alloc = allocator();
-  GMOE_CHECK(act == nullptr || (!fp8() && !dgrad_out.defined()),
-             "backward_impl: the activation's backward fuses into the native recipe's dgrad, without dgrad_out");
   if (act != nullptr) {
-    grouped_gemm_dgrad_activation_backward(dy, weight_, st.counts, act->h, act->h, act->options, stream, &alloc);
+    grouped_gemm_dgrad_activation_backward(dy, weight_, st.counts, act->h, act->dh, act->options, stream, &alloc);
     return finish_backward(ctx, dy, Tensor(), stream, {});
   }
   Tensor dx = dgrad_out.defined() ? Tensor::wrap(dgrad_out)
@@ -378,11 +434,11 @@ GroupedLinearBackward GroupedLinear::backward_impl(GroupedLinearContext& ctx, co
     // and the bias gradient (dy's column sums). That goes to a small buffer of its own, copied into
     // the gradients later: allocating them here would hold the weight gradient and dy's rowwise
     // copy (freed after dgrad) at once, raising the peak by that copy.
-    Fp8QuantizeOptions qo = fp8_grad_options();
+    Fp8QuantizeOptions qo = grad_quantization();
     if (qo.recipe == Fp8Recipe::tensorwise) qo.amax = dy_amax;
-    Fp8Placed dyq = place_fp8(dy.size(0), dy.size(1), qo, dy.device, stream);
+    GroupedLinearFp8Operand dyq = allocate_fp8_operand(dy.size(0), dy.size(1), qo, stream);
     ExpertBias column_sums;
-    if (bias_.defined() && fused_bias_grad()) {
+    if (bias_.defined()) {
       db = Tensor::empty({num_experts(), out_features()}, bias_.dtype(), alloc, stream);
       column_sums = ExpertBias::from_grouped(db.view());
     }
@@ -394,21 +450,25 @@ GroupedLinearBackward GroupedLinear::backward_impl(GroupedLinearContext& ctx, co
   return finish_backward(ctx, dy, std::move(dx), stream, db.view());
 }
 
-GroupedLinearBackward GroupedLinear::backward_fp8(GroupedLinearContext& ctx, Fp8Placed dyq, DType dt, Stream stream,
-                                                  const TensorView& dgrad_out) {
+GroupedLinearBackward GroupedLinear::backward_fp8(GroupedLinearContext& ctx, GroupedLinearFp8Operand dy,
+                                                  Stream stream, const TensorView& dgrad_out) {
   GroupedLinearContext::State& st = *ctx.state_;
-  GMOE_CHECK(st.active && !st.wgrad_pending, "ctx: backward needs a context filled by forward (and not yet ",
-             "consumed by backward)");
+  check_active_for_backward(ctx);
   GMOE_CHECK(fp8() && options_.fp8_wgrad && !bias_.defined(),
              "backward_fp8: needs an FP8 recipe with the FP8 weight gradient and no bias");
+  check_fp8_operand(dy.q, "dy", fp8_recipe_of(options_.recipe), options_.grad_format, out_features(),
+                    weight_.device(), true);
   const int64_t cap = st.x.size(0);
+  GMOE_CHECK(dy.q.capacity == cap, "dy: expected ", cap, " rows (forward's), got ", dy.q.capacity);
+  const DType dt = weight_.dtype();
   Tensor dx = dgrad_out.defined() ? Tensor::wrap(dgrad_out)
                                   : Tensor::empty({cap, in_features()}, dt, allocator(), stream);
-  fp8_dgrad(ctx, std::move(dyq), dx, stream);
+  fp8_dgrad(ctx, std::move(dy), dx, stream);
   return finish_backward(ctx, TensorView(nullptr, dt, st.device, {cap, out_features()}), std::move(dx), stream, {});
 }
 
-void GroupedLinear::fp8_dgrad(GroupedLinearContext& ctx, Fp8Placed dyq, const TensorView& dx, Stream stream) const {
+void GroupedLinear::fp8_dgrad(GroupedLinearContext& ctx, GroupedLinearFp8Operand dyq, const TensorView& dx,
+                              Stream stream) const {
   GroupedLinearContext::State& st = *ctx.state_;
   Allocator& alloc = allocator();
   fp8_grouped_gemm_dgrad(dyq.q, fp8_weight_.q, st.counts, dx, fp8_gemm_options(), stream, &alloc);
@@ -430,7 +490,7 @@ GroupedLinearBackward GroupedLinear::finish_backward(GroupedLinearContext& ctx, 
   GroupedLinearGrads grads = allocate_grads(stream);
   if (bias_.defined() && db.defined()) {
     // allocate_grads lays out either bias layout as one [E, N] block.
-    copy_rows_on(TensorView(grads.bias.expert(0).data, db.dtype, db.device, {db.size(0), db.size(1)}), db, stream);
+    copy_rows(TensorView(grads.bias.expert(0).data, db.dtype, db.device, {db.size(0), db.size(1)}), db, stream);
   } else if (bias_.defined()) {
     grouped_bias_grad(dy, st.counts, grads.bias, stream, &allocator());
   }
@@ -438,10 +498,8 @@ GroupedLinearBackward GroupedLinear::finish_backward(GroupedLinearContext& ctx, 
   if (options_.delay_wgrad) {
     st.grads = grads;
     st.wgrad_pending = true;
-    if (st.device.is_cuda()) {
-      if (st.event == nullptr) st.event = cuda_backend::event_create();
-      cuda_backend::event_record(st.event, stream);
-    }
+    if (!st.event.defined() || st.event.device() != st.device) st.event = Event(st.device);
+    st.event.record(stream);
     result.grads.bias = grads.bias;
     result.grads.storage = grads.storage;
     return result;
@@ -469,7 +527,7 @@ void GroupedLinear::set_saved_input(GroupedLinearContext& ctx, const TensorView&
 GroupedLinearGrads GroupedLinear::backward_dw(GroupedLinearContext& ctx, Stream stream) {
   GroupedLinearContext::State& st = *ctx.state_;
   GMOE_CHECK(st.wgrad_pending, "ctx: backward_dw needs a context after a backward with delay_wgrad");
-  if (st.device.is_cuda()) cuda_backend::stream_wait_event(stream, st.event);
+  st.event.wait(stream);
   GroupedLinearGrads grads = std::move(st.grads);
   st.grads = GroupedLinearGrads();
   compute_wgrad(ctx, grads, stream);

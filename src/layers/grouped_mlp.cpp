@@ -14,7 +14,6 @@
 #include <vector>
 
 #include "common/activation_internal.h"
-#include "common/backend.h"
 #include "common/checks.h"
 #include "gmoe/error.h"
 
@@ -29,11 +28,7 @@ struct GroupedMLPContext::State {
   bool active = false;         // forward ran; some weight gradient is still to come
   bool backward_done = false;  // backward ran; backward_dw still has delayed weight gradients to compute
   bool fc1_pending = false, fc2_pending = false;
-  void* event = nullptr;       // CUDA: recorded at the end of a backward that left work to backward_dw
-
-  ~State() {
-    if (event != nullptr) cuda_backend::event_destroy(event);
-  }
+  Event event;                 // recorded at the end of a backward that left work to backward_dw
 
   // Forgets the caller's tensors once every gradient is done (what this layer owns is released by
   // then, each on the stream of its last use).
@@ -182,18 +177,17 @@ Tensor GroupedMLP::forward(const TensorView& x, const TensorView& counts, const 
   if (fp8_quantize_z()) {
     // FP8: z quantized by the activation itself (rowwise for FC2's fprop, columnwise for its
     // weight gradient unless z is rebuilt in backward, which then hands it over).
-    h = fc1_.forward_impl(x, counts, st.fc1, stream, {}, nullptr);
-    Fp8QuantizeOptions qo = fc2_.fp8_input_options();
+    h = fc1_.forward(x, counts, st.fc1, stream);
+    Fp8QuantizeOptions qo = fc2_.input_quantization();
     qo.columnwise = !options_.recompute_activation;
-    GroupedLinear::Fp8Placed zq = fc2_.place_fp8(cap, F, qo, dev, stream);
+    GroupedLinearFp8Operand zq = fc2_.allocate_fp8_operand(cap, F, qo, stream);
     quantize_activation_forward(h, counts, options_.activation, probs, qo, zq.q, true, stream, alloc);
-    y = fc2_.forward_fp8(std::move(zq), dt, counts, st.fc2, stream, out, nullptr);
+    y = fc2_.forward_fp8(std::move(zq), counts, st.fc2, stream, out);
   } else {
-    // FC1 and the activation: in FC1's epilogue where the kernels allow it (gmoe/grouped_gemm.h,
-    // grouped_gemm_fprop_activation), bitwise the same as the two in turn.
+    // FC1 and the activation as one op (GroupedLinear::forward_with_activation), bitwise the two in
+    // turn.
     z = Tensor::empty({cap, F}, dt, alloc, stream);
-    const GroupedLinear::ActivationOut act{z.view(), options_.activation, probs};
-    h = fc1_.forward_impl(x, counts, st.fc1, stream, {}, &act);
+    h = fc1_.forward_with_activation(x, counts, st.fc1, z, options_.activation, probs, stream);
     y = fc2_.forward(z, counts, st.fc2, stream, out);
     // Recompute: FC2's context keeps a view of the freed z until backward hands it the rebuilt one
     // (set_saved_input); nothing reads it in between (FC2's dgrad needs only dy and W2).
@@ -231,20 +225,18 @@ GroupedMLPBackward GroupedMLP::backward(GroupedMLPContext& ctx, const TensorView
   Allocator& alloc = allocator();
   GroupedMLPBackward result;
   const TensorView h = st.h.view();
-  GroupedLinear::Fp8Placed dhq;
+  GroupedLinearFp8Operand dhq;
   Tensor dh_amax;
   const bool quantize_dh = fp8_quantize_dh();
   // Without probabilities, a rebuilt z or FP8, FC2's dgrad and the activation's backward are one
-  // op (grouped_gemm_dgrad_activation_backward: dh over h, bitwise the two in turn; on CUDA in the
-  // GEMM's epilogue where it applies, with GMOE_FUSED_ACTIVATION_BWD=1).
+  // op (GroupedLinear::backward_with_activation: dh over h, bitwise the two in turn).
   const bool dgrad_activation = !fc2_.fp8() && !st.probs.defined() && !options_.recompute_activation &&
                                 is_gated(options_.activation.kind);
   GroupedLinearBackward b2;
   Tensor z_rebuilt;
   if (dgrad_activation) {
     // FC2: dh = act'(h)·(dy·W2_e) over h, db2; dW2 now unless delayed.
-    const GroupedLinear::ActivationBackwardIn act{h, options_.activation};
-    b2 = fc2_.backward_impl(st.fc2, dy, stream, {}, {}, &act);
+    b2 = fc2_.backward_with_activation(st.fc2, dy, h, h, options_.activation, stream);
   } else {
     // FC2: dz = dy·W2_e, db2; dW2 now unless delayed (by the caller, or because z is rebuilt below).
     b2 = fc2_.backward(st.fc2, dy, stream);
@@ -256,13 +248,13 @@ GroupedMLPBackward GroupedMLP::backward(GroupedMLPContext& ctx, const TensorView
     }
     if (quantize_dh) {
       // FP8: dh quantized by the activation's backward itself (h is not read after it).
-      const Fp8QuantizeOptions qo = fc1_.fp8_grad_options();
-      dhq = fc1_.place_fp8(cap, h.size(1), qo, dev, stream);
+      const Fp8QuantizeOptions qo = fc1_.grad_quantization();
+      dhq = fc1_.allocate_fp8_operand(cap, h.size(1), qo, stream);
       quantize_activation_backward(h, b2.dx, st.counts, options_.activation, st.probs, result.dprobs.view(), qo,
                                    dhq.q, h, true, stream, alloc);
     } else {
       // Tensorwise FP8: dh's amax from this pass, so that FC1's quantization of dh reads it once.
-      if (fc1_.fp8()) dh_amax = activation_amax_scratch(fc1_.fp8_grad_options().recipe, num_experts(), alloc, stream);
+      if (fc1_.fp8()) dh_amax = activation_amax_scratch(fc1_.grad_quantization().recipe, num_experts(), alloc, stream);
       grouped_activation_backward(h, b2.dx, st.counts, h, options_.activation, st.probs, result.dprobs.view(),
                                   z_rebuilt.view(), stream, &alloc, dh_amax.view());
     }
@@ -278,8 +270,8 @@ GroupedMLPBackward GroupedMLP::backward(GroupedMLPContext& ctx, const TensorView
   result.grads.fc2 = std::move(b2.grads);
   if (!fc2_delayed) st.z.release_on(stream);
   // FC1: dx = dh·W1_e, db1; dW1 now unless delayed (dh stays in st.h until then, unless quantized).
-  GroupedLinearBackward b1 = quantize_dh ? fc1_.backward_fp8(st.fc1, std::move(dhq), dt, stream, dgrad_out)
-                                         : fc1_.backward_impl(st.fc1, h, stream, dgrad_out, dh_amax.view());
+  GroupedLinearBackward b1 = quantize_dh ? fc1_.backward_fp8(st.fc1, std::move(dhq), stream, dgrad_out)
+                                         : fc1_.backward(st.fc1, h, stream, dgrad_out, dh_amax.view());
   dh_amax.release_on(stream);
   result.dx = std::move(b1.dx);
   result.grads.fc1 = std::move(b1.grads);
@@ -290,10 +282,8 @@ GroupedMLPBackward GroupedMLP::backward(GroupedMLPContext& ctx, const TensorView
     st.backward_done = true;
     // backward_dw may run on another stream: order it after all of this backward (FC2's own event
     // is recorded before the activation step, which may still be writing the rebuilt z).
-    if (dev.is_cuda()) {
-      if (st.event == nullptr) st.event = cuda_backend::event_create();
-      cuda_backend::event_record(st.event, stream);
-    }
+    if (!st.event.defined() || st.event.device() != dev) st.event = Event(dev);
+    st.event.record(stream);
   } else {
     st.finish();
   }
@@ -304,7 +294,7 @@ GroupedMLPGrads GroupedMLP::backward_dw(GroupedMLPContext& ctx, Stream stream) {
   GroupedMLPContext::State& st = *ctx.state_;
   GMOE_CHECK(st.backward_done, "ctx: backward_dw needs a context after a backward with a delayed weight gradient ",
              "(options.fc1.delay_wgrad or options.fc2.delay_wgrad)");
-  if (st.device.is_cuda()) cuda_backend::stream_wait_event(stream, st.event);
+  st.event.wait(stream);
   GroupedMLPGrads grads;
   if (st.fc2_pending) {
     grads.fc2 = fc2_.backward_dw(st.fc2, stream);
@@ -316,124 +306,6 @@ GroupedMLPGrads GroupedMLP::backward_dw(GroupedMLPContext& ctx, Stream stream) {
   }
   st.finish();
   return grads;
-}
-
-// ---------------------------------------------------------------------------------------------
-// Gate/up layout conversion of FC1 parameters.
-
-namespace {
-
-void check_glu_format(const GluFormat& f, int64_t F, const char* name) {
-  GMOE_CHECK(f.layout == GluLayout::concatenated || f.layout == GluLayout::interleaved, name,
-             ": unknown gate/up layout ", static_cast<int>(f.layout));
-  if (f.layout == GluLayout::interleaved) {
-    GMOE_CHECK(f.block >= 1 && F % f.block == 0, name, ".block: the interleave block ", f.block,
-               " must be >= 1 and divide the ", F, " rows of each half (gate, up)");
-  }
-}
-
-// [N] or [N, K] as [1, N, K'] (K' = 1 for a vector), the shape permute_glu_rows takes.
-TensorView as_outer_rows(const TensorView& v) {
-  TensorView t = v;
-  const int64_t rows = v.size(0), cols = v.ndim == 2 ? v.size(1) : 1;
-  const int64_t row_stride = v.stride(0), col_stride = v.ndim == 2 ? v.stride(1) : 1;
-  t.ndim = 3;
-  t.shape = {1, rows, cols, 0, 0, 0};
-  t.strides = {rows * row_stride, row_stride, col_stride, 0, 0, 0};
-  return t;
-}
-// [E, N] as [E, N, 1].
-TensorView grouped_as_rows(const TensorView& v) {
-  TensorView t = v;
-  t.ndim = 3;
-  t.shape = {v.size(0), v.size(1), 1, 0, 0, 0};
-  t.strides = {v.stride(0), v.stride(1), 1, 0, 0, 0};
-  return t;
-}
-
-// The same source and destination set-up for weights and biases: E views each (or one stacked/
-// grouped view each), checked not to overlap, converted per expert on the CPU or launched on the
-// device (one launch when both are stacked/grouped).
-void convert_views(const std::vector<TensorView>& src, const std::vector<TensorView>& dst, bool one_view_each,
-                   const GluFormat& from, const GluFormat& to, Stream stream) {
-  for (size_t i = 0; i < src.size(); ++i) {
-    for (size_t j = 0; j < dst.size(); ++j) check_disjoint(src[i], "src", dst[j], "dst");
-  }
-  const Device dev = src[0].device;
-  if (dev.is_cpu()) {
-    // convert_glu moves whole contiguous tensors along the gate/up axis (0 for one expert).
-    const int axis = one_view_each ? 1 : 0;
-    for (size_t i = 0; i < src.size(); ++i) {
-      GMOE_CHECK(src[i].is_contiguous(), "src: on the CPU every expert must be contiguous, got ", src[i].str());
-      GMOE_CHECK(dst[i].is_contiguous(), "dst: on the CPU every expert must be contiguous, got ", dst[i].str());
-      convert_glu(src[i], from, dst[i], to, axis);
-    }
-    return;
-  }
-  check_cuda_compiled("convert_fc1_glu");
-  for (size_t i = 0; i < src.size(); ++i) cuda_backend::permute_glu_rows(src[i], dst[i], from, to, stream);
-}
-
-}  // namespace
-
-void convert_fc1_glu(const ExpertWeights& src, const GluFormat& from, const ExpertWeights& dst, const GluFormat& to,
-                     Stream stream) {
-  check_expert_weights(src, "src");
-  check_expert_weights(dst, "dst");
-  const int64_t E = src.num_experts(), rows = src.rows(), cols = src.cols();
-  GMOE_CHECK(dst.num_experts() == E && dst.rows() == rows && dst.cols() == cols, "dst: expected ", E,
-             " experts of [", rows, ", ", cols, "] (src's), got ", dst.num_experts(), " of [", dst.rows(), ", ",
-             dst.cols(), "]");
-  GMOE_CHECK(dst.dtype() == src.dtype(), "dst: expected dtype ", dtype_name(src.dtype()), " (src's), got ",
-             dtype_name(dst.dtype()));
-  check_same_device(dst.device(), src.device(), "dst");
-  GMOE_CHECK(rows % 2 == 0, "src: FC1 weights need an even number of rows (gate and up halves), got ", rows);
-  check_glu_format(from, rows / 2, "from");
-  check_glu_format(to, rows / 2, "to");
-  const bool stacked = src.is_stacked() && dst.is_stacked();
-  std::vector<TensorView> s, d;
-  if (stacked) {
-    s.push_back(src.stacked);
-    d.push_back(dst.stacked);
-  } else {
-    for (int64_t e = 0; e < E; ++e) {
-      s.push_back(src.expert(e));
-      d.push_back(dst.expert(e));
-    }
-  }
-  if (src.device().is_cuda() && !stacked) {
-    for (auto* v : {&s, &d}) {
-      for (TensorView& t : *v) t = as_outer_rows(t);
-    }
-  }
-  convert_views(s, d, stacked, from, to, stream);
-}
-
-void convert_fc1_glu(const ExpertBias& src, const GluFormat& from, const ExpertBias& dst, const GluFormat& to,
-                     Stream stream) {
-  GMOE_CHECK(src.defined(), "src: absent (no bias to convert)");
-  const int64_t E = src.num_experts(), rows = src.size();
-  check_expert_bias(src, "src", E, rows, src.dtype(), src.device());
-  GMOE_CHECK(dst.defined(), "dst: absent");
-  GMOE_CHECK(dst.dtype() == src.dtype(), "dst: expected dtype ", dtype_name(src.dtype()), " (src's), got ",
-             dtype_name(dst.dtype()));
-  check_expert_bias(dst, "dst", E, rows, src.dtype(), src.device());
-  GMOE_CHECK(rows % 2 == 0, "src: FC1 biases need an even number of entries (gate and up halves), got ", rows);
-  check_glu_format(from, rows / 2, "from");
-  check_glu_format(to, rows / 2, "to");
-  const bool grouped = src.is_grouped() && dst.is_grouped();
-  const bool cuda = src.device().is_cuda();
-  std::vector<TensorView> s, d;
-  if (grouped) {
-    s.push_back(cuda ? grouped_as_rows(src.grouped) : src.grouped);
-    d.push_back(cuda ? grouped_as_rows(dst.grouped) : dst.grouped);
-  } else {
-    for (int64_t e = 0; e < E; ++e) {
-      s.push_back(cuda ? as_outer_rows(src.expert(e)) : src.expert(e));
-      d.push_back(cuda ? as_outer_rows(dst.expert(e)) : dst.expert(e));
-    }
-  }
-  convert_views(s, d, grouped, from, to, stream);
 }
 
 }  // namespace gmoe

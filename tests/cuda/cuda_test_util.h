@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/graph_capture.h"
 #include "common/gemm_fixture.h"
 #include "common/harness.h"
 #include "cuda/gemm/grouped_gemm_prepare.h"
@@ -85,14 +86,16 @@ class ForkedStreams {
 };
 
 /// What `work` enqueues on `stream`, captured once in global capture mode (which fails on any host
-/// sync inside) and instantiated. Destroyed at scope exit.
+/// sync inside: bench::capture_graph) and instantiated. Destroyed at scope exit.
 class CapturedGraph {
  public:
-  CapturedGraph(cudaStream_t stream, const std::function<void()>& work) {
-    test_cuda_check(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), "cudaStreamBeginCapture");
-    work();
-    test_cuda_check(cudaStreamEndCapture(stream, &graph_), "cudaStreamEndCapture (a host sync inside?)");
-    test_cuda_check(cudaGraphInstantiate(&exec_, graph_, 0), "cudaGraphInstantiate");
+  CapturedGraph(cudaStream_t stream, const std::function<void()>& work)
+      : graph_(bench::capture_graph(stream, work)) {
+    const cudaError_t err = cudaGraphInstantiate(&exec_, graph_, 0);
+    if (err != cudaSuccess) {
+      cudaGraphDestroy(graph_);
+      test_cuda_check(err, "cudaGraphInstantiate");
+    }
   }
   ~CapturedGraph() {
     if (exec_ != nullptr) cudaGraphExecDestroy(exec_);
@@ -100,20 +103,10 @@ class CapturedGraph {
   }
   CapturedGraph(const CapturedGraph&) = delete;
   CapturedGraph& operator=(const CapturedGraph&) = delete;
+  /// The capture's nodes by type (what one call launches).
+  bench::GraphNodeCounts nodes() const { return bench::count_graph_nodes(graph_); }
   /// How many kernel nodes the capture holds (launches per call).
-  std::size_t kernel_nodes() const {
-    std::size_t n = 0;
-    test_cuda_check(cudaGraphGetNodes(graph_, nullptr, &n), "cudaGraphGetNodes");
-    std::vector<cudaGraphNode_t> nodes(n);
-    test_cuda_check(cudaGraphGetNodes(graph_, nodes.data(), &n), "cudaGraphGetNodes");
-    std::size_t kernels = 0;
-    for (cudaGraphNode_t node : nodes) {
-      cudaGraphNodeType type;
-      test_cuda_check(cudaGraphNodeGetType(node, &type), "cudaGraphNodeGetType");
-      kernels += type == cudaGraphNodeTypeKernel ? 1 : 0;
-    }
-    return kernels;
-  }
+  std::size_t kernel_nodes() const { return static_cast<std::size_t>(nodes().kernels); }
   /// One replay on `stream`, waited for.
   void replay(cudaStream_t stream) const {
     test_cuda_check(cudaGraphLaunch(exec_, stream), "cudaGraphLaunch");

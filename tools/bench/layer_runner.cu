@@ -16,50 +16,13 @@
 #include <vector>
 
 #include "bench/cuda_util.h"
+#include "bench/graph_capture.h"
 #include "bench/layer_common.h"
 #include "gmoe/error.h"
 #include "gmoe/grouped_gemm.h"
 
 namespace gmoe::bench {
 namespace {
-
-// Captures what `work` enqueues on `stream` (global capture mode) and counts the graph's nodes by
-// type. Everything `work` allocates must be freed inside it (its locals die before the capture ends).
-GraphNodeCounts capture_node_counts(const std::function<void()>& work, cudaStream_t stream) {
-  BENCH_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-  try {
-    work();
-  } catch (...) {
-    cudaGraph_t broken = nullptr;
-    cudaStreamEndCapture(stream, &broken);
-    if (broken != nullptr) cudaGraphDestroy(broken);
-    cudaGetLastError();
-    throw;
-  }
-  cudaGraph_t graph = nullptr;
-  const cudaError_t err = cudaStreamEndCapture(stream, &graph);
-  GMOE_CHECK(err == cudaSuccess, "capturing a GroupedLinear call in a CUDA graph failed (", cudaGetErrorString(err),
-             "): it synchronised with the host or made a call that cannot be captured");
-  size_t n = 0;
-  BENCH_CUDA(cudaGraphGetNodes(graph, nullptr, &n));
-  std::vector<cudaGraphNode_t> nodes(n);
-  if (n > 0) BENCH_CUDA(cudaGraphGetNodes(graph, nodes.data(), &n));
-  GraphNodeCounts counts;
-  for (cudaGraphNode_t node : nodes) {
-    cudaGraphNodeType type;
-    BENCH_CUDA(cudaGraphNodeGetType(node, &type));
-    switch (type) {
-      case cudaGraphNodeTypeKernel: ++counts.kernels; break;
-      case cudaGraphNodeTypeMemset: ++counts.memsets; break;
-      case cudaGraphNodeTypeMemcpy: ++counts.memcpys; break;
-      case cudaGraphNodeTypeMemAlloc: ++counts.allocs; break;
-      case cudaGraphNodeTypeMemFree: ++counts.frees; break;
-      default: ++counts.other; break;
-    }
-  }
-  BENCH_CUDA(cudaGraphDestroy(graph));
-  return counts;
-}
 
 // The device buffers of a layer run: `sets` copies of x, dy and the weights to rotate through, one
 // bias, one main_grad, the outputs and the counts.

@@ -221,14 +221,6 @@ std::vector<std::string> skipped_lines(const std::vector<ResultRow>& rows) {
 
 }  // namespace
 
-std::string GraphNodeCounts::str() const {
-  std::ostringstream os;
-  os << kernels << " kernels, " << memsets << " memsets, " << memcpys << " memcpys, " << allocs << " allocs, "
-     << frees << " frees";
-  if (other) os << ", " << other << " other nodes";
-  return os.str();
-}
-
 void print_table(const std::vector<ResultRow>& rows) {
   const auto main = table(rows, false), mlp = table(rows, true), layer = layer_table(rows);
   print_text(main);

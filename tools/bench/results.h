@@ -6,24 +6,9 @@
 #include <string>
 #include <vector>
 
-namespace gmoe::bench {
+#include "bench/graph_nodes.h"
 
-/// Nodes of one captured call, by type (cudaGraphNodeGetType): what one call launches.
-struct GraphNodeCounts {
-  int kernels = 0;
-  int memsets = 0;
-  int memcpys = 0;
-  int allocs = 0;  ///< stream-ordered allocations (cudaMallocAsync)
-  int frees = 0;
-  int other = 0;
-  bool operator==(const GraphNodeCounts& o) const {
-    return kernels == o.kernels && memsets == o.memsets && memcpys == o.memcpys && allocs == o.allocs &&
-           frees == o.frees && other == o.other;
-  }
-  bool operator!=(const GraphNodeCounts& o) const { return !(*this == o); }
-  /// "5 kernels, 0 memsets, 0 memcpys, 3 allocs, 3 frees"
-  std::string str() const;
-};
+namespace gmoe::bench {
 
 struct ResultRow {
   std::string case_name;
