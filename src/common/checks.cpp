@@ -107,11 +107,6 @@ void check_disjoint(const TensorView& a, const char* a_name, const TensorView& b
              " overlap in memory (", a.str(), " at ", a.data, ", ", b.str(), " at ", b.data, ")");
 }
 
-bool env_equals(const char* name, const char* value) {
-  const char* env = std::getenv(name);
-  return env != nullptr && std::strcmp(env, value) == 0;
-}
-
 void check_input_dtype(DType t, const char* name) {
   GMOE_CHECK(t == DType::bf16 || t == DType::f16 || t == DType::f32, name,
              ": dtype not supported: expected bf16, f16 or f32, got ", dtype_name(t));

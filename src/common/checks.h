@@ -36,8 +36,4 @@ void check_disjoint(const TensorView& a, const char* a_name, const TensorView& b
 /// Throws "<op>: tensors are on CUDA but gmoe was built without CUDA".
 void check_cuda_compiled(const char* op);
 
-/// Whether environment variable `name` is set to exactly `value` (the switches that A/B runs use;
-/// callers read it once).
-bool env_equals(const char* name, const char* value);
-
 }  // namespace gmoe
