@@ -525,47 +525,53 @@ __device__ __forceinline__ void store_column_sums(const QuantParams& p, const Ti
   p.col_sums[g.tile_index * p.cols + col0 + c] = s;
 }
 
-/// Quantizes the tile's columns [col0, col0 + ncols) (ncols > 0, g.nrows > 0). kWeights: expert
-/// weights (blockwise = one 128x128 block per tile) instead of grouped rows (blockwise = 1x128 and
-/// 128x1 blocks). dp: the source's per-row sums (one per load slot).
-template <typename T, Fp8Recipe R, bool kWeights, bool kE5m2, class Src, int kIters>
-__device__ __forceinline__ void quantize_tile(const QuantParams& p, const Tile& g, int64_t col0, int ncols,
-                                              const Src& src, int pass, float (&dp)[kIters]) {
-  extern __shared__ uint4 smem_tile[];  // [128][NV] granules, swizzled; then the source's stash
-  __shared__ float warp_amax[kWarps];
-  // Column sums here unless tensorwise (its amax pass makes them, unless the amax was given).
-  constexpr bool kSums =
-      kColumnSums<Src, kWeights> && (R != Fp8Recipe::tensorwise || std::is_same<Src, RowsSourceTileSums>::value);
-  __shared__ __align__(16) float col_red[kSums ? kWarps : 1][kTile];
-  constexpr int V = 16 / sizeof(T);          // elements per granule
-  constexpr int NV = kTile / V;              // granules per tile row (16 or 32)
-  static_assert(kIters == kTile * NV / kThreads, "load slots per thread");
-  constexpr int kWordCols = Elem<T>::kPerWord;  // columns per 4-byte word
-  constexpr int kLanesPerRow = NV;              // lanes sharing one row in the rowwise phase
-  // Load slot it of thread tid is granule (it * kRowsPerIt + r0, v): every slot of a thread has the
-  // same granule column, and the rows advance by kRowsPerIt, a divisor of the swizzle's 16 rows,
-  // so a slot's swizzle ((row / 16) % 8) is a constant of the slot. Unsigned index math: the
-  // divisions are shifts (signed ones took ~20 instructions per slot).
-  constexpr int kRowsPerIt = kThreads / NV;
+// ---------------------------------------------------------------------------------------------
+// The tile's phases (quantize_tile, at the end, calls them in turn). All are inlined into the
+// kernel: each instantiation compiles to one straight body, with the recipe, the source and the
+// element type as template constants, not run-time branches.
+
+/// A thread's place in the tile. Load slot it of thread tid is granule (it * kRowsPerIt + r0, v):
+/// every slot of a thread has the same granule column, and the rows advance by kRowsPerIt, a
+/// divisor of the swizzle's 16 rows, so a slot's swizzle ((row / 16) % 8) is a constant of the
+/// slot. Unsigned index math: the divisions are shifts (signed ones took ~20 instructions per slot).
+template <typename T>
+struct Slots {
+  static constexpr int V = 16 / sizeof(T);              // elements per granule
+  static constexpr int NV = kTile / V;                  // granules per tile row (16 or 32)
+  static constexpr int kIters = kTile * NV / kThreads;  // load slots per thread
+  static constexpr int kRowsPerIt = kThreads / NV;      // rows between a thread's slots
+  static constexpr int kWordCols = Elem<T>::kPerWord;   // columns per 4-byte word
+  static constexpr int kRowsPerSlot = 32 / NV;          // rows of one slot of a warp
+  static constexpr int kWarpBlocks = kIters * kRowsPerSlot;  // rows (1x128 blocks) of a warp
   static_assert(kThreads % NV == 0 && 16 % kRowsPerIt == 0, "slots of whole rows within a swizzle period");
+  static_assert(kWarpBlocks <= 32, "a lane per block");
 
-  const unsigned tid = threadIdx.x;
-  const int lane = static_cast<int>(tid & 31u);
-  const int warp = static_cast<int>(tid >> 5);
-  const int r0 = static_cast<int>(tid / NV);
-  const int v = static_cast<int>(tid % NV);
-  const int64_t col_tile = static_cast<int64_t>(static_cast<uint64_t>(col0) / kTile);
-  const bool do_cols = p.data_t != nullptr;
+  unsigned tid;
+  int lane, warp;
+  int r0, v;  // the slots' first row and granule column
+  __device__ __forceinline__ Slots() {
+    tid = threadIdx.x;
+    lane = static_cast<int>(tid & 31u);
+    warp = static_cast<int>(tid >> 5);
+    r0 = static_cast<int>(tid / NV);
+    v = static_cast<int>(tid % NV);
+  }
+};
 
-  // (1) Load.
-  uint4 raw[kIters];
-  uint4* stash = smem_tile + kTile * NV;
+/// (1) The thread's load slots of the tile's columns [col0, col0 + ncols): loaded by the kernel
+/// from the tensor as stored, or computed by the source (which may add to a per-row sum, dp, and
+/// keep a granule in its stash slot for a later pass).
+template <typename T, class Src, int kIters>
+__device__ __forceinline__ void load_slots(const QuantParams& p, const Tile& g, int64_t col0, int ncols,
+                                           const Src& src, int pass, float (&dp)[kIters], Slots<T> t,
+                                           uint4* stash, uint4 (&raw)[kIters]) {
+  using S = Slots<T>;
   if constexpr (kFromMemory<Src>) {
     if (p.vec) {  // 16-byte loads from one base pointer and row step (one test of p.vec per tile)
-      const char* ptr = g.src + r0 * g.src_ld_bytes + (col0 + v * V) * static_cast<int64_t>(sizeof(T));
-      const int64_t step = kRowsPerIt * g.src_ld_bytes;
+      const char* ptr = g.src + t.r0 * g.src_ld_bytes + (col0 + t.v * S::V) * static_cast<int64_t>(sizeof(T));
+      const int64_t step = S::kRowsPerIt * g.src_ld_bytes;
       // Slots it < my_slots hold rows of the tile (none where the granule column is past ncols).
-      const int my_slots = v * V < ncols ? (g.nrows - r0 + kRowsPerIt - 1) / kRowsPerIt : 0;
+      const int my_slots = t.v * S::V < ncols ? (g.nrows - t.r0 + S::kRowsPerIt - 1) / S::kRowsPerIt : 0;
 #pragma unroll
       for (int it = 0; it < kIters; ++it) {
         raw[it] = it < my_slots ? __ldg(reinterpret_cast<const uint4*>(ptr)) : make_uint4(0, 0, 0, 0);
@@ -573,32 +579,46 @@ __device__ __forceinline__ void quantize_tile(const QuantParams& p, const Tile& 
       }
     } else {
 #pragma unroll
-      for (int it = 0; it < kIters; ++it) raw[it] = load_granule<T>(p, g, it * kRowsPerIt + r0, v, ncols, col0);
+      for (int it = 0; it < kIters; ++it) {
+        raw[it] = load_granule<T>(p, g, it * S::kRowsPerIt + t.r0, t.v, ncols, col0);
+      }
     }
   } else {
 #pragma unroll
     for (int it = 0; it < kIters; ++it) {
-      raw[it] = src.template granule<T>(p, g, it * kRowsPerIt + r0, v, ncols, col0, pass, dp[it],
-                                        stash + it * kThreads + tid);
+      raw[it] = src.template granule<T>(p, g, it * S::kRowsPerIt + t.r0, t.v, ncols, col0, pass, dp[it],
+                                        stash + it * kThreads + t.tid);
     }
   }
-  if (do_cols) {
-    uint4* const row0 = smem_tile + r0 * NV;
-#pragma unroll
-    for (int it = 0; it < kIters; ++it) {
-      row0[it * kRowsPerIt * NV + (v ^ (((it * kRowsPerIt) >> 4) & 7))] = raw[it];
-    }
-  }
-  if constexpr (kSums) {
-    if (p.col_sums != nullptr) {
-      float sums[V] = {};
-#pragma unroll
-      for (int it = 0; it < kIters; ++it) add_to_sums<T>(raw[it], sums);
-      stage_column_sums<T>(sums, col_red);
-    }
-  }
+}
 
-  float tensor_amax = 0.0f;  // tensorwise: the expert's; weights blockwise: the tile's
+/// The slots into the shared tile ([128][NV] granules, XOR-swizzled by (row / 16) % 8), for the
+/// columnwise phase.
+template <typename T, int kIters>
+__device__ __forceinline__ void store_swizzled(const uint4 (&raw)[kIters], Slots<T> t, uint4* smem_tile) {
+  using S = Slots<T>;
+  uint4* const row0 = smem_tile + t.r0 * S::NV;
+#pragma unroll
+  for (int it = 0; it < kIters; ++it) {
+    row0[it * S::kRowsPerIt * S::NV + (t.v ^ (((it * S::kRowsPerIt) >> 4) & 7))] = raw[it];
+  }
+}
+
+/// The slots' column sums, staged in red (stage_column_sums; store_column_sums after the barrier).
+template <typename T, int kIters>
+__device__ __forceinline__ void stage_slot_sums(const uint4 (&raw)[kIters], float (*red)[kTile]) {
+  float sums[Slots<T>::V] = {};
+#pragma unroll
+  for (int it = 0; it < kIters; ++it) add_to_sums<T>(raw[it], sums);
+  stage_column_sums<T>(sums, red);
+}
+
+/// Before the CTA's barrier, the amax of a tile with one scale: tensorwise, the expert's (the amax
+/// pass's, or the caller's); weights blockwise, each warp's part of the tile's, into warp_amax.
+template <typename T, Fp8Recipe R, bool kWeights, int kIters>
+__device__ __forceinline__ float tile_amax_partial(const QuantParams& p, const Tile& g, const uint4 (&raw)[kIters],
+                                                   Slots<T> t, float* warp_amax) {
+  float tensor_amax = 0.0f;
   if (R == Fp8Recipe::tensorwise) {
     tensor_amax = __uint_as_float(p.amax_bits[g.e]);
   } else if (R == Fp8Recipe::blockwise && kWeights) {
@@ -606,229 +626,342 @@ __device__ __forceinline__ void quantize_tile(const QuantParams& p, const Tile& 
 #pragma unroll
     for (int it = 0; it < kIters; ++it) m = max(m, granule_amax_bits<T>(raw[it]));
     m = warp_max_bits(m, 32);
-    if (lane == 0) warp_amax[warp] = Elem<T>::from_bits(m);
+    if (t.lane == 0) warp_amax[t.warp] = Elem<T>::from_bits(m);
   }
-  __syncthreads();
-  if constexpr (kSums) {
-    if (p.col_sums != nullptr) store_column_sums(p, g, col0, ncols, col_red);
-  }
+  return tensor_amax;
+}
+
+/// After the barrier, the one scale of the whole tile (tensorwise; weights blockwise, whose
+/// scale_inv thread 0 stores in both copies' scales). Other recipes start from it and replace it.
+template <Fp8Recipe R, bool kWeights>
+__device__ __forceinline__ BlockScale tile_scale(const QuantParams& p, const Tile& g, float tensor_amax,
+                                                 const float* warp_amax, int64_t col_tile, unsigned tid) {
   if (R == Fp8Recipe::blockwise && kWeights) {
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) tensor_amax = fmaxf(tensor_amax, warp_amax[w]);
   }
-  // One scale for the whole tile (tensorwise, weights blockwise).
-  const BlockScale tile_scale = block_scale<R>(tensor_amax, p);
+  const BlockScale s = block_scale<R>(tensor_amax, p);
   if (R == Fp8Recipe::blockwise && kWeights && tid == 0) {
     const int64_t nbk = (p.cols + kTile - 1) / kTile;
     const int64_t nb = g.tile_index, kb = col_tile;
-    if (p.scale != nullptr) store_scale<R>(p.scale, (g.e * p.row_tiles + nb) * nbk + kb, tile_scale);
-    if (p.scale_t != nullptr) store_scale<R>(p.scale_t, (g.e * nbk + kb) * p.row_tiles + nb, tile_scale);
+    if (p.scale != nullptr) store_scale<R>(p.scale, (g.e * p.row_tiles + nb) * nbk + kb, s);
+    if (p.scale_t != nullptr) store_scale<R>(p.scale_t, (g.e * nbk + kb) * p.row_tiles + nb, s);
   }
-  constexpr bool kRowBlocks = R == Fp8Recipe::blockwise && !kWeights;  // 1x128 (and 128x1) blocks
+  return s;
+}
 
-  // (2) Rowwise.
-  if (p.data != nullptr) {
-    // The blocks' amax bits (1x128 or 1x32: over the lanes holding the block). 1x128 blocks: a
-    // warp's slots hold kWarpBlocks rows (kRowsPerSlot per slot); their amaxes meet in shared
-    // memory, where lane b computes block b's scale (the IEEE division and reciprocal once per
-    // block, not once per lane of its row), stores scale_inv and leaves the multiplier there.
-    constexpr int kRowsPerSlot = 32 / NV;
-    constexpr int kWarpBlocks = kIters * kRowsPerSlot;
-    static_assert(kWarpBlocks <= 32, "a lane per block");
-    __shared__ float row_blocks[kRowBlocks ? kWarps : 1][kWarpBlocks];  // amax in, multiplier out
-    if constexpr (kRowBlocks && Elem<T>::kPerWord == 2) {
-      // 16-bit sources: slots 2q and 2q+1 share word q, (slot 2q's amax bits, slot 2q+1's), folded
-      // from their packed maxima by two byte permutes and one max; one test of all the words for a
-      // value that is not finite (then every slot is taken again by granule_amax_bits, whose
-      // values these are otherwise), and one shuffle per word.
-      static_assert(kIters % 2 == 0, "slots in pairs");
-      uint32_t wv[kIters / 2];
-      uint32_t any = 0;
+/// (2) Rowwise, 1x128 blocks of 16-bit sources: the amax of each of the warp's blocks into
+/// blocks[] (its rows: kRowsPerSlot per slot). Slots 2q and 2q+1 share word q, (slot 2q's amax
+/// bits, slot 2q+1's), folded from their packed maxima by two byte permutes and one max; one test
+/// of all the words for a value that is not finite (then every slot is taken again by
+/// granule_amax_bits, whose values these are otherwise), and one shuffle per word.
+template <typename T, int kIters>
+__device__ __forceinline__ void row_block_amax_pairs(const uint4 (&raw)[kIters], Slots<T> t, float* blocks) {
+  using S = Slots<T>;
+  static_assert(kIters % 2 == 0, "slots in pairs");
+  uint32_t wv[kIters / 2];
+  uint32_t any = 0;
 #pragma unroll
-      for (int q = 0; q < kIters / 2; ++q) {
-        const uint32_t a = granule_abs_bits_packed<T>(raw[2 * q]);
-        const uint32_t b = granule_abs_bits_packed<T>(raw[2 * q + 1]);
-        wv[q] = __vmaxu2(__byte_perm(a, b, 0x5410), __byte_perm(a, b, 0x7632));
-        any = __vmaxu2(any, wv[q]);
-      }
-      if (any_half_not_finite<T>(any)) {
+  for (int q = 0; q < kIters / 2; ++q) {
+    const uint32_t a = granule_abs_bits_packed<T>(raw[2 * q]);
+    const uint32_t b = granule_abs_bits_packed<T>(raw[2 * q + 1]);
+    wv[q] = __vmaxu2(__byte_perm(a, b, 0x5410), __byte_perm(a, b, 0x7632));
+    any = __vmaxu2(any, wv[q]);
+  }
+  if (any_half_not_finite<T>(any)) {
 #pragma unroll
-        for (int q = 0; q < kIters / 2; ++q) {
-          wv[q] = granule_amax_bits<T>(raw[2 * q]) | (granule_amax_bits<T>(raw[2 * q + 1]) << 16);
-        }
-      }
-#pragma unroll
-      for (int q = 0; q < kIters / 2; ++q) {
-        wv[q] = warp_max_u16x2(wv[q], kLanesPerRow);
-      }
-      if (lane % NV == 0) {
-#pragma unroll
-        for (int q = 0; q < kIters / 2; ++q) {
-          row_blocks[warp][2 * q * kRowsPerSlot + lane / NV] = Elem<T>::from_bits(wv[q] & 0xffffu);
-          row_blocks[warp][(2 * q + 1) * kRowsPerSlot + lane / NV] = Elem<T>::from_bits(wv[q] >> 16);
-        }
-      }
-    } else if constexpr (kRowBlocks) {
-      constexpr int kStep = Elem<T>::kPerWord;  // slots per shuffled word
-#pragma unroll
-      for (int it = 0; it < kIters; it += kStep) {
-        uint32_t ab[kStep];
-#pragma unroll
-        for (int q = 0; q < kStep; ++q) ab[q] = granule_amax_bits<T>(raw[it + q]);
-        warp_max_bits<T>(ab, kLanesPerRow);
-        if (lane % NV == 0) {
-#pragma unroll
-          for (int q = 0; q < kStep; ++q) {
-            row_blocks[warp][(it + q) * kRowsPerSlot + lane / NV] = Elem<T>::from_bits(ab[q]);
-          }
-        }
-      }
+    for (int q = 0; q < kIters / 2; ++q) {
+      wv[q] = granule_amax_bits<T>(raw[2 * q]) | (granule_amax_bits<T>(raw[2 * q + 1]) << 16);
     }
+  }
+#pragma unroll
+  for (int q = 0; q < kIters / 2; ++q) {
+    wv[q] = warp_max_u16x2(wv[q], S::NV);  // over the lanes holding the row
+  }
+  if (t.lane % S::NV == 0) {
+#pragma unroll
+    for (int q = 0; q < kIters / 2; ++q) {
+      blocks[2 * q * S::kRowsPerSlot + t.lane / S::NV] = Elem<T>::from_bits(wv[q] & 0xffffu);
+      blocks[(2 * q + 1) * S::kRowsPerSlot + t.lane / S::NV] = Elem<T>::from_bits(wv[q] >> 16);
+    }
+  }
+}
+
+/// The same for f32 sources: one slot's amax per shuffled word.
+template <typename T, int kIters>
+__device__ __forceinline__ void row_block_amax_words(const uint4 (&raw)[kIters], Slots<T> t, float* blocks) {
+  using S = Slots<T>;
+  constexpr int kStep = Elem<T>::kPerWord;  // slots per shuffled word
+#pragma unroll
+  for (int it = 0; it < kIters; it += kStep) {
+    uint32_t ab[kStep];
+#pragma unroll
+    for (int q = 0; q < kStep; ++q) ab[q] = granule_amax_bits<T>(raw[it + q]);
+    warp_max_bits<T>(ab, S::NV);  // over the lanes holding the row
+    if (t.lane % S::NV == 0) {
+#pragma unroll
+      for (int q = 0; q < kStep; ++q) blocks[(it + q) * S::kRowsPerSlot + t.lane / S::NV] = Elem<T>::from_bits(ab[q]);
+    }
+  }
+}
+
+/// Lane b of the warp computes block b's scale from its amax in blocks[b] (the IEEE division and
+/// reciprocal once per block, not once per lane of its row), stores scale_inv and leaves the
+/// multiplier in blocks[b].
+template <typename T, Fp8Recipe R>
+__device__ __forceinline__ void row_block_scales(const QuantParams& p, const Tile& g, Slots<T> t,
+                                                 int64_t col_tile, float* blocks) {
+  using S = Slots<T>;
+  __syncwarp();
+  if (t.lane < S::kWarpBlocks) {
+    const int i = (t.lane / S::kRowsPerSlot * kThreads + t.warp * 32 + (t.lane % S::kRowsPerSlot) * S::NV) / S::NV;
+    const BlockScale s = block_scale<R>(blocks[t.lane], p);
+    blocks[t.lane] = s.mult;
+    if (i < g.nrows) store_scale<R>(p.scale, rows_scale_index<R>(p, g.out_row0 + i, col_tile), s);
+  }
+  __syncwarp();
+}
+
+/// Quantizes the slots with their rows' scales and stores them (and mxfp8's 1x32 scales). A row's
+/// scale: grouped blockwise, its 1x128 block's multiplier from `blocks`; mxfp8, of the 1x32 block
+/// over the lanes holding it; otherwise the tile's.
+template <typename T, Fp8Recipe R, bool kWeights, bool kE5m2, int kIters>
+__device__ __forceinline__ void store_rows(const QuantParams& p, const Tile& g, int64_t col0, int ncols,
+                                           const uint4 (&raw)[kIters], Slots<T> t,
+                                           const BlockScale& tile_scale, const float* blocks) {
+  using S = Slots<T>;
+  constexpr int V = S::V;
+  constexpr bool kRowBlocks = R == Fp8Recipe::blockwise && !kWeights;
+  // The thread's output granule of slot 0; slot it is kRowsPerIt rows further.
+  uint8_t* out = p.data + (g.out_row0 + t.r0) * p.cols + col0 + t.v * V;  // advanced by a slot's rows
+  const int64_t out_step = S::kRowsPerIt * p.cols;
+#pragma unroll
+  for (int it = 0; it < kIters; ++it) {
+    const int i = it * S::kRowsPerIt + t.r0;
+    BlockScale s = tile_scale;
     if constexpr (kRowBlocks) {
-      __syncwarp();
-      if (lane < kWarpBlocks) {
-        const int i = (lane / kRowsPerSlot * kThreads + warp * 32 + (lane % kRowsPerSlot) * NV) / NV;  // its row
-        const BlockScale s = block_scale<R>(row_blocks[warp][lane], p);
-        row_blocks[warp][lane] = s.mult;
-        if (i < g.nrows) store_scale<R>(p.scale, rows_scale_index<R>(p, g.out_row0 + i, col_tile), s);
-      }
-      __syncwarp();
+      s.mult = blocks[it * S::kRowsPerSlot + t.lane / S::NV];
+    } else if constexpr (R == Fp8Recipe::mxfp8) {  // (before the branch: every lane shuffles)
+      s = block_scale<R>(Elem<T>::from_bits(warp_max_bits(granule_amax_bits<T>(raw[it]), 32 / V)), p);
     }
-    // The thread's output granule of slot 0; slot it is kRowsPerIt rows further.
-    uint8_t* out = p.data + (g.out_row0 + r0) * p.cols + col0 + v * V;  // advanced by a slot's rows
-    const int64_t out_step = kRowsPerIt * p.cols;
+    if (it > 0) out += out_step;
+    const bool valid = i < g.nrows && t.v * V < ncols;
+    if (!valid) continue;
+    float f[V];
+    granule_to_float<T>(raw[it], f);
+    const int64_t orow = g.out_row0 + i;
+    uint32_t packed[V / 4];
 #pragma unroll
-    for (int it = 0; it < kIters; ++it) {
-      const int i = it * kRowsPerIt + r0;
-      BlockScale s = tile_scale;
-      if constexpr (kRowBlocks) {
-        s.mult = row_blocks[warp][it * kRowsPerSlot + lane / NV];
-      } else if constexpr (R == Fp8Recipe::mxfp8) {  // (before the branch: every lane shuffles)
-        s = block_scale<R>(Elem<T>::from_bits(warp_max_bits(granule_amax_bits<T>(raw[it]), 32 / V)), p);
-      }
-      if (it > 0) out += out_step;
-      const bool valid = i < g.nrows && v * V < ncols;
-      if (!valid) continue;
-      float f[V];
-      granule_to_float<T>(raw[it], f);
-      const int64_t orow = g.out_row0 + i;
-      uint32_t packed[V / 4];
-#pragma unroll
-      for (int j = 0; j < V; j += 4) {
-        const uint32_t lo = cvt_pair<kE5m2>(__fmul_rn(f[j], s.mult), __fmul_rn(f[j + 1], s.mult));
-        const uint32_t hi = cvt_pair<kE5m2>(__fmul_rn(f[j + 2], s.mult), __fmul_rn(f[j + 3], s.mult));
-        packed[j / 4] = lo | (hi << 16);
-      }
-      if (p.vec) {
-        if constexpr (V == 8) {
-          *reinterpret_cast<uint2*>(out) = make_uint2(packed[0], packed[1]);
-        } else {
-          *reinterpret_cast<uint32_t*>(out) = packed[0];
-        }
+    for (int j = 0; j < V; j += 4) {
+      const uint32_t lo = cvt_pair<kE5m2>(__fmul_rn(f[j], s.mult), __fmul_rn(f[j + 1], s.mult));
+      const uint32_t hi = cvt_pair<kE5m2>(__fmul_rn(f[j + 2], s.mult), __fmul_rn(f[j + 3], s.mult));
+      packed[j / 4] = lo | (hi << 16);
+    }
+    if (p.vec) {
+      if constexpr (V == 8) {
+        *reinterpret_cast<uint2*>(out) = make_uint2(packed[0], packed[1]);
       } else {
+        *reinterpret_cast<uint32_t*>(out) = packed[0];
+      }
+    } else {
 #pragma unroll
-        for (int j = 0; j < V; ++j) {
-          if (v * V + j < ncols) out[j] = static_cast<uint8_t>(packed[j / 4] >> (8 * (j % 4)));
-        }
+      for (int j = 0; j < V; ++j) {
+        if (t.v * V + j < ncols) out[j] = static_cast<uint8_t>(packed[j / 4] >> (8 * (j % 4)));
       }
-      if (R == Fp8Recipe::mxfp8 && (v % (32 / V)) == 0) {
-        store_scale<R>(p.scale, rows_scale_index<R>(p, orow, (col0 + v * V) / 32), s);
-      }
+    }
+    if (R == Fp8Recipe::mxfp8 && (t.v % (32 / V)) == 0) {
+      store_scale<R>(p.scale, rows_scale_index<R>(p, orow, (col0 + t.v * V) / 32), s);
     }
   }
+}
 
-  // (3) Columnwise.
-  if (!do_cols) return;
-  const int k = lane & 7;        // token chunk: tokens [16k, 16k + 16)
-  const int wsub = lane >> 3;    // word within the granule
+/// (3) Columnwise, granule column m of the shared tile: the lane's word of each of its 16 tokens
+/// [16k, 16k + 16) (word wsub of the granule: kWordCols columns), as floats f[column][token], and
+/// their amax bits, packed per column (16-bit halves). The swizzle makes these reads conflict-free.
+template <typename T, int kWordCols>
+__device__ __forceinline__ uint32_t load_column_words(const uint32_t* tile_words, int m, int k, int wsub,
+                                                      float (&f)[kWordCols][16]) {
+  constexpr int NV = Slots<T>::NV;
+  uint32_t amax_word = 0;
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+    const int row = 16 * k + j;  // (row >> 4) & 7 == k
+    const uint32_t word = tile_words[(row * NV + (m ^ k)) * 4 + wsub];
+    amax_word = abs_bits_max<T>(amax_word, word);
+    const float2 w = Elem<T>::word(word);
+    f[0][j] = w.x;
+    if constexpr (kWordCols == 2) f[1][j] = w.y;
+  }
+  return amax_word;
+}
+
+/// The amax bits of the lane's columns over their 128x1 (mxfp8: 32x1) blocks: the lane's 16
+/// tokens, then the 8 (2) lanes holding a column block, by shuffles.
+template <typename T, Fp8Recipe R, int kWordCols>
+__device__ __forceinline__ void column_block_amax(uint32_t amax_word, const float (&f)[kWordCols][16],
+                                                  uint32_t (&ab)[kWordCols]) {
+  constexpr int kLanes = R == Fp8Recipe::mxfp8 ? 2 : 8;
+  if constexpr (kWordCols == 2) {
+    // The packed word is what warp_max_bits would shuffle: one test for both columns.
+    uint32_t w = amax_word;
+    if (any_half_not_finite<T>(w)) {
+      const uint32_t lo = (w & 0xffffu) >= Elem<T>::kInfBits ? finite_amax_bits<T>(f[0]) : w & 0xffffu;
+      const uint32_t hi = (w >> 16) >= Elem<T>::kInfBits ? finite_amax_bits<T>(f[1]) : w >> 16;
+      w = lo | (hi << 16);
+    }
+    w = warp_max_u16x2(w, kLanes);
+    ab[0] = w & 0xffffu;
+    ab[1] = w >> 16;
+  } else {
+    ab[0] = amax_word;
+    if (ab[0] >= Elem<T>::kInfBits) ab[0] = finite_amax_bits<T>(f[0]);
+    warp_max_bits<T>(ab, kLanes);
+  }
+}
+
+/// The scales of the lane's columns in granule column m (token chunk k, word wsub): the tile's
+/// (tensorwise, weights blockwise), or their blocks'. Blockwise: one block scale per lane, lane k < kWordCols of the 8
+/// holding a column pair computes column k's, stores its scale_inv, and the others take its
+/// multiplier. mxfp8: every lane computes its blocks' (their scales are stored with the data).
+template <typename T, Fp8Recipe R, bool kWeights, int kWordCols>
+__device__ __forceinline__ void column_scales(const QuantParams& p, const Tile& g, int64_t col0, int ncols, int m,
+                                              int lane, int k, int wsub, uint32_t amax_word,
+                                              const float (&f)[kWordCols][16], const BlockScale& tile_scale,
+                                              BlockScale (&s)[kWordCols]) {
+  constexpr int V = Slots<T>::V;
+#pragma unroll
+  for (int wc = 0; wc < kWordCols; ++wc) s[wc] = tile_scale;
+  if constexpr (R != Fp8Recipe::tensorwise && !(R == Fp8Recipe::blockwise && kWeights)) {
+    uint32_t ab[kWordCols];  // the lane's columns' amax bits
+    column_block_amax<T, R>(amax_word, f, ab);
+    if constexpr (R == Fp8Recipe::mxfp8) {
+#pragma unroll
+      for (int wc = 0; wc < kWordCols; ++wc) s[wc] = block_scale<R>(Elem<T>::from_bits(ab[wc]), p);
+    } else {
+      // (A select, not ab[mine]: a run-time index put ab in local memory.)
+      const uint32_t ab_mine = kWordCols == 2 && k == 1 ? ab[kWordCols - 1] : ab[0];
+      const BlockScale own = block_scale<R>(Elem<T>::from_bits(ab_mine), p);
+      const int c = m * V + wsub * kWordCols + k;
+      if (k < kWordCols && c < ncols) {
+        store_scale<R>(p.scale_t, fp8_cols_scale_index(R, g.out_col_row0 + col0 + c, g.tile_index, p.scale_t_ld, 0),
+                       own);
+      }
+#pragma unroll
+      for (int wc = 0; wc < kWordCols; ++wc) s[wc].mult = __shfl_sync(0xffffffffu, own.mult, (lane & ~7) + wc);
+    }
+  }
+}
+
+/// Quantizes the lane's 16 tokens of column wc and stores them: 16 fp8 bytes of the transposed
+/// row at out, where 8 lanes write one 128-byte segment of data_t (coalesced); mxfp8 also its
+/// 32x1 block's scale.
+template <Fp8Recipe R, bool kE5m2>
+__device__ __forceinline__ void store_column(const QuantParams& p, const Tile& g, const float (&f)[16],
+                                             const BlockScale& s, int k, int64_t orow, uint8_t* out) {
+  uint32_t packed[4];
+#pragma unroll
+  for (int j = 0; j < 16; j += 4) {
+    const uint32_t lo = cvt_pair<kE5m2>(__fmul_rn(f[j], s.mult), __fmul_rn(f[j + 1], s.mult));
+    const uint32_t hi = cvt_pair<kE5m2>(__fmul_rn(f[j + 2], s.mult), __fmul_rn(f[j + 3], s.mult));
+    packed[j / 4] = lo | (hi << 16);
+  }
+  if (p.vec_t && 16 * k + 16 <= g.tokens) {
+    *reinterpret_cast<uint4*>(out) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+  } else {
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      if (16 * k + j < g.tokens) out[j] = static_cast<uint8_t>(packed[j / 4] >> (8 * (j % 4)));
+    }
+  }
+  if (R == Fp8Recipe::mxfp8 && (k & 1) == 0 && 16 * k < g.tokens) {
+    store_scale<R>(p.scale_t, orow * p.scale_t_ld + (g.tok0 + 16 * k) / 32, s);
+  }
+}
+
+/// (3) Columnwise: each warp takes granule columns m = warp, warp + 8, ... of the shared tile;
+/// each lane a word (kWordCols columns) of 16 consecutive tokens of one.
+template <typename T, Fp8Recipe R, bool kWeights, bool kE5m2>
+__device__ __forceinline__ void quantize_columns(const QuantParams& p, const Tile& g, int64_t col0, int ncols,
+                                                 const uint4* smem_tile, Slots<T> t,
+                                                 const BlockScale& tile_scale) {
+  using S = Slots<T>;
+  constexpr int V = S::V;
+  constexpr int kWordCols = S::kWordCols;
+  const int k = t.lane & 7;      // token chunk: tokens [16k, 16k + 16)
+  const int wsub = t.lane >> 3;  // word within the granule
   const uint32_t* tile_words = reinterpret_cast<const uint32_t*>(smem_tile);
   // data_t row of the lane's first column (tile column wsub * kWordCols), at its 16 tokens.
   uint8_t* const out_t0 =
       p.data_t + (g.out_col_row0 + col0 + wsub * kWordCols) * p.data_t_ld + g.tok0 + 16 * k;
-  for (int m = warp; m < NV; m += kWarps) {
+  for (int m = t.warp; m < S::NV; m += kWarps) {
     // Words of granule m: columns [m*V + wsub*kWordCols, + kWordCols).
     float f[kWordCols][16];
-    uint32_t amax_word = 0;  // per column (16-bit halves), over this lane's 16 tokens
-#pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      const int row = 16 * k + j;  // (row >> 4) & 7 == k
-      const uint32_t word = tile_words[(row * NV + (m ^ k)) * 4 + wsub];
-      amax_word = abs_bits_max<T>(amax_word, word);
-      const float2 w = Elem<T>::word(word);
-      f[0][j] = w.x;
-      if constexpr (kWordCols == 2) f[1][j] = w.y;
-    }
+    const uint32_t amax_word = load_column_words<T>(tile_words, m, k, wsub, f);
     BlockScale s[kWordCols];
-#pragma unroll
-    for (int wc = 0; wc < kWordCols; ++wc) s[wc] = tile_scale;
-    if constexpr (R != Fp8Recipe::tensorwise && !(R == Fp8Recipe::blockwise && kWeights)) {
-      uint32_t ab[kWordCols];  // the lane's columns' amax bits
-      if constexpr (kWordCols == 2) {
-        // The packed word is what warp_max_bits would shuffle: one test for both columns.
-        uint32_t w = amax_word;
-        if (any_half_not_finite<T>(w)) {
-          const uint32_t lo = (w & 0xffffu) >= Elem<T>::kInfBits ? finite_amax_bits<T>(f[0]) : w & 0xffffu;
-          const uint32_t hi = (w >> 16) >= Elem<T>::kInfBits ? finite_amax_bits<T>(f[1]) : w >> 16;
-          w = lo | (hi << 16);
-        }
-        w = warp_max_u16x2(w, R == Fp8Recipe::mxfp8 ? 2 : 8);  // over the lanes holding a column block
-        ab[0] = w & 0xffffu;
-        ab[1] = w >> 16;
-      } else {
-        ab[0] = amax_word;
-        if (ab[0] >= Elem<T>::kInfBits) ab[0] = finite_amax_bits<T>(f[0]);
-        warp_max_bits<T>(ab, R == Fp8Recipe::mxfp8 ? 2 : 8);
-      }
-      if constexpr (R == Fp8Recipe::mxfp8) {
-#pragma unroll
-        for (int wc = 0; wc < kWordCols; ++wc) s[wc] = block_scale<R>(Elem<T>::from_bits(ab[wc]), p);
-      } else {
-        // One block scale per lane: lane k < kWordCols of the 8 holding a column pair computes column
-        // k's, stores its scale_inv, and the others take its multiplier.
-        // (A select, not ab[mine]: a run-time index put ab in local memory.)
-        const uint32_t ab_mine = kWordCols == 2 && k == 1 ? ab[kWordCols - 1] : ab[0];
-        const BlockScale own = block_scale<R>(Elem<T>::from_bits(ab_mine), p);
-        const int c = m * V + wsub * kWordCols + k;
-        if (k < kWordCols && c < ncols) {
-          store_scale<R>(p.scale_t, fp8_cols_scale_index(R, g.out_col_row0 + col0 + c, g.tile_index, p.scale_t_ld, 0),
-                         own);
-        }
-#pragma unroll
-        for (int wc = 0; wc < kWordCols; ++wc) s[wc].mult = __shfl_sync(0xffffffffu, own.mult, (lane & ~7) + wc);
-      }
-    }
+    column_scales<T, R, kWeights>(p, g, col0, ncols, m, t.lane, k, wsub, amax_word, f, tile_scale, s);
 #pragma unroll
     for (int wc = 0; wc < kWordCols; ++wc) {
       const int c = m * V + wsub * kWordCols + wc;  // tile column
       if (c >= ncols) continue;
       const int64_t orow = g.out_col_row0 + col0 + c;  // data_t row
-      uint32_t packed[4];
-#pragma unroll
-      for (int j = 0; j < 16; j += 4) {
-        const uint32_t lo = cvt_pair<kE5m2>(__fmul_rn(f[wc][j], s[wc].mult), __fmul_rn(f[wc][j + 1], s[wc].mult));
-        const uint32_t hi = cvt_pair<kE5m2>(__fmul_rn(f[wc][j + 2], s[wc].mult), __fmul_rn(f[wc][j + 3], s[wc].mult));
-        packed[j / 4] = lo | (hi << 16);
-      }
-      uint8_t* const out = out_t0 + static_cast<int64_t>(m * V + wc) * p.data_t_ld;
-      if (p.vec_t && 16 * k + 16 <= g.tokens) {
-        *reinterpret_cast<uint4*>(out) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
-      } else {
-#pragma unroll
-        for (int j = 0; j < 16; ++j) {
-          if (16 * k + j < g.tokens) out[j] = static_cast<uint8_t>(packed[j / 4] >> (8 * (j % 4)));
-        }
-      }
-      if (R == Fp8Recipe::mxfp8 && (k & 1) == 0 && 16 * k < g.tokens) {
-        store_scale<R>(p.scale_t, orow * p.scale_t_ld + (g.tok0 + 16 * k) / 32, s[wc]);
-      }
+      store_column<R, kE5m2>(p, g, f[wc], s[wc], k, orow, out_t0 + static_cast<int64_t>(m * V + wc) * p.data_t_ld);
     }
   }
 }
 
+/// Quantizes the tile's columns [col0, col0 + ncols) (ncols > 0, g.nrows > 0): (1) load, (2)
+/// rowwise, (3) columnwise (the file comment). kWeights: expert weights (blockwise = one 128x128
+/// block per tile) instead of grouped rows (blockwise = 1x128 and 128x1 blocks). dp: the source's
+/// per-row sums (one per load slot).
+template <typename T, Fp8Recipe R, bool kWeights, bool kE5m2, class Src, int kIters>
+__device__ __forceinline__ void quantize_tile(const QuantParams& p, const Tile& g, int64_t col0, int ncols,
+                                              const Src& src, int pass, float (&dp)[kIters]) {
+  using S = Slots<T>;
+  static_assert(kIters == S::kIters, "load slots per thread");
+  // Column sums here unless tensorwise (its amax pass makes them, unless the amax was given).
+  constexpr bool kSums =
+      kColumnSums<Src, kWeights> && (R != Fp8Recipe::tensorwise || std::is_same<Src, RowsSourceTileSums>::value);
+  constexpr bool kRowBlocks = R == Fp8Recipe::blockwise && !kWeights;  // 1x128 (and 128x1) blocks
+  extern __shared__ uint4 smem_tile[];  // [128][NV] granules, swizzled; then the source's stash
+  __shared__ float warp_amax[kWarps];
+  __shared__ __align__(16) float col_red[kSums ? kWarps : 1][kTile];
+  __shared__ float row_blocks[kRowBlocks ? kWarps : 1][S::kWarpBlocks];  // amax in, multiplier out
+  const S t;
+  const int64_t col_tile = static_cast<int64_t>(static_cast<uint64_t>(col0) / kTile);
+  const bool do_cols = p.data_t != nullptr;
+
+  uint4 raw[kIters];
+  load_slots<T>(p, g, col0, ncols, src, pass, dp, t, smem_tile + kTile * S::NV, raw);
+  if (do_cols) store_swizzled<T>(raw, t, smem_tile);
+  if constexpr (kSums) {
+    if (p.col_sums != nullptr) stage_slot_sums<T>(raw, col_red);
+  }
+  const float tensor_amax = tile_amax_partial<T, R, kWeights>(p, g, raw, t, warp_amax);
+  __syncthreads();
+  if constexpr (kSums) {
+    if (p.col_sums != nullptr) store_column_sums(p, g, col0, ncols, col_red);
+  }
+  const BlockScale scale = tile_scale<R, kWeights>(p, g, tensor_amax, warp_amax, col_tile, t.tid);
+
+  if (p.data != nullptr) {
+    float* const blocks = row_blocks[kRowBlocks ? t.warp : 0];  // the warp's rows
+    if constexpr (kRowBlocks) {
+      if constexpr (Elem<T>::kPerWord == 2) {
+        row_block_amax_pairs<T>(raw, t, blocks);
+      } else {
+        row_block_amax_words<T>(raw, t, blocks);
+      }
+      row_block_scales<T, R>(p, g, t, col_tile, blocks);
+    }
+    store_rows<T, R, kWeights, kE5m2>(p, g, col0, ncols, raw, t, scale, blocks);
+  }
+  if (do_cols) quantize_columns<T, R, kWeights, kE5m2>(p, g, col0, ncols, smem_tile, t, scale);
+}
+
 /// One CTA: one 128-row tile (blockIdx.x) and src.passes() column tiles of it (blockIdx.y).
-/// __launch_bounds__ names no minimum of CTAs per SM: naming 1 let ptxas take 134 registers for
-/// the columnwise kernels (85 without), and on an H100 they ran 1.5x slower at 12% of the warp
-/// slots; minimums of 3-5 made them spill and run slower too. kE5m2: the output format (p.e5m2).
+/// __launch_bounds__ names no minimum of CTAs per SM: a minimum of 1 lets ptxas take many more
+/// registers for the columnwise kernels, which then run slower at a fraction of the warp slots;
+/// minimums of 3-5 make them spill. kE5m2: the output format (p.e5m2).
 template <typename T, Fp8Recipe R, bool kWeights, bool kE5m2, class Src = RowsSource>
 __global__ void __launch_bounds__(kThreads)
     quantize_tile_kernel(const QuantParams p, const Src src) {

@@ -102,9 +102,9 @@ struct ActArgs : act_common::HArgs {
 };
 
 // amax_out: [E] f32 bits, zeroed before; the experts' row offsets [E+1]. A kernel parameter of its
-// own: ActArgs grown by these fields made nvcc address the parameter block through a pointer and
+// own: ActArgs grown by these fields makes nvcc address the parameter block through a pointer and
 // compile the concatenated backward's row loop as one version instead of two (a loop unswitched
-// on the run-time options): 2.9x slower on an H100 (dsv3_ep32: 677 µs against 231).
+// on the run-time options), several times slower.
 struct AmaxArgs {
   uint32_t* amax = nullptr;
   const int64_t* offsets = nullptr;
@@ -205,9 +205,8 @@ __device__ __forceinline__ Pack<T, VEC> shfl_pack(const Pack<T, VEC>& v, int src
 // Stores one round of dh (the gate and up packs of 32 consecutive output chunks, one per lane,
 // chunk c of the round at lane c) as two warp-wide stores of 32 consecutive 16-byte chunks each.
 // Stored straight from each lane, gate/up blocks of `bc` = block / VEC chunks (bc < 32) make each
-// store instruction write every other run of bc chunks over twice the span, and on an H100 that
-// measured 2.7-6.5x slower than contiguous stores (bf16 blocks of 8 to 64 on qwen3's shape:
-// 0.50-1.20 ms against 0.18 ms). Position p of the round (0..63, 16-byte chunks of dh) holds gate
+// store instruction write every other run of bc chunks over twice the span, several times slower
+// than contiguous stores. Position p of the round (0..63, 16-byte chunks of dh) holds gate
 // or up ((p / bc) odd) of output chunk (p / (2 bc)) bc + p mod bc. `valid`: positions below it
 // exist (a row's last round may be short; it holds whole gate/up block pairs).
 template <typename T, int VEC>
@@ -225,8 +224,9 @@ __device__ __forceinline__ void regroup_store_row(T* dh_round, const Pack<T, VEC
 }
 
 // kRegroup: dh's stores regrouped into whole rounds (a.regroup = chunks per block); a kernel of
-// its own, so that the direct path compiles as it does alone (sharing one kernel measured the
-// concatenated layout 2.7x slower).
+// its own, so that the direct path compiles as it does alone (one kernel for both makes the
+// concatenated layout's loop slower). The row loop stays in the kernel's body: split into
+// helpers, nvcc compiles many of its instantiations to longer code.
 template <typename T, int VEC, ActivationKind K, bool kRegroup, bool kAmax>
 __global__ void __launch_bounds__(kThreads) activation_backward_kernel(ActArgs a, AmaxArgs am) {
   constexpr bool kGated = K != ActivationKind::squared_relu;

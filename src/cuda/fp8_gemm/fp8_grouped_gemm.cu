@@ -10,7 +10,8 @@
 //      columnwise copies through their padded_offsets;
 //   2. for a list of dW tensors, their pointers, passed by value in kernel parameters;
 //   3. zeros where the GEMM writes nothing (rows past the total; dW of empty experts);
-//   4. the CUTLASS FP8 grouped GEMM (sm90_fp8_grouped_gemm.cuh).
+//   4. the CUTLASS FP8 grouped GEMM (sm90_fp8_grouped_gemm.cuh): the instantiation of
+//      fp8_grouped_gemm_instances.def that the heuristics choose (fp8_gemm_heuristics.cu).
 // All three passes are one "TN" GEMM with K-major FP8 operands (see fp8_grouped_gemm_kernels.h).
 //
 // mxfp8: Hopper cannot scale 32-wide blocks inside its FP8 tensor-core path, so every operand is
@@ -39,92 +40,39 @@
 #include "cuda/runtime/alignment.h"
 #include "cuda/runtime/cuda_check.h"
 #include "cuda/runtime/device_info.h"
+#include "cuda/fp8_gemm/fp8_gemm_heuristics.h"
 #include "cuda/fp8_gemm/fp8_grouped_gemm_kernels.h"
 #include "cuda/gemm/grouped_gemm_prepare.h"
 #include "gmoe/error.h"
 
 namespace gmoe::cuda_backend {
-namespace {
 
 // ---------------------------------------------------------------------------------------------
-// The compiled instantiations, and the one place that maps runtime values onto them.
+// The compiled instantiations: one entry per line of fp8_grouped_gemm_instances.def.
 
-struct Fp8KernelEntry {
-  std::size_t (*workspace_bytes)(int sm_count) = nullptr;
-  void (*run)(const Fp8GemmLaunch&, cudaStream_t) = nullptr;
-  Fp8Tile tile = Fp8Tile::t128x128;  ///< of the instantiation (for LaunchRecord)
+namespace {
+template <Fp8Scaling S, Fp8Operands Ops, DType Out, Fp8Epilogue Epi, DType A, Fp8Tile Tile>
+Fp8Kernel fp8_kernel() {
+  using K = Fp8GroupedGemmKernel<S, Ops, Out, Epi == Fp8Epilogue::bias, A, Tile>;
+  return {{S, Ops, Out, Epi, A, Tile}, &K::workspace_bytes, &K::run};
+}
+
+const Fp8Kernel kFp8Kernels[] = {
+#define GMOE_FP8_GEMM(file, S, OPS, OUT, EPI, A, TILE) \
+  fp8_kernel<Fp8Scaling::S, Fp8Operands::OPS, DType::OUT, Fp8Epilogue::EPI, DType::A, Fp8Tile::TILE>(),
+#include "cuda/fp8_gemm/fp8_grouped_gemm_instances.def"
+#undef GMOE_FP8_GEMM
 };
+}  // namespace
 
-template <Fp8Scaling S, Fp8Operands Ops, DType Out, bool Bias = false, DType A = DType::e4m3,
-          Fp8Tile Tile = Fp8Tile::t128x128>
-Fp8KernelEntry entry() {
-  using K = Fp8GroupedGemmKernel<S, Ops, Out, Bias, A, Tile>;
-  return {&K::workspace_bytes, &K::run, Tile};
-}
-
-// fprop with a fused bias (e4m3 A, bf16 out): compiled in 1x1 and 2x1 clusters only; any other
-// cluster is refused rather than run in another one.
-template <Fp8Scaling S>
-Fp8KernelEntry fused_bias_entry(Fp8Tile tile) {
-  GMOE_CHECK(tile == Fp8Tile::t128x128 || tile == Fp8Tile::t128x128_2x1,
-             "FP8 grouped GEMM: no fused-bias kernel in this cluster");
-  return tile == Fp8Tile::t128x128_2x1
-             ? entry<S, Fp8Operands::rows, DType::bf16, true, DType::e4m3, Fp8Tile::t128x128_2x1>()
-             : entry<S, Fp8Operands::rows, DType::bf16, true, DType::e4m3, Fp8Tile::t128x128>();
-}
-
-// The instantiations in clusters, all e4m3 A: 2x1, blockwise rows, and tensorwise rows (which
-// also serve the tensorwise bf16 weight gradient) and f32 weight gradient, and the fprop of both
-// with a fused bias; 2x2, blockwise and tensorwise rows without a bias (fprop/dgrad only: the
-// wgrad plans never ask for it; choose_rows_tile asks no fused-bias kernel for it). Every other
-// combination runs its 1x1 kernel. The blockwise weight gradient measured the same in 2x1
-// clusters (0.98-1.00x of the 1x1 kernel on the dsv3 cases, H100): its time goes to the promotion
-// by its column scales (sm90_fp8_grouped_gemm.cuh), not to B's tiles.
-template <DType A>
-Fp8KernelEntry find_kernel(Fp8Scaling scaling, Fp8Operands ops, DType out, bool bias, Fp8Tile tile) {
-  constexpr Fp8Tile k2x1 = Fp8Tile::t128x128_2x1;
-  constexpr Fp8Tile k2x2 = Fp8Tile::t128x128_2x2;
-  if (scaling == Fp8Scaling::blockwise) {
-    if (ops == Fp8Operands::rows) {
-      if constexpr (A == DType::e4m3) {
-        if (bias) return fused_bias_entry<Fp8Scaling::blockwise>(tile);
-        if (tile == k2x1) return entry<Fp8Scaling::blockwise, Fp8Operands::rows, DType::bf16, false, A, k2x1>();
-        if (tile == k2x2) return entry<Fp8Scaling::blockwise, Fp8Operands::rows, DType::bf16, false, A, k2x2>();
-      }
-      return entry<Fp8Scaling::blockwise, Fp8Operands::rows, DType::bf16, false, A>();
-    }
-    return out == DType::f32 ? entry<Fp8Scaling::blockwise, Fp8Operands::wgrad, DType::f32, false, A>()
-                             : entry<Fp8Scaling::blockwise, Fp8Operands::wgrad, DType::bf16, false, A>();
+const Fp8Kernel* find_fp8_kernel(const Fp8KernelKey& key) {
+  for (const Fp8Kernel& k : kFp8Kernels) {
+    if (k.key == key) return &k;
   }
-  if (ops == Fp8Operands::wgrad && out == DType::f32) {
-    if constexpr (A == DType::e4m3) {
-      if (tile == k2x1) return entry<Fp8Scaling::tensorwise, Fp8Operands::wgrad, DType::f32, false, A, k2x1>();
-    }
-    return entry<Fp8Scaling::tensorwise, Fp8Operands::wgrad, DType::f32, false, A>();
-  }
-  if constexpr (A == DType::e4m3) {
-    if (bias && ops == Fp8Operands::rows) return fused_bias_entry<Fp8Scaling::tensorwise>(tile);
-    if (tile == k2x1) return entry<Fp8Scaling::tensorwise, Fp8Operands::rows, DType::bf16, false, A, k2x1>();
-    if (tile == k2x2) return entry<Fp8Scaling::tensorwise, Fp8Operands::rows, DType::bf16, false, A, k2x2>();
-    if (tile == Fp8Tile::t128x256)
-      return entry<Fp8Scaling::tensorwise, Fp8Operands::rows, DType::bf16, false, A, Fp8Tile::t128x256>();
-    if (tile == Fp8Tile::t128x256_2x1)
-      return entry<Fp8Scaling::tensorwise, Fp8Operands::rows, DType::bf16, false, A, Fp8Tile::t128x256_2x1>();
-  }
-  // fprop, dgrad and the bf16 weight gradient are the same tensorwise GEMM: TN, bf16 out, no
-  // source operand; only the arrays that prepare writes differ.
-  return entry<Fp8Scaling::tensorwise, Fp8Operands::rows, DType::bf16, false, A>();
+  return nullptr;
 }
 
-// bias: fprop with a fused bf16 bias (blockwise from the mainloop, tensorwise in the epilogue;
-// e4m3 A only, see fp8_grouped_gemm_fprop). format_a: A's format (e4m3 or e5m2; B always e4m3).
-Fp8KernelEntry find_kernel(Fp8Scaling scaling, Fp8Operands ops, DType out, bool bias, DType format_a,
-                           Fp8Tile tile) {
-  GMOE_CHECK(!bias || format_a == DType::e4m3, "FP8 grouped GEMM: no fused-bias kernel for an ",
-             dtype_name(format_a), " A operand");
-  return format_a == DType::e5m2 ? find_kernel<DType::e5m2>(scaling, ops, out, bias, tile)
-                                 : find_kernel<DType::e4m3>(scaling, ops, out, bias, tile);
-}
+namespace {
 
 // ---------------------------------------------------------------------------------------------
 // CUDA-specific argument checks (the public edge has checked the layouts, shapes and devices).
@@ -228,28 +176,24 @@ void check_experts_count(int64_t E) {
 // One blockwise/tensorwise call, planned on the host and enqueued on the stream.
 
 struct Fp8Plan : CallPlan {
-  Fp8Scaling scaling = Fp8Scaling::blockwise;
-  Fp8Operands ops = Fp8Operands::rows;
-  DType out = DType::bf16;
+  Fp8KernelKey kernel;             // the heuristics' choice (fp8_gemm_heuristics.h)
   int32_t sfa_ld = 0, sfb_ld = 0;  // blockwise: the scale matrices' row strides
-  DType format_a = DType::e4m3;    // A's fp8 format (B is e4m3)
   float beta = 0.0f;
-  bool raster_along_n = false;  // wgrad: the tile order (choose_wgrad_raster_along_n)
-  Fp8Tile tile = Fp8Tile::t128x128;  // fprop/dgrad: choose_rows_tile; wgrad: wgrad_cluster_2x1
+  bool raster_along_n = false;  // wgrad: the tile order
 };
 
 void execute(Fp8Plan& plan, Stream stream, Allocator& alloc) {
-  const Fp8KernelEntry kernel =
-      find_kernel(plan.scaling, plan.ops, plan.out, plan.bias != nullptr, plan.format_a, plan.tile);
-  plan.block_scales = plan.scaling == Fp8Scaling::blockwise;
+  const Fp8Kernel* kernel = find_fp8_kernel(plan.kernel);
+  GMOE_CHECK(kernel != nullptr, "FP8 grouped GEMM: the heuristics chose a kernel that is not compiled");
+  plan.block_scales = plan.kernel.scaling == Fp8Scaling::blockwise;
   plan.alpha = !plan.block_scales;
   PreparedCall call =
-      prepare_call(plan, plan.run_gemm ? kernel.workspace_bytes(sm_count(current_device())) : 0, stream, alloc);
+      prepare_call(plan, plan.run_gemm ? kernel->workspace_bytes(sm_count(current_device())) : 0, stream, alloc);
   LaunchRecord& record = last_launch_record();
   record.fp8 = true;
-  record.cluster_m = kernel.tile == Fp8Tile::t128x128 || kernel.tile == Fp8Tile::t128x256 ? 1 : 2;
-  record.cluster_n = kernel.tile == Fp8Tile::t128x128_2x2 ? 2 : 1;
-  record.tile_n = fp8_tile_n(kernel.tile);
+  record.cluster_m = fp8_cluster_m(plan.kernel.tile);
+  record.cluster_n = fp8_cluster_n(plan.kernel.tile);
+  record.tile_n = fp8_tile_n(plan.kernel.tile);
   if (plan.run_gemm) {
     Fp8GemmLaunch launch;
     launch.gemm = call.launch;
@@ -260,7 +204,7 @@ void execute(Fp8Plan& plan, Stream stream, Allocator& alloc) {
     launch.sfa_ld = plan.sfa_ld;
     launch.sfb_ld = plan.sfb_ld;
     launch.alpha_ptrs = call.arrays.alpha_ptr;
-    kernel.run(launch, stream);
+    kernel->run(launch, stream);
   }
   // `call.workspace` is released on `stream` here, after everything above.
 }
@@ -270,78 +214,6 @@ Fp8Scaling scaling_of(Fp8Recipe r) {
 }
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
-// fprop/dgrad's cluster (M = an expert's rows, on the device only; the host knows the average).
-// 2x1 (two CTAs along M share B's tile by TMA multicast) schedules tiles in pairs along M, so a
-// group with an odd number of M tiles computes one all-out-of-range tile per N tile, and groups of
-// few tiles lose more than the multicast gains. Measured on an H100 (2026-11-24, public suite, 2x1
-// forced against 1x1 in one session): dsv3 (4096 rows per expert) 1.00-1.15x (blockwise dsv3_fc1
-// fprop 1091 -> 1236 TFLOP/s), mixtral (2048) 0.88-1.11x, qwen3moe (512) 0.93-1.05x, small_m
-// (128, one M tile per expert) 0.75-0.82x: 2x1 from 4096 rows per expert on average then. The
-// promoted mainloops (blockwise, and tensorwise since it takes the same overlapped loop,
-// sm90_fp8_grouped_gemm.cuh) take 2x1 from 2048 rows: blockwise mixtral fprop (K = 4096,
-// N = 28672; its dgrad takes 2x2 below) measured 1.05-1.09x in 2x1 that session and 1.07-1.13x in
-// a later one (2026-11-25, 1057 -> 1190 TFLOP/s uniform, 1010 -> 1079 skewed; cuBLAS's blockwise
-// GEMM per expert 1276 and 1074 in the same session), tensorwise 1.01-1.05x.
-// 2x2 multicasts A's tile along N as well. The tiles in flight walk along M, so every N tile reads
-// A again; with a long reduction the A tiles in flight (128 rows x K each: 3.6 MB at K = 28672)
-// overflow the L2 and each N tile reads them from DRAM; 2x2 loads each once for two N tiles.
-// Measured (2x2 forced against the rule above, dsv3 and mixtral, two runs each): mixtral_fc1 dgrad
-// (K = 28672) blockwise 1.18x uniform and 1.37x skewed (846 -> 1162 TFLOP/s), tensorwise 0.96x and
-// 1.17x; shorter reductions 0.93-1.10x: 2x2 from a reduction of 16384.
-// Tensorwise with CUTLASS's own promotion (wait, then add; before 2026-11-25) stayed 1x1 when the
-// output was wider than 2048 columns: the multicast gained less than the pairing cost (FP8
-// GroupedMLP dsv3_ep32 1.321-1.326x our bf16 one with that rule, 1.310-1.313x all 2x1). With the
-// overlapped loop, all 2x1 against that rule (H100, 2026-11-25, two rounds interleaved): gemm mode
-// dsv3 fprop 1.06-1.14x, dgrad 1.00-1.05x, mixtral fprop 1.01-1.05x; the GroupedMLP dsv3_ep32
-// forward+backward 1.463x and 1.486x (uniform) against 1.425x and 1.434x, skewed 1.401x and 1.308x
-// against 1.373x and 1.383x. Fast accumulation's 128x256 tiles keep the width rule: all 2x1
-// measured 0.95-1.05x of it.
-// GMOE_FP8_ROWS_CLUSTER=1x1|2x1|2x2 forces the cluster of fprop/dgrad alone (benchmarks);
-// GMOE_CLUSTER forces every pass's.
-constexpr int64_t kCluster2x1MinRows = 2048;
-constexpr int64_t kCluster2x2MinK = 16384;
-constexpr int64_t kFastCluster2x1MinRows = 4096;
-constexpr int64_t kFast2x1MaxN = 2048;
-
-// `fast`: tensorwise with fast accumulation (128x256 tiles, the kernels without promotion).
-// `bias`: fprop with a fused bias, whose kernels come in 1x1 and 2x1 only: the 2x2 rule (and a
-// forced 2x2) does not apply, the 2x1 rule does.
-Fp8Tile choose_rows_cluster(bool fast, bool bias, int64_t capacity, int64_t num_experts, int64_t gemm_n,
-                            int64_t gemm_k) {
-  switch (forced_fp8_rows_cluster()) {
-    case 0: return Fp8Tile::t128x128;
-    case 1: return Fp8Tile::t128x128_2x1;
-    case 2: return bias ? Fp8Tile::t128x128_2x1 : Fp8Tile::t128x128_2x2;
-    default: break;
-  }
-  if (!bias && gemm_k >= kCluster2x2MinK) return Fp8Tile::t128x128_2x2;
-  if (fast && gemm_n > kFast2x1MaxN) return Fp8Tile::t128x128;
-  const int64_t min_rows = fast ? kFastCluster2x1MinRows : kCluster2x1MinRows;
-  return capacity / std::max<int64_t>(num_experts, 1) >= min_rows ? Fp8Tile::t128x128_2x1 : Fp8Tile::t128x128;
-}
-
-// Tensorwise fprop/dgrad with fast accumulation (Fp8GemmOptions) run 128x256 tiles in the cluster
-// chosen above (1x1 or 2x1; 2x2 keeps the promoted 128x128 kernel, as do an e5m2 A and a fused bias:
-// find_kernel). Measured on an H100 (2026-11-25, gemm mode, fast 128x256 against the promoted
-// 128x128, one session): fprop 1.10-1.26x and dgrad 1.07-1.25x on dsv3, mixtral's fprop and qwen3;
-// small_m/uniform 0.98x; mixtral_fc1's dgrad (2x2) unchanged. Against the promoted kernels with the
-// overlapped loop and their 2x1 rule (9c491a5, one run): dsv3 fprop 1.09-1.17x, dgrad 1.07-1.27x,
-// mixtral fprop 1.12-1.13x. The tensorwise FP8 GroupedMLP on
-// dsv3_ep32, forward+backward against our bf16 one: 1.440-1.454x against 1.316-1.326x.
-//
-// A fused bias (fprop) runs the promoted 128x128 kernels in 1x1 or 2x1 clusters by the 2x1 rule
-// (choose_rows_cluster), whatever the reduction's length. Until 2026-11-25 the fused-bias
-// kernels ran 1x1 only, which cost the FP8 GroupedLinear's fprop on dsv3_fc1 the 2x1 gain
-// (H100 timeline of one layer step, blockwise: fprop 1768-1802 us against 1570-1580 us for the
-// same GEMM without a bias in 2x1).
-Fp8Tile choose_rows_tile(Fp8Scaling scaling, int64_t capacity, int64_t num_experts, int64_t gemm_n,
-                         int64_t gemm_k, bool fast_accumulation, bool bias) {
-  const bool fast = fast_accumulation && scaling == Fp8Scaling::tensorwise && !bias;
-  const Fp8Tile cluster = choose_rows_cluster(fast, bias, capacity, num_experts, gemm_n, gemm_k);
-  if (!fast || cluster == Fp8Tile::t128x128_2x2) return cluster;
-  return cluster == Fp8Tile::t128x128_2x1 ? Fp8Tile::t128x256_2x1 : Fp8Tile::t128x256;
-}
 
 // fprop and dgrad: A = grouped rows (rowwise copy), B = one copy of the weights, D = rows.
 // `b_data` [E, n, k] and its scales `b_scale` (blockwise [E, ceil(n/128), ceil(k/128)] or
@@ -355,11 +227,17 @@ void rows_pass(GemmPass pass, const Fp8Grouped& a, const TensorView& b_data,
   const int64_t gemm_n = d.size(1);
   const int64_t gemm_k = a.cols;
   DeviceGuard guard(a.data.device.index);
+  Fp8RowsProblem problem;
+  problem.scaling = scaling_of(a.recipe);
+  problem.format_a = a.format;
+  problem.bias = fused_bias != nullptr;
+  problem.fast_accumulation = fast_accumulation;
+  problem.capacity = capacity;
+  problem.num_experts = counts.size(0);
+  problem.gemm_n = gemm_n;
+  problem.gemm_k = gemm_k;
   Fp8Plan plan;
-  plan.scaling = scaling_of(a.recipe);
-  plan.ops = Fp8Operands::rows;
-  plan.format_a = a.format;
-  plan.out = DType::bf16;
+  plan.kernel = choose_fp8_rows_kernel(problem);
   plan.prep = prepare_params(pass, counts, capacity);
   plan.prep.gemm_n = static_cast<int32_t>(gemm_n);
   plan.prep.gemm_k = static_cast<int32_t>(gemm_k);
@@ -375,7 +253,7 @@ void rows_pass(GemmPass pass, const Fp8Grouped& a, const TensorView& b_data,
       plan.prep.bias = {b.data, b.stride(0), 0, static_cast<int32_t>(dtype_size(b.dtype))};
     }
   }
-  if (plan.scaling == Fp8Scaling::blockwise) {
+  if (problem.scaling == Fp8Scaling::blockwise) {
     // A's scales are token-major [ceil(K/128), capacity]: group e's start at its first row, and a
     // k-tile's are one contiguous run of the tile's rows (the MN-major loads of the kernel).
     plan.prep.scale_a = {static_cast<const float*>(a.scale_inv.data), ScaleStart::rows, 1, 0};
@@ -388,12 +266,54 @@ void rows_pass(GemmPass pass, const Fp8Grouped& a, const TensorView& b_data,
     plan.prep.alpha_b = static_cast<const float*>(b_scale.data);
   }
   plan.run_gemm = capacity > 0 && gemm_n > 0 && gemm_k > 0;
-  plan.tile = choose_rows_tile(plan.scaling, capacity, counts.size(0), gemm_n, gemm_k, fast_accumulation,
-                               fused_bias != nullptr);
   plan.out_base = d.data;
   plan.out_ld_bytes = d.stride(0) * static_cast<int64_t>(dtype_size(d.dtype));
   plan.out_row_bytes = gemm_n * static_cast<int64_t>(dtype_size(d.dtype));
   plan.zero_all_rows = gemm_k == 0;  // an empty reduction: every row is zero
+  execute(plan, stream, alloc);
+}
+
+// The blockwise/tensorwise weight gradient: A = dy's columnwise copy, B = x's, each expert's
+// tokens located by the padded offsets; D = dW_e (f32 or bf16; accumulated into when asked).
+void wgrad_pass(const Fp8Grouped& dy, const Fp8Grouped& x, const TensorView& counts, const ExpertWeights& dw,
+                const WgradOptions& options, Stream stream, Allocator& alloc) {
+  const int64_t pc = dy.padded_capacity;
+  const Fp8Scaling scaling = scaling_of(dy.recipe);
+  Fp8Plan plan;
+  plan.kernel = choose_fp8_wgrad_kernel(scaling, dw.dtype(), dy.format, dy.cols);
+  plan.raster_along_n = choose_fp8_wgrad_raster_along_n(plan.kernel, dy.cols, x.cols, pc, counts.size(0));
+  plan.prep = prepare_params(GemmPass::wgrad, counts, dy.capacity);
+  plan.prep.gemm_m = static_cast<int32_t>(dy.cols);  // N
+  plan.prep.gemm_n = static_cast<int32_t>(x.cols);   // K
+  plan.prep.rows_a = {dy.data_t.data, pc, 1, static_cast<const int64_t*>(dy.padded_offsets.data),
+                      pc};
+  plan.prep.rows_b = {x.data_t.data, pc, 1, static_cast<const int64_t*>(x.padded_offsets.data), pc};
+  plan.prep.expert_stacked = dw.is_stacked();
+  if (dw.is_stacked()) {
+    plan.prep.expert = {dw.stacked.data, dw.stacked.stride(0), dw.stacked.stride(1),
+                        static_cast<int32_t>(dtype_size(dw.dtype()))};
+  }
+  plan.prep.mask = static_cast<const int32_t*>(options.expert_mask.data);
+  plan.prep.accumulate = options.accumulate;
+  if (scaling == Fp8Scaling::blockwise) {
+    // Token-block-major scales [padded/128, cols]: a k-tile's scales of A (B) are one contiguous
+    // run of the tile's rows (columns), the layout the kernel's MN-major scale loads read.
+    plan.prep.scale_a = {static_cast<const float*>(dy.scale_inv_t.data), ScaleStart::columns,
+                         dy.cols, 0};
+    plan.prep.scale_b = {static_cast<const float*>(x.scale_inv_t.data), ScaleStart::columns,
+                         x.cols, 0};
+    plan.sfa_ld = static_cast<int32_t>(dy.cols);
+    plan.sfb_ld = static_cast<int32_t>(x.cols);
+  } else {
+    plan.prep.alpha_a = static_cast<const float*>(dy.scale_inv_t.data);
+    plan.prep.alpha_b = static_cast<const float*>(x.scale_inv_t.data);
+  }
+  plan.run_gemm = dy.capacity > 0 && dy.cols > 0 && x.cols > 0;
+  plan.beta = options.accumulate ? 1.0f : 0.0f;
+  plan.experts = &dw;
+  plan.dw_elem_bytes = static_cast<int32_t>(dtype_size(dw.dtype()));
+  plan.dw_rows = dy.cols;
+  plan.dw_row_bytes = x.cols * static_cast<int64_t>(dtype_size(dw.dtype()));
   execute(plan, stream, alloc);
 }
 
@@ -551,6 +471,31 @@ void mx_rows_pass(const Fp8Grouped& a, const TensorView& b_data, const TensorVie
                                    bias);
 }
 
+// MXFP8 weight gradient: both columnwise copies dequantized and transposed back to bf16 [padded,
+// cols], then the bf16 weight gradient over the padded per-expert token counts (the padding is
+// zero, so its terms are exact zeros).
+void mx_wgrad_pass(const Fp8Grouped& dy, const Fp8Grouped& x, const TensorView& counts, const ExpertWeights& dw,
+                   const WgradOptions& options, Stream stream, Allocator& alloc) {
+  const int64_t E = counts.size(0);
+  const int64_t pc = dy.padded_capacity;
+  const Device dev = dy.data_t.device;
+  Bf16Scratch dyb(alloc, stream, dev, {pc, dy.cols});
+  Bf16Scratch xb(alloc, stream, dev, {pc, x.cols});
+  Buffer padded_counts(alloc, static_cast<std::size_t>(E) * sizeof(int64_t), stream);
+  launch_mx_dequant_transpose(dy.data_t, dy.scale_inv_t, dy.cols, pc, dy.format == DType::e5m2,
+                              dyb.buffer.data(), stream);
+  launch_mx_dequant_transpose(x.data_t, x.scale_inv_t, x.cols, pc, x.format == DType::e5m2,
+                              xb.buffer.data(), stream);
+  // dy's padded offsets locate the tokens of both copies (the edge checked equal capacities;
+  // both were quantized with the same counts).
+  padded_counts_kernel<<<static_cast<unsigned>(ceil_div(E, 256)), 256, 0, stream>>>(
+      static_cast<const int64_t*>(dy.padded_offsets.data), static_cast<int>(E),
+      static_cast<int64_t*>(padded_counts.data()));
+  GMOE_CUDA_CHECK(cudaGetLastError());
+  const TensorView pcounts(padded_counts.data(), DType::i64, dev, {E});
+  cuda_backend::grouped_gemm_wgrad(dyb.view, xb.view, pcounts, dw, options, stream, alloc);
+}
+
 }  // namespace
 
 void fp8_grouped_gemm_fprop(const Fp8Grouped& x, const Fp8Weights& w, const TensorView& counts,
@@ -609,78 +554,12 @@ void fp8_grouped_gemm_wgrad(const Fp8Grouped& dy, const Fp8Grouped& x, const Ten
   if (options.expert_mask.defined()) {
     check_aligned(options.expert_mask.data, 4, "options.expert_mask");
   }
-  const int64_t E = counts.size(0);
-  const int64_t pc = dy.padded_capacity;
   DeviceGuard guard(dy.data_t.device.index);
-
   if (dy.recipe == Fp8Recipe::mxfp8) {
-    const Device dev = dy.data_t.device;
-    Bf16Scratch dyb(alloc, stream, dev, {pc, dy.cols});
-    Bf16Scratch xb(alloc, stream, dev, {pc, x.cols});
-    Buffer padded_counts(alloc, static_cast<std::size_t>(E) * sizeof(int64_t), stream);
-    launch_mx_dequant_transpose(dy.data_t, dy.scale_inv_t, dy.cols, pc, dy.format == DType::e5m2,
-                                dyb.buffer.data(), stream);
-    launch_mx_dequant_transpose(x.data_t, x.scale_inv_t, x.cols, pc, x.format == DType::e5m2,
-                                xb.buffer.data(), stream);
-    // dy's padded offsets locate the tokens of both copies (the edge checked equal capacities;
-    // both were quantized with the same counts).
-    padded_counts_kernel<<<static_cast<unsigned>(ceil_div(E, 256)), 256, 0, stream>>>(
-        static_cast<const int64_t*>(dy.padded_offsets.data), static_cast<int>(E),
-        static_cast<int64_t*>(padded_counts.data()));
-    GMOE_CUDA_CHECK(cudaGetLastError());
-    const TensorView pcounts(padded_counts.data(), DType::i64, dev, {E});
-    cuda_backend::grouped_gemm_wgrad(dyb.view, xb.view, pcounts, dw, options, stream, alloc);
-    return;
-  }
-
-  Fp8Plan plan;
-  plan.scaling = scaling_of(dy.recipe);
-  plan.ops = Fp8Operands::wgrad;
-  plan.format_a = dy.format;
-  plan.out = dw.dtype();
-  plan.prep = prepare_params(GemmPass::wgrad, counts, dy.capacity);
-  plan.prep.gemm_m = static_cast<int32_t>(dy.cols);  // N
-  plan.prep.gemm_n = static_cast<int32_t>(x.cols);   // K
-  plan.prep.rows_a = {dy.data_t.data, pc, 1, static_cast<const int64_t*>(dy.padded_offsets.data),
-                      pc};
-  plan.prep.rows_b = {x.data_t.data, pc, 1, static_cast<const int64_t*>(x.padded_offsets.data), pc};
-  plan.prep.expert_stacked = dw.is_stacked();
-  if (dw.is_stacked()) {
-    plan.prep.expert = {dw.stacked.data, dw.stacked.stride(0), dw.stacked.stride(1),
-                        static_cast<int32_t>(dtype_size(dw.dtype()))};
-  }
-  plan.prep.mask = static_cast<const int32_t*>(options.expert_mask.data);
-  plan.prep.accumulate = options.accumulate;
-  if (plan.scaling == Fp8Scaling::blockwise) {
-    // Token-block-major scales [padded/128, cols]: a k-tile's scales of A (B) are one contiguous
-    // run of the tile's rows (columns), the layout the kernel's MN-major scale loads read.
-    plan.prep.scale_a = {static_cast<const float*>(dy.scale_inv_t.data), ScaleStart::columns,
-                         dy.cols, 0};
-    plan.prep.scale_b = {static_cast<const float*>(x.scale_inv_t.data), ScaleStart::columns,
-                         x.cols, 0};
-    plan.sfa_ld = static_cast<int32_t>(dy.cols);
-    plan.sfb_ld = static_cast<int32_t>(x.cols);
+    mx_wgrad_pass(dy, x, counts, dw, options, stream, alloc);
   } else {
-    plan.prep.alpha_a = static_cast<const float*>(dy.scale_inv_t.data);
-    plan.prep.alpha_b = static_cast<const float*>(x.scale_inv_t.data);
+    wgrad_pass(dy, x, counts, dw, options, stream, alloc);
   }
-  plan.run_gemm = dy.capacity > 0 && dy.cols > 0 && x.cols > 0;
-  plan.beta = options.accumulate ? 1.0f : 0.0f;
-  // The tensorwise weight gradient without a source (not into f32) runs the rows kernel (find_kernel).
-  // Along M, the rule's choice on dsv3_fc1, that kernel's time was bimodal between runs on the skewed
-  // split (782-1068 TFLOP/s in one call, the bf16 GEMM timed interleaved at 1.07-1.57x its time); along
-  // N it held 1070-1094 (1.61-1.68x), and no case of the public suite's weight gradients measured
-  // slower along N (H100, session 27, bench/results/2026-11-26-h100-fp8-gemm-interleaved-bf16.md).
-  // The f32 tensorwise kernel and the blockwise ones measured 2-7% slower along N there.
-  const bool rows_kernel = plan.scaling == Fp8Scaling::tensorwise && dw.dtype() != DType::f32;
-  plan.raster_along_n =
-      choose_wgrad_raster_along_n(dy.cols, x.cols, pc, counts.size(0), DType::e4m3, rows_kernel);
-  plan.tile = wgrad_cluster_2x1(dy.cols) ? Fp8Tile::t128x128_2x1 : Fp8Tile::t128x128;
-  plan.experts = &dw;
-  plan.dw_elem_bytes = static_cast<int32_t>(dtype_size(dw.dtype()));
-  plan.dw_rows = dy.cols;
-  plan.dw_row_bytes = x.cols * static_cast<int64_t>(dtype_size(dw.dtype()));
-  execute(plan, stream, alloc);
 }
 
 }  // namespace gmoe::cuda_backend

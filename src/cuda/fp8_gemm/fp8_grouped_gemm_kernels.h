@@ -11,19 +11,9 @@
 // scale granularity (1x128 token blocks on both operands) and its output (f32 main_grad with an
 // optional source operand, or bf16).
 //
-// Instantiations (one sm90_fp8_*.cu file each), B always e4m3 (weights; x in wgrad), A e4m3 and
-// again with A in e5m2 (the gradient dy of dgrad and wgrad, or an e5m2 x in fprop: wgmma multiplies
-// e5m2 by e4m3 at the same rate):
-//   blockwise  rows        bf16 out    A scales 1x128, B scales 128x128 (and, e4m3 only, with a
-//                                      bf16 bias)
-//   blockwise  wgrad       f32 out     A and B scales 1x128 along tokens, C = D for accumulate
-//   blockwise  wgrad       bf16 out
-//   tensorwise rows        bf16 out    per-expert alpha (also serves wgrad to bf16)
-//   tensorwise wgrad       f32 out     per-expert alpha, C = D for accumulate
-//   tensorwise rows        bf16 out    128x256 tiles with fast accumulation (_n256, 1x1 and 2x1;
-//                                      e4m3 A, no bias: Fp8GemmOptions::fast_accumulation)
-// Ping-pong 64x128x128 blockwise kernels (rows, and wgrad to f32) were measured on the public suite
-// (H100, 2026-11-23) at 0.71-1.02x these cooperative ones, 0.85x in the geometric mean, and dropped.
+// The instantiations are the lines of fp8_grouped_gemm_instances.def (one generated .cu each): B
+// always e4m3 (weights; x in wgrad), A e4m3 and, for the 1x1 kernels, e5m2 too (the gradient dy of
+// dgrad and wgrad, or an e5m2 x in fprop: wgmma multiplies e5m2 by e4m3 at the same rate).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -49,26 +39,33 @@ enum class Fp8Operands {
   wgrad  ///< A, B = columnwise (transposed) grouped rows (K = count_e), D = dW_e
 };
 
-/// The CTA tile is 128x128x128, the wgmma accumulators promoted to fp32 every 128 of the reduction;
-/// or, for tensorwise rows with fast accumulation, 128x256x128 without promotion
-/// (sm90_fp8_grouped_gemm.cuh). The cluster is 1x1, 2x1 or 2x2.
+/// The CTA tile and cluster of an instantiation. The tile is 128x128x128, the wgmma accumulators
+/// promoted to fp32 every 128 of the reduction; or, for tensorwise rows with fast accumulation,
+/// 128x256x128 without promotion (sm90_fp8_grouped_gemm.cuh). Which pass compiles which is the
+/// table (fp8_grouped_gemm_instances.def); which one runs, the heuristics (fp8_gemm_heuristics.h).
 enum class Fp8Tile {
-  t128x128,     ///< cluster 1x1: every instantiation
+  t128x128,      ///< cluster 1x1
   t128x128_2x1,  ///< clusters of two CTAs along M, each loading half of B's tile and
-                 ///< multicasting it to both: e4m3 A (fprop with or without a fused bias),
-                 ///< not the blockwise weight gradient (fp8_grouped_gemm.cu: find_kernel,
-                 ///< choose_rows_tile; wgrad_cluster_2x1)
-  t128x128_2x2,  ///< clusters of 2x2 CTAs: A's tile multicast along N as well (fprop/dgrad with
-                 ///< e4m3 A, no fused bias; choose_rows_tile in fp8_grouped_gemm.cu)
-  t128x256,      ///< 128x256x128 tiles with fast accumulation (Fp8GemmOptions), cluster 1x1:
-                 ///< tensorwise rows only (e4m3 A, no fused bias)
+                 ///< multicasting it to both
+  t128x128_2x2,  ///< clusters of 2x2 CTAs: A's tile multicast along N as well
+  t128x256,      ///< 128x256x128 tiles with fast accumulation (Fp8GemmOptions), cluster 1x1
   t128x256_2x1   ///< the same in clusters of two along M
+};
+
+/// What an instantiation's epilogue adds to A·Bᵀ.
+enum class Fp8Epilogue {
+  none,  ///< D = alpha·acc (+ beta·C for the f32 weight gradient)
+  bias   ///< fprop: D = A·Bᵀ + bias_e (blockwise: the accumulators start from it; tensorwise:
+         ///< alpha_e·acc + bias_e in the epilogue)
 };
 
 /// The CTA tile's N extent of an instantiation.
 constexpr int fp8_tile_n(Fp8Tile t) {
   return t == Fp8Tile::t128x256 || t == Fp8Tile::t128x256_2x1 ? 256 : 128;
 }
+/// The cluster's extents along M and N.
+constexpr int fp8_cluster_m(Fp8Tile t) { return t == Fp8Tile::t128x128 || t == Fp8Tile::t128x256 ? 1 : 2; }
+constexpr int fp8_cluster_n(Fp8Tile t) { return t == Fp8Tile::t128x128_2x2 ? 2 : 1; }
 
 /// Everything one launch reads: the plain grouped GEMM arrays plus the FP8 scale arrays.
 struct Fp8GemmLaunch {
@@ -82,9 +79,9 @@ struct Fp8GemmLaunch {
   const float* const* alpha_ptrs = nullptr;
 };
 
-/// One compiled FP8 grouped GEMM (explicit instantiations in sm90_fp8_*.cu only). Bias: D = A·Bᵀ +
-/// bias_e in the epilogue (blockwise rows to bf16 with an e4m3 A only; gemm.ptr_bias[e] is expert
-/// e's bf16 vector of N). FormatA: A's fp8 format (e4m3 or e5m2); B is e4m3.
+/// One compiled FP8 grouped GEMM (explicit instantiations: fp8_grouped_gemm_instances.def only).
+/// Bias: D = A·Bᵀ + bias_e (rows to bf16 with an e4m3 A only; gemm.ptr_bias[e] is expert e's bf16
+/// vector of N). FormatA: A's fp8 format (e4m3 or e5m2); B is e4m3.
 template <Fp8Scaling S, Fp8Operands Ops, DType Out, bool Bias = false, DType FormatA = DType::e4m3,
           Fp8Tile Tile = Fp8Tile::t128x128>
 struct Fp8GroupedGemmKernel {
@@ -93,5 +90,31 @@ struct Fp8GroupedGemmKernel {
   /// can_implement, initialize, run on `stream`; throws gmoe::Error on any failure.
   static void run(const Fp8GemmLaunch& launch, cudaStream_t stream);
 };
+
+/// What tells the compiled FP8 GEMMs apart: the columns of fp8_grouped_gemm_instances.def.
+struct Fp8KernelKey {
+  Fp8Scaling scaling = Fp8Scaling::blockwise;
+  Fp8Operands operands = Fp8Operands::rows;
+  DType out = DType::bf16;
+  Fp8Epilogue epilogue = Fp8Epilogue::none;
+  DType format_a = DType::e4m3;
+  Fp8Tile tile = Fp8Tile::t128x128;
+
+  bool operator==(const Fp8KernelKey& o) const {
+    return scaling == o.scaling && operands == o.operands && out == o.out && epilogue == o.epilogue &&
+           format_a == o.format_a && tile == o.tile;
+  }
+};
+
+/// One compiled FP8 grouped GEMM: its key and Fp8GroupedGemmKernel's entry points.
+struct Fp8Kernel {
+  Fp8KernelKey key;
+  std::size_t (*workspace_bytes)(int sm_count) = nullptr;
+  void (*run)(const Fp8GemmLaunch&, cudaStream_t) = nullptr;
+};
+
+/// The compiled kernel of `key`, or nullptr where that configuration is not compiled
+/// (fp8_grouped_gemm.cu).
+const Fp8Kernel* find_fp8_kernel(const Fp8KernelKey& key);
 
 }  // namespace gmoe::cuda_backend

@@ -1,7 +1,8 @@
 // src/cuda/fp8_gemm/sm90_fp8_grouped_gemm.cuh — the CUTLASS 3.x FP8 grouped (pointer-array)
 // warp-specialized GEMM behind Fp8GroupedGemmKernel, for sm_90a.
 //
-// Include this only from the one-instantiation sm90_fp8_*.cu files: it is heavy.
+// Include this only from the one-instantiation files that CMake generates from
+// fp8_grouped_gemm_instances.def (GMOE_FP8_GEMM_INSTANTIATE, at the end): it is heavy.
 //
 // Two mainloops, both with fp32 accumulation that is promoted out of the tensor cores every
 // 128-long k-tile (Hopper's FP8 wgmma accumulates with fewer than fp32's bits):
@@ -30,8 +31,7 @@
 // Why MN-major: a k-tile needs 128 scales of A (and, in wgrad, 128 of B). K-major, they are 128
 // floats in 128 different cache lines, loaded 4 bytes at a time by the producer warp; the lines
 // do not fit in what the 200+ KB of shared memory leave of L1 when the reduction is long, so every
-// k-tile missed again (wgrad: 15% L1 hit rate, L1 throughput 81%, ncu on an H100, dsv3_fc1; the
-// kernel ran at 0.67x the tensorwise one). MN-major, they are contiguous 512-byte runs.
+// k-tile misses again. MN-major, they are contiguous 512-byte runs.
 //
 // Everything else follows sm90_grouped_gemm.cuh: device-only problem shapes (the group scheduler
 // walks them on the device), empty groups as M = 0, TMA clipping partial tiles.
@@ -198,10 +198,9 @@ CUTLASS_DEVICE void promoted_k_loop(typename Collective::TensorStorage& shared_t
 /// epilogue. The scale warp (load_auxiliary) copies the tile's 128 bf16 of group e's bias
 /// (`ptr_bias[e]`, 16-byte aligned: the dispatcher's condition) into the tile's first stage, one
 /// 16-byte cp.async per lane, counted by that stage's barrier like the scales; the consumers start
-/// their accumulators from it. CUTLASS's row-broadcast epilogue instead loaded the bias from
-/// global memory when each tile's epilogue began, with both consumer warpgroups waiting on the
-/// load and a barrier: 8% of the fprop on dsv3_fc2 (16 k-tiles per tile; the same GEMM without a
-/// bias took 1.359 M cycles against 1.469 M, ncu, H100).
+/// their accumulators from it. CUTLASS's row-broadcast epilogue instead loads the bias from
+/// global memory when each tile's epilogue begins, with both consumer warpgroups waiting on the
+/// load and a barrier, a cost that a short reduction does not hide.
 template <class Base, bool kBias = false>
 struct BlockwiseMainloop : Base {
   using ElementBias = cutlass::bfloat16_t;
@@ -315,11 +314,6 @@ struct BlockwiseMainloop : Base {
 
   /// The consumer mainloop (promoted_k_loop above), replacing the base collective's: the partial
   /// sums of k-tile t are scaled and added while k-tile t+1's wgmmas run.
-  ///
-  /// Measured against the base loop on an H100 (public suite, two runs each, same session): the
-  /// fprop/dgrad kernel 0.95-1.07x per case (qwen3 +2-5%, dsv3 -3% to +7%, about 1.01x overall);
-  /// the wgrad kernel 1.00-1.02x alone, its time then going to the K-major scale loads (see the
-  /// file comment), and 1.10-1.30x together with the MN-major scales.
   template <class FrgTensorC>
   CUTLASS_DEVICE void mma(MainloopPipeline pipeline, PipelineState smem_pipe_read,
                           FrgTensorC& accum, int k_tile_count, int thread_idx,
@@ -361,12 +355,11 @@ struct BlockwiseMainloop : Base {
     // accum += part · scales, once part's wgmmas have completed.
     //
     // Column scales (wgrad) are read from shared memory where they are used (32 more live
-    // registers per thread spilled), two at a time: in wgmma's accumulator fragment, elements
+    // registers per thread spill), two at a time: in wgmma's accumulator fragment, elements
     // 4j..4j+3 are rows (r, r, r+8, r+8) by columns (c, c+1, c, c+1) with c = 8j + 2·(lane % 4)
-    // even, so one 8-byte load serves four elements (half the loads of one per column; not
-    // measurably faster alone: 0.99-1.01x on the dsv3 wgrad cases, H100). Power-of-two scales
-    // packed as exponent bytes (one 4-byte load per four elements, 5 integer operations to
-    // unpack) measured 0.87-0.99x of this on the public suite (docs/architecture.md).
+    // even, so one 8-byte load serves four elements (half the loads of one per column).
+    // Power-of-two scales packed as exponent bytes would need one 4-byte load per four elements
+    // but 5 integer operations to unpack them, which cost more than they save.
     auto promote = [&](auto& part, int stage) {
       if constexpr (Base::ScaleNsPerTile == 1) {
         CUTLASS_PRAGMA_UNROLL
@@ -483,21 +476,15 @@ struct Fp8GemmTypes {
   using LayoutB = cutlass::layout::ColumnMajor;  // [N, K], K-major
   using LayoutD = cutlass::layout::RowMajor;
 
-  // 128x128x128, two consumer warpgroups of 64x128 each. The blockwise mainloop keeps a second
-  // set of accumulators for the k-tile's partial sums, so a 128x256 tile would need 256 registers
-  // per thread; the k-tile is the 128-long scale block. The tensorwise mainloop promotes too:
-  // CUTLASS's FP8 mainloop adds the wgmma accumulators into fp32 ones every 4 k-steps (128 of the
-  // reduction), for the precision the tensor cores' own FP8 accumulation lacks; so a 128x256
-  // tensorwise tile needs 256 accumulator registers per thread as well, and spilled (ptxas: 864
-  // bytes) and ran 0.32-0.63x the 128x128 one on an H100 (gemm mode, 2026-11-25). Fast
-  // accumulation (Fp8GemmOptions: no promotion, the accumulators live in the wgmma registers only)
-  // fits 128x256x128 tiles (64x256 per warpgroup, 128 registers, no spills): 1.07-1.27x the promoted
-  // kernel on the large cases (fp8_grouped_gemm.cu, choose_rows_tile). The cluster (Fp8TileTraits) is chosen per
-  // call: 2x1 and 2x2 cost an all-out-of-range tile where a group has an odd tile count
-  // (fp8_grouped_gemm.cu, choose_rows_tile). A ping-pong 64x128x128 variant (each
-  // consumer warpgroup its own tile, one's promotion and epilogue overlapping the other's wgmma)
-  // measured 0.85x this one in the geometric mean of the public suite on an H100 (fprop/dgrad
-  // 0.71-1.02x, wgrad to f32 0.79-0.99x), 2026-11-23, and was dropped.
+  // 128x128x128, two consumer warpgroups of 64x128 each (cooperative). The blockwise mainloop
+  // keeps a second set of accumulators for the k-tile's partial sums, so a 128x256 tile would need
+  // 256 registers per thread; the k-tile is the 128-long scale block. The tensorwise mainloop
+  // promotes too (every 128 of the reduction, for the precision the tensor cores' own FP8
+  // accumulation lacks), so a promoted 128x256 tensorwise tile spills as well. Fast accumulation
+  // (Fp8GemmOptions: no promotion, the accumulators live in the wgmma registers only) fits
+  // 128x256x128 tiles (64x256 per warpgroup, 128 registers, no spills). The cluster
+  // (Fp8TileTraits) is chosen per call (fp8_gemm_heuristics.cu). A ping-pong 64x128x128 schedule
+  // (each consumer warpgroup its own tile) is slower than this one on every pass and is not built.
   using TileShape = typename Fp8TileTraits<Tile>::TileShape;
   using ClusterShape = typename Fp8TileTraits<Tile>::ClusterShape;
   using KernelSchedule = std::conditional_t<S == Fp8Scaling::blockwise,
@@ -536,8 +523,7 @@ struct Fp8GemmTypes {
   // Blockwise without a source: D = acc, a tree of the accumulator alone. CUTLASS's pointer-array
   // LinearCombination (alpha = 1) would do the same arithmetic, but its alpha and beta nodes
   // (Sm90ScalarBroadcastPtrArray) count as producer loads, so every 128x32 subtile's epilogue
-  // would wait on the epilogue load pipeline that an otherwise idle producer warp fills: 3.4% of
-  // the blockwise fprop's stall samples on dsv3_fc2 (ncu, H100).
+  // would wait on the epilogue load pipeline that an otherwise idle producer warp fills.
   static constexpr bool kEpilogueBias = Bias && S == Fp8Scaling::tensorwise;
   static constexpr bool kMainloopBias = Bias && S == Fp8Scaling::blockwise;
   static constexpr bool kAccOnly = S == Fp8Scaling::blockwise && !kHasSource;
@@ -706,3 +692,11 @@ void Fp8GroupedGemmKernel<S, Ops, Out, Bias, FormatA, Tile>::run(const Fp8GemmLa
 }
 
 }  // namespace gmoe::cuda_backend
+
+/// One line of fp8_grouped_gemm_instances.def compiled: its generated .cu is this header and
+/// GMOE_FP8_GEMM_INSTANTIATE(scaling, operands, out, epilogue, format_a, tile).
+#define GMOE_FP8_GEMM_INSTANTIATE(S, OPS, OUT, EPI, A, TILE)                                              \
+  template struct gmoe::cuda_backend::Fp8GroupedGemmKernel<                                               \
+      gmoe::cuda_backend::Fp8Scaling::S, gmoe::cuda_backend::Fp8Operands::OPS, gmoe::DType::OUT,          \
+      gmoe::cuda_backend::Fp8Epilogue::EPI == gmoe::cuda_backend::Fp8Epilogue::bias, gmoe::DType::A, \
+      gmoe::cuda_backend::Fp8Tile::TILE>;

@@ -1,7 +1,0 @@
-// src/cuda/fp8_gemm/sm90_fp8_grouped_gemm_tensorwise_rows_bias.cu — FP8 (e4m3 A and B) fprop grouped GEMM, per-expert (tensorwise) scales, bf16 out = alpha_e·acc + bf16 bias in the epilogue, cooperative 128x128x128.
-// One explicit instantiation per file: the CUTLASS templates compile in parallel and only once.
-#include "cuda/fp8_gemm/sm90_fp8_grouped_gemm.cuh"
-
-namespace gmoe::cuda_backend {
-template struct Fp8GroupedGemmKernel<Fp8Scaling::tensorwise, Fp8Operands::rows, DType::bf16, true>;
-}  // namespace gmoe::cuda_backend

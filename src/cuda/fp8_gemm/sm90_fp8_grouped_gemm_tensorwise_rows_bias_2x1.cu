@@ -1,8 +1,0 @@
-// src/cuda/fp8_gemm/sm90_fp8_grouped_gemm_tensorwise_rows_bias_2x1.cu — FP8 (e4m3 A and B) fprop grouped GEMM, tensorwise scales, bf16 out + bf16 bias in the epilogue, cooperative 128x128x128 in 2x1 clusters.
-// One explicit instantiation per file: the CUTLASS templates compile in parallel and only once.
-#include "cuda/fp8_gemm/sm90_fp8_grouped_gemm.cuh"
-
-namespace gmoe::cuda_backend {
-template struct Fp8GroupedGemmKernel<Fp8Scaling::tensorwise, Fp8Operands::rows, DType::bf16, true, DType::e4m3,
-                                     Fp8Tile::t128x128_2x1>;
-}  // namespace gmoe::cuda_backend
