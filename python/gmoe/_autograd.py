@@ -35,7 +35,7 @@ def _fprop_backward(ctx, dy):
     dw = None
     if any(t.requires_grad for t in w):
         dw = _unstack_like(_ops.grouped_gemm_wgrad(dy, x, counts, w[0].dtype), w)
-    db = None
+    db = []  # the structure of the bias argument: an empty list without bias
     if ctx.num_bias:
         g = _ops.grouped_bias_grad(dy, counts, ctx.bias_dtype)
         db = [g] if ctx.bias_grouped else list(g.unbind(0))
