@@ -190,6 +190,235 @@ at::Tensor fc1_glu_convert(const at::Tensor& src, int64_t from_block, int64_t to
   });
 }
 
+// ---- FP8 -----------------------------------------------------------------------------------------
+//
+// An FP8 operand travels as its tensors (gmoe/fp8.h's Fp8Grouped / Fp8Weights fields): data,
+// scale_inv, data_t, scale_inv_t (and padded_offsets for grouped rows). A copy that was not asked
+// for is a [0] tensor of the dtype it would have had. The recipe is named by a string.
+
+gmoe::Fp8Recipe recipe_of(const std::string& name) {
+  if (name == "tensorwise") return gmoe::Fp8Recipe::tensorwise;
+  if (name == "blockwise") return gmoe::Fp8Recipe::blockwise;
+  if (name == "mxfp8") return gmoe::Fp8Recipe::mxfp8;
+  TORCH_CHECK_VALUE(false, "recipe: expected 'tensorwise', 'blockwise' or 'mxfp8', got '", name, "'");
+}
+
+gmoe::DType format_of(const std::string& name) {
+  if (name == "e4m3") return gmoe::DType::e4m3;
+  if (name == "e5m2") return gmoe::DType::e5m2;
+  TORCH_CHECK_VALUE(false, "format: expected 'e4m3' or 'e5m2', got '", name, "'");
+}
+
+/// A torch tensor for a layout view: allocated when the view is wanted, else a [0] tensor.
+at::Tensor alloc_like_view(const gmoe::TensorView& v, gmoe::DType absent_dtype, const at::TensorOptions& o) {
+  if (!v.defined()) return at::empty({0}, o.dtype(scalar_type_of(absent_dtype)));
+  return at::empty(at::IntArrayRef(v.shape.data(), v.ndim), o.dtype(scalar_type_of(v.dtype)));
+}
+
+gmoe::TensorView view_if(const at::Tensor& t, bool wanted, const char* what) {
+  return wanted ? view_of(t, what) : gmoe::TensorView();
+}
+
+gmoe::DType scale_dtype(gmoe::Fp8Recipe r) { return r == gmoe::Fp8Recipe::mxfp8 ? gmoe::DType::e8m0 : gmoe::DType::f32; }
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_grouped(
+    const at::Tensor& x, const at::Tensor& counts, const std::string& recipe, const std::string& format,
+    bool rowwise, bool columnwise, bool pow2_scales) {
+  return guarded([&] {
+    check_rows(x, "x");
+    TORCH_CHECK_VALUE(counts.dim() == 1, "counts: expected a 1-D tensor [E], got ", counts.sizes());
+    OpScope s(x);
+    gmoe::Fp8QuantizeOptions o;
+    o.recipe = recipe_of(recipe);
+    o.format = format_of(format);
+    o.rowwise = rowwise;
+    o.columnwise = columnwise;
+    o.pow2_scales = pow2_scales;
+    const gmoe::Device dev = view_of(x, "x").device;
+    gmoe::Fp8Grouped q = gmoe::fp8_grouped_layout(x.size(0), x.size(1), counts.size(0), o, dev);
+    const auto opts = x.options();
+    at::Tensor data = alloc_like_view(q.data, o.format, opts);
+    at::Tensor scale = alloc_like_view(q.scale_inv, scale_dtype(o.recipe), opts);
+    at::Tensor data_t = alloc_like_view(q.data_t, o.format, opts);
+    at::Tensor scale_t = alloc_like_view(q.scale_inv_t, scale_dtype(o.recipe), opts);
+    at::Tensor offsets = alloc_like_view(q.padded_offsets, gmoe::DType::i64, opts);
+    q.data = view_if(data, rowwise, "data");
+    q.scale_inv = view_if(scale, rowwise, "scale_inv");
+    q.data_t = view_if(data_t, columnwise, "data_t");
+    q.scale_inv_t = view_if(scale_t, columnwise, "scale_inv_t");
+    q.padded_offsets = view_of(offsets, "padded_offsets");
+    gmoe::quantize_grouped(gmoe::GroupedRows{view_of(x, "x"), view_of(counts, "counts")}, o, s.stream(), s.alloc(),
+                           &q);
+    return std::make_tuple(data, scale, data_t, scale_t, offsets);
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_weights(at::TensorList w, const std::string& recipe,
+                                                                            bool rowwise, bool columnwise,
+                                                                            bool pow2_scales) {
+  return guarded([&] {
+    const gmoe::ExpertWeights wv = weights_of(w, "w");
+    OpScope s(w[0]);
+    gmoe::Fp8QuantizeOptions o;
+    o.recipe = recipe_of(recipe);
+    o.format = gmoe::DType::e4m3;
+    o.rowwise = rowwise;
+    o.columnwise = columnwise;
+    o.pow2_scales = pow2_scales;
+    gmoe::Fp8Weights q = gmoe::fp8_weights_layout(wv.num_experts(), wv.rows(), wv.cols(), o, wv.device());
+    const auto opts = w[0].options();
+    at::Tensor data = alloc_like_view(q.data, o.format, opts);
+    at::Tensor scale = alloc_like_view(q.scale_inv, scale_dtype(o.recipe), opts);
+    at::Tensor data_t = alloc_like_view(q.data_t, o.format, opts);
+    at::Tensor scale_t = alloc_like_view(q.scale_inv_t, scale_dtype(o.recipe), opts);
+    q.data = view_if(data, rowwise, "data");
+    q.scale_inv = view_if(scale, rowwise, "scale_inv");
+    q.data_t = view_if(data_t, columnwise, "data_t");
+    q.scale_inv_t = view_if(scale_t, columnwise, "scale_inv_t");
+    gmoe::quantize_weights(wv, o, s.stream(), s.alloc(), &q);
+    return std::make_tuple(data, scale, data_t, scale_t);
+  });
+}
+
+/// The rowwise copy of grouped rows from its tensors (data [capacity, cols]).
+gmoe::Fp8Grouped fp8_rows(const at::Tensor& data, const at::Tensor& scale_inv, const std::string& recipe,
+                          const char* what) {
+  check_rows(data, what);
+  gmoe::Fp8Grouped q;
+  q.recipe = recipe_of(recipe);
+  q.format = dtype_of(data.scalar_type(), what);
+  q.capacity = data.size(0);
+  q.cols = data.size(1);
+  q.data = view_of(data, what);
+  q.scale_inv = view_of(scale_inv, "scale_inv");
+  return q;
+}
+
+/// The columnwise copy of grouped rows (data_t [cols, padded_capacity]) of `capacity` rows.
+gmoe::Fp8Grouped fp8_cols(const at::Tensor& data_t, const at::Tensor& scale_inv_t, const at::Tensor& padded_offsets,
+                          int64_t capacity, const std::string& recipe, const char* what) {
+  check_rows(data_t, what);
+  gmoe::Fp8Grouped q;
+  q.recipe = recipe_of(recipe);
+  q.format = dtype_of(data_t.scalar_type(), what);
+  q.capacity = capacity;
+  q.cols = data_t.size(0);
+  q.padded_capacity = data_t.size(1);
+  q.data_t = view_of(data_t, what);
+  q.scale_inv_t = view_of(scale_inv_t, "scale_inv_t");
+  q.padded_offsets = view_of(padded_offsets, "padded_offsets");
+  return q;
+}
+
+/// Expert weights' copy: rowwise data [E, N, K], or (transposed) data_t [E, K, N].
+gmoe::Fp8Weights fp8_weights(const at::Tensor& data, const at::Tensor& scale_inv, bool transposed,
+                             const std::string& recipe, const char* what) {
+  TORCH_CHECK_VALUE(data.dim() == 3, what, ": expected a 3-D tensor, got ", data.sizes());
+  gmoe::Fp8Weights q;
+  q.recipe = recipe_of(recipe);
+  q.format = dtype_of(data.scalar_type(), what);
+  q.experts = data.size(0);
+  q.rows = transposed ? data.size(2) : data.size(1);
+  q.cols = transposed ? data.size(1) : data.size(2);
+  (transposed ? q.data_t : q.data) = view_of(data, what);
+  (transposed ? q.scale_inv_t : q.scale_inv) = view_of(scale_inv, "scale_inv");
+  return q;
+}
+
+/// FP8 GEMMs write bf16 on CUDA and f32 on the CPU unless told otherwise.
+at::ScalarType fp8_out_dtype(const at::Tensor& t, std::optional<at::ScalarType> out_dtype) {
+  return out_dtype.value_or(t.is_cuda() ? at::kBFloat16 : at::kFloat);
+}
+
+at::Tensor fp8_grouped_gemm_fprop(const at::Tensor& x_data, const at::Tensor& x_scale_inv, const at::Tensor& w_data,
+                                  const at::Tensor& w_scale_inv, const at::Tensor& counts, const std::string& recipe,
+                                  at::TensorList bias, bool fast_accumulation, std::optional<at::ScalarType> out_dtype) {
+  return guarded([&] {
+    OpScope s(x_data);
+    const gmoe::Fp8Grouped x = fp8_rows(x_data, x_scale_inv, recipe, "x_data");
+    const gmoe::Fp8Weights w = fp8_weights(w_data, w_scale_inv, false, recipe, "w_data");
+    at::Tensor y = at::empty({x.capacity, w.rows}, x_data.options().dtype(fp8_out_dtype(x_data, out_dtype)));
+    gmoe::fp8_grouped_gemm_fprop(x, w, bias_of(bias, "bias"), view_of(counts, "counts"), view_of(y, "y"),
+                                 gmoe::Fp8GemmOptions{fast_accumulation}, s.stream(), s.alloc());
+    return y;
+  });
+}
+
+at::Tensor fp8_grouped_gemm_dgrad(const at::Tensor& dy_data, const at::Tensor& dy_scale_inv,
+                                  const at::Tensor& w_data_t, const at::Tensor& w_scale_inv_t,
+                                  const at::Tensor& counts, const std::string& recipe, bool fast_accumulation,
+                                  std::optional<at::ScalarType> out_dtype) {
+  return guarded([&] {
+    OpScope s(dy_data);
+    const gmoe::Fp8Grouped dy = fp8_rows(dy_data, dy_scale_inv, recipe, "dy_data");
+    const gmoe::Fp8Weights w = fp8_weights(w_data_t, w_scale_inv_t, true, recipe, "w_data_t");
+    at::Tensor dx = at::empty({dy.capacity, w.cols}, dy_data.options().dtype(fp8_out_dtype(dy_data, out_dtype)));
+    gmoe::fp8_grouped_gemm_dgrad(dy, w, view_of(counts, "counts"), view_of(dx, "dx"),
+                                 gmoe::Fp8GemmOptions{fast_accumulation}, s.stream(), s.alloc());
+    return dx;
+  });
+}
+
+void fp8_grouped_gemm_wgrad_(const at::Tensor& dy_data_t, const at::Tensor& dy_scale_inv_t,
+                             const at::Tensor& x_data_t, const at::Tensor& x_scale_inv_t,
+                             const at::Tensor& padded_offsets, const at::Tensor& counts, int64_t capacity,
+                             const std::string& recipe, at::TensorList dw, bool accumulate,
+                             const std::optional<at::Tensor>& expert_mask) {
+  guarded([&] {
+    OpScope s(dy_data_t);
+    gmoe::WgradOptions o;
+    o.accumulate = accumulate;
+    o.expert_mask = view_of(expert_mask, "expert_mask");
+    gmoe::fp8_grouped_gemm_wgrad(fp8_cols(dy_data_t, dy_scale_inv_t, padded_offsets, capacity, recipe, "dy_data_t"),
+                                 fp8_cols(x_data_t, x_scale_inv_t, padded_offsets, capacity, recipe, "x_data_t"),
+                                 view_of(counts, "counts"), weights_of(dw, "dw"), o, s.stream(), s.alloc());
+    return 0;
+  });
+}
+
+at::Tensor fp8_grouped_gemm_wgrad(const at::Tensor& dy_data_t, const at::Tensor& dy_scale_inv_t,
+                                  const at::Tensor& x_data_t, const at::Tensor& x_scale_inv_t,
+                                  const at::Tensor& padded_offsets, const at::Tensor& counts, int64_t capacity,
+                                  const std::string& recipe, std::optional<at::ScalarType> out_dtype) {
+  TORCH_CHECK_VALUE(counts.dim() == 1 && dy_data_t.dim() == 2 && x_data_t.dim() == 2,
+                    "fp8_grouped_gemm_wgrad: expected counts [E], dy_data_t [N, padded], x_data_t [K, padded], got ",
+                    counts.sizes(), ", ", dy_data_t.sizes(), ", ", x_data_t.sizes());
+  at::Tensor dw = at::empty({counts.size(0), dy_data_t.size(0), x_data_t.size(0)},
+                            dy_data_t.options().dtype(out_dtype.value_or(at::kFloat)));
+  fp8_grouped_gemm_wgrad_(dy_data_t, dy_scale_inv_t, x_data_t, x_scale_inv_t, padded_offsets, counts, capacity,
+                          recipe, {dw}, false, std::nullopt);
+  return dw;
+}
+
+at::Tensor dequantize_grouped(const at::Tensor& data, const at::Tensor& scale_inv, const at::Tensor& data_t,
+                              const at::Tensor& scale_inv_t, const at::Tensor& padded_offsets,
+                              const at::Tensor& counts, int64_t capacity, int64_t cols, const std::string& recipe,
+                              bool columnwise, at::ScalarType out_dtype) {
+  return guarded([&] {
+    OpScope s(columnwise ? data_t : data);
+    gmoe::Fp8Grouped q = columnwise ? fp8_cols(data_t, scale_inv_t, padded_offsets, capacity, recipe, "data_t")
+                                    : fp8_rows(data, scale_inv, recipe, "data");
+    TORCH_CHECK_VALUE(q.capacity == capacity && q.cols == cols, "dequantize_grouped: the copy is of [", q.capacity,
+                      ", ", q.cols, "], expected [", capacity, ", ", cols, "]");
+    at::Tensor out = at::empty({capacity, cols}, (columnwise ? data_t : data).options().dtype(out_dtype));
+    gmoe::dequantize_grouped(q, view_of(counts, "counts"), view_of(out, "out"),
+                             columnwise ? gmoe::Fp8Copy::columnwise : gmoe::Fp8Copy::rowwise, s.stream(), s.alloc());
+    return out;
+  });
+}
+
+at::Tensor dequantize_weights(const at::Tensor& data, const at::Tensor& scale_inv, bool transposed,
+                              const std::string& recipe, at::ScalarType out_dtype) {
+  return guarded([&] {
+    OpScope s(data);
+    const gmoe::Fp8Weights q = fp8_weights(data, scale_inv, transposed, recipe, transposed ? "data_t" : "data");
+    at::Tensor out = at::empty({q.experts, q.rows, q.cols}, data.options().dtype(out_dtype));
+    gmoe::dequantize_weights(q, gmoe::ExpertWeights::from_stacked(view_of(out, "out")),
+                             transposed ? gmoe::Fp8Copy::columnwise : gmoe::Fp8Copy::rowwise, s.stream(), s.alloc());
+    return out;
+  });
+}
+
 void register_impls(torch::Library& m) {
   m.impl("grouped_gemm_fprop", &grouped_gemm_fprop);
   m.impl("grouped_gemm_dgrad", &grouped_gemm_dgrad);
@@ -200,6 +429,14 @@ void register_impls(torch::Library& m) {
   m.impl("grouped_activation_forward", &grouped_activation_forward);
   m.impl("grouped_activation_backward", &grouped_activation_backward);
   m.impl("fc1_glu_convert", &fc1_glu_convert);
+  m.impl("quantize_grouped", &quantize_grouped);
+  m.impl("quantize_weights", &quantize_weights);
+  m.impl("fp8_grouped_gemm_fprop", &fp8_grouped_gemm_fprop);
+  m.impl("fp8_grouped_gemm_dgrad", &fp8_grouped_gemm_dgrad);
+  m.impl("fp8_grouped_gemm_wgrad", &fp8_grouped_gemm_wgrad);
+  m.impl("fp8_grouped_gemm_wgrad_", &fp8_grouped_gemm_wgrad_);
+  m.impl("dequantize_grouped", &dequantize_grouped);
+  m.impl("dequantize_weights", &dequantize_weights);
 }
 
 }  // namespace
@@ -221,6 +458,24 @@ TORCH_LIBRARY(gmoe, m) {
         "bool need_dprobs=False, float alpha=1.702, float limit=7.0, bool gelu_tanh=False, int glu_block=0) "
         "-> (Tensor, Tensor)");
   m.def("fc1_glu_convert(Tensor src, int from_block, int to_block) -> Tensor");
+  m.def("quantize_grouped(Tensor x, Tensor counts, str recipe, str format=\"e4m3\", bool rowwise=True, "
+        "bool columnwise=False, bool pow2_scales=False) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("quantize_weights(Tensor[] w, str recipe, bool rowwise=True, bool columnwise=True, bool pow2_scales=False) "
+        "-> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("fp8_grouped_gemm_fprop(Tensor x_data, Tensor x_scale_inv, Tensor w_data, Tensor w_scale_inv, "
+        "Tensor counts, str recipe, Tensor[] bias, bool fast_accumulation=False, ScalarType? out_dtype=None) "
+        "-> Tensor");
+  m.def("fp8_grouped_gemm_dgrad(Tensor dy_data, Tensor dy_scale_inv, Tensor w_data_t, Tensor w_scale_inv_t, "
+        "Tensor counts, str recipe, bool fast_accumulation=False, ScalarType? out_dtype=None) -> Tensor");
+  m.def("fp8_grouped_gemm_wgrad(Tensor dy_data_t, Tensor dy_scale_inv_t, Tensor x_data_t, Tensor x_scale_inv_t, "
+        "Tensor padded_offsets, Tensor counts, int capacity, str recipe, ScalarType? out_dtype=None) -> Tensor");
+  m.def("fp8_grouped_gemm_wgrad_(Tensor dy_data_t, Tensor dy_scale_inv_t, Tensor x_data_t, Tensor x_scale_inv_t, "
+        "Tensor padded_offsets, Tensor counts, int capacity, str recipe, Tensor(a!)[] dw, bool accumulate=False, "
+        "Tensor? expert_mask=None) -> ()");
+  m.def("dequantize_grouped(Tensor data, Tensor scale_inv, Tensor data_t, Tensor scale_inv_t, Tensor padded_offsets, "
+        "Tensor counts, int capacity, int cols, str recipe, bool columnwise, ScalarType out_dtype) -> Tensor");
+  m.def("dequantize_weights(Tensor data, Tensor scale_inv, bool transposed, str recipe, ScalarType out_dtype) "
+        "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(gmoe, CPU, m) { gmoe_torch::register_impls(m); }

@@ -34,10 +34,30 @@ from .ops import (  # noqa: E402
     grouped_gemm_dgrad,
     grouped_gemm_wgrad,
 )
+from .fp8 import (  # noqa: E402
+    Fp8Rows,
+    Fp8Weights,
+    dequantize_grouped,
+    dequantize_weights,
+    fp8_grouped_gemm,
+    fp8_grouped_gemm_dgrad,
+    fp8_grouped_gemm_wgrad,
+    quantize_grouped,
+    quantize_weights,
+)
 from .modules import GroupedLinear, GroupedMLP  # noqa: E402
 
 __all__ = [
     "ACTIVATIONS",
+    "Fp8Rows",
+    "Fp8Weights",
+    "dequantize_grouped",
+    "dequantize_weights",
+    "fp8_grouped_gemm",
+    "fp8_grouped_gemm_dgrad",
+    "fp8_grouped_gemm_wgrad",
+    "quantize_grouped",
+    "quantize_weights",
     "GroupedLinear",
     "GroupedMLP",
     "fc1_glu_convert",

@@ -73,3 +73,98 @@ def _grouped_activation_backward(h: Tensor, dz: Tensor, counts: Tensor, kind: st
 @torch.library.register_fake(_lib + "fc1_glu_convert")
 def _fc1_glu_convert(src: Tensor, from_block: int, to_block: int) -> Tensor:
     return src.new_empty(src.shape)
+
+
+# ---- FP8 (layouts of gmoe/fp8.h: fp8_grouped_layout, fp8_weights_layout) ------------------------
+
+_FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+_BLOCK, _MX_BLOCK, _TOKEN_PAD = 128, 32, 128
+
+
+def _cdiv(a, b):
+    return (a + b - 1) // b
+
+
+def _scale_dtype(recipe):
+    return torch.float8_e8m0fnu if recipe == "mxfp8" else torch.float32
+
+
+def padded_capacity(capacity, experts):
+    """fp8_padded_capacity: roundup(capacity, 128) + 128 * experts."""
+    return _cdiv(capacity, _TOKEN_PAD) * _TOKEN_PAD + _TOKEN_PAD * experts
+
+
+@torch.library.register_fake(_lib + "quantize_grouped")
+def _quantize_grouped(x: Tensor, counts: Tensor, recipe: str, format: str = "e4m3", rowwise: bool = True,
+                      columnwise: bool = False, pow2_scales: bool = False):
+    cap, cols, E = x.shape[0], x.shape[1], counts.shape[0]
+    fmt, sdt = _FORMATS[format], _scale_dtype(recipe)
+    padded = padded_capacity(cap, E)
+    if recipe == "tensorwise":
+        s_rows, s_cols = (E,), (E,)
+    elif recipe == "blockwise":
+        s_rows, s_cols = (_cdiv(cols, _BLOCK), cap), (padded // _BLOCK, cols)
+    else:
+        s_rows, s_cols = (cap, _cdiv(cols, _MX_BLOCK)), (cols, padded // _MX_BLOCK)
+    empty = lambda shape, dt, wanted: x.new_empty(shape if wanted else (0,), dtype=dt)  # noqa: E731
+    return (empty((cap, cols), fmt, rowwise), empty(s_rows, sdt, rowwise), empty((cols, padded), fmt, columnwise),
+            empty(s_cols, sdt, columnwise), x.new_empty((E + 1,), dtype=torch.int64))
+
+
+@torch.library.register_fake(_lib + "quantize_weights")
+def _quantize_weights(w: Sequence[Tensor], recipe: str, rowwise: bool = True, columnwise: bool = True,
+                      pow2_scales: bool = False):
+    stacked = len(w) == 1 and w[0].dim() == 3
+    E = w[0].shape[0] if stacked else len(w)
+    N, K = _expert_rows(w), _expert_cols(w)
+    fmt, sdt = torch.float8_e4m3fn, _scale_dtype(recipe)
+    if recipe == "tensorwise":
+        s, st = (E,), (E,)
+    elif recipe == "blockwise":
+        s, st = (E, _cdiv(N, _BLOCK), _cdiv(K, _BLOCK)), (E, _cdiv(K, _BLOCK), _cdiv(N, _BLOCK))
+    else:
+        s, st = (E, N, _cdiv(K, _MX_BLOCK)), (E, K, _cdiv(N, _MX_BLOCK))
+    empty = lambda shape, dt, wanted: w[0].new_empty(shape if wanted else (0,), dtype=dt)  # noqa: E731
+    return (empty((E, N, K), fmt, rowwise), empty(s, sdt, rowwise), empty((E, K, N), fmt, columnwise),
+            empty(st, sdt, columnwise))
+
+
+def _fp8_out(t: Tensor, out_dtype):
+    return out_dtype or (torch.bfloat16 if t.device.type == "cuda" else torch.float32)
+
+
+@torch.library.register_fake(_lib + "fp8_grouped_gemm_fprop")
+def _fp8_fprop(x_data, x_scale_inv, w_data, w_scale_inv, counts, recipe, bias, fast_accumulation=False,
+               out_dtype=None):
+    return x_data.new_empty((x_data.shape[0], w_data.shape[1]), dtype=_fp8_out(x_data, out_dtype))
+
+
+@torch.library.register_fake(_lib + "fp8_grouped_gemm_dgrad")
+def _fp8_dgrad(dy_data, dy_scale_inv, w_data_t, w_scale_inv_t, counts, recipe, fast_accumulation=False,
+               out_dtype=None):
+    return dy_data.new_empty((dy_data.shape[0], w_data_t.shape[1]), dtype=_fp8_out(dy_data, out_dtype))
+
+
+@torch.library.register_fake(_lib + "fp8_grouped_gemm_wgrad")
+def _fp8_wgrad(dy_data_t, dy_scale_inv_t, x_data_t, x_scale_inv_t, padded_offsets, counts, capacity, recipe,
+               out_dtype=None):
+    return dy_data_t.new_empty((counts.shape[0], dy_data_t.shape[0], x_data_t.shape[0]),
+                               dtype=out_dtype or torch.float32)
+
+
+@torch.library.register_fake(_lib + "fp8_grouped_gemm_wgrad_")
+def _fp8_wgrad_(dy_data_t, dy_scale_inv_t, x_data_t, x_scale_inv_t, padded_offsets, counts, capacity, recipe, dw,
+                accumulate=False, expert_mask=None):
+    return None
+
+
+@torch.library.register_fake(_lib + "dequantize_grouped")
+def _dequantize_grouped(data, scale_inv, data_t, scale_inv_t, padded_offsets, counts, capacity, cols, recipe,
+                        columnwise, out_dtype):
+    return (data_t if columnwise else data).new_empty((capacity, cols), dtype=out_dtype)
+
+
+@torch.library.register_fake(_lib + "dequantize_weights")
+def _dequantize_weights(data, scale_inv, transposed, recipe, out_dtype):
+    E, a, b = data.shape
+    return data.new_empty((E, b, a) if transposed else (E, a, b), dtype=out_dtype)
