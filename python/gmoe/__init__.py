@@ -45,10 +45,12 @@ from .fp8 import (  # noqa: E402
     quantize_grouped,
     quantize_weights,
 )
-from .modules import GroupedLinear, GroupedMLP  # noqa: E402
+from .modules import FP8_RECIPES, GroupedLinear, GroupedMLP, fp8_autocast  # noqa: E402
 
 __all__ = [
     "ACTIVATIONS",
+    "FP8_RECIPES",
+    "fp8_autocast",
     "Fp8Rows",
     "Fp8Weights",
     "dequantize_grouped",

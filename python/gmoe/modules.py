@@ -21,10 +21,63 @@ from typing import Callable, List, Optional, Union
 import torch
 from torch import Tensor, nn
 
+from .fp8 import Fp8Rows, Fp8Weights, fp8_grouped_gemm, fp8_grouped_gemm_dgrad, fp8_grouped_gemm_wgrad, \
+    quantize_grouped, quantize_weights
 from .ops import ACTIVATIONS, glu_block_of
 
 _ops = torch.ops.gmoe
 _LAYOUTS = ("stacked", "per_expert")
+#: FP8 recipes of the modules (LinearRecipe of gmoe/grouped_linear.h) and their quantization recipe.
+FP8_RECIPES = {"fp8_tensorwise": "tensorwise", "fp8_blockwise": "blockwise", "mxfp8": "mxfp8"}
+_autocast_recipe: List[Optional[str]] = [None]
+
+
+class fp8_autocast:
+    """``with gmoe.fp8_autocast("fp8_blockwise"):`` — the GroupedLinear / GroupedMLP layers built
+    without a recipe run their GEMMs in FP8 with this one inside the block (``None``: native)."""
+
+    def __init__(self, recipe: Optional[str] = "fp8_blockwise"):
+        if recipe is not None and recipe not in FP8_RECIPES:
+            raise ValueError(f"recipe: expected one of {tuple(FP8_RECIPES)} or None, got {recipe!r}")
+        self.recipe = recipe
+
+    def __enter__(self):
+        self.previous = _autocast_recipe[0]
+        _autocast_recipe[0] = self.recipe
+        return self
+
+    def __exit__(self, *exc):
+        _autocast_recipe[0] = self.previous
+        return False
+
+
+class _Wgrad:
+    """One weight gradient to compute, now or in backward_dw: dy and x (native), or their
+    columnwise FP8 copies."""
+
+    def __init__(self, dy: Tensor, x, counts: Tensor):
+        self.dy, self.x, self.counts = dy, x, counts
+        self.stream = torch.cuda.current_stream() if dy_device(dy).type == "cuda" else None
+
+    def tensors(self) -> List[Tensor]:
+        if isinstance(self.dy, Tensor):
+            return [self.dy, self.x, self.counts]
+        return [t for t in (*self.dy[:5], *self.x[:5], self.counts) if t.numel()]
+
+    def fresh(self, dtype: torch.dtype) -> Tensor:
+        if isinstance(self.dy, Tensor):
+            return _ops.grouped_gemm_wgrad(self.dy, self.x, self.counts, dtype)
+        return fp8_grouped_gemm_wgrad(self.dy, self.x, self.counts).to(dtype)
+
+    def into(self, out: List[Tensor], accumulate: bool) -> None:
+        if isinstance(self.dy, Tensor):
+            _ops.grouped_gemm_wgrad_(self.dy, self.x, self.counts, out, accumulate, None)
+        else:
+            fp8_grouped_gemm_wgrad(self.dy, self.x, self.counts, out=out, accumulate=accumulate)
+
+
+def dy_device(dy) -> torch.device:
+    return dy.device if isinstance(dy, Tensor) else dy.data_t.device
 
 
 class _WgradState:
@@ -34,7 +87,7 @@ class _WgradState:
 
     def __init__(self, module: "GroupedLinear"):
         self.module = module
-        self.pending: List[tuple] = []
+        self.pending: List[_Wgrad] = []
 
 
 class _GroupedLinearFunction(torch.autograd.Function):
@@ -65,14 +118,54 @@ class _GroupedLinearFunction(torch.autograd.Function):
             dw = _ops.grouped_gemm_wgrad(dy, x, counts, weights[0].dtype)
             dweights = [dw] if ctx.num_weights == 1 and weights[0].dim() == 3 else list(dw.unbind(0))
             return (dx, None, None, None, *dweights, *dbiases)
-        module = state.module
-        dbiases = [module._to_main_grad(b, g) for b, g in zip(module._biases(), dbiases)]
-        if module.delay_wgrad_compute:
-            state.pending.append((dy, x, counts, torch.cuda.current_stream() if dy.is_cuda else None))
-        else:
-            module._compute_wgrad(dy, x, counts)
-            module._run_wgrad_hooks()
+        dbiases = state.module._finish_backward(_Wgrad(dy, x, counts), dbiases)
         return (dx, None, None, None, *([None] * ctx.num_weights), *dbiases)
+
+
+class _Fp8GroupedLinearFunction(torch.autograd.Function):
+    """The FP8 GroupedLinear: x and dy quantized in one pass each (rowwise for fprop/dgrad, and the
+    columnwise copy the FP8 weight gradient reads), the weights quantized by the caller (cached)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, counts: Tensor, state: Optional[_WgradState], num_weights: int, recipe: str,
+                grad_format: str, wq: Fp8Weights, *params: Tensor):
+        biases = list(params[num_weights:])
+        xq = quantize_grouped(x, counts, recipe, "e4m3", rowwise=True, columnwise=True)
+        y = fp8_grouped_gemm(xq, wq, counts, biases, out_dtype=x.dtype)
+        # Only the columnwise copy lives on to backward (the weight gradient's operand).
+        x_cols = Fp8Rows(xq.data.new_empty(0), xq.scale_inv.new_empty(0), *xq[2:])
+        ctx.save_for_backward(counts, *x_cols[:5], *wq[:4])
+        ctx.x_meta = (recipe, xq.capacity, xq.cols, x.dtype)
+        ctx.grad_format, ctx.state, ctx.num_weights = grad_format, state, num_weights
+        ctx.stacked = params[0].dim() == 3
+        ctx.num_biases = len(biases)
+        ctx.bias_grouped = len(biases) == 1 and biases[0].dim() == 2
+        ctx.bias_dtype = biases[0].dtype if biases else None
+        ctx.weight_dtype = params[0].dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        counts, *rest = ctx.saved_tensors
+        recipe, capacity, cols, x_dtype = ctx.x_meta
+        xq = Fp8Rows(*rest[:5], recipe, capacity, cols)
+        wq = Fp8Weights(*rest[5:9], recipe)
+        dy = dy.contiguous()
+        dyq = quantize_grouped(dy, counts, recipe, ctx.grad_format, rowwise=True, columnwise=True)
+        dx = fp8_grouped_gemm_dgrad(dyq, wq, counts, out_dtype=x_dtype) if ctx.needs_input_grad[0] else None
+        dbiases: List[Optional[Tensor]] = []
+        if ctx.num_biases:
+            g = _ops.grouped_bias_grad(dy, counts, ctx.bias_dtype)
+            dbiases = [g] if ctx.bias_grouped else list(g.unbind(0))
+        dyq = Fp8Rows(dyq.data.new_empty(0), dyq.scale_inv.new_empty(0), *dyq[2:])
+        wg = _Wgrad(dyq, xq, counts)
+        none = (None,) * 4
+        if ctx.state is None:
+            dw = wg.fresh(ctx.weight_dtype)
+            dweights = [dw] if ctx.stacked else list(dw.unbind(0))
+            return (dx, None, None, None, *none[:3], *dweights, *dbiases)
+        dbiases = ctx.state.module._finish_backward(wg, dbiases)
+        return (dx, None, None, None, *none[:3], *([None] * ctx.num_weights), *dbiases)
 
 
 def _kaiming_like_linear(w: Tensor, b: Optional[Tensor], in_features: int) -> None:
@@ -96,14 +189,27 @@ class GroupedLinear(nn.Module):
             ``"per_expert"`` (``weight0`` … ``weight{E-1}`` [N, K], ``bias0`` … [N]).
         delay_wgrad_compute: backward leaves the weight gradients to :meth:`backward_dw`.
         accumulate_main_grad: with ``param.main_grad``: add into it (True) or overwrite it (False).
+        recipe: ``None`` (the parameters' precision), or an FP8 recipe for the three GEMMs:
+            ``"fp8_tensorwise"``, ``"fp8_blockwise"``, ``"mxfp8"`` (also set by :class:`fp8_autocast`).
+            x and dy are quantized in one pass each; the weights' FP8 copies are cached and made
+            again when a weight changed (``param._version``, which ``optimizer.step()`` bumps) or
+            inside a CUDA graph capture (so that every replay quantizes the current weights).
+            CUDA needs bf16 parameters and in/out features multiples of 16.
+        grad_format: FP8 format of the output gradients, ``"e4m3"`` or ``"e5m2"``.
         device, dtype: of the parameters (CUDA: bfloat16/float16; CPU: float32 too).
     """
 
     def __init__(self, num_experts: int, in_features: int, out_features: int, bias: bool = True,
                  weight_layout: str = "stacked", delay_wgrad_compute: bool = False,
-                 accumulate_main_grad: bool = True, device: Optional[Union[str, torch.device]] = None,
-                 dtype: Optional[torch.dtype] = None):
+                 accumulate_main_grad: bool = True, recipe: Optional[str] = None, grad_format: str = "e4m3",
+                 device: Optional[Union[str, torch.device]] = None, dtype: Optional[torch.dtype] = None):
         super().__init__()
+        if recipe is not None and recipe not in FP8_RECIPES:
+            raise ValueError(f"recipe: expected one of {tuple(FP8_RECIPES)} or None, got {recipe!r}")
+        if grad_format not in ("e4m3", "e5m2"):
+            raise ValueError(f"grad_format: expected 'e4m3' or 'e5m2', got {grad_format!r}")
+        self.recipe, self.grad_format = recipe, grad_format
+        self._fp8_cache: Optional[tuple] = None  # (key, Fp8Weights)
         if weight_layout not in _LAYOUTS:
             raise ValueError(f"weight_layout: expected one of {_LAYOUTS}, got {weight_layout!r}")
         if num_experts < 1:
@@ -155,7 +261,28 @@ class GroupedLinear(nn.Module):
         special = (self.delay_wgrad_compute or bool(self._wgrad_hooks)
                    or any(hasattr(p, "main_grad") for p in weights + biases))
         state = self._state if special else None
-        return _GroupedLinearFunction.apply(x, m_splits, state, len(weights), *weights, *biases)
+        recipe = self.recipe or _autocast_recipe[0]
+        if recipe is None:
+            return _GroupedLinearFunction.apply(x, m_splits, state, len(weights), *weights, *biases)
+        wq = self._fp8_weights(FP8_RECIPES[recipe], weights, x)
+        return _Fp8GroupedLinearFunction.apply(x, m_splits, state, len(weights), FP8_RECIPES[recipe], self.grad_format,
+                                               wq, *weights, *biases)
+
+    def _fp8_weights(self, recipe: str, weights: List[Tensor], x: Tensor) -> Fp8Weights:
+        """The weights' FP8 copies: cached while the weights are unchanged."""
+        key = (recipe, tuple((w.data_ptr(), w._version) for w in weights))
+        uncached = torch.compiler.is_compiling() or (x.is_cuda and torch.cuda.is_current_stream_capturing())
+        if not uncached and self._fp8_cache is not None and self._fp8_cache[0] == key:
+            return self._fp8_cache[1]
+        wq = quantize_weights([w.detach() for w in weights], recipe)
+        if not uncached:
+            self._fp8_cache = (key, wq)
+        return wq
+
+    def invalidate_fp8_weight(self) -> None:
+        """Drops the FP8 weight cache (changes to the weights are detected without it, through
+        their version counters; this is for changes made behind autograd's back, e.g. via .data)."""
+        self._fp8_cache = None
 
     # ---- weight gradients -------------------------------------------------------------------
 
@@ -171,15 +298,25 @@ class GroupedLinear(nn.Module):
         p.grad_added_to_main_grad = True
         return None
 
-    def _compute_wgrad(self, dy: Tensor, x: Tensor, counts: Tensor) -> None:
+    def _finish_backward(self, wg: _Wgrad, dbiases: List[Tensor]) -> List[Optional[Tensor]]:
+        """The end of a backward with Python state: bias gradients to main_grad where there is one,
+        the weight gradient now (and the hooks) or queued for backward_dw."""
+        dbiases = [self._to_main_grad(b, g) for b, g in zip(self._biases(), dbiases)]
+        if self.delay_wgrad_compute:
+            self._state.pending.append(wg)
+        else:
+            self._compute_wgrad(wg)
+            self._run_wgrad_hooks()
+        return dbiases
+
+    def _compute_wgrad(self, wg: _Wgrad) -> None:
         weights = self._weights()
         if all(hasattr(w, "main_grad") for w in weights):
-            main = [w.main_grad for w in weights]
-            _ops.grouped_gemm_wgrad_(dy, x, counts, main, self.accumulate_main_grad, None)
+            wg.into([w.main_grad for w in weights], self.accumulate_main_grad)
             for w in weights:
                 w.grad_added_to_main_grad = True
             return
-        dw = _ops.grouped_gemm_wgrad(dy, x, counts, weights[0].dtype)
+        dw = wg.fresh(weights[0].dtype)
         grads = [dw] if self.weight_layout == "stacked" else list(dw.unbind(0))
         for w, g in zip(weights, grads):
             if hasattr(w, "main_grad"):
@@ -203,13 +340,13 @@ class GroupedLinear(nn.Module):
         on the current stream, then calls the wgrad hooks. Call it on a stream ordered after the
         backward (for another stream: ``s.wait_stream(torch.cuda.current_stream())`` first)."""
         pending, self._state.pending = self._state.pending, []
-        for dy, x, counts, stream in pending:
-            if stream is not None and stream != torch.cuda.current_stream():
+        for wg in pending:
+            if wg.stream is not None and wg.stream != torch.cuda.current_stream():
                 # The tensors were made on the backward's stream: keep their memory from being
                 # reused there while this stream still reads them.
-                for t in (dy, x, counts):
+                for t in wg.tensors():
                     t.record_stream(torch.cuda.current_stream())
-            self._compute_wgrad(dy, x, counts)
+            self._compute_wgrad(wg)
         if pending:
             self._run_wgrad_hooks()
 
@@ -246,8 +383,9 @@ class GroupedMLP(nn.Module):
         activation: one of ``"swiglu"``, ``"geglu"``, ``"clamped_swiglu"`` (gpt-oss; ``alpha``,
             ``limit``), ``"squared_relu"``; ``gelu_tanh`` selects GeGLU's tanh approximation.
         glu_layout: FC1's gate/up output rows, ``"concatenated"`` ([gate; up]) or ``"interleaved:B"``.
-        bias, weight_layout, delay_wgrad_compute, accumulate_main_grad, device, dtype: as for
-            :class:`GroupedLinear` (both FCs).
+        bias, weight_layout, delay_wgrad_compute, accumulate_main_grad, recipe, grad_format, device,
+            dtype: as for :class:`GroupedLinear` (both FCs; the activation runs in the parameters'
+            precision between the FP8 GEMMs).
 
     Submodules ``fc1`` and ``fc2`` are GroupedLinear layers.
     """
@@ -256,6 +394,7 @@ class GroupedMLP(nn.Module):
                  glu_layout: Union[str, int] = "concatenated", bias: bool = False, weight_layout: str = "stacked",
                  alpha: float = 1.702, limit: float = 7.0, gelu_tanh: bool = False,
                  delay_wgrad_compute: bool = False, accumulate_main_grad: bool = True,
+                 recipe: Optional[str] = None, grad_format: str = "e4m3",
                  device: Optional[Union[str, torch.device]] = None, dtype: Optional[torch.dtype] = None):
         super().__init__()
         if activation not in ACTIVATIONS:
@@ -265,7 +404,8 @@ class GroupedMLP(nn.Module):
         self.alpha, self.limit, self.gelu_tanh = float(alpha), float(limit), bool(gelu_tanh)
         fc1_out = ffn_hidden_size if activation == "squared_relu" else 2 * ffn_hidden_size
         common = dict(bias=bias, weight_layout=weight_layout, delay_wgrad_compute=delay_wgrad_compute,
-                      accumulate_main_grad=accumulate_main_grad, device=device, dtype=dtype)
+                      accumulate_main_grad=accumulate_main_grad, recipe=recipe, grad_format=grad_format,
+                      device=device, dtype=dtype)
         self.fc1 = GroupedLinear(num_experts, hidden_size, fc1_out, **common)
         self.fc2 = GroupedLinear(num_experts, ffn_hidden_size, hidden_size, **common)
 
@@ -276,6 +416,11 @@ class GroupedMLP(nn.Module):
         z = _ops.grouped_activation_forward(h, m_splits, self.activation, probs, self.alpha, self.limit,
                                             self.gelu_tanh, self.glu_block)
         return self.fc2(z, m_splits)
+
+    def invalidate_fp8_weight(self) -> None:
+        """Drops both FCs' FP8 weight caches (see GroupedLinear.invalidate_fp8_weight)."""
+        self.fc1.invalidate_fp8_weight()
+        self.fc2.invalidate_fp8_weight()
 
     def backward_dw(self) -> None:
         """The delayed weight gradients: FC2's, then FC1's (each layer's hooks fire after its own)."""

@@ -119,3 +119,79 @@ FP8_OPCHECKS = ("test_autograd_registration", "test_faketensor", "test_aot_dispa
 def test_opcheck_fp8(case):
     op, args, kwargs = _opcheck_cases()[case]
     torch.library.opcheck(op, args, kwargs, test_utils=FP8_OPCHECKS)
+
+
+# ---- FP8 modules --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("recipe", ["fp8_tensorwise", "fp8_blockwise", "mxfp8"])
+@pytest.mark.parametrize("layout", ["stacked", "per_expert"])
+def test_fp8_grouped_linear_is_the_fp8_ops(recipe, layout):
+    torch.manual_seed(0)
+    m = gmoe.GroupedLinear(E, K, N, bias=True, weight_layout=layout, recipe=recipe, grad_format="e5m2")
+    counts = counts_for()
+    x = torch.randn(CAP, K, requires_grad=True)
+    dy = torch.randn(CAP, N)
+    y = m(x, counts)
+    y.backward(dy)
+    r = gmoe.FP8_RECIPES[recipe]
+    w = torch.stack(m._weights()) if layout == "per_expert" else m.weight
+    b = torch.stack(m._biases()) if layout == "per_expert" else m.bias
+    xq = gmoe.quantize_grouped(x.detach(), counts, r, rowwise=True, columnwise=True)
+    wq = gmoe.quantize_weights(w.detach(), r)
+    dyq = gmoe.quantize_grouped(dy, counts, r, "e5m2", rowwise=True, columnwise=True)
+    assert torch.equal(y, gmoe.fp8_grouped_gemm(xq, wq, counts, b.detach()))
+    assert torch.equal(x.grad, gmoe.fp8_grouped_gemm_dgrad(dyq, wq, counts))
+    dw = gmoe.fp8_grouped_gemm_wgrad(dyq, xq, counts)
+    assert torch.equal(torch.stack([p.grad for p in m._weights()]) if layout == "per_expert" else m.weight.grad, dw)
+    # and close to the native layer
+    native = gmoe.GroupedLinear(E, K, N, bias=True, weight_layout=layout)
+    native.load_state_dict(m.state_dict())
+    assert rel_err(y, native(x, counts)) < 0.1
+
+
+def test_fp8_weight_cache_follows_optimizer_steps(monkeypatch):
+    import gmoe.modules as mod
+
+    calls = []
+    real = mod.quantize_weights
+    monkeypatch.setattr(mod, "quantize_weights", lambda *a, **k: calls.append(1) or real(*a, **k))
+    torch.manual_seed(1)
+    m = gmoe.GroupedMLP(E, K, 32, recipe="fp8_blockwise", bias=True)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    counts = counts_for()
+    x = torch.randn(CAP, K)
+    y0 = m(x, counts)
+    y1 = m(x, counts)
+    assert len(calls) == 2 and torch.equal(y0, y1)  # one quantization per FC, then the cache
+    y1.sum().backward()
+    opt.step()
+    y2 = m(x, counts)
+    assert len(calls) == 4  # the step changed the weights: quantized again, without being told
+    fresh = gmoe.GroupedMLP(E, K, 32, recipe="fp8_blockwise", bias=True)
+    fresh.load_state_dict(m.state_dict())
+    assert torch.equal(y2, fresh(x, counts))
+
+
+def test_fp8_autocast_and_main_grad_delayed():
+    torch.manual_seed(2)
+    m = gmoe.GroupedMLP(E, K, 32, bias=True, delay_wgrad_compute=True)
+    ref_m = gmoe.GroupedMLP(E, K, 32, bias=True, recipe="fp8_tensorwise")
+    ref_m.load_state_dict(m.state_dict())
+    for p in m.parameters():
+        p.main_grad = torch.zeros(p.shape)
+    counts = counts_for()
+    x = torch.randn(CAP, K)
+    probs = torch.rand(CAP)
+    with gmoe.fp8_autocast("fp8_tensorwise"):
+        y = m(x, counts, probs)
+    y_ref = ref_m(x, counts, probs)
+    assert torch.equal(y, y_ref)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    y_ref.backward(dy)
+    m.backward_dw()
+    for p, q in zip(m.parameters(), ref_m.parameters()):
+        assert p.grad is None and p.grad_added_to_main_grad
+        torch.testing.assert_close(p.main_grad, q.grad.float())
+    with pytest.raises(ValueError, match="recipe"):
+        gmoe.fp8_autocast("fp4")
