@@ -79,30 +79,33 @@ gmoe::TensorView view_of(const std::optional<at::Tensor>& t, const char* what) {
   return t.has_value() ? view_of(*t, what) : gmoe::TensorView();
 }
 
+namespace {
+
+/// The views of a per-expert list, each of `ndim` dimensions.
+std::vector<gmoe::TensorView> per_expert_views(at::TensorList ts, int64_t ndim, const char* what,
+                                               const char* expected) {
+  std::vector<gmoe::TensorView> list;
+  list.reserve(ts.size());
+  for (const at::Tensor& t : ts) {
+    TORCH_CHECK_VALUE(t.dim() == ndim, what, ": expected ", expected, ", got a ", t.dim(), "-D tensor ", t.sizes(),
+                      " among ", ts.size());
+    list.push_back(view_of(t, what));
+  }
+  return list;
+}
+
+}  // namespace
+
 gmoe::ExpertWeights weights_of(at::TensorList w, const char* what) {
   TORCH_CHECK_VALUE(!w.empty(), what, ": expected one stacked [E, N, K] tensor or E tensors [N, K], got none");
   if (w.size() == 1 && w[0].dim() == 3) return gmoe::ExpertWeights::from_stacked(view_of(w[0], what));
-  std::vector<gmoe::TensorView> list;
-  list.reserve(w.size());
-  for (const at::Tensor& t : w) {
-    TORCH_CHECK_VALUE(t.dim() == 2, what, ": expected one stacked [E, N, K] tensor or E tensors [N, K], got a ",
-                      t.dim(), "-D tensor ", t.sizes(), " among ", w.size());
-    list.push_back(view_of(t, what));
-  }
-  return gmoe::ExpertWeights::from_list(std::move(list));
+  return gmoe::ExpertWeights::from_list(per_expert_views(w, 2, what, "one stacked [E, N, K] tensor or E tensors [N, K]"));
 }
 
 gmoe::ExpertBias bias_of(at::TensorList b, const char* what) {
   if (b.empty()) return gmoe::ExpertBias::none();
   if (b.size() == 1 && b[0].dim() == 2) return gmoe::ExpertBias::from_grouped(view_of(b[0], what));
-  std::vector<gmoe::TensorView> list;
-  list.reserve(b.size());
-  for (const at::Tensor& t : b) {
-    TORCH_CHECK_VALUE(t.dim() == 1, what, ": expected one grouped [E, N] tensor or E tensors [N], got a ",
-                      t.dim(), "-D tensor ", t.sizes(), " among ", b.size());
-    list.push_back(view_of(t, what));
-  }
-  return gmoe::ExpertBias::from_list(std::move(list));
+  return gmoe::ExpertBias::from_list(per_expert_views(b, 1, what, "one grouped [E, N] tensor or E tensors [N]"));
 }
 
 Exec exec_on(const c10::Device& device) {
