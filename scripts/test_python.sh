@@ -10,6 +10,10 @@
 #                                     registry (the GPU machine, torch preinstalled); chosen
 #                                     automatically when scikit-build-core can be neither imported
 #                                     nor installed
+#   --build-dir DIR                   with --inplace: add the extension to an existing CMake build
+#                                     folder (e.g. build/default, which scripts/gpu_check.sh built)
+#                                     instead of build/python-inplace, so that libgmoe is not compiled
+#                                     again; GMOE_BUILD_PYTHON is switched off there again afterwards
 #   --cuda / --cpu-only               compile libgmoe's CUDA backend into the package, or not. Default:
 #                                     CUDA when a GPU is visible (nvidia-smi), else CPU only — the CPU
 #                                     tests need no more, and CI saves the CUDA build.
@@ -22,10 +26,12 @@ PYTHON="${PYTHON:-python3}"
 TORCH_PIN="2.11.0"
 mode=pip
 cuda=auto
+build_dir=""
 pytest_args=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --inplace) mode=inplace ;;
+    --build-dir) mode=inplace; build_dir="$2"; shift ;;
     --cuda) cuda=ON ;;
     --cpu-only) cuda=OFF ;;
     --) shift; pytest_args=("$@"); break ;;
@@ -50,11 +56,20 @@ t1=$(date +%s)
 if [[ "$mode" == pip ]] && ! "$PYTHON" -c "import scikit_build_core" >/dev/null 2>&1; then
   "$PYTHON" -m pip install "scikit-build-core>=0.10" || { echo "== no scikit-build-core: building in place"; mode=inplace; }
 fi
-echo "== build ($mode, CUDA backend $cuda) against torch $torch_version"
+if [[ -n "$build_dir" ]]; then what="in $build_dir, CUDA backend as configured there"; else what="CUDA backend $cuda"; fi
+echo "== build ($mode, $what) against torch $torch_version"
 if [[ "$mode" == pip ]]; then
   "$PYTHON" -m pip install --no-build-isolation --no-deps \
     -C cmake.define.GMOE_WITH_CUDA="$cuda" -C build.verbose=false .
   pythonpath="${PYTHONPATH:-}"
+elif [[ -n "$build_dir" ]]; then
+  # An existing build keeps its own settings (CUDA or not, tests, tools); only the extension is added.
+  cmake -S . -B "$build_dir" -DGMOE_BUILD_PYTHON=ON -DPython_EXECUTABLE="$(command -v "$PYTHON")" >/dev/null
+  build_status=0
+  cmake --build "$build_dir" -j "$(nproc)" --target gmoe_torch_ops || build_status=$?
+  cmake -S . -B "$build_dir" -DGMOE_BUILD_PYTHON=OFF >/dev/null
+  [[ $build_status -eq 0 ]] || exit $build_status
+  pythonpath="$root/python${PYTHONPATH:+:$PYTHONPATH}"
 else
   cmake -S . -B build/python-inplace -G Ninja -DCMAKE_BUILD_TYPE=Release -DGMOE_WITH_CUDA="$cuda" \
     -DGMOE_BUILD_PYTHON=ON -DGMOE_BUILD_TESTS=OFF -DGMOE_BUILD_TOOLS=OFF \

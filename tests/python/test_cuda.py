@@ -131,9 +131,11 @@ def test_training_step_cuda_graph_replays_bitwise_under_any_routing():
         _restore(m, snap)
         xe = new_x.clone().requires_grad_()
         pe = new_p.clone().requires_grad_()
+        counts_e = cuda_counts(route)  # made before: a copy from pageable host memory synchronises
+        torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            ye = _step(m, xe, cuda_counts(route), pe, new_dy)
+            ye = _step(m, xe, counts_e, pe, new_dy)
         finally:
             torch.cuda.set_sync_debug_mode("default")
         eager = [ye, xe.grad, pe.grad] + [p.detach() for p in m.parameters()]

@@ -130,6 +130,10 @@ def test_grouped_activation(kind, kw, with_probs, glu_block):
         torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-4)
 
 
+F32_GRADCHECK = pytest.mark.filterwarnings("ignore:Input #.*double precision")
+
+
+@F32_GRADCHECK
 @pytest.mark.parametrize("kind", gmoe.ACTIVATIONS)
 def test_gradcheck_activation(kind):
     counts = routing("skewed_empty", E=3, total=9)
@@ -141,6 +145,7 @@ def test_gradcheck_activation(kind):
     assert torch.autograd.gradcheck(fn, (h, probs), eps=1e-2, atol=2e-2, rtol=2e-2, nondet_tol=0.0)
 
 
+@F32_GRADCHECK
 def test_gradcheck_grouped_gemm():
     counts = routing("skewed_empty", E=3, total=9)
     x = torch.randn(11, 6, requires_grad=True)
