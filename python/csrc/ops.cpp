@@ -419,6 +419,21 @@ at::Tensor dequantize_weights(const at::Tensor& data, const at::Tensor& scale_in
   });
 }
 
+// ---- device errors -------------------------------------------------------------------------------
+
+/// gmoe::check_device_errors on the current stream of `anchor`'s device (a deliberate sync; a
+/// no-op for CPU tensors, whose backend throws at once instead).
+void check_device_errors(const at::Tensor& anchor) {
+  guarded([&] {
+    if (!anchor.is_cuda()) return 0;
+    OpScope s(anchor);
+    gmoe::check_device_errors(s.stream());
+    return 0;
+  });
+}
+
+void set_debug_sync(bool enabled) { gmoe::set_debug_sync(enabled); }
+
 void register_impls(torch::Library& m) {
   m.impl("grouped_gemm_fprop", &grouped_gemm_fprop);
   m.impl("grouped_gemm_dgrad", &grouped_gemm_dgrad);
@@ -437,6 +452,7 @@ void register_impls(torch::Library& m) {
   m.impl("fp8_grouped_gemm_wgrad_", &fp8_grouped_gemm_wgrad_);
   m.impl("dequantize_grouped", &dequantize_grouped);
   m.impl("dequantize_weights", &dequantize_weights);
+  m.impl("check_device_errors", &check_device_errors);
 }
 
 }  // namespace
@@ -476,6 +492,9 @@ TORCH_LIBRARY(gmoe, m) {
         "Tensor counts, int capacity, int cols, str recipe, bool columnwise, ScalarType out_dtype) -> Tensor");
   m.def("dequantize_weights(Tensor data, Tensor scale_inv, bool transposed, str recipe, ScalarType out_dtype) "
         "-> Tensor");
+  m.def("check_device_errors(Tensor anchor) -> ()");
+  // No tensor argument to dispatch on: one kernel for every backend.
+  m.def("set_debug_sync(bool enabled) -> ()", &gmoe_torch::set_debug_sync);
 }
 
 TORCH_LIBRARY_IMPL(gmoe, CPU, m) { gmoe_torch::register_impls(m); }

@@ -25,6 +25,8 @@ from . import _meta  # noqa: E402,F401  (fake kernels)
 from . import _autograd  # noqa: E402,F401  (autograd formulas)
 from .ops import (  # noqa: E402
     ACTIVATIONS,
+    check_device_errors,
+    set_debug_sync,
     fc1_glu_convert,
     grouped_activation,
     grouped_activation_backward,
@@ -62,6 +64,8 @@ __all__ = [
     "quantize_weights",
     "GroupedLinear",
     "GroupedMLP",
+    "check_device_errors",
+    "set_debug_sync",
     "fc1_glu_convert",
     "grouped_activation",
     "grouped_activation_backward",

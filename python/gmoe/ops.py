@@ -113,3 +113,17 @@ def fc1_glu_convert(src: Tensor, from_layout: Union[str, int], to_layout: Union[
     """FC1 weights [E, 2F, H] (or biases [E, 2F]) re-ordered from one gate/up layout to another
     (``"concatenated"``, ``"interleaved:B"``), as a new tensor."""
     return torch.ops.gmoe.fc1_glu_convert(src, glu_block_of(from_layout), glu_block_of(to_layout))
+
+
+def check_device_errors(device: Union[None, str, torch.device] = None) -> None:
+    """Raises ValueError describing what gmoe's CUDA kernels found and clamped since the last check
+    (negative counts, counts past the capacity, inconsistent FP8 padding), on the current stream of
+    ``device`` (default: the current CUDA device). A deliberate sync: never on the hot path."""
+    dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+    torch.ops.gmoe.check_device_errors(torch.empty(0, device=dev))
+
+
+def set_debug_sync(enabled: bool) -> None:
+    """gmoe's debug mode: every CUDA op ends with a device-error check (a sync; never under graph
+    capture)."""
+    torch.ops.gmoe.set_debug_sync(enabled)

@@ -178,3 +178,14 @@ def test_fp8_gemm_cuda_close_to_cpu_reference(recipe):
     cpu = lambda q: type(q)(*[t.cpu() if isinstance(t, torch.Tensor) else t for t in q])  # noqa: E731
     y_ref = gmoe.fp8_grouped_gemm(cpu(xq), cpu(wq), counts.cpu())
     torch.testing.assert_close(y.float().cpu(), y_ref, rtol=2e-2, atol=2e-1)
+
+
+def test_device_errors_reported():
+    x = torch.randn(CAP, H, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(E, FFN, H, device="cuda", dtype=torch.bfloat16)
+    counts = torch.tensor([CAP, CAP, 0, 0, 0, 0, 0, -1], dtype=torch.int32, device="cuda")
+    y = gmoe.grouped_gemm(x, w, counts)  # clamped on the device, recorded in the error word
+    assert y.shape == (CAP, FFN)
+    with pytest.raises(ValueError, match="count"):
+        gmoe.check_device_errors()
+    gmoe.check_device_errors()  # read and cleared

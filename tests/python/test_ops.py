@@ -190,6 +190,7 @@ def _opcheck_cases():
         (ops.grouped_activation_backward, (h, torch.randn(CAP, 16), counts, "clamped_swiglu", probs),
          {"need_dprobs": True}),
         (ops.fc1_glu_convert, (torch.randn(E, 16, K), 0, 4), {}),
+        (ops.check_device_errors, (x,), {}),
     ]
 
 
@@ -208,6 +209,12 @@ def test_opcheck_with_grad(case):
 
 
 # ---- bad input: ValueError with gmoe's message, nothing written ---------------------------------
+
+def test_debug_sync_switch():
+    gmoe.set_debug_sync(True)
+    gmoe.set_debug_sync(False)
+    gmoe.check_device_errors("cpu")  # the CPU backend throws at once instead: nothing recorded
+
 
 def test_bad_input_messages():
     counts = routing("uniform")
