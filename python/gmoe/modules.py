@@ -57,7 +57,7 @@ class _Wgrad:
 
     def __init__(self, dy: Tensor, x, counts: Tensor):
         self.dy, self.x, self.counts = dy, x, counts
-        self.stream = torch.cuda.current_stream() if dy_device(dy).type == "cuda" else None
+        self.stream = torch.cuda.current_stream() if _device_of(dy).type == "cuda" else None
 
     def tensors(self) -> List[Tensor]:
         if isinstance(self.dy, Tensor):
@@ -76,7 +76,7 @@ class _Wgrad:
             fp8_grouped_gemm_wgrad(self.dy, self.x, self.counts, out=out, accumulate=accumulate)
 
 
-def dy_device(dy) -> torch.device:
+def _device_of(dy) -> torch.device:
     return dy.device if isinstance(dy, Tensor) else dy.data_t.device
 
 
@@ -115,8 +115,10 @@ class _GroupedLinearFunction(torch.autograd.Function):
             dbiases = [g] if ctx.bias_grouped else list(g.unbind(0))
         state = ctx.state
         if state is None:
-            dw = _ops.grouped_gemm_wgrad(dy, x, counts, weights[0].dtype)
-            dweights = [dw] if ctx.num_weights == 1 and weights[0].dim() == 3 else list(dw.unbind(0))
+            dweights: List[Optional[Tensor]] = [None] * ctx.num_weights
+            if any(ctx.needs_input_grad[4:4 + ctx.num_weights]):
+                dw = _ops.grouped_gemm_wgrad(dy, x, counts, weights[0].dtype)
+                dweights = [dw] if ctx.num_weights == 1 and weights[0].dim() == 3 else list(dw.unbind(0))
             return (dx, None, None, None, *dweights, *dbiases)
         dbiases = state.module._finish_backward(_Wgrad(dy, x, counts), dbiases)
         return (dx, None, None, None, *([None] * ctx.num_weights), *dbiases)
@@ -159,13 +161,13 @@ class _Fp8GroupedLinearFunction(torch.autograd.Function):
             dbiases = [g] if ctx.bias_grouped else list(g.unbind(0))
         dyq = Fp8Rows(dyq.data.new_empty(0), dyq.scale_inv.new_empty(0), *dyq[2:])
         wg = _Wgrad(dyq, xq, counts)
-        none = (None,) * 4
+        no_grads = (None,) * 6  # counts, state, num_weights, recipe, grad_format, wq
         if ctx.state is None:
             dw = wg.fresh(ctx.weight_dtype)
             dweights = [dw] if ctx.stacked else list(dw.unbind(0))
-            return (dx, None, None, None, *none[:3], *dweights, *dbiases)
+            return (dx, *no_grads, *dweights, *dbiases)
         dbiases = ctx.state.module._finish_backward(wg, dbiases)
-        return (dx, None, None, None, *none[:3], *([None] * ctx.num_weights), *dbiases)
+        return (dx, *no_grads, *([None] * ctx.num_weights), *dbiases)
 
 
 def _kaiming_like_linear(w: Tensor, b: Optional[Tensor], in_features: int) -> None:
