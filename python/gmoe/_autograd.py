@@ -11,6 +11,22 @@ def _fit(ctx, *grads):
     return grads[:len(ctx.needs_input_grad)]
 
 
+def save_bias_layout(ctx, biases) -> None:
+    """What bias_grads needs to know of the biases (an empty list: no bias)."""
+    ctx.num_biases = len(biases)
+    ctx.bias_grouped = len(biases) == 1 and biases[0].dim() == 2
+    ctx.bias_dtype = biases[0].dtype if biases else None
+
+
+def bias_grads(ctx, dy, counts):
+    """The biases' gradients in their layout: [] without bias, [db] for a grouped [E, N] bias, E
+    tensors [N] for per-expert biases."""
+    if not ctx.num_biases:
+        return []
+    g = _ops.grouped_bias_grad(dy, counts, ctx.bias_dtype)
+    return [g] if ctx.bias_grouped else list(g.unbind(0))
+
+
 def _unstack_like(g: torch.Tensor, like):
     """A stacked gradient [E, ...] in the layout of `like` (one stacked tensor, or E tensors)."""
     if len(like) == 1 and like[0].dim() == g.dim():
@@ -23,9 +39,7 @@ def _unstack_like(g: torch.Tensor, like):
 def _fprop_setup(ctx, inputs, output):
     x, w, counts, bias, _ = inputs
     ctx.save_for_backward(x, counts, *w)
-    ctx.num_bias = len(bias)
-    ctx.bias_grouped = len(bias) == 1 and bias[0].dim() == 2
-    ctx.bias_dtype = bias[0].dtype if bias else None
+    save_bias_layout(ctx, bias)
 
 
 def _fprop_backward(ctx, dy):
@@ -35,11 +49,7 @@ def _fprop_backward(ctx, dy):
     dw = None
     if any(t.requires_grad for t in w):
         dw = _unstack_like(_ops.grouped_gemm_wgrad(dy, x, counts, w[0].dtype), w)
-    db = []  # the structure of the bias argument: an empty list without bias
-    if ctx.num_bias:
-        g = _ops.grouped_bias_grad(dy, counts, ctx.bias_dtype)
-        db = [g] if ctx.bias_grouped else list(g.unbind(0))
-    return _fit(ctx, dx, dw, None, db, None)
+    return _fit(ctx, dx, dw, None, bias_grads(ctx, dy, counts), None)
 
 
 torch.library.register_autograd("gmoe::grouped_gemm_fprop", _fprop_backward, setup_context=_fprop_setup)
@@ -50,15 +60,13 @@ torch.library.register_autograd("gmoe::grouped_gemm_fprop", _fprop_backward, set
 def _bias_add_setup(ctx, inputs, output):
     _, bias, counts = inputs
     ctx.save_for_backward(counts)
-    ctx.bias_grouped = len(bias) == 1 and bias[0].dim() == 2
-    ctx.bias_dtype = bias[0].dtype if bias else None
+    save_bias_layout(ctx, bias)
 
 
 def _bias_add_backward(ctx, dy):
     (counts,) = ctx.saved_tensors
     dy = dy.contiguous()
-    g = _ops.grouped_bias_grad(dy, counts, ctx.bias_dtype)
-    return _fit(ctx, dy, ([g] if ctx.bias_grouped else list(g.unbind(0))), None)
+    return _fit(ctx, dy, bias_grads(ctx, dy, counts), None)
 
 
 torch.library.register_autograd("gmoe::grouped_bias_add", _bias_add_backward, setup_context=_bias_add_setup)

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from .fp8 import Fp8Rows, Fp8Weights, fp8_grouped_gemm, fp8_grouped_gemm_dgrad, fp8_grouped_gemm_wgrad, \
     quantize_grouped, quantize_weights
+from ._autograd import bias_grads, save_bias_layout
 from .ops import ACTIVATIONS, glu_block_of
 
 _ops = torch.ops.gmoe
@@ -99,9 +100,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
         ctx.save_for_backward(x, counts, *weights)
         ctx.state = state
         ctx.num_weights = num_weights
-        ctx.num_biases = len(biases)
-        ctx.bias_grouped = len(biases) == 1 and biases[0].dim() == 2
-        ctx.bias_dtype = biases[0].dtype if biases else None
+        save_bias_layout(ctx, biases)
         return _ops.grouped_gemm_fprop(x, weights, counts, biases, None)
 
     @staticmethod
@@ -109,10 +108,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
         x, counts, *weights = ctx.saved_tensors
         dy = dy.contiguous()
         dx = _ops.grouped_gemm_dgrad(dy, weights, counts, None) if ctx.needs_input_grad[0] else None
-        dbiases: List[Optional[Tensor]] = []
-        if ctx.num_biases:
-            g = _ops.grouped_bias_grad(dy, counts, ctx.bias_dtype)
-            dbiases = [g] if ctx.bias_grouped else list(g.unbind(0))
+        dbiases = bias_grads(ctx, dy, counts)
         state = ctx.state
         if state is None:
             dweights: List[Optional[Tensor]] = [None] * ctx.num_weights
@@ -140,9 +136,7 @@ class _Fp8GroupedLinearFunction(torch.autograd.Function):
         ctx.x_meta = (recipe, xq.capacity, xq.cols, x.dtype)
         ctx.grad_format, ctx.state, ctx.num_weights = grad_format, state, num_weights
         ctx.stacked = params[0].dim() == 3
-        ctx.num_biases = len(biases)
-        ctx.bias_grouped = len(biases) == 1 and biases[0].dim() == 2
-        ctx.bias_dtype = biases[0].dtype if biases else None
+        save_bias_layout(ctx, biases)
         ctx.weight_dtype = params[0].dtype
         return y
 
@@ -155,10 +149,7 @@ class _Fp8GroupedLinearFunction(torch.autograd.Function):
         dy = dy.contiguous()
         dyq = quantize_grouped(dy, counts, recipe, ctx.grad_format, rowwise=True, columnwise=True)
         dx = fp8_grouped_gemm_dgrad(dyq, wq, counts, out_dtype=x_dtype) if ctx.needs_input_grad[0] else None
-        dbiases: List[Optional[Tensor]] = []
-        if ctx.num_biases:
-            g = _ops.grouped_bias_grad(dy, counts, ctx.bias_dtype)
-            dbiases = [g] if ctx.bias_grouped else list(g.unbind(0))
+        dbiases = bias_grads(ctx, dy, counts)
         dyq = Fp8Rows(dyq.data.new_empty(0), dyq.scale_inv.new_empty(0), *dyq[2:])
         wg = _Wgrad(dyq, xq, counts)
         no_grads = (None,) * 6  # counts, state, num_weights, recipe, grad_format, wq
