@@ -1,0 +1,77 @@
+"""gmoe: the expert layers of Mixture-of-Experts models as PyTorch ops and modules.
+
+Importing the package loads the compiled extension, which registers gmoe's ops in PyTorch's
+dispatcher under ``torch.ops.gmoe`` (CPU tensors run gmoe's CPU reference backend, CUDA tensors its
+CUDA backend on the current stream), their fake kernels (``torch.compile``) and their autograd
+formulas. The typed Python entry points are in :mod:`gmoe.ops`; the modules are
+:class:`GroupedLinear` and :class:`GroupedMLP`.
+
+Per-expert token counts (``m_splits``) stay on the tensors' device: nothing here reads them on the
+host, so a training step with CUDA tensors never synchronises and can be captured in a CUDA graph
+once and replayed under any routing.
+"""
+import os as _os
+
+import torch as _torch
+
+_LIBRARY = _os.path.join(_os.path.dirname(__file__), "_ops.so")
+if not _os.path.exists(_LIBRARY):
+    raise ImportError(
+        f"gmoe: the compiled extension {_LIBRARY} is missing; install the package with `pip install .` "
+        "from the repository root, or build it in place (scripts/test_python.sh --inplace)")
+_torch.ops.load_library(_LIBRARY)
+
+from . import _meta  # noqa: E402,F401  (fake kernels)
+from . import _autograd  # noqa: E402,F401  (autograd formulas)
+from .ops import (  # noqa: E402
+    ACTIVATIONS,
+    check_device_errors,
+    set_debug_sync,
+    fc1_glu_convert,
+    grouped_activation,
+    grouped_activation_backward,
+    grouped_bias_add,
+    grouped_bias_grad,
+    grouped_gemm,
+    grouped_gemm_dgrad,
+    grouped_gemm_wgrad,
+)
+from .fp8 import (  # noqa: E402
+    Fp8Rows,
+    Fp8Weights,
+    dequantize_grouped,
+    dequantize_weights,
+    fp8_grouped_gemm,
+    fp8_grouped_gemm_dgrad,
+    fp8_grouped_gemm_wgrad,
+    quantize_grouped,
+    quantize_weights,
+)
+from .modules import FP8_RECIPES, GroupedLinear, GroupedMLP, fp8_autocast  # noqa: E402
+
+__all__ = [
+    "ACTIVATIONS",
+    "FP8_RECIPES",
+    "fp8_autocast",
+    "Fp8Rows",
+    "Fp8Weights",
+    "dequantize_grouped",
+    "dequantize_weights",
+    "fp8_grouped_gemm",
+    "fp8_grouped_gemm_dgrad",
+    "fp8_grouped_gemm_wgrad",
+    "quantize_grouped",
+    "quantize_weights",
+    "GroupedLinear",
+    "GroupedMLP",
+    "check_device_errors",
+    "set_debug_sync",
+    "fc1_glu_convert",
+    "grouped_activation",
+    "grouped_activation_backward",
+    "grouped_bias_add",
+    "grouped_bias_grad",
+    "grouped_gemm",
+    "grouped_gemm_dgrad",
+    "grouped_gemm_wgrad",
+]

@@ -1,0 +1,425 @@
+"""gmoe.GroupedLinear and gmoe.GroupedMLP: expert layers with Transformer Engine / Megatron conventions.
+
+* ``forward(x, m_splits)``: ``m_splits`` is an int32/int64 tensor [E] of rows per expert on x's
+  device (the signature of Transformer Engine's graph-safe GroupedLinear); it is never read on the
+  host, so a step can be captured in a CUDA graph once and replayed under any routing.
+* Megatron's gradient convention: a weight (or bias) that has a float32 ``main_grad`` attribute gets
+  its gradient added into it (``accumulate_main_grad=True``, the default) or written over it, its
+  ``grad_added_to_main_grad`` attribute is set to True, and ``param.grad`` is not materialised.
+  Otherwise ``param.grad`` is set as autograd does.
+* ``delay_wgrad_compute=True``: backward computes the data (and bias) gradients only; the weight
+  gradients are computed by ``backward_dw()``, which then calls the hooks registered with
+  ``register_wgrad_hook(fn)`` (where a data-parallel reduce-scatter is launched). With main_grad
+  weights and no delay the hooks are called at the end of the layer's backward.
+* weights as one stacked parameter ``weight`` [E, out, in] (``weight_layout="stacked"``) or per-expert
+  parameters ``weight0`` … ``weight{E-1}`` (``"per_expert"``); biases alike (``bias`` [E, out] or
+  ``bias0`` …). ``load_state_dict`` accepts either layout's checkpoint.
+"""
+import math
+from typing import Callable, List, Optional, Union
+
+import torch
+from torch import Tensor, nn
+
+from .fp8 import Fp8Rows, Fp8Weights, fp8_grouped_gemm, fp8_grouped_gemm_dgrad, fp8_grouped_gemm_wgrad, \
+    quantize_grouped, quantize_weights
+from ._autograd import bias_grads, save_bias_layout
+from .ops import ACTIVATIONS, glu_block_of
+
+_ops = torch.ops.gmoe
+_LAYOUTS = ("stacked", "per_expert")
+#: FP8 recipes of the modules (LinearRecipe of gmoe/grouped_linear.h) and their quantization recipe.
+FP8_RECIPES = {"fp8_tensorwise": "tensorwise", "fp8_blockwise": "blockwise", "mxfp8": "mxfp8"}
+_autocast_recipe: List[Optional[str]] = [None]
+
+
+class fp8_autocast:
+    """``with gmoe.fp8_autocast("fp8_blockwise"):`` — the GroupedLinear / GroupedMLP layers built
+    without a recipe run their GEMMs in FP8 with this one inside the block (``None``: native)."""
+
+    def __init__(self, recipe: Optional[str] = "fp8_blockwise"):
+        if recipe is not None and recipe not in FP8_RECIPES:
+            raise ValueError(f"recipe: expected one of {tuple(FP8_RECIPES)} or None, got {recipe!r}")
+        self.recipe = recipe
+
+    def __enter__(self):
+        self.previous = _autocast_recipe[0]
+        _autocast_recipe[0] = self.recipe
+        return self
+
+    def __exit__(self, *exc):
+        _autocast_recipe[0] = self.previous
+        return False
+
+
+class _Wgrad:
+    """One weight gradient to compute, now or in backward_dw: dy and x (native), or their
+    columnwise FP8 copies."""
+
+    def __init__(self, dy: Tensor, x, counts: Tensor):
+        self.dy, self.x, self.counts = dy, x, counts
+        self.stream = torch.cuda.current_stream() if _device_of(dy).type == "cuda" else None
+
+    def tensors(self) -> List[Tensor]:
+        if isinstance(self.dy, Tensor):
+            return [self.dy, self.x, self.counts]
+        return [t for t in (*self.dy[:5], *self.x[:5], self.counts) if t.numel()]
+
+    def fresh(self, dtype: torch.dtype) -> Tensor:
+        if isinstance(self.dy, Tensor):
+            return _ops.grouped_gemm_wgrad(self.dy, self.x, self.counts, dtype)
+        return fp8_grouped_gemm_wgrad(self.dy, self.x, self.counts).to(dtype)
+
+    def into(self, out: List[Tensor], accumulate: bool) -> None:
+        if isinstance(self.dy, Tensor):
+            _ops.grouped_gemm_wgrad_(self.dy, self.x, self.counts, out, accumulate, None)
+        else:
+            fp8_grouped_gemm_wgrad(self.dy, self.x, self.counts, out=out, accumulate=accumulate)
+
+
+def _device_of(dy) -> torch.device:
+    return dy.device if isinstance(dy, Tensor) else dy.data_t.device
+
+
+class _WgradState:
+    """What a GroupedLinear's autograd function needs beyond tensors: where weight gradients go
+    (main_grad or .grad, now or in backward_dw) and the hooks. Only used outside torch.compile's
+    plain path (see GroupedLinear.forward)."""
+
+    def __init__(self, module: "GroupedLinear"):
+        self.module = module
+        self.pending: List[_Wgrad] = []
+
+
+class _GroupedLinearFunction(torch.autograd.Function):
+    """y = grouped_gemm(x, weights, counts, biases); params = weights + biases (a count of each)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, counts: Tensor, state: Optional[_WgradState], num_weights: int, *params: Tensor):
+        weights, biases = list(params[:num_weights]), list(params[num_weights:])
+        ctx.save_for_backward(x, counts, *weights)
+        ctx.state = state
+        ctx.num_weights = num_weights
+        save_bias_layout(ctx, biases)
+        return _ops.grouped_gemm_fprop(x, weights, counts, biases, None)
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        x, counts, *weights = ctx.saved_tensors
+        dy = dy.contiguous()
+        dx = _ops.grouped_gemm_dgrad(dy, weights, counts, None) if ctx.needs_input_grad[0] else None
+        dbiases = bias_grads(ctx, dy, counts)
+        state = ctx.state
+        if state is None:
+            dweights: List[Optional[Tensor]] = [None] * ctx.num_weights
+            if any(ctx.needs_input_grad[4:4 + ctx.num_weights]):
+                dw = _ops.grouped_gemm_wgrad(dy, x, counts, weights[0].dtype)
+                dweights = [dw] if ctx.num_weights == 1 and weights[0].dim() == 3 else list(dw.unbind(0))
+            return (dx, None, None, None, *dweights, *dbiases)
+        dbiases = state.module._finish_backward(_Wgrad(dy, x, counts), dbiases)
+        return (dx, None, None, None, *([None] * ctx.num_weights), *dbiases)
+
+
+class _Fp8GroupedLinearFunction(torch.autograd.Function):
+    """The FP8 GroupedLinear: x and dy quantized in one pass each (rowwise for fprop/dgrad, and the
+    columnwise copy the FP8 weight gradient reads), the weights quantized by the caller (cached)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, counts: Tensor, state: Optional[_WgradState], num_weights: int, recipe: str,
+                grad_format: str, wq: Fp8Weights, *params: Tensor):
+        biases = list(params[num_weights:])
+        xq = quantize_grouped(x, counts, recipe, "e4m3", rowwise=True, columnwise=True)
+        y = fp8_grouped_gemm(xq, wq, counts, biases, out_dtype=x.dtype)
+        # Only the columnwise copy lives on to backward (the weight gradient's operand).
+        x_cols = Fp8Rows(xq.data.new_empty(0), xq.scale_inv.new_empty(0), *xq[2:])
+        ctx.save_for_backward(counts, *x_cols[:5], *wq[:4])
+        ctx.x_meta = (recipe, xq.capacity, xq.cols, x.dtype)
+        ctx.grad_format, ctx.state, ctx.num_weights = grad_format, state, num_weights
+        ctx.stacked = params[0].dim() == 3
+        save_bias_layout(ctx, biases)
+        ctx.weight_dtype = params[0].dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        counts, *rest = ctx.saved_tensors
+        recipe, capacity, cols, x_dtype = ctx.x_meta
+        xq = Fp8Rows(*rest[:5], recipe, capacity, cols)
+        wq = Fp8Weights(*rest[5:9], recipe)
+        dy = dy.contiguous()
+        dyq = quantize_grouped(dy, counts, recipe, ctx.grad_format, rowwise=True, columnwise=True)
+        dx = fp8_grouped_gemm_dgrad(dyq, wq, counts, out_dtype=x_dtype) if ctx.needs_input_grad[0] else None
+        dbiases = bias_grads(ctx, dy, counts)
+        dyq = Fp8Rows(dyq.data.new_empty(0), dyq.scale_inv.new_empty(0), *dyq[2:])
+        wg = _Wgrad(dyq, xq, counts)
+        no_grads = (None,) * 6  # counts, state, num_weights, recipe, grad_format, wq
+        if ctx.state is None:
+            dw = wg.fresh(ctx.weight_dtype)
+            dweights = [dw] if ctx.stacked else list(dw.unbind(0))
+            return (dx, *no_grads, *dweights, *dbiases)
+        dbiases = ctx.state.module._finish_backward(wg, dbiases)
+        return (dx, *no_grads, *([None] * ctx.num_weights), *dbiases)
+
+
+def _kaiming_like_linear(w: Tensor, b: Optional[Tensor], in_features: int) -> None:
+    """nn.Linear's initialisation, per expert."""
+    with torch.no_grad():
+        for e in range(w.shape[0]):
+            nn.init.kaiming_uniform_(w[e], a=math.sqrt(5))
+        if b is not None:
+            bound = 1 / math.sqrt(in_features) if in_features > 0 else 0
+            nn.init.uniform_(b, -bound, bound)
+
+
+class GroupedLinear(nn.Module):
+    """E expert linear layers on grouped rows: ``y[rows of e] = x[rows of e] @ W_e.T + b_e``.
+
+    Args:
+        num_experts: E.
+        in_features, out_features: K and N of every expert's weight [N, K].
+        bias: one bias [N] per expert.
+        weight_layout: ``"stacked"`` (parameter ``weight`` [E, N, K], ``bias`` [E, N]) or
+            ``"per_expert"`` (``weight0`` … ``weight{E-1}`` [N, K], ``bias0`` … [N]).
+        delay_wgrad_compute: backward leaves the weight gradients to :meth:`backward_dw`.
+        accumulate_main_grad: with ``param.main_grad``: add into it (True) or overwrite it (False).
+        recipe: ``None`` (the parameters' precision), or an FP8 recipe for the three GEMMs:
+            ``"fp8_tensorwise"``, ``"fp8_blockwise"``, ``"mxfp8"`` (also set by :class:`fp8_autocast`).
+            x and dy are quantized in one pass each; the weights' FP8 copies are cached and made
+            again when a weight changed (``param._version``, which ``optimizer.step()`` bumps) or
+            inside a CUDA graph capture (so that every replay quantizes the current weights).
+            CUDA needs bf16 parameters and in/out features multiples of 16.
+        grad_format: FP8 format of the output gradients, ``"e4m3"`` or ``"e5m2"``.
+        device, dtype: of the parameters (CUDA: bfloat16/float16; CPU: float32 too).
+    """
+
+    def __init__(self, num_experts: int, in_features: int, out_features: int, bias: bool = True,
+                 weight_layout: str = "stacked", delay_wgrad_compute: bool = False,
+                 accumulate_main_grad: bool = True, recipe: Optional[str] = None, grad_format: str = "e4m3",
+                 device: Optional[Union[str, torch.device]] = None, dtype: Optional[torch.dtype] = None):
+        super().__init__()
+        if recipe is not None and recipe not in FP8_RECIPES:
+            raise ValueError(f"recipe: expected one of {tuple(FP8_RECIPES)} or None, got {recipe!r}")
+        if grad_format not in ("e4m3", "e5m2"):
+            raise ValueError(f"grad_format: expected 'e4m3' or 'e5m2', got {grad_format!r}")
+        self.recipe, self.grad_format = recipe, grad_format
+        self._fp8_cache: Optional[tuple] = None  # (key, Fp8Weights)
+        if weight_layout not in _LAYOUTS:
+            raise ValueError(f"weight_layout: expected one of {_LAYOUTS}, got {weight_layout!r}")
+        if num_experts < 1:
+            raise ValueError(f"num_experts: expected at least 1, got {num_experts}")
+        self.num_experts = num_experts
+        self.in_features = in_features
+        self.out_features = out_features
+        self.weight_layout = weight_layout
+        self.use_bias = bias
+        self.delay_wgrad_compute = delay_wgrad_compute
+        self.accumulate_main_grad = accumulate_main_grad
+        self._wgrad_hooks: List[Callable[[], None]] = []
+        self._state = _WgradState(self)
+        factory = dict(device=device, dtype=dtype)
+        w = torch.empty(num_experts, out_features, in_features, **factory)
+        b = torch.empty(num_experts, out_features, **factory) if bias else None
+        _kaiming_like_linear(w, b, in_features)
+        if weight_layout == "stacked":
+            self.weight = nn.Parameter(w)
+            if b is not None:
+                self.bias = nn.Parameter(b)
+        else:
+            for e in range(num_experts):
+                self.register_parameter(f"weight{e}", nn.Parameter(w[e].clone()))
+                if b is not None:
+                    self.register_parameter(f"bias{e}", nn.Parameter(b[e].clone()))
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, in_features={self.in_features}, "
+                f"out_features={self.out_features}, bias={self.use_bias}, weight_layout={self.weight_layout}")
+
+    def _weights(self) -> List[Tensor]:
+        if self.weight_layout == "stacked":
+            return [self.weight]
+        return [getattr(self, f"weight{e}") for e in range(self.num_experts)]
+
+    def _biases(self) -> List[Tensor]:
+        if not self.use_bias:
+            return []
+        if self.weight_layout == "stacked":
+            return [self.bias]
+        return [getattr(self, f"bias{e}") for e in range(self.num_experts)]
+
+    def forward(self, x: Tensor, m_splits: Tensor) -> Tensor:
+        """y [capacity, out_features] for x [capacity, in_features] split by ``m_splits`` [E]."""
+        weights, biases = self._weights(), self._biases()
+        # The plain path (autograd owns the gradients) passes no Python state, so that
+        # torch.compile traces it whole.
+        special = (self.delay_wgrad_compute or bool(self._wgrad_hooks)
+                   or any(hasattr(p, "main_grad") for p in weights + biases))
+        state = self._state if special else None
+        recipe = self.recipe or _autocast_recipe[0]
+        if recipe is None:
+            return _GroupedLinearFunction.apply(x, m_splits, state, len(weights), *weights, *biases)
+        wq = self._fp8_weights(FP8_RECIPES[recipe], weights, x)
+        return _Fp8GroupedLinearFunction.apply(x, m_splits, state, len(weights), FP8_RECIPES[recipe], self.grad_format,
+                                               wq, *weights, *biases)
+
+    def _fp8_weights(self, recipe: str, weights: List[Tensor], x: Tensor) -> Fp8Weights:
+        """The weights' FP8 copies: cached while the weights are unchanged."""
+        key = (recipe, tuple((w.data_ptr(), w._version) for w in weights))
+        uncached = torch.compiler.is_compiling() or (x.is_cuda and torch.cuda.is_current_stream_capturing())
+        if not uncached and self._fp8_cache is not None and self._fp8_cache[0] == key:
+            return self._fp8_cache[1]
+        wq = quantize_weights([w.detach() for w in weights], recipe)
+        if not uncached:
+            self._fp8_cache = (key, wq)
+        return wq
+
+    def invalidate_fp8_weight(self) -> None:
+        """Drops the FP8 weight cache (changes to the weights are detected without it, through
+        their version counters; this is for changes made behind autograd's back, e.g. via .data)."""
+        self._fp8_cache = None
+
+    # ---- weight gradients -------------------------------------------------------------------
+
+    def _to_main_grad(self, p: Tensor, g: Tensor) -> Optional[Tensor]:
+        """Puts gradient g of parameter p into p.main_grad when it has one (returns None for
+        autograd), else returns g."""
+        if not hasattr(p, "main_grad"):
+            return g
+        if self.accumulate_main_grad:
+            p.main_grad.add_(g)
+        else:
+            p.main_grad.copy_(g)
+        p.grad_added_to_main_grad = True
+        return None
+
+    def _finish_backward(self, wg: _Wgrad, dbiases: List[Tensor]) -> List[Optional[Tensor]]:
+        """The end of a backward with Python state: bias gradients to main_grad where there is one,
+        the weight gradient now (and the hooks) or queued for backward_dw."""
+        dbiases = [self._to_main_grad(b, g) for b, g in zip(self._biases(), dbiases)]
+        if self.delay_wgrad_compute:
+            self._state.pending.append(wg)
+        else:
+            self._compute_wgrad(wg)
+            self._run_wgrad_hooks()
+        return dbiases
+
+    def _compute_wgrad(self, wg: _Wgrad) -> None:
+        weights = self._weights()
+        if all(hasattr(w, "main_grad") for w in weights):
+            wg.into([w.main_grad for w in weights], self.accumulate_main_grad)
+            for w in weights:
+                w.grad_added_to_main_grad = True
+            return
+        dw = wg.fresh(weights[0].dtype)
+        grads = [dw] if self.weight_layout == "stacked" else list(dw.unbind(0))
+        for w, g in zip(weights, grads):
+            if hasattr(w, "main_grad"):
+                self._to_main_grad(w, g)
+            elif w.grad is None:
+                w.grad = g
+            else:
+                w.grad += g
+
+    def _run_wgrad_hooks(self) -> None:
+        for fn in self._wgrad_hooks:
+            fn()
+
+    def register_wgrad_hook(self, fn: Callable[[], None]) -> None:
+        """Calls ``fn()`` once this layer's weight gradients of a backward are complete: in
+        :meth:`backward_dw` with ``delay_wgrad_compute``, else at the end of the layer's backward."""
+        self._wgrad_hooks.append(fn)
+
+    def backward_dw(self) -> None:
+        """Computes the weight gradients that backward left (``delay_wgrad_compute``), oldest first,
+        on the current stream, then calls the wgrad hooks. Call it on a stream ordered after the
+        backward (for another stream: ``s.wait_stream(torch.cuda.current_stream())`` first)."""
+        pending, self._state.pending = self._state.pending, []
+        for wg in pending:
+            if wg.stream is not None and wg.stream != torch.cuda.current_stream():
+                # The tensors were made on the backward's stream: keep their memory from being
+                # reused there while this stream still reads them.
+                for t in wg.tensors():
+                    t.record_stream(torch.cuda.current_stream())
+            self._compute_wgrad(wg)
+        if pending:
+            self._run_wgrad_hooks()
+
+    # ---- checkpoints in either layout -------------------------------------------------------
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        for name in ("weight", "bias"):
+            stacked_key = prefix + name
+            expert_keys = [f"{prefix}{name}{e}" for e in range(self.num_experts)]
+            if self.weight_layout == "stacked" and stacked_key not in state_dict and \
+                    all(k in state_dict for k in expert_keys):
+                state_dict[stacked_key] = torch.stack([state_dict.pop(k) for k in expert_keys])
+            elif self.weight_layout == "per_expert" and stacked_key in state_dict and \
+                    not any(k in state_dict for k in expert_keys):
+                stacked = state_dict.pop(stacked_key)
+                if stacked.dim() >= 1 and stacked.shape[0] == self.num_experts:
+                    for k, t in zip(expert_keys, stacked.unbind(0)):
+                        state_dict[k] = t
+                else:
+                    error_msgs.append(f"{stacked_key}: expected {self.num_experts} experts along dimension 0, "
+                                      f"got shape {tuple(stacked.shape)}")
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
+
+class GroupedMLP(nn.Module):
+    """The expert MLP of an MoE block: FC1 → activation (× router probability) → FC2.
+
+    Args:
+        num_experts: E.
+        hidden_size: H, the input and output width.
+        ffn_hidden_size: F, the activation's output width (FC1 has 2F outputs for gated kinds).
+        activation: one of ``"swiglu"``, ``"geglu"``, ``"clamped_swiglu"`` (gpt-oss; ``alpha``,
+            ``limit``), ``"squared_relu"``; ``gelu_tanh`` selects GeGLU's tanh approximation.
+        glu_layout: FC1's gate/up output rows, ``"concatenated"`` ([gate; up]) or ``"interleaved:B"``.
+        bias, weight_layout, delay_wgrad_compute, accumulate_main_grad, recipe, grad_format, device,
+            dtype: as for :class:`GroupedLinear` (both FCs; the activation runs in the parameters'
+            precision between the FP8 GEMMs).
+
+    Submodules ``fc1`` and ``fc2`` are GroupedLinear layers.
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, activation: str = "swiglu",
+                 glu_layout: Union[str, int] = "concatenated", bias: bool = False, weight_layout: str = "stacked",
+                 alpha: float = 1.702, limit: float = 7.0, gelu_tanh: bool = False,
+                 delay_wgrad_compute: bool = False, accumulate_main_grad: bool = True,
+                 recipe: Optional[str] = None, grad_format: str = "e4m3",
+                 device: Optional[Union[str, torch.device]] = None, dtype: Optional[torch.dtype] = None):
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
+        self.activation = activation
+        self.glu_block = glu_block_of(glu_layout)
+        self.alpha, self.limit, self.gelu_tanh = float(alpha), float(limit), bool(gelu_tanh)
+        fc1_out = ffn_hidden_size if activation == "squared_relu" else 2 * ffn_hidden_size
+        common = dict(bias=bias, weight_layout=weight_layout, delay_wgrad_compute=delay_wgrad_compute,
+                      accumulate_main_grad=accumulate_main_grad, recipe=recipe, grad_format=grad_format,
+                      device=device, dtype=dtype)
+        self.fc1 = GroupedLinear(num_experts, hidden_size, fc1_out, **common)
+        self.fc2 = GroupedLinear(num_experts, ffn_hidden_size, hidden_size, **common)
+
+    def forward(self, x: Tensor, m_splits: Tensor, probs: Optional[Tensor] = None) -> Tensor:
+        """y [capacity, H] for x [capacity, H] split by ``m_splits`` [E]; ``probs`` (optional,
+        float32 [capacity], differentiable) scales each row's activation output."""
+        h = self.fc1(x, m_splits)
+        z = _ops.grouped_activation_forward(h, m_splits, self.activation, probs, self.alpha, self.limit,
+                                            self.gelu_tanh, self.glu_block)
+        return self.fc2(z, m_splits)
+
+    def invalidate_fp8_weight(self) -> None:
+        """Drops both FCs' FP8 weight caches (see GroupedLinear.invalidate_fp8_weight)."""
+        self.fc1.invalidate_fp8_weight()
+        self.fc2.invalidate_fp8_weight()
+
+    def backward_dw(self) -> None:
+        """The delayed weight gradients: FC2's, then FC1's (each layer's hooks fire after its own)."""
+        self.fc2.backward_dw()
+        self.fc1.backward_dw()
+
+    def register_wgrad_hook(self, fn: Callable[[], None]) -> None:
+        """Calls ``fn()`` once both FCs' weight gradients of a backward are complete (FC1's come last)."""
+        self.fc1.register_wgrad_hook(fn)
