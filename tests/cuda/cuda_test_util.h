@@ -14,7 +14,7 @@
 
 #include "common/gemm_fixture.h"
 #include "common/harness.h"
-#include "cuda/grouped_gemm_prepare.h"
+#include "cuda/gemm/grouped_gemm_prepare.h"
 #include "gmoe/grouped.h"
 #include "gmoe/grouped_bias.h"
 
