@@ -29,12 +29,12 @@ namespace gmoe {
 
 /// Options of a MoELayer.
 struct MoELayerOptions {
-  RouterOptions router;             ///< the top-k rule
-  PermuteOptions permute;           ///< per-expert padding and capacity
-  TensorView score_bias;            ///< absent, or f32 [E]: the selection-only bias (kept by reference)
-  float aux_loss_coeff = 0.0f;      ///< the load-balancing loss's coefficient; 0: not computed
-  float z_loss_coeff = 0.0f;        ///< the z-loss's coefficient; 0: not computed
-  Allocator* allocator = nullptr;   ///< outputs, saved tensors and scratch; nullptr: the device's default
+  RouterOptions router;            ///< the top-k rule
+  PermuteOptions permute;          ///< per-expert padding and capacity
+  TensorView score_bias;           ///< absent, or f32 [E]: the selection-only bias (kept by reference)
+  float aux_loss_coeff = 0.0f;     ///< the load-balancing loss's coefficient; 0: not computed
+  float z_loss_coeff = 0.0f;       ///< the z-loss's coefficient; 0: not computed
+  Allocator* allocator = nullptr;  ///< outputs, saved tensors and scratch; nullptr: the device's default
 };
 
 /// Result of MoELayer::forward.

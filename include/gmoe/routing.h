@@ -62,9 +62,9 @@ struct RouterOptions {
 /// All contiguous, on one device. Throws gmoe::Error naming the argument on bad shapes or
 /// dtypes, k > E, n_group not dividing E, topk_group out of range or too few experts in
 /// topk_group groups for k.
-void router_topk(const TensorView& logits, const RouterOptions& options, const TensorView& ids,
-                 const TensorView& probs, const TensorView& counts, const TensorView& score_bias = {},
-                 Stream stream = nullptr, Allocator* alloc = nullptr);
+void router_topk(const TensorView& logits, const RouterOptions& options, const TensorView& ids, const TensorView& probs,
+                 const TensorView& counts, const TensorView& score_bias = {}, Stream stream = nullptr,
+                 Allocator* alloc = nullptr);
 
 /// The gradient of router_topk's probs with respect to the logits (the selection is a constant,
 /// the bias gets none). dprobs: f32 [T, k]; ids: router_topk's; dlogits: [T, E] of the logits'
@@ -79,15 +79,15 @@ void router_topk_backward(const TensorView& logits, const TensorView& ids, const
 /// q[:, e], where q is the softmax of the logits (RouterScore::softmax) or the sigmoid scores
 /// normalised to sum 1 per token (RouterScore::sigmoid). loss: f32 [1], on the device; 0 when
 /// T = 0. counts: router_topk's (i32/i64 [E]); options: top_k and score are used.
-void router_aux_loss(const TensorView& logits, const TensorView& counts, const RouterOptions& options,
-                     float coeff, const TensorView& loss, Stream stream = nullptr, Allocator* alloc = nullptr);
+void router_aux_loss(const TensorView& logits, const TensorView& counts, const RouterOptions& options, float coeff,
+                     const TensorView& loss, Stream stream = nullptr, Allocator* alloc = nullptr);
 
 /// The gradient of router_aux_loss with respect to the logits (counts are constants), times
 /// dloss: f32 [1] on the device, or absent for 1. dlogits and `accumulate` as for
 /// router_topk_backward.
 void router_aux_loss_backward(const TensorView& logits, const TensorView& counts, const RouterOptions& options,
-                              float coeff, const TensorView& dloss, const TensorView& dlogits,
-                              bool accumulate = false, Stream stream = nullptr, Allocator* alloc = nullptr);
+                              float coeff, const TensorView& dloss, const TensorView& dlogits, bool accumulate = false,
+                              Stream stream = nullptr, Allocator* alloc = nullptr);
 
 /// The router z-loss: loss = coeff · mean_t (logsumexp_e logits[t, e])², f32 [1]; 0 when T = 0.
 void router_z_loss(const TensorView& logits, float coeff, const TensorView& loss, Stream stream = nullptr,
@@ -95,9 +95,8 @@ void router_z_loss(const TensorView& logits, float coeff, const TensorView& loss
 
 /// The gradient of router_z_loss: dlogits[t, e] = dloss · coeff · 2 · lse_t / T · softmax(logits[t])[e].
 /// dloss: f32 [1] or absent for 1; dlogits and `accumulate` as for router_topk_backward.
-void router_z_loss_backward(const TensorView& logits, float coeff, const TensorView& dloss,
-                            const TensorView& dlogits, bool accumulate = false, Stream stream = nullptr,
-                            Allocator* alloc = nullptr);
+void router_z_loss_backward(const TensorView& logits, float coeff, const TensorView& dloss, const TensorView& dlogits,
+                            bool accumulate = false, Stream stream = nullptr, Allocator* alloc = nullptr);
 
 /// How tokens are laid out by expert.
 struct PermuteOptions {

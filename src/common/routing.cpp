@@ -49,8 +49,8 @@ void check_logits(const TensorView& logits) {
 
 void check_options(const RouterOptions& o, int64_t E) {
   GMOE_CHECK(o.top_k >= 1 && o.top_k <= E, "options.top_k: expected 1..E = 1..", E, ", got ", o.top_k);
-  GMOE_CHECK(o.score == RouterScore::softmax || o.score == RouterScore::sigmoid,
-             "options.score: unknown RouterScore ", static_cast<int>(o.score));
+  GMOE_CHECK(o.score == RouterScore::softmax || o.score == RouterScore::sigmoid, "options.score: unknown RouterScore ",
+             static_cast<int>(o.score));
   GMOE_CHECK(o.n_group >= 1 && E % o.n_group == 0, "options.n_group: must be >= 1 and divide E = ", E, ", got ",
              o.n_group);
   if (o.n_group > 1) {
@@ -79,8 +79,7 @@ void check_expert_counts(const TensorView& counts, const char* name, int64_t E, 
 // Rows (bf16/f16/f32, contiguous rows) of `cols` columns.
 void check_hidden(const TensorView& t, const char* name, int64_t rows, int64_t cols, DType dtype, Device device) {
   check_rows(t, name);
-  GMOE_CHECK(t.size(0) == rows && t.size(1) == cols, name, ": expected [", rows, ", ", cols, "], got ",
-             t.shape_str());
+  GMOE_CHECK(t.size(0) == rows && t.size(1) == cols, name, ": expected [", rows, ", ", cols, "], got ", t.shape_str());
   GMOE_CHECK(t.dtype == dtype, name, ": expected dtype ", dtype_name(dtype), ", got ", dtype_name(t.dtype));
   check_same_device(t.device, device, name);
 }
@@ -92,15 +91,22 @@ void check_map(const RoutingMap& map, int64_t T, int64_t k, int64_t rows, Device
   GMOE_CHECK(rows <= kMaxI32, "map.src_token: at most 2^31 - 1 permuted rows, got ", rows);
 }
 
-void after_op(Device device, Stream stream) {
+// Runs the op on the tensors' backend (CUDA only when compiled), then the debug mode's check.
+template <typename Cpu, typename Cuda>
+void run_on(Device device, const char* op, Stream stream, Cpu&& cpu, Cuda&& cuda) {
+  if (device.is_cpu()) {
+    cpu();
+  } else {
+    check_cuda_compiled(op);
+    cuda();
+  }
   if (device.is_cuda() && debug_sync_enabled()) check_device_errors(stream);
 }
 
 }  // namespace
 
-void router_topk(const TensorView& logits, const RouterOptions& options, const TensorView& ids,
-                 const TensorView& probs, const TensorView& counts, const TensorView& score_bias, Stream stream,
-                 Allocator* alloc) {
+void router_topk(const TensorView& logits, const RouterOptions& options, const TensorView& ids, const TensorView& probs,
+                 const TensorView& counts, const TensorView& score_bias, Stream stream, Allocator* alloc) {
   check_logits(logits);
   const int64_t T = logits.size(0), E = logits.size(1);
   check_options(options, E);
@@ -112,13 +118,11 @@ void router_topk(const TensorView& logits, const RouterOptions& options, const T
   check_disjoint(ids, "ids", probs, "probs");
   check_disjoint(ids, "ids", counts, "counts");
   check_disjoint(probs, "probs", counts, "counts");
-  if (dev.is_cpu()) {
-    cpu_backend::router_topk(logits, options, ids, probs, counts, score_bias);
-  } else {
-    check_cuda_compiled("router_topk");
-    cuda_backend::router_topk(logits, options, ids, probs, counts, score_bias, stream, pick_allocator(alloc, dev));
-  }
-  after_op(dev, stream);
+  run_on(
+      dev, "router_topk", stream, [&] { cpu_backend::router_topk(logits, options, ids, probs, counts, score_bias); },
+      [&] {
+        cuda_backend::router_topk(logits, options, ids, probs, counts, score_bias, stream, pick_allocator(alloc, dev));
+      });
 }
 
 void router_topk_backward(const TensorView& logits, const TensorView& ids, const TensorView& dprobs,
@@ -133,14 +137,13 @@ void router_topk_backward(const TensorView& logits, const TensorView& ids, const
   check_dlogits(dlogits, logits);
   check_disjoint(dlogits, "dlogits", dprobs, "dprobs");
   check_disjoint(dlogits, "dlogits", ids, "ids");
-  if (dev.is_cpu()) {
-    cpu_backend::router_topk_backward(logits, ids, dprobs, options, dlogits, accumulate);
-  } else {
-    check_cuda_compiled("router_topk_backward");
-    cuda_backend::router_topk_backward(logits, ids, dprobs, options, dlogits, accumulate, stream,
-                                       pick_allocator(alloc, dev));
-  }
-  after_op(dev, stream);
+  run_on(
+      dev, "router_topk_backward", stream,
+      [&] { cpu_backend::router_topk_backward(logits, ids, dprobs, options, dlogits, accumulate); },
+      [&] {
+        cuda_backend::router_topk_backward(logits, ids, dprobs, options, dlogits, accumulate, stream,
+                                           pick_allocator(alloc, dev));
+      });
 }
 
 void router_aux_loss(const TensorView& logits, const TensorView& counts, const RouterOptions& options, float coeff,
@@ -150,13 +153,9 @@ void router_aux_loss(const TensorView& logits, const TensorView& counts, const R
   const Device dev = logits.device;
   check_expert_counts(counts, "counts", logits.size(1), dev);
   check_loss(loss, "loss", dev);
-  if (dev.is_cpu()) {
-    cpu_backend::router_aux_loss(logits, counts, options, coeff, loss);
-  } else {
-    check_cuda_compiled("router_aux_loss");
-    cuda_backend::router_aux_loss(logits, counts, options, coeff, loss, stream, pick_allocator(alloc, dev));
-  }
-  after_op(dev, stream);
+  run_on(
+      dev, "router_aux_loss", stream, [&] { cpu_backend::router_aux_loss(logits, counts, options, coeff, loss); },
+      [&] { cuda_backend::router_aux_loss(logits, counts, options, coeff, loss, stream, pick_allocator(alloc, dev)); });
 }
 
 void router_aux_loss_backward(const TensorView& logits, const TensorView& counts, const RouterOptions& options,
@@ -168,43 +167,37 @@ void router_aux_loss_backward(const TensorView& logits, const TensorView& counts
   check_expert_counts(counts, "counts", logits.size(1), dev);
   if (dloss.defined()) check_loss(dloss, "dloss", dev);
   check_dlogits(dlogits, logits);
-  if (dev.is_cpu()) {
-    cpu_backend::router_aux_loss_backward(logits, counts, options, coeff, dloss, dlogits, accumulate);
-  } else {
-    check_cuda_compiled("router_aux_loss_backward");
-    cuda_backend::router_aux_loss_backward(logits, counts, options, coeff, dloss, dlogits, accumulate, stream,
-                                           pick_allocator(alloc, dev));
-  }
-  after_op(dev, stream);
+  run_on(
+      dev, "router_aux_loss_backward", stream,
+      [&] { cpu_backend::router_aux_loss_backward(logits, counts, options, coeff, dloss, dlogits, accumulate); },
+      [&] {
+        cuda_backend::router_aux_loss_backward(logits, counts, options, coeff, dloss, dlogits, accumulate, stream,
+                                               pick_allocator(alloc, dev));
+      });
 }
 
 void router_z_loss(const TensorView& logits, float coeff, const TensorView& loss, Stream stream, Allocator* alloc) {
   check_logits(logits);
   const Device dev = logits.device;
   check_loss(loss, "loss", dev);
-  if (dev.is_cpu()) {
-    cpu_backend::router_z_loss(logits, coeff, loss);
-  } else {
-    check_cuda_compiled("router_z_loss");
-    cuda_backend::router_z_loss(logits, coeff, loss, stream, pick_allocator(alloc, dev));
-  }
-  after_op(dev, stream);
+  run_on(
+      dev, "router_z_loss", stream, [&] { cpu_backend::router_z_loss(logits, coeff, loss); },
+      [&] { cuda_backend::router_z_loss(logits, coeff, loss, stream, pick_allocator(alloc, dev)); });
 }
 
-void router_z_loss_backward(const TensorView& logits, float coeff, const TensorView& dloss,
-                            const TensorView& dlogits, bool accumulate, Stream stream, Allocator* alloc) {
+void router_z_loss_backward(const TensorView& logits, float coeff, const TensorView& dloss, const TensorView& dlogits,
+                            bool accumulate, Stream stream, Allocator* alloc) {
   check_logits(logits);
   const Device dev = logits.device;
   if (dloss.defined()) check_loss(dloss, "dloss", dev);
   check_dlogits(dlogits, logits);
-  if (dev.is_cpu()) {
-    cpu_backend::router_z_loss_backward(logits, coeff, dloss, dlogits, accumulate);
-  } else {
-    check_cuda_compiled("router_z_loss_backward");
-    cuda_backend::router_z_loss_backward(logits, coeff, dloss, dlogits, accumulate, stream,
-                                         pick_allocator(alloc, dev));
-  }
-  after_op(dev, stream);
+  run_on(
+      dev, "router_z_loss_backward", stream,
+      [&] { cpu_backend::router_z_loss_backward(logits, coeff, dloss, dlogits, accumulate); },
+      [&] {
+        cuda_backend::router_z_loss_backward(logits, coeff, dloss, dlogits, accumulate, stream,
+                                             pick_allocator(alloc, dev));
+      });
 }
 
 int64_t expert_capacity(int64_t tokens, int64_t top_k, int64_t num_experts, const PermuteOptions& options) {
@@ -226,8 +219,8 @@ int64_t permuted_rows(int64_t tokens, int64_t top_k, int64_t num_experts, const 
 }
 
 void permute(const TensorView& x, const TensorView& ids, const PermuteOptions& options, const TensorView& permuted,
-             const TensorView& counts, const RoutingMap& map, const TensorView& probs,
-             const TensorView& permuted_probs, const TensorView& dropped, Stream stream, Allocator* alloc) {
+             const TensorView& counts, const RoutingMap& map, const TensorView& probs, const TensorView& permuted_probs,
+             const TensorView& dropped, Stream stream, Allocator* alloc) {
   check_rows(x, "x");
   check_input_dtype(x.dtype, "x");
   const Device dev = x.device;
@@ -255,14 +248,13 @@ void permute(const TensorView& x, const TensorView& ids, const PermuteOptions& o
   check_disjoint(permuted, "permuted", x, "x");
   check_disjoint(map.row_of, "map.row_of", map.src_token, "map.src_token");
   check_disjoint(map.row_of, "map.row_of", ids, "ids");
-  if (dev.is_cpu()) {
-    cpu_backend::permute(x, ids, options, permuted, counts, map, probs, permuted_probs, dropped);
-  } else {
-    check_cuda_compiled("permute");
-    cuda_backend::permute(x, ids, options, permuted, counts, map, probs, permuted_probs, dropped, stream,
-                          pick_allocator(alloc, dev));
-  }
-  after_op(dev, stream);
+  run_on(
+      dev, "permute", stream,
+      [&] { cpu_backend::permute(x, ids, options, permuted, counts, map, probs, permuted_probs, dropped); },
+      [&] {
+        cuda_backend::permute(x, ids, options, permuted, counts, map, probs, permuted_probs, dropped, stream,
+                              pick_allocator(alloc, dev));
+      });
 }
 
 void permute_backward(const TensorView& dpermuted, const RoutingMap& map, const TensorView& dx,
@@ -270,8 +262,7 @@ void permute_backward(const TensorView& dpermuted, const RoutingMap& map, const 
   check_rows(dpermuted, "dpermuted");
   check_input_dtype(dpermuted.dtype, "dpermuted");
   const Device dev = dpermuted.device;
-  GMOE_CHECK(map.row_of.defined() && map.row_of.ndim == 2, "map.row_of: expected [tokens, k], got ",
-             map.row_of.str());
+  GMOE_CHECK(map.row_of.defined() && map.row_of.ndim == 2, "map.row_of: expected [tokens, k], got ", map.row_of.str());
   const int64_t T = map.row_of.size(0), k = map.row_of.size(1), rows = dpermuted.size(0);
   check_map(map, T, k, rows, dev);
   check_hidden(dx, "dx", T, dpermuted.size(1), dpermuted.dtype, dev);
@@ -281,13 +272,12 @@ void permute_backward(const TensorView& dpermuted, const RoutingMap& map, const 
     check_tensor(dpermuted_probs, "dpermuted_probs", {rows}, {DType::f32}, dev);
     check_tensor(dprobs, "dprobs", {T, k}, {DType::f32}, dev);
   }
-  if (dev.is_cpu()) {
-    cpu_backend::permute_backward(dpermuted, map, dx, dpermuted_probs, dprobs);
-  } else {
-    check_cuda_compiled("permute_backward");
-    cuda_backend::permute_backward(dpermuted, map, dx, dpermuted_probs, dprobs, stream, pick_allocator(alloc, dev));
-  }
-  after_op(dev, stream);
+  run_on(
+      dev, "permute_backward", stream,
+      [&] { cpu_backend::permute_backward(dpermuted, map, dx, dpermuted_probs, dprobs); },
+      [&] {
+        cuda_backend::permute_backward(dpermuted, map, dx, dpermuted_probs, dprobs, stream, pick_allocator(alloc, dev));
+      });
 }
 
 void combine(const TensorView& expert_out, const RoutingMap& map, const TensorView& probs, const TensorView& out,
@@ -295,20 +285,15 @@ void combine(const TensorView& expert_out, const RoutingMap& map, const TensorVi
   check_rows(expert_out, "expert_out");
   check_input_dtype(expert_out.dtype, "expert_out");
   const Device dev = expert_out.device;
-  GMOE_CHECK(map.row_of.defined() && map.row_of.ndim == 2, "map.row_of: expected [tokens, k], got ",
-             map.row_of.str());
+  GMOE_CHECK(map.row_of.defined() && map.row_of.ndim == 2, "map.row_of: expected [tokens, k], got ", map.row_of.str());
   const int64_t T = map.row_of.size(0), k = map.row_of.size(1);
   check_map(map, T, k, expert_out.size(0), dev);
   if (probs.defined()) check_tensor(probs, "probs", {T, k}, {DType::f32}, dev);
   check_hidden(out, "out", T, expert_out.size(1), expert_out.dtype, dev);
   check_disjoint(out, "out", expert_out, "expert_out");
-  if (dev.is_cpu()) {
-    cpu_backend::combine(expert_out, map, probs, out);
-  } else {
-    check_cuda_compiled("combine");
-    cuda_backend::combine(expert_out, map, probs, out, stream, pick_allocator(alloc, dev));
-  }
-  after_op(dev, stream);
+  run_on(
+      dev, "combine", stream, [&] { cpu_backend::combine(expert_out, map, probs, out); },
+      [&] { cuda_backend::combine(expert_out, map, probs, out, stream, pick_allocator(alloc, dev)); });
 }
 
 void combine_backward(const TensorView& dout, const RoutingMap& map, const TensorView& probs,
@@ -317,8 +302,7 @@ void combine_backward(const TensorView& dout, const RoutingMap& map, const Tenso
   check_rows(dout, "dout");
   check_input_dtype(dout.dtype, "dout");
   const Device dev = dout.device;
-  GMOE_CHECK(map.row_of.defined() && map.row_of.ndim == 2, "map.row_of: expected [tokens, k], got ",
-             map.row_of.str());
+  GMOE_CHECK(map.row_of.defined() && map.row_of.ndim == 2, "map.row_of: expected [tokens, k], got ", map.row_of.str());
   const int64_t T = map.row_of.size(0), k = map.row_of.size(1), H = dout.size(1);
   GMOE_CHECK(dout.size(0) == T, "dout: expected ", T, " rows (map.row_of's tokens), got ", dout.shape_str());
   GMOE_CHECK(dexpert_out.defined() && dexpert_out.ndim == 2, "dexpert_out: expected [rows, H], got ",
@@ -334,14 +318,13 @@ void combine_backward(const TensorView& dout, const RoutingMap& map, const Tenso
   if (expert_out.defined()) check_hidden(expert_out, "expert_out", rows, H, dout.dtype, dev);
   check_disjoint(dexpert_out, "dexpert_out", dout, "dout");
   check_disjoint(dexpert_out, "dexpert_out", expert_out, "expert_out");
-  if (dev.is_cpu()) {
-    cpu_backend::combine_backward(dout, map, probs, expert_out, dexpert_out, dprobs);
-  } else {
-    check_cuda_compiled("combine_backward");
-    cuda_backend::combine_backward(dout, map, probs, expert_out, dexpert_out, dprobs, stream,
-                                   pick_allocator(alloc, dev));
-  }
-  after_op(dev, stream);
+  run_on(
+      dev, "combine_backward", stream,
+      [&] { cpu_backend::combine_backward(dout, map, probs, expert_out, dexpert_out, dprobs); },
+      [&] {
+        cuda_backend::combine_backward(dout, map, probs, expert_out, dexpert_out, dprobs, stream,
+                                       pick_allocator(alloc, dev));
+      });
 }
 
 }  // namespace gmoe

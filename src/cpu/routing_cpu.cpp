@@ -76,7 +76,9 @@ void store_grad_row(const TensorView& dlogits, int64_t t, const std::vector<floa
   }
 }
 
-float loss_grad_scale(const TensorView& dloss) { return dloss.defined() ? *static_cast<const float*>(dloss.data) : 1.f; }
+float loss_grad_scale(const TensorView& dloss) {
+  return dloss.defined() ? *static_cast<const float*>(dloss.data) : 1.f;
+}
 
 // The backward of a per-token distribution through its logits: softmax (q = softmax(x)), or the
 // sigmoids normalised to sum 1 (q = σ / (Σσ + eps)). dq -> dx.
@@ -205,12 +207,12 @@ void router_aux_loss(const TensorView& logits, const TensorView& counts, const R
   *static_cast<float*>(loss.data) = acc * static_cast<float>(factor);
 }
 
-void router_aux_loss_backward(const TensorView& logits, const TensorView& counts, const RouterOptions& o,
-                              float coeff, const TensorView& dloss, const TensorView& dlogits, bool accumulate) {
+void router_aux_loss_backward(const TensorView& logits, const TensorView& counts, const RouterOptions& o, float coeff,
+                              const TensorView& dloss, const TensorView& dlogits, bool accumulate) {
   const int64_t T = logits.size(0), E = logits.size(1);
   if (T == 0) return;
-  const float factor =
-      static_cast<float>(double(coeff) * double(E) / (double(T) * double(T) * double(o.top_k))) * loss_grad_scale(dloss);
+  const float factor = static_cast<float>(double(coeff) * double(E) / (double(T) * double(T) * double(o.top_k))) *
+                       loss_grad_scale(dloss);
   std::vector<float> x(E), dq(E), dx(E);
   for (int64_t e = 0; e < E; ++e) dq[e] = factor * static_cast<float>(load_int(counts, e));
   for (int64_t t = 0; t < T; ++t) {
@@ -247,8 +249,8 @@ void router_z_loss_backward(const TensorView& logits, float coeff, const TensorV
 }
 
 void permute(const TensorView& x, const TensorView& ids, const PermuteOptions& options, const TensorView& permuted,
-             const TensorView& counts, const RoutingMap& map, const TensorView& probs,
-             const TensorView& permuted_probs, const TensorView& dropped) {
+             const TensorView& counts, const RoutingMap& map, const TensorView& probs, const TensorView& permuted_probs,
+             const TensorView& dropped) {
   const int64_t T = x.size(0), H = x.size(1), k = ids.size(1), E = counts.size(0);
   const int64_t rows = permuted.size(0), pad = options.pad_multiple;
   const int64_t cap_opt = expert_capacity(T, k, E, options);
@@ -295,22 +297,15 @@ void permute(const TensorView& x, const TensorView& ids, const PermuteOptions& o
   if (dropped.defined()) store_int(dropped, 0, n_dropped);
 }
 
+// A combine with weights 1 (p·y with p = 1 is y exactly), then the probabilities gathered.
 void permute_backward(const TensorView& dpermuted, const RoutingMap& map, const TensorView& dx,
                       const TensorView& dpermuted_probs, const TensorView& dprobs) {
-  const int64_t T = dx.size(0), H = dx.size(1), k = map.row_of.size(1), rows = dpermuted.size(0);
-  std::vector<float> acc(H);
-  for (int64_t t = 0; t < T; ++t) {
-    std::fill(acc.begin(), acc.end(), 0.f);
-    for (int64_t j = 0; j < k; ++j) {
-      const int32_t r = checked_row(map.row_of, t * k + j, rows);
-      if (r >= 0) {
-        for (int64_t h = 0; h < H; ++h) acc[h] += load_float(dpermuted.data, dpermuted.dtype, r * dpermuted.stride(0) + h);
-      }
-      if (dprobs.defined()) {
-        static_cast<float*>(dprobs.data)[t * k + j] = r >= 0 ? static_cast<const float*>(dpermuted_probs.data)[r] : 0.f;
-      }
-    }
-    for (int64_t h = 0; h < H; ++h) store_float(dx.data, dx.dtype, t * dx.stride(0) + h, acc[h]);
+  cpu_backend::combine(dpermuted, map, TensorView{}, dx);
+  if (!dprobs.defined()) return;
+  const int64_t n = map.row_of.numel(), rows = dpermuted.size(0);
+  for (int64_t i = 0; i < n; ++i) {
+    const int32_t r = checked_row(map.row_of, i, rows);
+    static_cast<float*>(dprobs.data)[i] = r >= 0 ? static_cast<const float*>(dpermuted_probs.data)[r] : 0.f;
   }
 }
 

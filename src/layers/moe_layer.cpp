@@ -10,10 +10,10 @@ namespace gmoe {
 struct MoELayerContext::State {
   GroupedMLPContext experts;
   TensorView x, logits;
-  Tensor ids, probs, counts;     // the router's
+  Tensor ids, probs, counts;  // the router's
   Tensor permuted, permuted_counts, row_of, src_token;
-  Tensor expert_out;             // for dprobs, released by backward
-  Tensor dexpert_out;            // kept: a delayed FC2 weight gradient reads it in backward_dw
+  Tensor expert_out;   // for dprobs, released by backward
+  Tensor dexpert_out;  // kept: a delayed FC2 weight gradient reads it in backward_dw
   bool backward_done = false;
   RoutingMap map() const { return {row_of.view(), src_token.view()}; }
 };
@@ -37,8 +37,8 @@ MoELayer::MoELayer(GroupedMLP& experts, MoELayerOptions options) : experts_(&exp
   GMOE_CHECK(options_.permute.pad_multiple >= 1, "options.permute.pad_multiple: expected >= 1, got ",
              options_.permute.pad_multiple);
   if (options_.score_bias.defined()) {
-    GMOE_CHECK(options_.score_bias.ndim == 1 && options_.score_bias.size(0) == E, "options.score_bias: expected [",
-               E, "], got ", options_.score_bias.str());
+    GMOE_CHECK(options_.score_bias.ndim == 1 && options_.score_bias.size(0) == E, "options.score_bias: expected [", E,
+               "], got ", options_.score_bias.str());
   }
 }
 
@@ -47,11 +47,11 @@ Allocator& MoELayer::allocator(Device device) const {
 }
 
 MoEForward MoELayer::forward(const TensorView& x, const TensorView& logits, MoELayerContext& ctx, Stream stream) {
-  GMOE_CHECK(x.defined() && x.ndim == 2 && x.size(1) == experts_->hidden(), "x: expected [tokens, ",
-             experts_->hidden(), "], got ", x.str());
-  GMOE_CHECK(logits.defined() && logits.ndim == 2 && logits.size(0) == x.size(0) &&
-                 logits.size(1) == experts_->num_experts(),
-             "logits: expected [", x.size(0), ", ", experts_->num_experts(), "], got ", logits.str());
+  GMOE_CHECK(x.defined() && x.ndim == 2 && x.size(1) == experts_->hidden(), "x: expected [tokens, ", experts_->hidden(),
+             "], got ", x.str());
+  GMOE_CHECK(
+      logits.defined() && logits.ndim == 2 && logits.size(0) == x.size(0) && logits.size(1) == experts_->num_experts(),
+      "logits: expected [", x.size(0), ", ", experts_->num_experts(), "], got ", logits.str());
   const int64_t T = x.size(0), H = x.size(1), E = experts_->num_experts(), k = options_.router.top_k;
   Allocator& a = allocator(x.device);
   ctx.state_ = std::make_unique<MoELayerContext::State>();
@@ -95,8 +95,8 @@ MoEBackward MoELayer::backward(MoELayerContext& ctx, const TensorView& dout, Str
              "ctx: backward needs a forward with this context, and runs once per forward");
   MoELayerContext::State& s = *ctx.state_;
   const int64_t T = s.x.size(0), H = s.x.size(1), E = experts_->num_experts(), k = options_.router.top_k;
-  GMOE_CHECK(dout.defined() && dout.ndim == 2 && dout.size(0) == T && dout.size(1) == H, "dout: expected [", T,
-             ", ", H, "], got ", dout.str());
+  GMOE_CHECK(dout.defined() && dout.ndim == 2 && dout.size(0) == T && dout.size(1) == H, "dout: expected [", T, ", ", H,
+             "], got ", dout.str());
   Allocator& a = allocator(s.x.device);
 
   const TensorView expert_out = s.expert_out;
@@ -114,8 +114,8 @@ MoEBackward MoELayer::backward(MoELayerContext& ctx, const TensorView& dout, Str
   b.dlogits = Tensor::empty({T, E}, DType::f32, a, stream);
   router_topk_backward(s.logits, s.ids, dprobs, options_.router, b.dlogits, false, stream, &a);
   if (options_.aux_loss_coeff != 0.0f) {
-    router_aux_loss_backward(s.logits, s.counts, options_.router, options_.aux_loss_coeff, d_aux_loss, b.dlogits,
-                             true, stream, &a);
+    router_aux_loss_backward(s.logits, s.counts, options_.router, options_.aux_loss_coeff, d_aux_loss, b.dlogits, true,
+                             stream, &a);
   }
   if (options_.z_loss_coeff != 0.0f) {
     router_z_loss_backward(s.logits, options_.z_loss_coeff, d_z_loss, b.dlogits, true, stream, &a);

@@ -273,11 +273,11 @@ std::vector<double> oracle_gather_sum(const std::vector<double>& src, int64_t H,
         ++*swapped;
         continue;
       }
-      return ::testing::AssertionFailure() << "ids[" << t << ", " << j << "] = " << a << ", expected " << b
-                                           << (in_range ? " (not a near-tie: choices " : "")
-                                           << (in_range ? std::to_string(choice[t * E + a]) + " vs " +
-                                                              std::to_string(choice[t * E + b]) + ")"
-                                                        : std::string());
+      return ::testing::AssertionFailure()
+             << "ids[" << t << ", " << j << "] = " << a << ", expected " << b
+             << (in_range ? " (not a near-tie: choices " : "")
+             << (in_range ? std::to_string(choice[t * E + a]) + " vs " + std::to_string(choice[t * E + b]) + ")"
+                          : std::string());
     }
   }
   return ::testing::AssertionSuccess();
@@ -287,6 +287,46 @@ std::vector<int64_t> histogram(const std::vector<int32_t>& ids, int64_t E) {
   std::vector<int64_t> h(E, 0);
   for (int32_t id : ids) ++h.at(id);
   return h;
+}
+
+std::vector<int32_t> int32_values(const HostTensor& t) {
+  std::vector<int32_t> v(t.numel());
+  for (int64_t i = 0; i < t.numel(); ++i) v[i] = static_cast<int32_t>(t.get(i));
+  return v;
+}
+std::vector<int64_t> int64_values(const HostTensor& t) {
+  std::vector<int64_t> v(t.numel());
+  for (int64_t i = 0; i < t.numel(); ++i) v[i] = static_cast<int64_t>(t.get(i));
+  return v;
+}
+
+RouterOptions router_options(int64_t k, RouterScore score, bool normalize, int64_t n_group, int64_t topk_group,
+                             float scaling_factor) {
+  RouterOptions o;
+  o.top_k = k;
+  o.score = score;
+  o.normalize = normalize;
+  o.n_group = n_group;
+  o.topk_group = topk_group;
+  o.scaling_factor = scaling_factor;
+  return o;
+}
+
+HostTensor random_routing(int64_t T, int64_t E, int64_t k, Rng& rng, double hot) {
+  HostTensor ids(DType::i32, {T, k});
+  const int64_t hot_experts = std::min<int64_t>(E, 4);
+  for (int64_t t = 0; t < T; ++t) {
+    std::vector<int> taken(E, 0);
+    for (int64_t j = 0; j < k; ++j) {
+      int64_t e;
+      do {
+        e = rng.uniform(0, 1) < hot ? rng.integer(0, hot_experts - 1) : rng.integer(0, E - 1);
+      } while (taken[e]);
+      taken[e] = 1;
+      ids.set(t * k + j, double(e));
+    }
+  }
+  return ids;
 }
 
 }  // namespace gmoe::test

@@ -71,4 +71,16 @@ std::vector<double> oracle_gather_sum(const std::vector<double>& src, int64_t H,
 /// Per-expert histogram of ids [T·k] (every id in [0, E)).
 std::vector<int64_t> histogram(const std::vector<int32_t>& ids, int64_t E);
 
+/// The values of an integer host tensor.
+std::vector<int32_t> int32_values(const HostTensor& t);
+std::vector<int64_t> int64_values(const HostTensor& t);
+
+/// RouterOptions from its fields.
+RouterOptions router_options(int64_t k, RouterScore score, bool normalize, int64_t n_group = 1, int64_t topk_group = 1,
+                             float scaling_factor = 1.0f);
+
+/// Random ids i32 [T, k], distinct per token; a fraction `hot` of the picks goes to the first
+/// min(E, 4) experts, so that capacities bite and some experts stay empty-ish.
+HostTensor random_routing(int64_t T, int64_t E, int64_t k, Rng& rng, double hot = 0.4);
+
 }  // namespace gmoe::test

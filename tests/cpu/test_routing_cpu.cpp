@@ -30,32 +30,20 @@ struct RouterCase {
   DType dtype = DType::f32;
 };
 
-RouterOptions opts(int64_t k, RouterScore s, bool normalize, int64_t n_group = 1, int64_t topk_group = 1,
-                   float scale = 1.0f) {
-  RouterOptions o;
-  o.top_k = k;
-  o.score = s;
-  o.normalize = normalize;
-  o.n_group = n_group;
-  o.topk_group = topk_group;
-  o.scaling_factor = scale;
-  return o;
-}
-
 std::vector<RouterCase> router_cases() {
   using S = RouterScore;
   return {
-      {"mixtral_softmax_top2", 37, 8, opts(2, S::softmax, true), false, DType::bf16},
-      {"qwen3_softmax_top8_128", 19, 128, opts(8, S::softmax, true), false, DType::f32},
-      {"softmax_no_renorm", 23, 16, opts(4, S::softmax, false), false, DType::f16},
-      {"softmax_with_bias", 17, 32, opts(3, S::softmax, false), true, DType::f32},
-      {"dsv3_sigmoid_grouped_e256_k8", 11, 256, opts(8, S::sigmoid, true, 8, 4, 2.5f), true, DType::bf16},
-      {"sigmoid_grouped_no_bias", 13, 64, opts(6, S::sigmoid, false, 4, 2), false, DType::f32},
-      {"sigmoid_plain", 21, 40, opts(5, S::sigmoid, true), false, DType::f32},
-      {"e1", 9, 1, opts(1, S::softmax, false), false, DType::f32},
-      {"topk_equals_e", 7, 6, opts(6, S::softmax, true), false, DType::bf16},
-      {"topk_equals_e_sigmoid_groups", 5, 8, opts(8, S::sigmoid, true, 4, 4), true, DType::f32},
-      {"zero_tokens", 0, 16, opts(2, S::softmax, true), false, DType::f32},
+      {"mixtral_softmax_top2", 37, 8, router_options(2, S::softmax, true), false, DType::bf16},
+      {"qwen3_softmax_top8_128", 19, 128, router_options(8, S::softmax, true), false, DType::f32},
+      {"softmax_no_renorm", 23, 16, router_options(4, S::softmax, false), false, DType::f16},
+      {"softmax_with_bias", 17, 32, router_options(3, S::softmax, false), true, DType::f32},
+      {"dsv3_sigmoid_grouped_e256_k8", 11, 256, router_options(8, S::sigmoid, true, 8, 4, 2.5f), true, DType::bf16},
+      {"sigmoid_grouped_no_bias", 13, 64, router_options(6, S::sigmoid, false, 4, 2), false, DType::f32},
+      {"sigmoid_plain", 21, 40, router_options(5, S::sigmoid, true), false, DType::f32},
+      {"e1", 9, 1, router_options(1, S::softmax, false), false, DType::f32},
+      {"topk_equals_e", 7, 6, router_options(6, S::softmax, true), false, DType::bf16},
+      {"topk_equals_e_sigmoid_groups", 5, 8, router_options(8, S::sigmoid, true, 4, 4), true, DType::f32},
+      {"zero_tokens", 0, 16, router_options(2, S::softmax, true), false, DType::f32},
   };
 }
 
@@ -83,33 +71,22 @@ Routed run_router(const RouterCase& c, Rng& rng, const HostTensor* logits_in = n
   return r;
 }
 
-std::vector<int32_t> ints(const HostTensor& t) {
-  std::vector<int32_t> v(t.numel());
-  for (int64_t i = 0; i < t.numel(); ++i) v[i] = static_cast<int32_t>(t.get(i));
-  return v;
-}
-std::vector<int64_t> longs(const HostTensor& t) {
-  std::vector<int64_t> v(t.numel());
-  for (int64_t i = 0; i < t.numel(); ++i) v[i] = static_cast<int64_t>(t.get(i));
-  return v;
-}
-std::vector<double> as_double(const std::vector<int64_t>& v) { return std::vector<double>(v.begin(), v.end()); }
-
 class RouterCpu : public ::testing::TestWithParam<RouterCase> {};
 
 TEST_P(RouterCpu, TopkMatchesOracle) {
   const RouterCase& c = GetParam();
   Rng rng;
   const Routed r = run_router(c, rng);
-  const OracleRoute want = oracle_topk(r.logits.to_double(), c.T, c.E, c.o, c.bias ? r.bias.to_double() : std::vector<double>{});
+  const OracleRoute want =
+      oracle_topk(r.logits.to_double(), c.T, c.E, c.o, c.bias ? r.bias.to_double() : std::vector<double>{});
   int64_t swapped = 0;
-  const std::vector<int32_t> ids = ints(r.ids);
+  const std::vector<int32_t> ids = int32_values(r.ids);
   ASSERT_TRUE(same_selection(ids, want.ids, want.choice, c.T, c.E, c.o.top_k, 1e-6, &swapped));
   EXPECT_LE(swapped, 2) << "more near-ties than random inputs make";
-  EXPECT_EQ(longs(r.counts), histogram(ids, c.E));
+  EXPECT_EQ(int64_values(r.counts), histogram(ids, c.E));
   if (swapped == 0) {
     EXPECT_TRUE(all_close(r.probs.to_double(), want.probs, 1e-6, 1e-5, "probs"));
-    EXPECT_EQ(longs(r.counts), want.counts);
+    EXPECT_EQ(int64_values(r.counts), want.counts);
   }
   // Each token's ids are distinct and, with groups, lie in at most topk_group groups.
   for (int64_t t = 0; t < c.T; ++t) {
@@ -134,7 +111,7 @@ TEST_P(RouterCpu, BackwardMatchesFiniteDifferences) {
   poison(dlogits);
   router_topk_backward(r.logits.view(), r.ids.view(), dprobs.view(), c.o, dlogits.view());
   const std::vector<double> want =
-      oracle_topk_backward(r.logits.to_double(), c.T, c.E, ints(r.ids), dprobs.to_double(), c.o);
+      oracle_topk_backward(r.logits.to_double(), c.T, c.E, int32_values(r.ids), dprobs.to_double(), c.o);
   EXPECT_TRUE(all_close(dlogits.to_double(), want, 2e-6, 1e-4, "dlogits"));
   // accumulate: adding the same gradient again doubles it exactly (f32 x + x).
   const HostTensor once = dlogits;
@@ -147,7 +124,7 @@ TEST_P(RouterCpu, AuxAndZLossMatchFiniteDifferences) {
   Rng rng;
   const Routed r = run_router(c, rng);
   const std::vector<double> x = r.logits.to_double();
-  const std::vector<int64_t> counts = longs(r.counts);
+  const std::vector<int64_t> counts = int64_values(r.counts);
   const float coeff = 0.01f;
   HostTensor loss(DType::f32, {1}), dloss(DType::f32, {1}), d(DType::f32, {c.T, c.E});
   dloss.set(0, rng.uniform(0.5, 2.0));
@@ -180,7 +157,7 @@ TEST(RouterCpuTies, LowerExpertIdWins) {
   for (int64_t i = 0; i < T * E; ++i) logits.set(i, 0.25);
   for (RouterScore s : {RouterScore::softmax, RouterScore::sigmoid}) {
     for (int64_t n_group : {1, 4}) {
-      const RouterOptions o = opts(5, s, true, n_group, n_group == 1 ? 1 : 2);
+      const RouterOptions o = router_options(5, s, true, n_group, n_group == 1 ? 1 : 2);
       HostTensor ids(DType::i32, {T, 5}), probs(DType::f32, {T, 5}), counts(DType::i32, {E});
       router_topk(logits.view(), o, ids.view(), probs.view(), counts.view());
       for (int64_t t = 0; t < T; ++t) {
@@ -197,8 +174,8 @@ TEST(RouterCpuTies, LowerExpertIdWins) {
   one.set(7, 1.0);
   one.set(4, 1.0);
   HostTensor ids(DType::i32, {1, 4}), probs(DType::f32, {1, 4}), counts(DType::i32, {E});
-  router_topk(one.view(), opts(4, RouterScore::softmax, false), ids.view(), probs.view(), counts.view());
-  EXPECT_EQ(ints(ids), (std::vector<int32_t>{2, 9, 4, 7}));
+  router_topk(one.view(), router_options(4, RouterScore::softmax, false), ids.view(), probs.view(), counts.view());
+  EXPECT_EQ(int32_values(ids), (std::vector<int32_t>{2, 9, 4, 7}));
 }
 
 TEST(RouterCpuTies, BiasSteersSelectionNotProbabilities) {
@@ -208,7 +185,7 @@ TEST(RouterCpuTies, BiasSteersSelectionNotProbabilities) {
   for (int64_t e = 0; e < E; ++e) bias.set(e, 0.0);
   bias.set(0, 1.0);  // expert 0 best by choice
   HostTensor ids(DType::i32, {1, 1}), probs(DType::f32, {1, 1}), counts(DType::i32, {E});
-  router_topk(logits.view(), opts(1, RouterScore::sigmoid, false), ids.view(), probs.view(), counts.view(),
+  router_topk(logits.view(), router_options(1, RouterScore::sigmoid, false), ids.view(), probs.view(), counts.view(),
               bias.view());
   EXPECT_EQ(ids.get(0), 0);
   EXPECT_NEAR(probs.get(0), 0.5, 1e-7) << "the probability is the score sigmoid(0), without the bias";
@@ -245,23 +222,6 @@ std::vector<PermuteCase> permute_cases() {
           {"zero_tokens", 0, 8, 2, 32, popts(16, 1.0)}};
 }
 
-// Random distinct ids per token, skewed towards the low experts so capacities bite.
-HostTensor random_ids(int64_t T, int64_t E, int64_t k, Rng& rng) {
-  HostTensor ids(DType::i32, {T, k});
-  for (int64_t t = 0; t < T; ++t) {
-    std::vector<int> taken(E, 0);
-    for (int64_t j = 0; j < k; ++j) {
-      int64_t e;
-      do {
-        e = rng.uniform(0, 1) < 0.5 ? rng.integer(0, std::min<int64_t>(E, 3) - 1) : rng.integer(0, E - 1);
-      } while (taken[e]);
-      taken[e] = 1;
-      ids.set(t * k + j, double(e));
-    }
-  }
-  return ids;
-}
-
 struct Permuted {
   HostTensor x, ids, probs, permuted, counts, row_of, src_token, pprobs, dropped;
   RoutingMap map() const { return {row_of.view(), src_token.view()}; }
@@ -271,7 +231,7 @@ Permuted run_permute(const PermuteCase& c, Rng& rng) {
   Permuted p;
   p.x = HostTensor(c.dtype, {c.T, c.H});
   fill_random(p.x, rng);
-  p.ids = random_ids(c.T, c.E, c.k, rng);
+  p.ids = random_routing(c.T, c.E, c.k, rng);
   p.probs = HostTensor(DType::f32, {c.T, c.k});
   fill_random(p.probs, rng, 0.0, 1.0);
   const int64_t rows = permuted_rows(c.T, c.k, c.E, c.o) + 3;  // slack rows past the largest total
@@ -294,10 +254,10 @@ TEST_P(PermuteCpu, ForwardMatchesOracle) {
   Rng rng;
   const Permuted p = run_permute(c, rng);
   const int64_t rows = p.permuted.shape()[0];
-  const OraclePermutation want = oracle_permutation(ints(p.ids), c.T, c.k, c.E, rows, c.o);
-  EXPECT_EQ(longs(p.counts), want.counts);
-  EXPECT_EQ(ints(p.row_of), want.row_of);
-  EXPECT_EQ(ints(p.src_token), want.src_token);
+  const OraclePermutation want = oracle_permutation(int32_values(p.ids), c.T, c.k, c.E, rows, c.o);
+  EXPECT_EQ(int64_values(p.counts), want.counts);
+  EXPECT_EQ(int32_values(p.row_of), want.row_of);
+  EXPECT_EQ(int32_values(p.src_token), want.src_token);
   EXPECT_EQ(p.dropped.get(0), want.dropped);
   const std::vector<double> x = p.x.to_double(), got = p.permuted.to_double(), pp = p.pprobs.to_double();
   for (int64_t r = 0; r < rows; ++r) {
@@ -326,17 +286,19 @@ TEST_P(PermuteCpu, BackwardAndCombineMatchOracle) {
   Rng rng;
   const Permuted p = run_permute(c, rng);
   const int64_t rows = p.permuted.shape()[0];
-  const std::vector<int32_t> row_of = ints(p.row_of);
+  const std::vector<int32_t> row_of = int32_values(p.row_of);
   const double tol = unit_roundoff(c.dtype) * 4;
 
   // permute_backward: dx = Σ_j dpermuted[row(t, j)]; dprobs gathered.
-  HostTensor dperm(c.dtype, {rows, c.H}), dpp(DType::f32, {rows}), dx(c.dtype, {c.T, c.H}), dprobs(DType::f32, {c.T, c.k});
+  HostTensor dperm(c.dtype, {rows, c.H}), dpp(DType::f32, {rows}), dx(c.dtype, {c.T, c.H}),
+      dprobs(DType::f32, {c.T, c.k});
   fill_random(dperm, rng);
   fill_random(dpp, rng);
   poison(dx);
   poison(dprobs);
   permute_backward(dperm.view(), p.map(), dx.view(), dpp.view(), dprobs.view());
-  EXPECT_TRUE(all_close(dx.to_double(), oracle_gather_sum(dperm.to_double(), c.H, row_of, c.T, c.k, {}), 1e-6, tol, "dx"));
+  EXPECT_TRUE(
+      all_close(dx.to_double(), oracle_gather_sum(dperm.to_double(), c.H, row_of, c.T, c.k, {}), 1e-6, tol, "dx"));
   for (int64_t i = 0; i < c.T * c.k; ++i) EXPECT_EQ(dprobs.get(i), row_of[i] < 0 ? 0.0 : dpp.get(row_of[i]));
 
   // combine: out = Σ_j p·y[row(t, j)].
@@ -345,7 +307,8 @@ TEST_P(PermuteCpu, BackwardAndCombineMatchOracle) {
   poison(out);
   combine(y.view(), p.map(), p.probs.view(), out.view());
   const std::vector<double> probs = p.probs.to_double();
-  EXPECT_TRUE(all_close(out.to_double(), oracle_gather_sum(y.to_double(), c.H, row_of, c.T, c.k, probs), 1e-6, tol, "out"));
+  EXPECT_TRUE(
+      all_close(out.to_double(), oracle_gather_sum(y.to_double(), c.H, row_of, c.T, c.k, probs), 1e-6, tol, "out"));
 
   // combine_backward: dy[row(t, j)] = p·dout[t], 0 on every other row; dprobs = dout·y[row].
   HostTensor dout(c.dtype, {c.T, c.H}), dy(c.dtype, {rows, c.H}), dp2(DType::f32, {c.T, c.k});
@@ -381,10 +344,10 @@ TEST(PermuteCpuNasty, TokenWithEverySlotDroppedCombinesToZero) {
   PermuteOptions o = popts(1, 0.5);  // ceil(0.5·2·2/4) = 1
   ASSERT_EQ(expert_capacity(T, k, E, o), 1);
   const int64_t rows = permuted_rows(T, k, E, o);
-  HostTensor perm(DType::f32, {rows, H}), counts(DType::i32, {E}), row_of(DType::i32, {T, k}),
-      src(DType::i32, {rows}), dropped(DType::i32, {1});
+  HostTensor perm(DType::f32, {rows, H}), counts(DType::i32, {E}), row_of(DType::i32, {T, k}), src(DType::i32, {rows}),
+      dropped(DType::i32, {1});
   permute(x.view(), ids.view(), o, perm.view(), counts.view(), {row_of.view(), src.view()}, {}, {}, dropped.view());
-  EXPECT_EQ(ints(row_of), (std::vector<int32_t>{0, 1, -1, -1}));
+  EXPECT_EQ(int32_values(row_of), (std::vector<int32_t>{0, 1, -1, -1}));
   EXPECT_EQ(dropped.get(0), 2);
   HostTensor out(DType::f32, {T, H});
   poison(out);
@@ -400,11 +363,11 @@ TEST(PermuteCpuNasty, RoundTripWithTopOne) {
   const int64_t T = 33, E = 7, H = 19;
   HostTensor x(DType::bf16, {T, H});
   fill_random(x, rng);
-  const HostTensor ids = random_ids(T, E, 1, rng);
+  const HostTensor ids = random_routing(T, E, 1, rng);
   const PermuteOptions o = popts(16, 0);
   const int64_t rows = permuted_rows(T, 1, E, o);
-  HostTensor perm(DType::bf16, {rows, H}), counts(DType::i32, {E}), row_of(DType::i32, {T, 1}),
-      src(DType::i32, {rows}), out(DType::bf16, {T, H});
+  HostTensor perm(DType::bf16, {rows, H}), counts(DType::i32, {E}), row_of(DType::i32, {T, 1}), src(DType::i32, {rows}),
+      out(DType::bf16, {T, H});
   permute(x.view(), ids.view(), o, perm.view(), counts.view(), {row_of.view(), src.view()});
   combine(perm.view(), {row_of.view(), src.view()}, {}, out.view());
   EXPECT_TRUE(bitwise_equal(out, x, "combine(permute(x)) with k = 1"));
@@ -417,32 +380,33 @@ TEST(RoutingCpuErrors, RouterArguments) {
   HostTensor logits(DType::f32, {4, 8}), ids(DType::i32, {4, 2}), probs(DType::f32, {4, 2}), counts(DType::i32, {8});
   Rng rng;
   fill_random(logits, rng);
-  GMOE_EXPECT_ERROR(router_topk(logits.view(), opts(9, RouterScore::softmax, false), ids.view(), probs.view(),
+  GMOE_EXPECT_ERROR(router_topk(logits.view(), router_options(9, RouterScore::softmax, false), ids.view(), probs.view(),
                                 counts.view()),
                     "options.top_k", "9");
-  GMOE_EXPECT_ERROR(router_topk(logits.view(), opts(2, RouterScore::sigmoid, false, 3, 1), ids.view(), probs.view(),
-                                counts.view()),
+  GMOE_EXPECT_ERROR(router_topk(logits.view(), router_options(2, RouterScore::sigmoid, false, 3, 1), ids.view(),
+                                probs.view(), counts.view()),
                     "options.n_group", "divide");
-  GMOE_EXPECT_ERROR(router_topk(logits.view(), opts(2, RouterScore::sigmoid, false, 4, 5), ids.view(), probs.view(),
-                                counts.view()),
+  GMOE_EXPECT_ERROR(router_topk(logits.view(), router_options(2, RouterScore::sigmoid, false, 4, 5), ids.view(),
+                                probs.view(), counts.view()),
                     "options.topk_group");
-  GMOE_EXPECT_ERROR(router_topk(logits.view(), opts(6, RouterScore::sigmoid, false, 4, 2), HostTensor(DType::i32, {4, 6}).view(),
-                                HostTensor(DType::f32, {4, 6}).view(), counts.view()),
-                    "options.topk_group", "fewer than top_k");
+  GMOE_EXPECT_ERROR(
+      router_topk(logits.view(), router_options(6, RouterScore::sigmoid, false, 4, 2),
+                  HostTensor(DType::i32, {4, 6}).view(), HostTensor(DType::f32, {4, 6}).view(), counts.view()),
+      "options.topk_group", "fewer than top_k");
   HostTensor bad_ids(DType::i64, {4, 2});
-  GMOE_EXPECT_ERROR(router_topk(logits.view(), opts(2, RouterScore::softmax, false), bad_ids.view(), probs.view(),
-                                counts.view()),
+  GMOE_EXPECT_ERROR(router_topk(logits.view(), router_options(2, RouterScore::softmax, false), bad_ids.view(),
+                                probs.view(), counts.view()),
                     "ids", "i32", "i64");
-  GMOE_EXPECT_ERROR(router_topk(logits.view(), opts(2, RouterScore::softmax, false), ids.view(),
+  GMOE_EXPECT_ERROR(router_topk(logits.view(), router_options(2, RouterScore::softmax, false), ids.view(),
                                 HostTensor(DType::f32, {4, 3}).view(), counts.view()),
                     "probs", "[4, 2]");
-  GMOE_EXPECT_ERROR(router_topk(logits.view(), opts(2, RouterScore::softmax, false), ids.view(), probs.view(),
+  GMOE_EXPECT_ERROR(router_topk(logits.view(), router_options(2, RouterScore::softmax, false), ids.view(), probs.view(),
                                 HostTensor(DType::i32, {7}).view()),
                     "counts", "8");
-  GMOE_EXPECT_ERROR(router_topk(HostTensor(DType::i32, {4, 8}).view(), opts(2, RouterScore::softmax, false), ids.view(),
-                                probs.view(), counts.view()),
+  GMOE_EXPECT_ERROR(router_topk(HostTensor(DType::i32, {4, 8}).view(), router_options(2, RouterScore::softmax, false),
+                                ids.view(), probs.view(), counts.view()),
                     "logits", "dtype");
-  GMOE_EXPECT_ERROR(router_topk(logits.view(), opts(2, RouterScore::softmax, false), ids.view(), probs.view(),
+  GMOE_EXPECT_ERROR(router_topk(logits.view(), router_options(2, RouterScore::softmax, false), ids.view(), probs.view(),
                                 counts.view(), HostTensor(DType::f32, {7}).view()),
                     "score_bias", "[8]");
   HostTensor loss(DType::f32, {2});
@@ -463,8 +427,9 @@ TEST(RoutingCpuErrors, PermuteArguments) {
                     "permuted", "bf16", "f32");
   GMOE_EXPECT_ERROR(permute(x.view(), ids.view(), popts(0, 0), perm.view(), counts.view(), {row_of.view(), src.view()}),
                     "options.pad_multiple");
-  GMOE_EXPECT_ERROR(permute(x.view(), ids.view(), popts(1, -1), perm.view(), counts.view(), {row_of.view(), src.view()}),
-                    "options.capacity_factor");
+  GMOE_EXPECT_ERROR(
+      permute(x.view(), ids.view(), popts(1, -1), perm.view(), counts.view(), {row_of.view(), src.view()}),
+      "options.capacity_factor");
   GMOE_EXPECT_ERROR(permute(x.view(), HostTensor(DType::i32, {T + 1, k}).view(), {}, perm.view(), counts.view(),
                             {row_of.view(), src.view()}),
                     "ids");
@@ -477,8 +442,8 @@ TEST(RoutingCpuErrors, PermuteArguments) {
   HostTensor out(DType::bf16, {T, H});
   for (int64_t i = 0; i < T * k; ++i) row_of.set(i, double(rows));
   GMOE_EXPECT_ERROR(combine(perm.view(), {row_of.view(), src.view()}, {}, out.view()), "map.row_of");
-  GMOE_EXPECT_ERROR(combine(perm.view(), {row_of.view(), src.view()}, {}, HostTensor(DType::f32, {T, H}).view()),
-                    "out", "dtype");
+  GMOE_EXPECT_ERROR(combine(perm.view(), {row_of.view(), src.view()}, {}, HostTensor(DType::f32, {T, H}).view()), "out",
+                    "dtype");
 }
 
 }  // namespace

@@ -23,17 +23,6 @@
 namespace gmoe::test {
 namespace {
 
-std::vector<int32_t> ints(const HostTensor& t) {
-  std::vector<int32_t> v(t.numel());
-  for (int64_t i = 0; i < t.numel(); ++i) v[i] = static_cast<int32_t>(t.get(i));
-  return v;
-}
-std::vector<int64_t> longs(const HostTensor& t) {
-  std::vector<int64_t> v(t.numel());
-  for (int64_t i = 0; i < t.numel(); ++i) v[i] = static_cast<int64_t>(t.get(i));
-  return v;
-}
-
 void sync_and_check() {
   test_cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
   check_device_errors(nullptr);
@@ -47,29 +36,17 @@ struct RouterCase {
   DType dtype = DType::bf16;
 };
 
-RouterOptions opts(int64_t k, RouterScore s, bool normalize, int64_t n_group = 1, int64_t topk_group = 1,
-                   float scale = 1.0f) {
-  RouterOptions o;
-  o.top_k = k;
-  o.score = s;
-  o.normalize = normalize;
-  o.n_group = n_group;
-  o.topk_group = topk_group;
-  o.scaling_factor = scale;
-  return o;
-}
-
 std::vector<RouterCase> router_cases() {
   using S = RouterScore;
-  return {{"qwen3_softmax_top8_e128", 4099, 128, opts(8, S::softmax, true)},
-          {"mixtral_softmax_top2_f32", 1000, 8, opts(2, S::softmax, true), false, DType::f32},
-          {"softmax_no_renorm_f16", 777, 64, opts(4, S::softmax, false), false, DType::f16},
-          {"dsv3_sigmoid_groups_e256_k8", 2048, 256, opts(8, S::sigmoid, true, 8, 4, 2.5f), true},
-          {"sigmoid_groups_no_bias", 513, 64, opts(6, S::sigmoid, false, 4, 2), false, DType::f32},
-          {"e1", 100, 1, opts(1, S::softmax, false)},
-          {"topk_equals_e", 300, 6, opts(6, S::softmax, true)},
-          {"e1024_k32", 64, 1024, opts(32, S::softmax, true)},
-          {"zero_tokens", 0, 16, opts(2, S::softmax, true)}};
+  return {{"qwen3_softmax_top8_e128", 4099, 128, router_options(8, S::softmax, true)},
+          {"mixtral_softmax_top2_f32", 1000, 8, router_options(2, S::softmax, true), false, DType::f32},
+          {"softmax_no_renorm_f16", 777, 64, router_options(4, S::softmax, false), false, DType::f16},
+          {"dsv3_sigmoid_groups_e256_k8", 2048, 256, router_options(8, S::sigmoid, true, 8, 4, 2.5f), true},
+          {"sigmoid_groups_no_bias", 513, 64, router_options(6, S::sigmoid, false, 4, 2), false, DType::f32},
+          {"e1", 100, 1, router_options(1, S::softmax, false)},
+          {"topk_equals_e", 300, 6, router_options(6, S::softmax, true)},
+          {"e1024_k32", 64, 1024, router_options(32, S::softmax, true)},
+          {"zero_tokens", 0, 16, router_options(2, S::softmax, true)}};
 }
 
 class RouterCuda : public ::testing::TestWithParam<RouterCase> {};
@@ -91,12 +68,13 @@ TEST_P(RouterCuda, MatchesCpuAndIsDeterministic) {
   router_topk(dl.view(), c.o, dids.view(), dprobs.view(), dcounts.view(), c.bias ? db.view() : no_bias);
   sync_and_check();
   const HostTensor gids = dids.download(), gprobs = dprobs.download();
-  const std::vector<int32_t> got = ints(gids), want = ints(ids);
-  const OracleRoute oracle = oracle_topk(logits.to_double(), c.T, c.E, c.o, c.bias ? bias.to_double() : std::vector<double>{});
+  const std::vector<int32_t> got = int32_values(gids), want = int32_values(ids);
+  const OracleRoute oracle =
+      oracle_topk(logits.to_double(), c.T, c.E, c.o, c.bias ? bias.to_double() : std::vector<double>{});
   int64_t swapped = 0;
   ASSERT_TRUE(same_selection(got, want, oracle.choice, c.T, c.E, k, 1e-6, &swapped));
   if (!c.bias && c.o.n_group == 1) EXPECT_EQ(swapped, 0) << "ranking the logits leaves no rounding to differ";
-  EXPECT_EQ(longs(dcounts.download()), histogram(got, c.E));
+  EXPECT_EQ(int64_values(dcounts.download()), histogram(got, c.E));
   std::vector<double> gp = gprobs.to_double(), cp = probs.to_double();
   for (int64_t i = 0; i < c.T * k; ++i) {
     if (got[i] != want[i]) gp[i] = cp[i] = 0;  // a near-tie swapped: its probabilities differ too
@@ -138,7 +116,8 @@ TEST_P(RouterCuda, MatchesCpuAndIsDeterministic) {
     sync_and_check();
     EXPECT_TRUE(all_close(loss_d.download().to_double(), loss.to_double(), 1e-9, 1e-4, std::string(name) + " loss"));
     if (c.T > 0) {
-      EXPECT_TRUE(all_close(ddlog.download().to_double(), dlog.to_double(), 1e-9, 1e-4, std::string(name) + " dlogits"));
+      EXPECT_TRUE(
+          all_close(ddlog.download().to_double(), dlog.to_double(), 1e-9, 1e-4, std::string(name) + " dlogits"));
     }
     const HostTensor first = loss_d.download();
     if (which == 0) {
@@ -161,7 +140,7 @@ TEST(RouterCudaTies, LowerExpertIdWins) {
   for (int64_t i = 0; i < T * E; ++i) logits.set(i, (i % 3 == 0) ? 0.5 : 0.25);  // many exact ties
   for (RouterScore s : {RouterScore::softmax, RouterScore::sigmoid}) {
     for (int64_t n_group : {1, 8}) {
-      const RouterOptions o = opts(k, s, true, n_group, n_group == 1 ? 1 : 4);
+      const RouterOptions o = router_options(k, s, true, n_group, n_group == 1 ? 1 : 4);
       HostTensor ids(DType::i32, {T, k}), probs(DType::f32, {T, k}), counts(DType::i32, {E});
       router_topk(logits.view(), o, ids.view(), probs.view(), counts.view());
       DeviceTensor dl(logits), dids(DType::i32, {T, k}), dprobs(DType::f32, {T, k}), dcounts(DType::i32, {E});
@@ -195,22 +174,6 @@ std::vector<PermuteCase> permute_cases() {
           {"zero_tokens", 0, 8, 2, 64, 16, 1.0}};
 }
 
-HostTensor random_ids(int64_t T, int64_t E, int64_t k, Rng& rng) {
-  HostTensor ids(DType::i32, {T, k});
-  for (int64_t t = 0; t < T; ++t) {
-    std::vector<int> taken(E, 0);
-    for (int64_t j = 0; j < k; ++j) {
-      int64_t e;
-      do {
-        e = rng.uniform(0, 1) < 0.3 ? rng.integer(0, std::min<int64_t>(E, 4) - 1) : rng.integer(0, E - 1);
-      } while (taken[e]);
-      taken[e] = 1;
-      ids.set(t * k + j, double(e));
-    }
-  }
-  return ids;
-}
-
 class PermuteCuda : public ::testing::TestWithParam<PermuteCase> {};
 
 TEST_P(PermuteCuda, MatchesCpu) {
@@ -224,11 +187,11 @@ TEST_P(PermuteCuda, MatchesCpu) {
   HostTensor x(c.dtype, {c.T, c.H}), probs(DType::f32, {c.T, c.k});
   fill_random(x, rng);
   fill_random(probs, rng, 0.0, 1.0);
-  const HostTensor ids = random_ids(c.T, c.E, c.k, rng);
+  const HostTensor ids = random_routing(c.T, c.E, c.k, rng);
   HostTensor perm(c.dtype, {rows, c.H}), counts(DType::i32, {c.E}), row_of(DType::i32, {c.T, c.k}),
       src(DType::i32, {rows}), pprobs(DType::f32, {rows}), dropped(DType::i32, {1});
-  permute(x.view(), ids.view(), o, perm.view(), counts.view(), {row_of.view(), src.view()}, probs.view(),
-          pprobs.view(), dropped.view());
+  permute(x.view(), ids.view(), o, perm.view(), counts.view(), {row_of.view(), src.view()}, probs.view(), pprobs.view(),
+          dropped.view());
 
   poison(perm);
   poison(pprobs);
@@ -239,9 +202,9 @@ TEST_P(PermuteCuda, MatchesCpu) {
   const RoutingMap map{drow.view(), dsrc.view()};
   permute(dx.view(), dids.view(), o, dperm.view(), dcounts.view(), map, dprobs.view(), dpp.view(), ddrop.view());
   sync_and_check();
-  EXPECT_EQ(longs(dcounts.download()), longs(counts));
-  EXPECT_EQ(ints(drow.download()), ints(row_of));
-  EXPECT_EQ(ints(dsrc.download()), ints(src));
+  EXPECT_EQ(int64_values(dcounts.download()), int64_values(counts));
+  EXPECT_EQ(int32_values(drow.download()), int32_values(row_of));
+  EXPECT_EQ(int32_values(dsrc.download()), int32_values(src));
   EXPECT_EQ(ddrop.download().get(0), dropped.get(0));
   HostTensor want_perm(c.dtype, {rows, c.H}), want_pp(DType::f32, {rows});
   permute(x.view(), ids.view(), o, want_perm.view(), counts.view(), {row_of.view(), src.view()}, probs.view(),
@@ -255,8 +218,7 @@ TEST_P(PermuteCuda, MatchesCpu) {
   fill_random(g, rng);
   fill_random(gpp, rng);
   permute_backward(g.view(), {row_of.view(), src.view()}, want_dx.view(), gpp.view(), want_dprobs.view());
-  DeviceTensor dg(g), dgpp(gpp), ddx(c.dtype, {c.T, c.H}),
-      ddprobs(DType::f32, {c.T, c.k});
+  DeviceTensor dg(g), dgpp(gpp), ddx(c.dtype, {c.T, c.H}), ddprobs(DType::f32, {c.T, c.k});
   permute_backward(dg.view(), map, ddx.view(), dgpp.view(), ddprobs.view());
   sync_and_check();
   EXPECT_TRUE(bitwise_equal(ddx.download(), want_dx, "dx"));
@@ -269,8 +231,7 @@ TEST_P(PermuteCuda, MatchesCpu) {
   fill_random(dout, rng);
   combine(y.view(), {row_of.view(), src.view()}, probs.view(), out.view());
   combine_backward(dout.view(), {row_of.view(), src.view()}, probs.view(), y.view(), dy.view(), dpc.view());
-  DeviceTensor dyd(y), doutd(c.dtype, {c.T, c.H}), dgo(dout), ddy(c.dtype, {rows, c.H}),
-      ddpc(DType::f32, {c.T, c.k});
+  DeviceTensor dyd(y), doutd(c.dtype, {c.T, c.H}), dgo(dout), ddy(c.dtype, {rows, c.H}), ddpc(DType::f32, {c.T, c.k});
   combine(dyd.view(), map, dprobs.view(), doutd.view());
   combine_backward(dgo.view(), map, dprobs.view(), dyd.view(), ddy.view(), ddpc.view());
   sync_and_check();
@@ -294,7 +255,7 @@ TEST(RoutingCudaGraph, ReplayUnderChangingLogitsEqualsEager) {
   GMOE_SKIP_WITHOUT_GPU();
   Rng rng;
   const int64_t T = 1500, E = 64, k = 6, H = 264;
-  RouterOptions o = opts(k, RouterScore::sigmoid, true, 8, 3, 1.5f);
+  RouterOptions o = router_options(k, RouterScore::sigmoid, true, 8, 3, 1.5f);
   PermuteOptions po;
   po.pad_multiple = 16;
   po.capacity_factor = 1.25;
@@ -321,9 +282,9 @@ TEST(RoutingCudaGraph, ReplayUnderChangingLogitsEqualsEager) {
     router_z_loss_backward(dl.view(), 0.001f, TensorView{}, dlogits.view(), true, stream);
   };
   auto snapshot = [&] {
-    return std::vector<HostTensor>{ids.download(),  probs.download(), counts.download(), perm.download(),
-                                   pcounts.download(), row_of.download(), src.download(), dropped.download(),
-                                   out.download(), aux.download(), dlogits.download(), dperm.download()};
+    return std::vector<HostTensor>{ids.download(),     probs.download(),  counts.download(),  perm.download(),
+                                   pcounts.download(), row_of.download(), src.download(),     dropped.download(),
+                                   out.download(),     aux.download(),    dlogits.download(), dperm.download()};
   };
   HostTensor logits(DType::bf16, {T, E});
   fill_random(logits, rng, -3.0, 3.0);
@@ -343,7 +304,8 @@ TEST(RoutingCudaGraph, ReplayUnderChangingLogitsEqualsEager) {
     GMOE_TEST_CUDA(cudaStreamSynchronize(stream));
     const std::vector<HostTensor> eager = snapshot();
     for (size_t i = 0; i < eager.size(); ++i) {
-      EXPECT_TRUE(bitwise_equal(replayed[i], eager[i], "output " + std::to_string(i) + ", replay " + std::to_string(replay)));
+      EXPECT_TRUE(
+          bitwise_equal(replayed[i], eager[i], "output " + std::to_string(i) + ", replay " + std::to_string(replay)));
     }
   }
   check_device_errors(stream);
@@ -354,7 +316,7 @@ TEST(RoutingCudaErrors, IdsOutOfRangeSetTheErrorWordAndWriteNothingOutOfBounds) 
   GMOE_SKIP_WITHOUT_GPU();
   Rng rng;
   const int64_t T = 300, E = 8, k = 2, H = 64, guard = 64;
-  HostTensor ids = random_ids(T, E, k, rng);
+  HostTensor ids = random_routing(T, E, k, rng);
   ids.set(7, double(E));
   ids.set(100, -3.0);
   ids.set(2 * T - 1, 1e6);
@@ -374,12 +336,12 @@ TEST(RoutingCudaErrors, IdsOutOfRangeSetTheErrorWordAndWriteNothingOutOfBounds) 
   test_cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
   GMOE_EXPECT_ERROR(check_device_errors(nullptr), "0x8");
   check_device_errors(nullptr);  // read and cleared
-  const std::vector<int32_t> r = ints(row_of.download());
+  const std::vector<int32_t> r = int32_values(row_of.download());
   EXPECT_EQ(r[7], -1);
   EXPECT_EQ(r[100], -1);
   EXPECT_EQ(r[2 * T - 1], -1);
   int64_t total = 0;
-  for (int64_t v : longs(counts.download())) total += v;
+  for (int64_t v : int64_values(counts.download())) total += v;
   EXPECT_EQ(total, T * k - 3) << "the bad slots are not counted";
   const HostTensor perm_back = dperm_all.download(), src_back = dsrc_all.download();
   EXPECT_EQ(0, std::memcmp(static_cast<const char*>(perm_back.data()) + rows * H * 2,
@@ -400,12 +362,12 @@ TEST(RoutingCudaErrors, HostVisibleArguments) {
   GMOE_SKIP_WITHOUT_GPU();
   DeviceTensor logits(DType::bf16, {16, 2048}), ids(DType::i32, {16, 2}), probs(DType::f32, {16, 2}),
       counts(DType::i32, {2048});
-  GMOE_EXPECT_ERROR(router_topk(logits.view(), opts(2, RouterScore::softmax, true), ids.view(), probs.view(),
+  GMOE_EXPECT_ERROR(router_topk(logits.view(), router_options(2, RouterScore::softmax, true), ids.view(), probs.view(),
                                 counts.view()),
                     "logits", "1024");
   HostTensor host_ids(DType::i32, {16, 2});
-  GMOE_EXPECT_ERROR(router_topk(logits.view(), opts(2, RouterScore::softmax, true), host_ids.view(), probs.view(),
-                                counts.view()),
+  GMOE_EXPECT_ERROR(router_topk(logits.view(), router_options(2, RouterScore::softmax, true), host_ids.view(),
+                                probs.view(), counts.view()),
                     "ids", "cuda:0", "cpu");
 }
 

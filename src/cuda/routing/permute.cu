@@ -5,10 +5,10 @@
 //   1. tile_histogram: each tile of kTileTokens tokens counts its (token, slot) pairs per expert
 //      (shared-memory integer atomics: exact in any order) -> tile_counts[tile, e]; an id outside
 //      [0, E) is left out and recorded in the device error word.
-//   2. expert_offsets (one block): per expert, the exclusive scan of its tile counts over the tiles
-//      (the tile's first position inside the expert), the expert's total, the kept part under the
-//      capacity, its group padded to pad_multiple, and the exclusive scan of the padded groups over
-//      the experts -> offsets, counts, dropped.
+//   2. expert_offsets (one block, a warp per expert at a time): per expert, the exclusive scan of
+//      its tile counts over the tiles (the tile's first position inside the expert), the expert's
+//      total, the kept part under the capacity, its group padded to pad_multiple; then the
+//      exclusive scan of the padded groups over the experts -> offsets, counts, dropped.
 //   3. place: each tile again; its warps take contiguous runs of the tile's pairs, count them per
 //      expert, scan over the warps, then walk their run in 32-pair steps in (token, slot) order:
 //      __match_any_sync groups the lanes holding one expert, a lane's rank among them plus the
@@ -40,10 +40,10 @@ using routing::Pack;
 using routing::to_f;
 using routing::warp_sum;
 
-constexpr int kTileTokens = 256;  // tokens per tile of the counting sort
-constexpr int kPlaceWarps = 8;    // warps per tile in the placement
-constexpr int kScanThreads = 256;
-constexpr int kRowWarps = 8;  // warps per block of the row kernels (one row or token per warp)
+constexpr int kTileTokens = 256;    // tokens per tile of the counting sort
+constexpr int kPlaceWarps = 8;      // warps per tile in the placement
+constexpr int kScanThreads = 1024;  // the one-block scan of expert_offsets
+constexpr int kRowWarps = 8;        // warps per block of the row kernels (one row or token per warp)
 
 __global__ void tile_histogram_kernel(const int32_t* ids, int64_t T, int k, int E, int* tile_counts,
                                       uint32_t* error_word) {
@@ -66,43 +66,57 @@ __global__ void tile_histogram_kernel(const int32_t* ids, int64_t T, int k, int 
   for (int e = threadIdx.x; e < E; e += blockDim.x) tile_counts[int64_t(blockIdx.x) * E + e] = hist[e];
 }
 
-// One block. Thread i owns the experts [i·per, (i+1)·per): their scans over the tiles, then a block
-// scan of the owned padded groups.
+__device__ __forceinline__ int64_t warp_inclusive_sum(int64_t v) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const int64_t up = __shfl_up_sync(0xffffffffu, v, d);
+    if (lane >= d) v += up;
+  }
+  return v;
+}
+
+// One block of kScanThreads. Warp w scans the experts w, w + warps, ...: its lanes take contiguous
+// runs of the tiles (independent loads, so a long tile column costs a few round trips, not one per
+// tile), a warp scan gives each run its start, and each tile count becomes the tile's first
+// position inside the expert. The expert's total, cut at the capacity and padded, goes to shared
+// memory; warp 0 then scans the padded groups over the experts (32 contiguous experts per lane).
 __global__ void __launch_bounds__(kScanThreads)
     expert_offsets_kernel(int* tile_counts /* in: counts; out: first positions */, int64_t tiles, int E,
-                          int64_t capacity, int64_t pad, int64_t* offsets, void* counts, bool counts_i64,
-                          void* dropped, bool dropped_i64) {
-  __shared__ int64_t scan[kScanThreads];
+                          int64_t capacity, int64_t pad, int64_t* offsets, void* counts, bool counts_i64, void* dropped,
+                          bool dropped_i64) {
   __shared__ int64_t group[routing::kMaxRoutingExperts];
   __shared__ unsigned long long n_dropped;
+  const int warps = kScanThreads / 32, warp = threadIdx.x / 32, lane = threadIdx.x & 31;
   if (threadIdx.x == 0) n_dropped = 0;
   __syncthreads();
-  const int per = (E + kScanThreads - 1) / kScanThreads;
-  const int first = min(int(threadIdx.x) * per, E), last = min(first + per, E);
-  int64_t local = 0, local_dropped = 0;
-  for (int e = first; e < last; ++e) {
-    int64_t run = 0;
-    for (int64_t t = 0; t < tiles; ++t) {
+  const int64_t per = (tiles + 31) / 32;
+  const int64_t t0 = min(per * lane, tiles), t1 = min(t0 + per, tiles);
+  for (int e = warp; e < E; e += warps) {
+    int64_t local = 0;
+    for (int64_t t = t0; t < t1; ++t) local += tile_counts[t * E + e];
+    const int64_t inclusive = warp_inclusive_sum(local);
+    int64_t run = inclusive - local;
+    for (int64_t t = t0; t < t1; ++t) {
       const int c = tile_counts[t * E + e];
       tile_counts[t * E + e] = static_cast<int>(run);
       run += c;
     }
-    const int64_t kept = min(run, capacity);
-    local_dropped += run - kept;
-    group[e] = (kept + pad - 1) / pad * pad;
-    local += group[e];
+    const int64_t total = __shfl_sync(0xffffffffu, inclusive, 31);
+    if (lane == 0) {
+      const int64_t kept = min(total, capacity);
+      if (total != kept) atomicAdd(&n_dropped, static_cast<unsigned long long>(total - kept));
+      group[e] = (kept + pad - 1) / pad * pad;
+    }
   }
-  scan[threadIdx.x] = local;
-  if (local_dropped != 0) atomicAdd(&n_dropped, static_cast<unsigned long long>(local_dropped));
   __syncthreads();
-  for (int d = 1; d < kScanThreads; d <<= 1) {  // inclusive Hillis-Steele scan over the threads
-    const int64_t v = int(threadIdx.x) >= d ? scan[threadIdx.x - d] : 0;
-    __syncthreads();
-    scan[threadIdx.x] += v;
-    __syncthreads();
-  }
-  int64_t at = scan[threadIdx.x] - local;
-  if (threadIdx.x == 0) offsets[0] = 0;
+  if (warp != 0) return;
+  const int per_lane = (E + 31) / 32;
+  const int first = min(lane * per_lane, E), last = min(first + per_lane, E);
+  int64_t local = 0;
+  for (int e = first; e < last; ++e) local += group[e];
+  int64_t at = warp_inclusive_sum(local) - local;
+  if (lane == 0) offsets[0] = 0;
   for (int e = first; e < last; ++e) {
     at += group[e];
     offsets[e + 1] = at;
@@ -112,7 +126,7 @@ __global__ void __launch_bounds__(kScanThreads)
       static_cast<int32_t*>(counts)[e] = static_cast<int32_t>(group[e]);
     }
   }
-  if (threadIdx.x == 0 && dropped != nullptr) {
+  if (lane == 0 && dropped != nullptr) {
     if (dropped_i64) {
       *static_cast<int64_t*>(dropped) = static_cast<int64_t>(n_dropped);
     } else {
@@ -209,8 +223,8 @@ __global__ void __launch_bounds__(kRowWarps * 32)
 // (w: probs, or 1 when nullptr). A row outside [-1, rows) counts as dropped and is recorded.
 template <typename T, int V>
 __global__ void __launch_bounds__(kRowWarps * 32)
-    combine_kernel(const T* y, int64_t ld_y, int64_t rows, const int32_t* row_of, const float* w, int k,
-                   T* out, int64_t ld_out, int64_t T_, int64_t H, uint32_t* error_word) {
+    combine_kernel(const T* y, int64_t ld_y, int64_t rows, const int32_t* row_of, const float* w, int k, T* out,
+                   int64_t ld_out, int64_t T_, int64_t H, uint32_t* error_word) {
   using P = Pack<T, V>;
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
   const int64_t packs = H / V;
@@ -288,8 +302,8 @@ __global__ void __launch_bounds__(kRowWarps * 32)
 // warp butterfly. 0 where dropped.
 template <typename T, int V>
 __global__ void __launch_bounds__(kRowWarps * 32)
-    combine_dprobs_kernel(const T* dout, int64_t ld_dout, const T* y, int64_t ld_y, int64_t rows,
-                          const int32_t* row_of, int k, int64_t T_, int64_t H, float* dprobs) {
+    combine_dprobs_kernel(const T* dout, int64_t ld_dout, const T* y, int64_t ld_y, int64_t rows, const int32_t* row_of,
+                          int k, int64_t T_, int64_t H, float* dprobs) {
   using P = Pack<T, V>;
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
   const int64_t packs = H / V;
@@ -334,8 +348,8 @@ void launch_combine(const TensorView& y, const TensorView& row_of, const float* 
 }  // namespace
 
 void permute(const TensorView& x, const TensorView& ids, const PermuteOptions& options, const TensorView& permuted,
-             const TensorView& counts, const RoutingMap& map, const TensorView& probs,
-             const TensorView& permuted_probs, const TensorView& dropped, Stream stream_, Allocator& alloc) {
+             const TensorView& counts, const RoutingMap& map, const TensorView& probs, const TensorView& permuted_probs,
+             const TensorView& dropped, Stream stream_, Allocator& alloc) {
   cudaStream_t stream = stream_;
   const int64_t T = x.size(0), H = x.size(1), k = ids.size(1), E = counts.size(0), rows = permuted.size(0);
   check_cuda_experts(E);
@@ -354,15 +368,14 @@ void permute(const TensorView& x, const TensorView& ids, const PermuteOptions& o
   }
   const int32_t* id = static_cast<const int32_t*>(ids.data);
   if (tiles > 0) {
-    tile_histogram_kernel<<<unsigned(tiles), 256, size_t(E) * sizeof(int), stream>>>(id, T, int(k), int(E),
-                                                                                     tile_counts, device_error_word());
+    tile_histogram_kernel<<<unsigned(tiles), 256, size_t(E) * sizeof(int), stream>>>(id, T, int(k), int(E), tile_counts,
+                                                                                     device_error_word());
     GMOE_CUDA_CHECK(cudaGetLastError());
   }
-  expert_offsets_kernel<<<1, kScanThreads, 0, stream>>>(tile_counts, std::max<int64_t>(tiles, 1), int(E), capacity,
-                                                        options.pad_multiple, offsets, counts.data,
-                                                        counts.dtype == DType::i64,
-                                                        dropped.defined() ? dropped.data : nullptr,
-                                                        dropped.defined() && dropped.dtype == DType::i64);
+  expert_offsets_kernel<<<1, kScanThreads, 0, stream>>>(
+      tile_counts, std::max<int64_t>(tiles, 1), int(E), capacity, options.pad_multiple, offsets, counts.data,
+      counts.dtype == DType::i64, dropped.defined() ? dropped.data : nullptr,
+      dropped.defined() && dropped.dtype == DType::i64);
   GMOE_CUDA_CHECK(cudaGetLastError());
   if (tiles > 0) {
     PlaceArgs a{id,
@@ -396,8 +409,8 @@ void permute_backward(const TensorView& dpermuted, const RoutingMap& map, const 
   const int64_t n = map.row_of.numel();
   if (dprobs.defined() && n > 0) {
     gather_probs_kernel<<<routing::grid_for(n, 256), 256, 0, stream>>>(
-        static_cast<const float*>(dpermuted_probs.data), dpermuted.size(0), static_cast<const int32_t*>(map.row_of.data),
-        n, static_cast<float*>(dprobs.data));
+        static_cast<const float*>(dpermuted_probs.data), dpermuted.size(0),
+        static_cast<const int32_t*>(map.row_of.data), n, static_cast<float*>(dprobs.data));
     GMOE_CUDA_CHECK(cudaGetLastError());
   }
 }

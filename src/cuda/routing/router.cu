@@ -42,7 +42,7 @@ using routing::to_f;
 using routing::warp_max;
 using routing::warp_sum;
 
-constexpr int kMaxGroups = 64;       // the kept groups are one 64-bit mask
+constexpr int kMaxGroups = 64;  // the kept groups are one 64-bit mask
 constexpr int kSharedBudget = 48 * 1024;
 constexpr int kReduceThreads = 256;  // the final loss reductions
 constexpr int kAuxChunkTokens = 64;  // tokens per partial column sum of the aux loss
@@ -282,8 +282,8 @@ __global__ void aux_partial_kernel(const void* logits, int64_t Tn, int E, Router
     const AuxStats st = aux_stats(x, E, score);
     for (int e = lane; e < E; e += 32) {
       const float v = to_f(x[e]);
-      mine[e] += score == RouterScore::softmax ? expf(v - st.m) / st.sum
-                                               : route::sigmoid(v) / (st.sum + route::kNormEps);
+      mine[e] +=
+          score == RouterScore::softmax ? expf(v - st.m) / st.sum : route::sigmoid(v) / (st.sum + route::kNormEps);
     }
   }
   __syncthreads();
@@ -326,7 +326,8 @@ __global__ void aux_backward_kernel(GradArgs a, RouterScore score, const void* c
   const int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x & 31;
   const float f = factor * (dloss ? *dloss : 1.f);
   auto dq = [&](int e) {
-    return f * (counts_i64 ? float(static_cast<const int64_t*>(counts)[e]) : float(static_cast<const int32_t*>(counts)[e]));
+    return f *
+           (counts_i64 ? float(static_cast<const int64_t*>(counts)[e]) : float(static_cast<const int32_t*>(counts)[e]));
   };
   for (int64_t t = blockIdx.x * int64_t(warps) + warp; t < a.T; t += int64_t(gridDim.x) * warps) {
     const T* x = static_cast<const T*>(a.logits) + t * a.E;
@@ -455,10 +456,9 @@ void router_aux_loss(const TensorView& logits, const TensorView& counts, const R
     });
     GMOE_CUDA_CHECK(cudaGetLastError());
   }
-  reduce_loss_kernel<<<1, kReduceThreads, 0, stream>>>(static_cast<const float*>(partial.data()), chunks, E,
-                                                       counts.data, counts.dtype == DType::i64,
-                                                       static_cast<float>(aux_factor(T, E, o, coeff)),
-                                                       static_cast<float*>(loss.data));
+  reduce_loss_kernel<<<1, kReduceThreads, 0, stream>>>(
+      static_cast<const float*>(partial.data()), chunks, E, counts.data, counts.dtype == DType::i64,
+      static_cast<float>(aux_factor(T, E, o, coeff)), static_cast<float*>(loss.data));
   GMOE_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -486,16 +486,14 @@ void router_z_loss(const TensorView& logits, float coeff, const TensorView& loss
     routing::with_logit_type(logits.dtype, [&](auto t) {
       using T_ = decltype(t);
       z_loss_kernel<T_><<<routing::grid_for(T, kTokenWarps), kTokenWarps * 32, 0, stream>>>(
-          GradArgs{logits.data, T, int(E), nullptr, DType::f32, false}, static_cast<float*>(lse2.data()), 0.f,
-          nullptr);
+          GradArgs{logits.data, T, int(E), nullptr, DType::f32, false}, static_cast<float*>(lse2.data()), 0.f, nullptr);
     });
     GMOE_CUDA_CHECK(cudaGetLastError());
   }
   // [1 row, T columns]: the threads stride over the tokens.
-  reduce_loss_kernel<<<1, kReduceThreads, 0, stream>>>(static_cast<const float*>(lse2.data()), T > 0 ? 1 : 0, T,
-                                                       nullptr, false,
-                                                       T == 0 ? 0.f : static_cast<float>(double(coeff) / double(T)),
-                                                       static_cast<float*>(loss.data));
+  reduce_loss_kernel<<<1, kReduceThreads, 0, stream>>>(
+      static_cast<const float*>(lse2.data()), T > 0 ? 1 : 0, T, nullptr, false,
+      T == 0 ? 0.f : static_cast<float>(double(coeff) / double(T)), static_cast<float*>(loss.data));
   GMOE_CUDA_CHECK(cudaGetLastError());
 }
 

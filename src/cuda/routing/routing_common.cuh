@@ -65,10 +65,17 @@ void with_row_type(DType dtype, int64_t H, std::initializer_list<TensorView> row
     }
   };
   switch (dtype) {
-    case DType::bf16: go(__nv_bfloat16{}); break;
-    case DType::f16: go(__half{}); break;
-    case DType::f32: go(float{}); break;
-    default: GMOE_FAIL("routing: unsupported row dtype ", dtype_name(dtype));
+    case DType::bf16:
+      go(__nv_bfloat16{});
+      break;
+    case DType::f16:
+      go(__half{});
+      break;
+    case DType::f32:
+      go(float{});
+      break;
+    default:
+      GMOE_FAIL("routing: unsupported row dtype ", dtype_name(dtype));
   }
 }
 
@@ -76,10 +83,17 @@ void with_row_type(DType dtype, int64_t H, std::initializer_list<TensorView> row
 template <typename F>
 void with_logit_type(DType dtype, F&& f) {
   switch (dtype) {
-    case DType::bf16: f(__nv_bfloat16{}); break;
-    case DType::f16: f(__half{}); break;
-    case DType::f32: f(float{}); break;
-    default: GMOE_FAIL("routing: unsupported logits dtype ", dtype_name(dtype));
+    case DType::bf16:
+      f(__nv_bfloat16{});
+      break;
+    case DType::f16:
+      f(__half{});
+      break;
+    case DType::f32:
+      f(float{});
+      break;
+    default:
+      GMOE_FAIL("routing: unsupported logits dtype ", dtype_name(dtype));
   }
 }
 
