@@ -5,12 +5,14 @@
 // rounding, the losses; permute bitwise equal to the CPU (counts, maps, rows, padding, drops),
 // permute's backward bitwise, combine and its backward. Run-to-run bitwise determinism; the whole
 // routing pass captured once in a CUDA graph and replayed under changing logits, bitwise equal to
-// eager; ids out of range set the device error word and nothing is written out of bounds.
+// eager; ids out of range set the device error word and nothing is written out of bounds; MoELayer
+// on the device against the same layer on the CPU backend.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <cstring>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "common/expect_error.h"
@@ -18,6 +20,8 @@
 #include "common/routing_oracle.h"
 #include "cuda/cuda_test_util.h"
 #include "gmoe/grouped.h"
+#include "gmoe/grouped_mlp.h"
+#include "gmoe/moe_layer.h"
 #include "gmoe/routing.h"
 
 namespace gmoe::test {
@@ -369,6 +373,55 @@ TEST(RoutingCudaErrors, HostVisibleArguments) {
   GMOE_EXPECT_ERROR(router_topk(logits.view(), router_options(2, RouterScore::softmax, true), host_ids.view(),
                                 probs.view(), counts.view()),
                     "ids", "cuda:0", "cpu");
+}
+
+// ---------------------------------------------------------------------------------------------
+// MoELayer on the device against the same layer on the CPU backend (bf16 experts on both).
+
+std::vector<double> host_values(const Tensor& t) { return host_of(t.view()).to_double(); }
+
+TEST(MoELayerCuda, MatchesCpuLayer) {
+  GMOE_SKIP_WITHOUT_GPU();
+  Rng rng;
+  const int64_t T = 777, E = 16, k = 4, H = 256, F = 128;
+  HostTensor w1(DType::bf16, {E, 2 * F, H}), w2(DType::bf16, {E, H, F}), x(DType::bf16, {T, H}),
+      logits(DType::f32, {T, E}), dout(DType::bf16, {T, H});
+  fill_random(w1, rng, -0.1, 0.1);
+  fill_random(w2, rng, -0.1, 0.1);
+  fill_random(x, rng);
+  fill_random(logits, rng, -2.0, 2.0);
+  fill_random(dout, rng);
+  MoELayerOptions o;
+  o.router = router_options(k, RouterScore::softmax, true);
+  o.permute.pad_multiple = 16;
+  o.permute.capacity_factor = 1.25;
+  o.aux_loss_coeff = 0.01f;
+  o.z_loss_coeff = 0.001f;
+
+  GroupedMLP cpu_experts(ExpertWeights::from_stacked(w1.view()), ExpertWeights::from_stacked(w2.view()));
+  MoELayer cpu_layer(cpu_experts, o);
+  MoELayerContext cpu_ctx;
+  const MoEForward cf = cpu_layer.forward(x.view(), logits.view(), cpu_ctx);
+  const MoEBackward cb = cpu_layer.backward(cpu_ctx, dout.view());
+
+  DeviceTensor dw1(w1), dw2(w2), dx(x), dl(logits), ddout(dout);
+  GroupedMLP gpu_experts(ExpertWeights::from_stacked(dw1.view()), ExpertWeights::from_stacked(dw2.view()));
+  MoELayer gpu_layer(gpu_experts, o);
+  MoELayerContext gpu_ctx;
+  const MoEForward gf = gpu_layer.forward(dx.view(), dl.view(), gpu_ctx);
+  const MoEBackward gb = gpu_layer.backward(gpu_ctx, ddout.view());
+  sync_and_check();
+
+  EXPECT_EQ(host_values(gf.ids), host_values(cf.ids)) << "softmax without bias ranks the logits: the same experts";
+  // bf16 GEMMs summing in another order than the CPU's: compared by relative Frobenius error.
+  for (const auto& [got, want, what] : {std::make_tuple(&gf.out, &cf.out, "out"), std::make_tuple(&gb.dx, &cb.dx, "dx"),
+                                        std::make_tuple(&gb.dlogits, &cb.dlogits, "dlogits")}) {
+    const Comparison cmp = compare(host_values(*got), host_values(*want));
+    EXPECT_LT(cmp.rel_frobenius, 1e-2) << what;
+    EXPECT_EQ(cmp.nan_count, 0) << what;
+  }
+  EXPECT_TRUE(all_close(host_values(gf.aux_loss), host_values(cf.aux_loss), 1e-9, 1e-4, "aux loss"));
+  EXPECT_TRUE(all_close(host_values(gf.z_loss), host_values(cf.z_loss), 1e-9, 1e-4, "z loss"));
 }
 
 }  // namespace

@@ -45,7 +45,16 @@ using routing::warp_sum;
 constexpr int kMaxGroups = 64;  // the kept groups are one 64-bit mask
 constexpr int kSharedBudget = 48 * 1024;
 constexpr int kReduceThreads = 256;  // the final loss reductions
-constexpr int kAuxChunkTokens = 64;  // tokens per partial column sum of the aux loss
+constexpr int64_t kAuxMaxChunks = 256;  // the aux loss's partial column sums, at most
+
+// Tokens per partial column sum of the aux loss: a power of two from 64 up, so that there are at
+// most kAuxMaxChunks partials for the final block to add per expert. A function of T alone, so the
+// summation order (and the loss's bits) is the same on every device.
+int64_t aux_chunk_tokens(int64_t T) {
+  int64_t c = 64;
+  while (c * kAuxMaxChunks < T) c *= 2;
+  return c;
+}
 
 // Warps per block for `floats_per_warp` floats of shared memory each, plus `fixed` bytes.
 int warps_for(int64_t floats_per_warp, int64_t fixed) {
@@ -270,13 +279,14 @@ __device__ AuxStats aux_stats(const T* x, int E, RouterScore score) {
 // block takes the chunk's tokens w, w + warps, ... into its own row of shared sums; the block then
 // adds the warps' rows in warp order.
 template <typename T>
-__global__ void aux_partial_kernel(const void* logits, int64_t Tn, int E, RouterScore score, float* partial) {
+__global__ void aux_partial_kernel(const void* logits, int64_t Tn, int E, RouterScore score, int64_t chunk_tokens,
+                                   float* partial) {
   extern __shared__ float acc[];  // [warps][E]
   const int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x & 31;
   float* mine = acc + warp * E;
   for (int e = lane; e < E; e += 32) mine[e] = 0.f;
-  const int64_t t0 = int64_t(blockIdx.x) * kAuxChunkTokens;
-  const int64_t t1 = min(t0 + kAuxChunkTokens, Tn);
+  const int64_t t0 = int64_t(blockIdx.x) * chunk_tokens;
+  const int64_t t1 = min(t0 + chunk_tokens, Tn);
   for (int64_t t = t0 + warp; t < t1; t += warps) {
     const T* x = static_cast<const T*>(logits) + t * E;
     const AuxStats st = aux_stats(x, E, score);
@@ -445,14 +455,15 @@ void router_aux_loss(const TensorView& logits, const TensorView& counts, const R
                      const TensorView& loss, Stream stream, Allocator& alloc) {
   const int64_t T = logits.size(0), E = logits.size(1);
   check_cuda_router(E, o);
-  const int64_t chunks = (T + kAuxChunkTokens - 1) / kAuxChunkTokens;
+  const int64_t chunk_tokens = aux_chunk_tokens(T);
+  const int64_t chunks = (T + chunk_tokens - 1) / chunk_tokens;
   Buffer partial(alloc, size_t(std::max<int64_t>(chunks, 1)) * E * sizeof(float), stream);
   if (chunks > 0) {
     const int warps = warps_for(E, 0);
     routing::with_logit_type(logits.dtype, [&](auto t) {
       using T_ = decltype(t);
       aux_partial_kernel<T_><<<unsigned(chunks), warps * 32, size_t(4) * warps * E, stream>>>(
-          logits.data, T, int(E), o.score, static_cast<float*>(partial.data()));
+          logits.data, T, int(E), o.score, chunk_tokens, static_cast<float*>(partial.data()));
     });
     GMOE_CUDA_CHECK(cudaGetLastError());
   }
