@@ -67,6 +67,7 @@ enum DeviceErrorBits : uint32_t {
   kDeviceErrorNegativeCount = 1u << 0,   ///< a count was negative (treated as 0)
   kDeviceErrorCountsPastCapacity = 1u << 1,  ///< counts summed past capacity (clamped)
   kDeviceErrorPaddedOffsets = 1u << 2,  ///< FP8 columnwise padded_offsets inconsistent (clamped)
+  kDeviceErrorRoutingIndexOutOfRange = 1u << 3,  ///< an expert id or a routing-map row out of range (slot dropped)
 };
 
 /// Reads and clears the device error word of the current CUDA device. This is a deliberate sync

@@ -12,6 +12,7 @@
 #include "gmoe/grouped.h"
 #include "gmoe/grouped_bias.h"
 #include "gmoe/grouped_gemm.h"
+#include "gmoe/routing.h"
 #include "gmoe/tensor.h"
 
 namespace gmoe {
@@ -57,6 +58,26 @@ void fp8_grouped_gemm_dgrad(const Fp8Grouped& dy, const Fp8Weights& w, const Ten
                             const TensorView& dx);
 void fp8_grouped_gemm_wgrad(const Fp8Grouped& dy, const Fp8Grouped& x, const TensorView& counts,
                             const ExpertWeights& dw, const WgradOptions& options);
+/// Routing (gmoe/routing.h). The CPU backend sees ids on the host and throws on one out of range.
+void router_topk(const TensorView& logits, const RouterOptions& options, const TensorView& ids,
+                 const TensorView& probs, const TensorView& counts, const TensorView& score_bias);
+void router_topk_backward(const TensorView& logits, const TensorView& ids, const TensorView& dprobs,
+                          const RouterOptions& options, const TensorView& dlogits, bool accumulate);
+void router_aux_loss(const TensorView& logits, const TensorView& counts, const RouterOptions& options, float coeff,
+                     const TensorView& loss);
+void router_aux_loss_backward(const TensorView& logits, const TensorView& counts, const RouterOptions& options,
+                              float coeff, const TensorView& dloss, const TensorView& dlogits, bool accumulate);
+void router_z_loss(const TensorView& logits, float coeff, const TensorView& loss);
+void router_z_loss_backward(const TensorView& logits, float coeff, const TensorView& dloss, const TensorView& dlogits,
+                            bool accumulate);
+void permute(const TensorView& x, const TensorView& ids, const PermuteOptions& options, const TensorView& permuted,
+             const TensorView& counts, const RoutingMap& map, const TensorView& probs,
+             const TensorView& permuted_probs, const TensorView& dropped);
+void permute_backward(const TensorView& dpermuted, const RoutingMap& map, const TensorView& dx,
+                      const TensorView& dpermuted_probs, const TensorView& dprobs);
+void combine(const TensorView& expert_out, const RoutingMap& map, const TensorView& probs, const TensorView& out);
+void combine_backward(const TensorView& dout, const RoutingMap& map, const TensorView& probs,
+                      const TensorView& expert_out, const TensorView& dexpert_out, const TensorView& dprobs);
 }  // namespace cpu_backend
 
 /// sm_90a kernels. Counts stay on the device. Defined only when GMOE_WITH_CUDA; otherwise the
@@ -142,6 +163,31 @@ void fp8_grouped_gemm_dgrad(const Fp8Grouped& dy, const Fp8Weights& w, const Ten
 void fp8_grouped_gemm_wgrad(const Fp8Grouped& dy, const Fp8Grouped& x, const TensorView& counts,
                             const ExpertWeights& dw, const WgradOptions& options, Stream stream,
                             Allocator& alloc);
+/// Routing (gmoe/routing.h); counts stay on the device, ids out of range set the device error word.
+void router_topk(const TensorView& logits, const RouterOptions& options, const TensorView& ids,
+                 const TensorView& probs, const TensorView& counts, const TensorView& score_bias, Stream stream,
+                 Allocator& alloc);
+void router_topk_backward(const TensorView& logits, const TensorView& ids, const TensorView& dprobs,
+                          const RouterOptions& options, const TensorView& dlogits, bool accumulate, Stream stream,
+                          Allocator& alloc);
+void router_aux_loss(const TensorView& logits, const TensorView& counts, const RouterOptions& options, float coeff,
+                     const TensorView& loss, Stream stream, Allocator& alloc);
+void router_aux_loss_backward(const TensorView& logits, const TensorView& counts, const RouterOptions& options,
+                              float coeff, const TensorView& dloss, const TensorView& dlogits, bool accumulate,
+                              Stream stream, Allocator& alloc);
+void router_z_loss(const TensorView& logits, float coeff, const TensorView& loss, Stream stream, Allocator& alloc);
+void router_z_loss_backward(const TensorView& logits, float coeff, const TensorView& dloss, const TensorView& dlogits,
+                            bool accumulate, Stream stream, Allocator& alloc);
+void permute(const TensorView& x, const TensorView& ids, const PermuteOptions& options, const TensorView& permuted,
+             const TensorView& counts, const RoutingMap& map, const TensorView& probs,
+             const TensorView& permuted_probs, const TensorView& dropped, Stream stream, Allocator& alloc);
+void permute_backward(const TensorView& dpermuted, const RoutingMap& map, const TensorView& dx,
+                      const TensorView& dpermuted_probs, const TensorView& dprobs, Stream stream, Allocator& alloc);
+void combine(const TensorView& expert_out, const RoutingMap& map, const TensorView& probs, const TensorView& out,
+             Stream stream, Allocator& alloc);
+void combine_backward(const TensorView& dout, const RoutingMap& map, const TensorView& probs,
+                      const TensorView& expert_out, const TensorView& dexpert_out, const TensorView& dprobs,
+                      Stream stream, Allocator& alloc);
 }  // namespace cuda_backend
 
 }  // namespace gmoe

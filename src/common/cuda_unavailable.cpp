@@ -93,4 +93,41 @@ void fp8_grouped_gemm_wgrad(const Fp8Grouped&, const Fp8Grouped&, const TensorVi
   unavailable();
 }
 
+void router_topk(const TensorView&, const RouterOptions&, const TensorView&, const TensorView&, const TensorView&,
+                 const TensorView&, Stream, Allocator&) {
+  unavailable();
+}
+void router_topk_backward(const TensorView&, const TensorView&, const TensorView&, const RouterOptions&,
+                          const TensorView&, bool, Stream, Allocator&) {
+  unavailable();
+}
+void router_aux_loss(const TensorView&, const TensorView&, const RouterOptions&, float, const TensorView&, Stream,
+                     Allocator&) {
+  unavailable();
+}
+void router_aux_loss_backward(const TensorView&, const TensorView&, const RouterOptions&, float, const TensorView&,
+                              const TensorView&, bool, Stream, Allocator&) {
+  unavailable();
+}
+void router_z_loss(const TensorView&, float, const TensorView&, Stream, Allocator&) { unavailable(); }
+void router_z_loss_backward(const TensorView&, float, const TensorView&, const TensorView&, bool, Stream,
+                            Allocator&) {
+  unavailable();
+}
+void permute(const TensorView&, const TensorView&, const PermuteOptions&, const TensorView&, const TensorView&,
+             const RoutingMap&, const TensorView&, const TensorView&, const TensorView&, Stream, Allocator&) {
+  unavailable();
+}
+void permute_backward(const TensorView&, const RoutingMap&, const TensorView&, const TensorView&, const TensorView&,
+                      Stream, Allocator&) {
+  unavailable();
+}
+void combine(const TensorView&, const RoutingMap&, const TensorView&, const TensorView&, Stream, Allocator&) {
+  unavailable();
+}
+void combine_backward(const TensorView&, const RoutingMap&, const TensorView&, const TensorView&, const TensorView&,
+                      const TensorView&, Stream, Allocator&) {
+  unavailable();
+}
+
 }  // namespace gmoe::cuda_backend

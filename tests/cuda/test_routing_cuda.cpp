@@ -1,0 +1,428 @@
+// tests/cuda/test_routing_cuda.cpp — the CUDA routing ops against the CPU backend (gmoe/routing.h):
+// router top-k (softmax / sigmoid, bias, DeepSeek-V3 groups, E up to 256, k = 8) with the same
+// experts chosen (exactly where the selection ranks the logits themselves; elsewhere up to
+// near-ties that the exp's rounding may order either way), probabilities and gradients within f32
+// rounding, the losses; permute bitwise equal to the CPU (counts, maps, rows, padding, drops),
+// permute's backward bitwise, combine and its backward. Run-to-run bitwise determinism; the whole
+// routing pass captured once in a CUDA graph and replayed under changing logits, bitwise equal to
+// eager; ids out of range set the device error word and nothing is written out of bounds; MoELayer
+// on the device against the same layer on the CPU backend.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "common/expect_error.h"
+#include "common/harness.h"
+#include "common/routing_oracle.h"
+#include "cuda/cuda_test_util.h"
+#include "gmoe/grouped.h"
+#include "gmoe/grouped_mlp.h"
+#include "gmoe/moe_layer.h"
+#include "gmoe/routing.h"
+
+namespace gmoe::test {
+namespace {
+
+void sync_and_check() {
+  test_cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  check_device_errors(nullptr);
+}
+
+struct RouterCase {
+  std::string name;
+  int64_t T, E;
+  RouterOptions o;
+  bool bias = false;
+  DType dtype = DType::bf16;
+};
+
+std::vector<RouterCase> router_cases() {
+  using S = RouterScore;
+  return {{"qwen3_softmax_top8_e128", 4099, 128, router_options(8, S::softmax, true)},
+          {"mixtral_softmax_top2_f32", 1000, 8, router_options(2, S::softmax, true), false, DType::f32},
+          {"softmax_no_renorm_f16", 777, 64, router_options(4, S::softmax, false), false, DType::f16},
+          {"dsv3_sigmoid_groups_e256_k8", 2048, 256, router_options(8, S::sigmoid, true, 8, 4, 2.5f), true},
+          {"sigmoid_groups_no_bias", 513, 64, router_options(6, S::sigmoid, false, 4, 2), false, DType::f32},
+          {"e1", 100, 1, router_options(1, S::softmax, false)},
+          {"topk_equals_e", 300, 6, router_options(6, S::softmax, true)},
+          {"e1024_k32", 64, 1024, router_options(32, S::softmax, true)},
+          {"zero_tokens", 0, 16, router_options(2, S::softmax, true)}};
+}
+
+class RouterCuda : public ::testing::TestWithParam<RouterCase> {};
+
+TEST_P(RouterCuda, MatchesCpuAndIsDeterministic) {
+  GMOE_SKIP_WITHOUT_GPU();
+  const RouterCase& c = GetParam();
+  const int64_t k = c.o.top_k;
+  Rng rng;
+  HostTensor logits(c.dtype, {c.T, c.E}), bias(DType::f32, {c.E});
+  fill_random(logits, rng, -3.0, 3.0);
+  fill_random(bias, rng, -0.2, 0.2);
+  const TensorView no_bias{};
+  HostTensor ids(DType::i32, {c.T, k}), probs(DType::f32, {c.T, k}), counts(DType::i32, {c.E});
+  router_topk(logits.view(), c.o, ids.view(), probs.view(), counts.view(), c.bias ? bias.view() : no_bias);
+
+  DeviceTensor dl(logits), db(bias), dids(DType::i32, {c.T, k}), dprobs(DType::f32, {c.T, k}),
+      dcounts(DType::i64, {c.E});
+  router_topk(dl.view(), c.o, dids.view(), dprobs.view(), dcounts.view(), c.bias ? db.view() : no_bias);
+  sync_and_check();
+  const HostTensor gids = dids.download(), gprobs = dprobs.download();
+  const std::vector<int32_t> got = int32_values(gids), want = int32_values(ids);
+  const OracleRoute oracle =
+      oracle_topk(logits.to_double(), c.T, c.E, c.o, c.bias ? bias.to_double() : std::vector<double>{});
+  int64_t swapped = 0;
+  ASSERT_TRUE(same_selection(got, want, oracle.choice, c.T, c.E, k, 1e-6, &swapped));
+  if (!c.bias && c.o.n_group == 1) EXPECT_EQ(swapped, 0) << "ranking the logits leaves no rounding to differ";
+  EXPECT_EQ(int64_values(dcounts.download()), histogram(got, c.E));
+  std::vector<double> gp = gprobs.to_double(), cp = probs.to_double();
+  for (int64_t i = 0; i < c.T * k; ++i) {
+    if (got[i] != want[i]) gp[i] = cp[i] = 0;  // a near-tie swapped: its probabilities differ too
+  }
+  EXPECT_TRUE(all_close(gp, cp, 1e-7, 1e-5, "probs"));
+
+  // Run to run: the same bits.
+  router_topk(dl.view(), c.o, dids.view(), dprobs.view(), dcounts.view(), c.bias ? db.view() : no_bias);
+  sync_and_check();
+  EXPECT_TRUE(bitwise_equal(dids.download(), gids, "ids, second run"));
+  EXPECT_TRUE(bitwise_equal(dprobs.download(), gprobs, "probs, second run"));
+
+  // Backward with the GPU's selection on both backends; then the losses and their gradients.
+  HostTensor dp(DType::f32, {c.T, k}), dlog(DType::f32, {c.T, c.E});
+  fill_random(dp, rng);
+  router_topk_backward(logits.view(), gids.view(), dp.view(), c.o, dlog.view());
+  DeviceTensor ddp(dp), ddlog(DType::f32, {c.T, c.E});
+  router_topk_backward(dl.view(), dids.view(), ddp.view(), c.o, ddlog.view());
+  sync_and_check();
+  EXPECT_TRUE(all_close(ddlog.download().to_double(), dlog.to_double(), 1e-7, 1e-4, "dlogits"));
+
+  const HostTensor cpu_counts = dcounts.download();
+  HostTensor loss(DType::f32, {1}), dloss(DType::f32, {1});
+  dloss.set(0, 0.75);
+  DeviceTensor dcpu_counts(cpu_counts), dloss_d(dloss), loss_d(DType::f32, {1});
+  for (int which = 0; which < 2; ++which) {
+    const char* name = which == 0 ? "aux" : "z";
+    if (which == 0) {
+      router_aux_loss(logits.view(), cpu_counts.view(), c.o, 0.01f, loss.view());
+      router_aux_loss(dl.view(), dcpu_counts.view(), c.o, 0.01f, loss_d.view());
+      router_aux_loss_backward(logits.view(), cpu_counts.view(), c.o, 0.01f, dloss.view(), dlog.view());
+      router_aux_loss_backward(dl.view(), dcpu_counts.view(), c.o, 0.01f, dloss_d.view(), ddlog.view());
+    } else {
+      router_z_loss(logits.view(), 0.001f, loss.view());
+      router_z_loss(dl.view(), 0.001f, loss_d.view());
+      router_z_loss_backward(logits.view(), 0.001f, dloss.view(), dlog.view());
+      router_z_loss_backward(dl.view(), 0.001f, dloss_d.view(), ddlog.view());
+    }
+    sync_and_check();
+    EXPECT_TRUE(all_close(loss_d.download().to_double(), loss.to_double(), 1e-9, 1e-4, std::string(name) + " loss"));
+    if (c.T > 0) {
+      EXPECT_TRUE(
+          all_close(ddlog.download().to_double(), dlog.to_double(), 1e-9, 1e-4, std::string(name) + " dlogits"));
+    }
+    const HostTensor first = loss_d.download();
+    if (which == 0) {
+      router_aux_loss(dl.view(), dcpu_counts.view(), c.o, 0.01f, loss_d.view());
+    } else {
+      router_z_loss(dl.view(), 0.001f, loss_d.view());
+    }
+    sync_and_check();
+    EXPECT_TRUE(bitwise_equal(loss_d.download(), first, std::string(name) + " loss, second run"));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, RouterCuda, ::testing::ValuesIn(router_cases()),
+                         [](const auto& info) { return info.param.name; });
+
+TEST(RouterCudaTies, LowerExpertIdWins) {
+  GMOE_SKIP_WITHOUT_GPU();
+  const int64_t T = 70, E = 64, k = 8;
+  HostTensor logits(DType::bf16, {T, E});
+  for (int64_t i = 0; i < T * E; ++i) logits.set(i, (i % 3 == 0) ? 0.5 : 0.25);  // many exact ties
+  for (RouterScore s : {RouterScore::softmax, RouterScore::sigmoid}) {
+    for (int64_t n_group : {1, 8}) {
+      const RouterOptions o = router_options(k, s, true, n_group, n_group == 1 ? 1 : 4);
+      HostTensor ids(DType::i32, {T, k}), probs(DType::f32, {T, k}), counts(DType::i32, {E});
+      router_topk(logits.view(), o, ids.view(), probs.view(), counts.view());
+      DeviceTensor dl(logits), dids(DType::i32, {T, k}), dprobs(DType::f32, {T, k}), dcounts(DType::i32, {E});
+      router_topk(dl.view(), o, dids.view(), dprobs.view(), dcounts.view());
+      sync_and_check();
+      EXPECT_TRUE(bitwise_equal(dids.download(), ids, "tied ids"));
+      EXPECT_TRUE(bitwise_equal(dcounts.download(), counts, "tied counts"));
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+
+struct PermuteCase {
+  std::string name;
+  int64_t T, E, k, H;
+  int64_t pad;
+  double cf;
+  DType dtype = DType::bf16;
+};
+
+std::vector<PermuteCase> permute_cases() {
+  return {{"qwen3_t4096_e128_k8_h2048", 4096, 128, 8, 2048, 1, 0},
+          {"pad128_capacity", 3000, 32, 4, 256, 128, 1.0},
+          {"pad16_capacity_half", 1000, 16, 2, 136, 16, 0.5},
+          {"odd_h_f32_scalar_path", 517, 8, 2, 67, 1, 0, DType::f32},
+          {"f16_e256_k8", 700, 256, 8, 96, 16, 0, DType::f16},
+          {"e1", 300, 1, 1, 64, 1, 0},
+          {"topk_equals_e", 257, 5, 5, 32, 1, 0},
+          {"all_but_few_dropped", 512, 4, 2, 16, 1, 0.05},
+          {"zero_tokens", 0, 8, 2, 64, 16, 1.0}};
+}
+
+class PermuteCuda : public ::testing::TestWithParam<PermuteCase> {};
+
+TEST_P(PermuteCuda, MatchesCpu) {
+  GMOE_SKIP_WITHOUT_GPU();
+  const PermuteCase& c = GetParam();
+  Rng rng;
+  PermuteOptions o;
+  o.pad_multiple = c.pad;
+  o.capacity_factor = c.cf;
+  const int64_t rows = permuted_rows(c.T, c.k, c.E, o) + 5;
+  HostTensor x(c.dtype, {c.T, c.H}), probs(DType::f32, {c.T, c.k});
+  fill_random(x, rng);
+  fill_random(probs, rng, 0.0, 1.0);
+  const HostTensor ids = random_routing(c.T, c.E, c.k, rng);
+  HostTensor perm(c.dtype, {rows, c.H}), counts(DType::i32, {c.E}), row_of(DType::i32, {c.T, c.k}),
+      src(DType::i32, {rows}), pprobs(DType::f32, {rows}), dropped(DType::i32, {1});
+  permute(x.view(), ids.view(), o, perm.view(), counts.view(), {row_of.view(), src.view()}, probs.view(), pprobs.view(),
+          dropped.view());
+
+  poison(perm);
+  poison(pprobs);
+  poison(row_of);
+  poison(src);  // the device outputs start poisoned
+  DeviceTensor dx(x), dids(ids), dprobs(probs), dperm(perm), dcounts(DType::i64, {c.E}), drow(row_of), dsrc(src),
+      dpp(pprobs), ddrop(DType::i64, {1});
+  const RoutingMap map{drow.view(), dsrc.view()};
+  permute(dx.view(), dids.view(), o, dperm.view(), dcounts.view(), map, dprobs.view(), dpp.view(), ddrop.view());
+  sync_and_check();
+  EXPECT_EQ(int64_values(dcounts.download()), int64_values(counts));
+  EXPECT_EQ(int32_values(drow.download()), int32_values(row_of));
+  EXPECT_EQ(int32_values(dsrc.download()), int32_values(src));
+  EXPECT_EQ(ddrop.download().get(0), dropped.get(0));
+  HostTensor want_perm(c.dtype, {rows, c.H}), want_pp(DType::f32, {rows});
+  permute(x.view(), ids.view(), o, want_perm.view(), counts.view(), {row_of.view(), src.view()}, probs.view(),
+          want_pp.view(), dropped.view());
+  EXPECT_TRUE(bitwise_equal(dperm.download(), want_perm, "permuted rows"));
+  EXPECT_TRUE(bitwise_equal(dpp.download(), want_pp, "permuted probs"));
+
+  // permute's backward: a sum of ones times the rows in slot order, bitwise the CPU's.
+  HostTensor g(c.dtype, {rows, c.H}), gpp(DType::f32, {rows}), want_dx(c.dtype, {c.T, c.H}),
+      want_dprobs(DType::f32, {c.T, c.k});
+  fill_random(g, rng);
+  fill_random(gpp, rng);
+  permute_backward(g.view(), {row_of.view(), src.view()}, want_dx.view(), gpp.view(), want_dprobs.view());
+  DeviceTensor dg(g), dgpp(gpp), ddx(c.dtype, {c.T, c.H}), ddprobs(DType::f32, {c.T, c.k});
+  permute_backward(dg.view(), map, ddx.view(), dgpp.view(), ddprobs.view());
+  sync_and_check();
+  EXPECT_TRUE(bitwise_equal(ddx.download(), want_dx, "dx"));
+  EXPECT_TRUE(bitwise_equal(ddprobs.download(), want_dprobs, "dprobs gathered"));
+
+  // combine and its backward.
+  HostTensor y(c.dtype, {rows, c.H}), out(c.dtype, {c.T, c.H}), dout(c.dtype, {c.T, c.H}), dy(c.dtype, {rows, c.H}),
+      dpc(DType::f32, {c.T, c.k});
+  fill_random(y, rng);
+  fill_random(dout, rng);
+  combine(y.view(), {row_of.view(), src.view()}, probs.view(), out.view());
+  combine_backward(dout.view(), {row_of.view(), src.view()}, probs.view(), y.view(), dy.view(), dpc.view());
+  DeviceTensor dyd(y), doutd(c.dtype, {c.T, c.H}), dgo(dout), ddy(c.dtype, {rows, c.H}), ddpc(DType::f32, {c.T, c.k});
+  combine(dyd.view(), map, dprobs.view(), doutd.view());
+  combine_backward(dgo.view(), map, dprobs.view(), dyd.view(), ddy.view(), ddpc.view());
+  sync_and_check();
+  const double u = unit_roundoff(c.dtype);
+  EXPECT_TRUE(all_close(doutd.download().to_double(), out.to_double(), 1e-6, 2 * u, "combine out"));
+  EXPECT_TRUE(bitwise_equal(ddy.download(), dy, "dexpert_out"));
+  EXPECT_TRUE(all_close(ddpc.download().to_double(), dpc.to_double(), 1e-4, 1e-4, "combine dprobs"));
+  // Run to run.
+  const HostTensor first = doutd.download();
+  combine(dyd.view(), map, dprobs.view(), doutd.view());
+  sync_and_check();
+  EXPECT_TRUE(bitwise_equal(doutd.download(), first, "combine, second run"));
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, PermuteCuda, ::testing::ValuesIn(permute_cases()),
+                         [](const auto& info) { return info.param.name; });
+
+// ---------------------------------------------------------------------------------------------
+
+TEST(RoutingCudaGraph, ReplayUnderChangingLogitsEqualsEager) {
+  GMOE_SKIP_WITHOUT_GPU();
+  Rng rng;
+  const int64_t T = 1500, E = 64, k = 6, H = 264;
+  RouterOptions o = router_options(k, RouterScore::sigmoid, true, 8, 3, 1.5f);
+  PermuteOptions po;
+  po.pad_multiple = 16;
+  po.capacity_factor = 1.25;
+  const int64_t rows = permuted_rows(T, k, E, po);
+  HostTensor x(DType::bf16, {T, H}), bias(DType::f32, {E});
+  fill_random(x, rng);
+  fill_random(bias, rng, -0.1, 0.1);
+  DeviceTensor dl(DType::bf16, {T, E}), dx(x), db(bias), ids(DType::i32, {T, k}), probs(DType::f32, {T, k}),
+      counts(DType::i32, {E}), perm(DType::bf16, {rows, H}), pcounts(DType::i32, {E}), row_of(DType::i32, {T, k}),
+      src(DType::i32, {rows}), pprobs(DType::f32, {rows}), dropped(DType::i32, {1}), out(DType::bf16, {T, H}),
+      aux(DType::f32, {1}), dlogits(DType::f32, {T, E}), dperm(DType::bf16, {rows, H}), dpc(DType::f32, {T, k});
+  cudaStream_t stream;
+  GMOE_TEST_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const RoutingMap map{row_of.view(), src.view()};
+  auto pass = [&] {
+    router_topk(dl.view(), o, ids.view(), probs.view(), counts.view(), db.view(), stream);
+    router_aux_loss(dl.view(), counts.view(), o, 0.01f, aux.view(), stream);
+    permute(dx.view(), ids.view(), po, perm.view(), pcounts.view(), map, probs.view(), pprobs.view(), dropped.view(),
+            stream);
+    combine(perm.view(), map, probs.view(), out.view(), stream);
+    combine_backward(out.view(), map, probs.view(), perm.view(), dperm.view(), dpc.view(), stream);
+    router_topk_backward(dl.view(), ids.view(), dpc.view(), o, dlogits.view(), false, stream);
+    router_aux_loss_backward(dl.view(), counts.view(), o, 0.01f, TensorView{}, dlogits.view(), true, stream);
+    router_z_loss_backward(dl.view(), 0.001f, TensorView{}, dlogits.view(), true, stream);
+  };
+  auto snapshot = [&] {
+    return std::vector<HostTensor>{ids.download(),     probs.download(),  counts.download(),  perm.download(),
+                                   pcounts.download(), row_of.download(), src.download(),     dropped.download(),
+                                   out.download(),     aux.download(),    dlogits.download(), dperm.download()};
+  };
+  HostTensor logits(DType::bf16, {T, E});
+  fill_random(logits, rng, -3.0, 3.0);
+  dl.upload(logits);
+  pass();  // eager once first: what the ops set up on first use happens outside the capture
+  GMOE_TEST_CUDA(cudaStreamSynchronize(stream));
+  CapturedGraph graph(stream, pass);
+  for (int replay = 0; replay < 3; ++replay) {
+    fill_random(logits, rng, -3.0, 3.0);
+    if (replay == 2) {
+      for (int64_t i = 0; i < T * E; ++i) logits.set(i, (i % E == 5) ? 4.0 : logits.get(i));  // one hot expert
+    }
+    dl.upload(logits);
+    graph.replay(stream);
+    const std::vector<HostTensor> replayed = snapshot();
+    pass();
+    GMOE_TEST_CUDA(cudaStreamSynchronize(stream));
+    const std::vector<HostTensor> eager = snapshot();
+    for (size_t i = 0; i < eager.size(); ++i) {
+      EXPECT_TRUE(
+          bitwise_equal(replayed[i], eager[i], "output " + std::to_string(i) + ", replay " + std::to_string(replay)));
+    }
+  }
+  check_device_errors(stream);
+  GMOE_TEST_CUDA(cudaStreamDestroy(stream));
+}
+
+TEST(RoutingCudaErrors, IdsOutOfRangeSetTheErrorWordAndWriteNothingOutOfBounds) {
+  GMOE_SKIP_WITHOUT_GPU();
+  Rng rng;
+  const int64_t T = 300, E = 8, k = 2, H = 64, guard = 64;
+  HostTensor ids = random_routing(T, E, k, rng);
+  ids.set(7, double(E));
+  ids.set(100, -3.0);
+  ids.set(2 * T - 1, 1e6);
+  const int64_t rows = permuted_rows(T, k, E, {});
+  HostTensor x(DType::bf16, {T, H});
+  fill_random(x, rng);
+  // The permuted buffer and src_token are views into larger poisoned allocations: the guard rows
+  // past each view must stay as they were.
+  HostTensor perm_all(DType::bf16, {rows + guard, H}), src_all(DType::i32, {rows + guard});
+  poison(perm_all);
+  poison(src_all);
+  DeviceTensor dx(x), dids(ids), dperm_all(perm_all), dsrc_all(src_all), counts(DType::i32, {E}),
+      row_of(DType::i32, {T, k});
+  const TensorView perm = TensorView(dperm_all.data(), DType::bf16, Device::cuda(0), {rows, H});
+  const TensorView src = TensorView(dsrc_all.data(), DType::i32, Device::cuda(0), {rows});
+  permute(dx.view(), dids.view(), {}, perm, counts.view(), {row_of.view(), src});
+  test_cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  GMOE_EXPECT_ERROR(check_device_errors(nullptr), "0x8");
+  check_device_errors(nullptr);  // read and cleared
+  const std::vector<int32_t> r = int32_values(row_of.download());
+  EXPECT_EQ(r[7], -1);
+  EXPECT_EQ(r[100], -1);
+  EXPECT_EQ(r[2 * T - 1], -1);
+  int64_t total = 0;
+  for (int64_t v : int64_values(counts.download())) total += v;
+  EXPECT_EQ(total, T * k - 3) << "the bad slots are not counted";
+  const HostTensor perm_back = dperm_all.download(), src_back = dsrc_all.download();
+  EXPECT_EQ(0, std::memcmp(static_cast<const char*>(perm_back.data()) + rows * H * 2,
+                           static_cast<const char*>(perm_all.data()) + rows * H * 2, guard * H * 2));
+  EXPECT_EQ(0, std::memcmp(static_cast<const int32_t*>(src_back.data()) + rows,
+                           static_cast<const int32_t*>(src_all.data()) + rows, guard * 4));
+
+  // A corrupt map: rows outside the buffer are skipped by combine and recorded.
+  HostTensor bad_map(DType::i32, {T, k});
+  for (int64_t i = 0; i < T * k; ++i) bad_map.set(i, double(i % 3 == 0 ? rows + 5 : i % rows));
+  DeviceTensor dbad(bad_map), out(DType::bf16, {T, H});
+  combine(perm, {dbad.view(), src}, {}, out.view());
+  test_cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  GMOE_EXPECT_ERROR(check_device_errors(nullptr), "0x8");
+}
+
+TEST(RoutingCudaErrors, HostVisibleArguments) {
+  GMOE_SKIP_WITHOUT_GPU();
+  DeviceTensor logits(DType::bf16, {16, 2048}), ids(DType::i32, {16, 2}), probs(DType::f32, {16, 2}),
+      counts(DType::i32, {2048});
+  GMOE_EXPECT_ERROR(router_topk(logits.view(), router_options(2, RouterScore::softmax, true), ids.view(), probs.view(),
+                                counts.view()),
+                    "logits", "1024");
+  HostTensor host_ids(DType::i32, {16, 2});
+  GMOE_EXPECT_ERROR(router_topk(logits.view(), router_options(2, RouterScore::softmax, true), host_ids.view(),
+                                probs.view(), counts.view()),
+                    "ids", "cuda:0", "cpu");
+}
+
+// ---------------------------------------------------------------------------------------------
+// MoELayer on the device against the same layer on the CPU backend (bf16 experts on both).
+
+std::vector<double> host_values(const Tensor& t) { return host_of(t.view()).to_double(); }
+
+TEST(MoELayerCuda, MatchesCpuLayer) {
+  GMOE_SKIP_WITHOUT_GPU();
+  Rng rng;
+  const int64_t T = 777, E = 16, k = 4, H = 256, F = 128;
+  HostTensor w1(DType::bf16, {E, 2 * F, H}), w2(DType::bf16, {E, H, F}), x(DType::bf16, {T, H}),
+      logits(DType::f32, {T, E}), dout(DType::bf16, {T, H});
+  fill_random(w1, rng, -0.1, 0.1);
+  fill_random(w2, rng, -0.1, 0.1);
+  fill_random(x, rng);
+  fill_random(logits, rng, -2.0, 2.0);
+  fill_random(dout, rng);
+  MoELayerOptions o;
+  o.router = router_options(k, RouterScore::softmax, true);
+  o.permute.pad_multiple = 16;
+  o.permute.capacity_factor = 1.25;
+  o.aux_loss_coeff = 0.01f;
+  o.z_loss_coeff = 0.001f;
+
+  GroupedMLP cpu_experts(ExpertWeights::from_stacked(w1.view()), ExpertWeights::from_stacked(w2.view()));
+  MoELayer cpu_layer(cpu_experts, o);
+  MoELayerContext cpu_ctx;
+  const MoEForward cf = cpu_layer.forward(x.view(), logits.view(), cpu_ctx);
+  const MoEBackward cb = cpu_layer.backward(cpu_ctx, dout.view());
+
+  DeviceTensor dw1(w1), dw2(w2), dx(x), dl(logits), ddout(dout);
+  GroupedMLP gpu_experts(ExpertWeights::from_stacked(dw1.view()), ExpertWeights::from_stacked(dw2.view()));
+  MoELayer gpu_layer(gpu_experts, o);
+  MoELayerContext gpu_ctx;
+  const MoEForward gf = gpu_layer.forward(dx.view(), dl.view(), gpu_ctx);
+  const MoEBackward gb = gpu_layer.backward(gpu_ctx, ddout.view());
+  sync_and_check();
+
+  EXPECT_EQ(host_values(gf.ids), host_values(cf.ids)) << "softmax without bias ranks the logits: the same experts";
+  // bf16 GEMMs summing in another order than the CPU's: compared by relative Frobenius error.
+  for (const auto& [got, want, what] : {std::make_tuple(&gf.out, &cf.out, "out"), std::make_tuple(&gb.dx, &cb.dx, "dx"),
+                                        std::make_tuple(&gb.dlogits, &cb.dlogits, "dlogits")}) {
+    const Comparison cmp = compare(host_values(*got), host_values(*want));
+    EXPECT_LT(cmp.rel_frobenius, 1e-2) << what;
+    EXPECT_EQ(cmp.nan_count, 0) << what;
+  }
+  EXPECT_TRUE(all_close(host_values(gf.aux_loss), host_values(cf.aux_loss), 1e-9, 1e-4, "aux loss"));
+  EXPECT_TRUE(all_close(host_values(gf.z_loss), host_values(cf.z_loss), 1e-9, 1e-4, "z loss"));
+}
+
+}  // namespace
+}  // namespace gmoe::test
