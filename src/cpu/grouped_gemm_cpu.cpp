@@ -183,7 +183,8 @@ void wgrad(const TensorView& dy, const TensorView& x, const std::vector<int64_t>
 #pragma omp for schedule(static)
       for (int64_t n = 0; n < N; ++n) {
         std::fill(acc.begin(), acc.end(), 0.f);
-        for (int64_t r = 0; r < rows; ++r) axpy(acc.data(), dye[r * N + n], &xe[r * K], K);
+        // xe.data(), not &xe[...]: with K = 0 the vector is empty and indexing it is undefined.
+        for (int64_t r = 0; r < rows; ++r) axpy(acc.data(), dye[r * N + n], xe.data() + r * K, K);
         store_row<O>(dwe, n, acc.data(), options.accumulate);
       }
     }
