@@ -123,7 +123,7 @@ void fprop(const TensorView& x, const ExpertWeights& w, const ExpertBias& bias, 
       for (int64_t r = 0; r < rows; ++r) {
         O* dst = row_ptr_mut<O>(y, off[e] + r);
         for (int64_t n = n0; n < n1; ++n) {
-          const float acc = dot(&xe[r * K], row_ptr<T>(we, n), K);
+          const float acc = dot(xe.data() + r * K, row_ptr<T>(we, n), K);  // K may be 0: no &xe[]
           if (be.empty()) {
             dst[n] = from_f32<O>(acc);
           } else {
