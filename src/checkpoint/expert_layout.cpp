@@ -551,6 +551,8 @@ void convert_checkpoint(const std::string& in, const std::string& out,
     const uint64_t expert_bytes = static_cast<uint64_t>(
         checked_mul(checked_numel(info.expert_shape, what.c_str()), es, what.c_str()));
     if (layout == ExpertLayout::per_expert) {
+      GMOE_CHECK(E > 0, what, ": 0 experts: the per-expert layout has no key to hold them (the ",
+                 "parameter would vanish); keep the stacked layout");
       // Each per-expert tensor takes more than kMinHeaderEntry bytes of header: a count no header
       // can hold (2^40 empty stacked experts) is refused before any per-expert work.
       constexpr int64_t kMinHeaderEntry = 48;

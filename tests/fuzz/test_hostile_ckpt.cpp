@@ -133,6 +133,13 @@ TEST_F(HostileCkpt, StackedEmptyExpertsCostNoWorkPerExpert) {
   ASSERT_TRUE(finishes_within(10, [&] { gmoe::convert_checkpoint(in, dir / "per.safetensors", per); }));
   expect_error([&] { gmoe::convert_checkpoint(in, dir / "per.safetensors", per); },
                {"1099511627776", "per-expert", "header"});
+  // 0 stacked experts have no per-expert key: refused rather than dropped (found by layout_fuzz).
+  const std::string none = dir / "none.safetensors";
+  write_file(none, craft(R"({"model.experts.bias":{"dtype":"BF16","shape":[0,4],"data_offsets":[0,0]}})", 0));
+  expect_error([&] { gmoe::convert_checkpoint(none, dir / "per.safetensors", per); }, {"0 experts"});
+  gmoe::convert_checkpoint(none, dir / "kept.safetensors", {});
+  EXPECT_EQ(gmoe::SafetensorsFile::open(dir / "kept.safetensors").entry("model.experts.bias").shape,
+            (std::vector<int64_t>{0, 4}));
 }
 
 // A header of n F32 [1] tensors.
