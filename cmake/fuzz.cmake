@@ -1,22 +1,36 @@
-# cmake/fuzz.cmake — the libFuzzer target of the safetensors parser, and a bounded fuzz run as a test.
+# cmake/fuzz.cmake — hostile input: the GoogleTest suite of named defects and API properties, two
+# libFuzzer targets, and bounded fuzz runs as tests.
 #
 # Include from the top-level CMakeLists.txt after enable_testing():   include(cmake/fuzz.cmake)
 #
 # libFuzzer needs clang, while the project may be compiled with g++; so this finds a clang++ on
-# its own, checks that it links -fsanitize=fuzzer,address, and compiles the few sources the parser
+# its own, checks that it links -fsanitize=fuzzer,address, and compiles the few sources each target
 # needs directly with it (a custom command: no second toolchain in the project). Without such a
-# clang++ it says so and adds nothing, so builds on machines without clang keep working.
+# clang++ it says so and adds no fuzz target, so builds on machines without clang keep working.
 #
-#   target gmoe_fuzz_safetensors   built with ALL when clang is usable
-#   test   checkpoint_fuzz         runs it for GMOE_FUZZ_SECONDS (default 20) on a copy-on-write
-#                                  corpus in the build tree, seeded from tests/fuzz/corpus; any
-#                                  crash, sanitizer report or leak fails the test
+#   test   gmoe_tests_hostile         GoogleTest: tests/fuzz/test_*.cpp (any compiler)
+#   target gmoe_fuzz_safetensors      the safetensors parser (built with ALL when clang is usable)
+#   target gmoe_fuzz_expert_layout    checkpoint open, expert-layout detection and conversion
+#   test   checkpoint_fuzz            each runs its target for GMOE_FUZZ_SECONDS (default 20) on a
+#   test   layout_fuzz                copy-on-write corpus in the build tree, seeded from the corpus
+#                                     in tests/fuzz; any crash, sanitizer report, leak or slow
+#                                     input (-timeout) fails the test
 
-set(GMOE_FUZZ_SECONDS 20 CACHE STRING "Seconds the checkpoint_fuzz test fuzzes the safetensors parser")
+# The hostile-input suite: named tests of the defects fuzzing and probing found, and the API
+# property test. It runs gmoe-ckpt for the tool-level checks; under the sanitizers (the debug
+# preset) an UndefinedBehaviorSanitizer report ends it with a failure instead of a printed line.
+gmoe_add_test_suite(gmoe_tests_hostile ${CMAKE_CURRENT_LIST_DIR}/../tests/fuzz/test_*.cpp)
+if(TARGET gmoe_tests_hostile AND TARGET gmoe-ckpt)
+  add_dependencies(gmoe_tests_hostile gmoe-ckpt)
+  set_tests_properties(gmoe_tests_hostile PROPERTIES ENVIRONMENT
+    "GMOE_SOURCE_DIR=${PROJECT_SOURCE_DIR};OMP_WAIT_POLICY=PASSIVE;GMOE_CKPT_BIN=$<TARGET_FILE:gmoe-ckpt>;UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1")
+endif()
+
+set(GMOE_FUZZ_SECONDS 20 CACHE STRING "Seconds each fuzz test (checkpoint_fuzz, layout_fuzz) runs")
 find_program(GMOE_FUZZ_CLANGXX NAMES clang++ clang++-19 clang++-18 clang++-17 clang++-16 clang++-15 clang++-14)
 
 if(NOT GMOE_FUZZ_CLANGXX)
-  message(STATUS "gmoe: no clang++ found: fuzz target gmoe_fuzz_safetensors skipped")
+  message(STATUS "gmoe: no clang++ found: fuzz targets skipped")
   return()
 endif()
 
@@ -29,41 +43,49 @@ execute_process(
   WORKING_DIRECTORY "${_gmoe_fuzz_probe_dir}"
   RESULT_VARIABLE _gmoe_fuzz_probe_rc OUTPUT_QUIET ERROR_QUIET)
 if(NOT _gmoe_fuzz_probe_rc EQUAL 0)
-  message(STATUS "gmoe: ${GMOE_FUZZ_CLANGXX} cannot link -fsanitize=fuzzer: fuzz target skipped")
+  message(STATUS "gmoe: ${GMOE_FUZZ_CLANGXX} cannot link -fsanitize=fuzzer: fuzz targets skipped")
   return()
 endif()
-message(STATUS "gmoe: fuzz target gmoe_fuzz_safetensors with ${GMOE_FUZZ_CLANGXX}")
+message(STATUS "gmoe: fuzz targets with ${GMOE_FUZZ_CLANGXX}")
 
 get_filename_component(_gmoe_src "${CMAKE_CURRENT_LIST_DIR}/.." ABSOLUTE)
-# Only what the parser needs, so the fuzz build stays small and independent of the rest.
-set(_gmoe_fuzz_sources
-  "${_gmoe_src}/tests/fuzz/fuzz_safetensors.cpp"
-  "${_gmoe_src}/src/checkpoint/safetensors.cpp"
-  "${_gmoe_src}/src/common/dtype.cpp"
-  "${_gmoe_src}/src/common/tensor.cpp")
 set(_gmoe_fuzz_includes -I "${_gmoe_src}/include" -I "${_gmoe_src}/src")
 if(EXISTS "${_gmoe_src}/.deps/bundle/include")  # headers bundled for machines without packages
   list(APPEND _gmoe_fuzz_includes -I "${_gmoe_src}/.deps/bundle/include")
 endif()
-file(GLOB _gmoe_fuzz_headers "${_gmoe_src}/include/gmoe/*.h" "${_gmoe_src}/src/checkpoint/*.h")
+file(GLOB _gmoe_fuzz_headers "${_gmoe_src}/include/gmoe/*.h" "${_gmoe_src}/src/checkpoint/*.h"
+  "${_gmoe_src}/src/common/*.h")
 # In its own folder: a file named like the target would make Make see a circular dependency.
-set(_gmoe_fuzz_bin "${CMAKE_BINARY_DIR}/fuzz/gmoe_fuzz_safetensors")
 file(MAKE_DIRECTORY "${CMAKE_BINARY_DIR}/fuzz")
 
-add_custom_command(
-  OUTPUT "${_gmoe_fuzz_bin}"
-  COMMAND "${GMOE_FUZZ_CLANGXX}" -std=c++17 -g -O1
-          -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined
-          ${_gmoe_fuzz_includes} ${_gmoe_fuzz_sources} -o "${_gmoe_fuzz_bin}"
-  DEPENDS ${_gmoe_fuzz_sources} ${_gmoe_fuzz_headers}
-  COMMENT "Building libFuzzer target gmoe_fuzz_safetensors with ${GMOE_FUZZ_CLANGXX}"
-  VERBATIM)
-add_custom_target(gmoe_fuzz_safetensors ALL DEPENDS "${_gmoe_fuzz_bin}")
+# gmoe_fuzz_target(NAME TEST CORPUS MAX_LEN SOURCES...): the target, and its bounded run as TEST.
+function(gmoe_fuzz_target name test corpus max_len)
+  set(sources "${_gmoe_src}/tests/fuzz/${name}.cpp")
+  foreach(s ${ARGN})
+    list(APPEND sources "${_gmoe_src}/${s}")
+  endforeach()
+  set(bin "${CMAKE_BINARY_DIR}/fuzz/gmoe_${name}")
+  add_custom_command(
+    OUTPUT "${bin}"
+    COMMAND "${GMOE_FUZZ_CLANGXX}" -std=c++17 -g -O1
+            -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined
+            ${_gmoe_fuzz_includes} ${sources} -o "${bin}"
+    DEPENDS ${sources} ${_gmoe_fuzz_headers}
+    COMMENT "Building libFuzzer target gmoe_${name} with ${GMOE_FUZZ_CLANGXX}"
+    VERBATIM)
+  add_custom_target(gmoe_${name} ALL DEPENDS "${bin}")
+  set(work "${CMAKE_BINARY_DIR}/fuzz_corpus/${name}")
+  file(MAKE_DIRECTORY "${work}")
+  # -timeout: an input that takes seconds is a finding (unbounded work from a small file).
+  add_test(NAME ${test}
+    COMMAND "${bin}" -max_total_time=${GMOE_FUZZ_SECONDS} -rss_limit_mb=2048 -timeout=10
+            -max_len=${max_len} -print_final_stats=1 -dict=${_gmoe_src}/tests/fuzz/safetensors.dict
+            "${work}" "${_gmoe_src}/tests/fuzz/${corpus}")
+  set_tests_properties(${test} PROPERTIES TIMEOUT 300 LABELS "checkpoint;fuzz")
+endfunction()
 
-set(_gmoe_fuzz_corpus "${CMAKE_BINARY_DIR}/fuzz_corpus/safetensors")
-file(MAKE_DIRECTORY "${_gmoe_fuzz_corpus}")
-add_test(NAME checkpoint_fuzz
-  COMMAND "${_gmoe_fuzz_bin}" -max_total_time=${GMOE_FUZZ_SECONDS} -rss_limit_mb=2048
-          -dict=${_gmoe_src}/tests/fuzz/safetensors.dict
-          "${_gmoe_fuzz_corpus}" "${_gmoe_src}/tests/fuzz/corpus")
-set_tests_properties(checkpoint_fuzz PROPERTIES TIMEOUT 300 LABELS "checkpoint;fuzz")
+gmoe_fuzz_target(fuzz_safetensors checkpoint_fuzz corpus 1048576
+  src/checkpoint/safetensors.cpp src/common/dtype.cpp src/common/tensor.cpp)
+gmoe_fuzz_target(fuzz_expert_layout layout_fuzz corpus_layout 65536
+  src/checkpoint/safetensors.cpp src/checkpoint/checkpoint.cpp src/checkpoint/expert_layout.cpp
+  src/common/dtype.cpp src/common/tensor.cpp)

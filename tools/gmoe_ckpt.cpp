@@ -5,25 +5,41 @@
 //   gmoe-ckpt inspect --brief FILE               expert parameters collapsed to one line each
 //   gmoe-ckpt convert IN OUT --layout per-expert stacked ↔ per-expert (IN may be an index json)
 //   gmoe-ckpt convert IN OUT --glu fc1 --glu-from concat --glu-to interleaved:8
+//   gmoe-ckpt bench-header --tensors 12500 25000 50000 100000
+//                                                times parsing headers of that many tensors
 //
 // Expert parameters are keys with an `experts` component whose parameter component is `weight`
 // or `bias` (stacked) or `weight<e>` / `bias<e>` (per-expert); --scope and --param change that.
-// Exit status: 0 on success, 1 on a checkpoint problem (the message says which file, key and why).
+// Exit status: 0 on success, 1 on a checkpoint problem (the message says which file, key and why),
+// 130 when interrupted (the output is then left as it was: no partial or temporary file).
+//
+// Everything printed that comes from a file (key names, metadata, messages naming them) goes
+// through ckpt_detail::printable, so a hostile checkpoint cannot write terminal escapes.
+#include <signal.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <chrono>
+#include <csignal>
 #include <cstdio>
 #include <map>
 #include <set>
 #include <string>
 #include <vector>
 
+#include "checkpoint/internal.h"
 #include "gmoe/checkpoint.h"
 #include "gmoe/error.h"
 
 namespace {
+
+using gmoe::ckpt_detail::printable;
+
+// Set by SIGINT/SIGTERM/SIGHUP; the conversion's progress callback sees it and throws, so the
+// writer unwinds and removes its temporary file.
+volatile std::sig_atomic_t g_interrupted = 0;
+void on_signal(int) { g_interrupted = 1; }
 
 std::string human_bytes(uint64_t n) {
   const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
@@ -48,9 +64,11 @@ int inspect(const std::string& path, const gmoe::ExpertDetectOptions& detect, bo
   const gmoe::Checkpoint ckpt = gmoe::Checkpoint::open(path);
   uint64_t total = 0;
   for (const std::string& k : ckpt.keys()) total += ckpt.entry(k).nbytes();
-  std::printf("%s: %zu file(s), %zu tensors, %s of tensor data\n", path.c_str(), ckpt.files().size(),
-              ckpt.keys().size(), human_bytes(total).c_str());
-  for (const auto& kv : ckpt.metadata()) std::printf("  metadata %s = %s\n", kv.first.c_str(), kv.second.c_str());
+  std::printf("%s: %zu file(s), %zu tensors, %s of tensor data\n", printable(path).c_str(),
+              ckpt.files().size(), ckpt.keys().size(), human_bytes(total).c_str());
+  for (const auto& kv : ckpt.metadata()) {
+    std::printf("  metadata %s = %s\n", printable(kv.first).c_str(), printable(kv.second).c_str());
+  }
 
   const std::vector<gmoe::DetectedExpertParam> params = gmoe::detect_expert_params(ckpt, detect);
   std::map<std::string, std::string> layout_of;  // key → its expert-layout column
@@ -69,7 +87,7 @@ int inspect(const std::string& path, const gmoe::ExpertDetectOptions& detect, bo
   }
 
   size_t width = 3;
-  for (const std::string& k : ckpt.keys()) width = std::max(width, k.size());
+  for (const std::string& k : ckpt.keys()) width = std::max(width, printable(k).size());
   width = std::min<size_t>(width, 72);
   std::printf("\n%-*s  %-7s  %-22s  %10s  %s\n", static_cast<int>(width), "key", "dtype", "shape", "bytes",
               "expert layout");
@@ -77,7 +95,7 @@ int inspect(const std::string& path, const gmoe::ExpertDetectOptions& detect, bo
     if (brief && grouped.count(k) && layout_of[k].rfind("per-expert", 0) == 0) continue;
     const gmoe::SafetensorsEntry& e = ckpt.entry(k);
     auto it = layout_of.find(k);
-    std::printf("%-*s  %-7s  %-22s  %10s  %s\n", static_cast<int>(width), k.c_str(),
+    std::printf("%-*s  %-7s  %-22s  %10s  %s\n", static_cast<int>(width), printable(k).c_str(),
                 e.dtype_code.c_str(), shape_str(e.shape).c_str(), human_bytes(e.nbytes()).c_str(),
                 it == layout_of.end() ? "-" : it->second.c_str());
   }
@@ -88,14 +106,16 @@ int inspect(const std::string& path, const gmoe::ExpertDetectOptions& detect, bo
   for (const auto& d : params) {
     if (!d.problem.empty()) {
       ++bad;
-      std::printf("  %-*s  PROBLEM: %s\n", static_cast<int>(width), d.key.stacked_key().c_str(),
-                  d.problem.c_str());
+      std::printf("  %-*s  PROBLEM: %s\n", static_cast<int>(width),
+                  printable(d.key.stacked_key()).c_str(), printable(d.problem).c_str());
       continue;
     }
     counts.insert(d.info.num_experts);
+    const std::string name = d.info.layout == gmoe::ExpertLayout::stacked
+                                 ? d.key.stacked_key()
+                                 : d.key.stem + "<e>" + d.key.suffix;
     std::printf("  %-*s  %-10s  E=%-4lld  expert %s %s\n", static_cast<int>(width),
-                d.info.layout == gmoe::ExpertLayout::stacked ? d.key.stacked_key().c_str()
-                                                             : (d.key.stem + "<e>" + d.key.suffix).c_str(),
+                printable(name).c_str(),
                 gmoe::expert_layout_name(d.info.layout), static_cast<long long>(d.info.num_experts),
                 d.info.dtype_code.c_str(), shape_str(d.info.expert_shape).c_str());
   }
@@ -122,11 +142,53 @@ struct Progress {
     const double pct = total ? 100.0 * static_cast<double>(done) / static_cast<double>(total) : 100.0;
     std::fprintf(stderr, "%s%5.1f%%  %s / %s  %.0f MiB/s  %s%s", tty ? "\r\033[K" : "", pct,
                  human_bytes(done).c_str(), human_bytes(total).c_str(),
-                 secs > 0 ? static_cast<double>(done) / (1 << 20) / secs : 0.0, key.c_str(),
+                 secs > 0 ? static_cast<double>(done) / (1 << 20) / secs : 0.0, printable(key).c_str(),
                  tty ? "" : "\n");
     if (final && tty) std::fprintf(stderr, "\n");
   }
 };
+
+// Thrown from the progress callback once a signal arrived.
+struct Interrupted {};
+
+// A header text of n F32 [1] tensors named like a real MoE checkpoint's experts.
+std::vector<uint8_t> synthetic_file(int64_t n) {
+  std::string h = "{\"__metadata__\":{\"format\":\"pt\"}";
+  for (int64_t i = 0; i < n; ++i) {
+    h += ",\"model.layers." + std::to_string(i / 256) + ".mlp.experts." + std::to_string(i % 256) +
+         ".down_proj.weight\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[" +
+         std::to_string(4 * i) + "," + std::to_string(4 * i + 4) + "]}";
+  }
+  h += "}";
+  std::vector<uint8_t> file(8);
+  for (int i = 0; i < 8; ++i) file[static_cast<size_t>(i)] = static_cast<uint8_t>(h.size() >> (8 * i));
+  file.insert(file.end(), h.begin(), h.end());
+  file.resize(file.size() + static_cast<size_t>(4 * n), 0);
+  return file;
+}
+
+int bench_header(const std::vector<int64_t>& sizes, int repeat) {
+  std::printf("%10s  %12s  %10s  %12s\n", "tensors", "header", "parse", "per tensor");
+  for (int64_t n : sizes) {
+    if (n < 0 || repeat < 1) {
+      std::fprintf(stderr, "gmoe-ckpt: --tensors must be >= 0 and --repeat >= 1\n");
+      return 1;
+    }
+    const std::vector<uint8_t> file = synthetic_file(n);
+    std::vector<double> secs;
+    for (int r = 0; r < repeat; ++r) {
+      const auto t0 = std::chrono::steady_clock::now();
+      const gmoe::SafetensorsHeader h = gmoe::parse_safetensors(file.data(), file.size(), "bench");
+      secs.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+      if (static_cast<int64_t>(h.tensors.size()) != n) return 1;
+    }
+    std::sort(secs.begin(), secs.end());
+    const double med = secs[secs.size() / 2];
+    std::printf("%10lld  %12s  %8.3f s  %9.2f us\n", static_cast<long long>(n),
+                human_bytes(file.size()).c_str(), med, n ? med * 1e6 / static_cast<double>(n) : 0.0);
+  }
+  return 0;
+}
 
 }  // namespace
 
@@ -168,7 +230,15 @@ int main(int argc, char** argv) {
   conv->add_flag("--quiet", quiet, "no progress output");
   add_detect(conv);
 
+  CLI::App* bench = app.add_subcommand(
+      "bench-header", "time parsing safetensors headers of N tensors (in memory; median of --repeat)");
+  std::vector<int64_t> bench_sizes{12500, 25000, 50000, 100000};
+  int bench_repeat = 3;
+  bench->add_option("--tensors", bench_sizes, "tensor counts to time")->expected(1, -1);
+  bench->add_option("--repeat", bench_repeat, "runs per count (the median is reported)");
+
   CLI11_PARSE(app, argc, argv);
+  if (*bench) return bench_header(bench_sizes, bench_repeat);
   // --scope '' means every key is in scope.
   if (std::find(detect.scope_components.begin(), detect.scope_components.end(), "") !=
       detect.scope_components.end()) {
@@ -185,12 +255,19 @@ int main(int argc, char** argv) {
     opt.glu_from = gmoe::glu_format_from_string(glu_from);
     opt.glu_to = gmoe::glu_format_from_string(glu_to);
     Progress progress;
-    if (!quiet) opt.progress = [&](uint64_t d, uint64_t t, const std::string& k) { progress(d, t, k); };
+    for (int sig : {SIGINT, SIGTERM, SIGHUP}) std::signal(sig, on_signal);
+    opt.progress = [&](uint64_t d, uint64_t t, const std::string& k) {
+      if (g_interrupted) throw Interrupted();
+      if (!quiet) progress(d, t, k);
+    };
     gmoe::convert_checkpoint(in, out, opt);
-    std::printf("wrote %s\n", out.c_str());
+    std::printf("wrote %s\n", printable(out).c_str());
     return 0;
+  } catch (const Interrupted&) {
+    std::fprintf(stderr, "\ngmoe-ckpt: interrupted; %s left as it was\n", printable(out).c_str());
+    return 130;
   } catch (const gmoe::Error& e) {
-    std::fprintf(stderr, "gmoe-ckpt: %s\n", e.what());
+    std::fprintf(stderr, "gmoe-ckpt: %s\n", printable(e.what()).c_str());
     return 1;
   }
 }

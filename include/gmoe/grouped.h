@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "gmoe/stream.h"
@@ -17,7 +18,7 @@ namespace gmoe {
 /// is never read on the host by CUDA ops. Rows past the real total are a defined contract: ops write
 /// zeros there. On the device, a negative count is treated as 0 and counts past `capacity` are
 /// clamped; both are recorded in the device error word (see check_device_errors). The CPU backend
-/// can see the counts and throws instead.
+/// can see the counts and throws instead, describing the same clamping (host_group_offsets).
 struct GroupedRows {
   TensorView data;    ///< [capacity, cols]; rows contiguous (stride(1) == 1), stride(0) >= cols.
   TensorView counts;  ///< [E], i32 or i64, same device as data.
@@ -56,12 +57,6 @@ struct ExpertWeights {
   TensorView expert(int64_t e) const;
 };
 
-/// Exclusive prefix sums of host-side counts: offsets[e] = sum of counts[0..e), offsets[E] = total.
-/// Throws gmoe::Error naming `what` on a negative count or a total past `capacity`. `counts` must
-/// be a CPU i32/i64 tensor. Used by the CPU backend and by tools that know the counts on the host.
-std::vector<int64_t> host_group_offsets(const TensorView& counts, int64_t capacity,
-                                        const char* what = "counts");
-
 /// Device-side error bits recorded by kernels that clamp what only the device can see.
 enum DeviceErrorBits : uint32_t {
   kDeviceErrorNegativeCount = 1u << 0,   ///< a count was negative (treated as 0)
@@ -69,6 +64,30 @@ enum DeviceErrorBits : uint32_t {
   kDeviceErrorPaddedOffsets = 1u << 2,  ///< FP8 columnwise padded_offsets inconsistent (clamped)
   kDeviceErrorRoutingIndexOutOfRange = 1u << 3,  ///< an expert id or a routing-map row out of range (slot dropped)
 };
+
+/// Group offsets of host-side counts, clamped exactly as the device clamps them.
+struct ClampedGroupOffsets {
+  std::vector<int64_t> offsets;    ///< [E + 1], non-decreasing, offsets[E] <= capacity
+  uint32_t errors = 0;             ///< DeviceErrorBits the device would record
+  int64_t first_negative = -1;     ///< the first negative count's expert, or -1
+  int64_t first_past_capacity = -1;  ///< the expert whose count passes the capacity, or -1
+};
+
+/// The device's semantics on the host: each count clamped to [0, capacity] first, then
+/// offsets[e + 1] = min(offsets[e] + clamped count e, capacity); the bits record what was clamped.
+/// No sum can overflow, whatever the counts. `counts` must be a CPU i32/i64 tensor.
+ClampedGroupOffsets clamped_group_offsets(const TensorView& counts, int64_t capacity,
+                                          const char* what = "counts");
+
+/// Exclusive prefix sums of host-side counts: offsets[e] = sum of counts[0..e), offsets[E] = total.
+/// Where the device would clamp (a negative count, a total past `capacity`; see
+/// clamped_group_offsets), throws gmoe::Error naming `what` with the device's description of the
+/// error bits (device_error_text). Used by the CPU backend and by tools that know the counts.
+std::vector<int64_t> host_group_offsets(const TensorView& counts, int64_t capacity,
+                                        const char* what = "counts");
+
+/// What device error bits mean, as check_device_errors reports them ("; "-separated clauses).
+std::string device_error_text(uint32_t bits);
 
 /// Reads and clears the device error word of the current CUDA device. This is a deliberate sync
 /// on `stream` (never call it on the hot path; debug mode calls it after every op). Throws

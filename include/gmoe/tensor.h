@@ -44,7 +44,8 @@ struct TensorView {
 
   /// An absent view.
   TensorView() = default;
-  /// A contiguous (row-major) view of `shape`.
+  /// A contiguous (row-major) view of `shape`. Throws gmoe::Error on a negative size, or when the
+  /// strides or the element count do not fit in int64 (the non-zero sizes' product must fit).
   TensorView(void* data, DType dtype, Device device, std::initializer_list<int64_t> shape);
   /// A view with explicit strides (elements).
   TensorView(void* data, DType dtype, Device device, std::initializer_list<int64_t> shape,
@@ -56,10 +57,11 @@ struct TensorView {
   int64_t size(int dim) const { return shape[dim < 0 ? dim + ndim : dim]; }
   /// Stride in elements of dimension `dim` (negative: from the end).
   int64_t stride(int dim) const { return strides[dim < 0 ? dim + ndim : dim]; }
-  /// Number of elements (0 for an absent view).
+  /// Number of elements: 0 when a size is 0, else the product of the sizes. Throws gmoe::Error
+  /// when a size is negative or the product of the non-zero sizes does not fit in int64.
   int64_t numel() const;
-  /// numel() times the element size.
-  int64_t nbytes() const { return numel() * static_cast<int64_t>(dtype_size(dtype)); }
+  /// numel() times the element size; throws gmoe::Error when that does not fit in int64.
+  int64_t nbytes() const;
   /// Row-major contiguous (strides are the products of the trailing sizes; size-1 dims ignored).
   bool is_contiguous() const;
   /// Element pointer at a flat row-major position of a contiguous view.

@@ -50,11 +50,9 @@ json read_index(const std::string& path) {
   std::stringstream ss;
   ss << in.rdbuf();
   const std::string text = ss.str();
-  try {
-    return json::parse(text);
-  } catch (const json::exception& e) {
-    GMOE_FAIL(path, ": index is not valid JSON: ", e.what());
-  }
+  // {"metadata": {...}, "weight_map": {...}} nests two levels; one more leaves room for fields
+  // other writers add, without letting hostile input build deep trees.
+  return parse_json_strict(text.data(), text.data() + text.size(), 3, path, "index");
 }
 
 }  // namespace

@@ -6,9 +6,11 @@
 #include <cstring>
 #include <nlohmann/json.hpp>
 #include <set>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "checkpoint/internal.h"
+#include "common/checked_math.h"
 #include "gmoe/checkpoint.h"
 #include "gmoe/error.h"
 
@@ -43,6 +45,30 @@ int64_t per_expert_index(const std::string& key, const ExpertParamKey& p) {
   return v;
 }
 
+// Names the `missing` keys of [0, n) absent from `experts`: all of them when few, else the first
+// and last ten around a count. Work is bounded by the keys present, not by n.
+std::string missing_keys(const ExpertParamKey& p, const std::map<int64_t, std::string>& experts,
+                         int64_t n, int64_t missing) {
+  constexpr int64_t kEach = 10;
+  std::vector<std::string> head, tail;
+  for (int64_t e = 0; e < n && static_cast<int64_t>(head.size()) < std::min(missing, 2 * kEach); ++e) {
+    if (!experts.count(e)) head.push_back(p.expert_key(e));
+  }
+  if (missing > 2 * kEach) {
+    head.resize(kEach);
+    for (int64_t e = n - 1; e >= 0 && static_cast<int64_t>(tail.size()) < kEach; --e) {
+      if (!experts.count(e)) tail.insert(tail.begin(), p.expert_key(e));
+    }
+    head.push_back("... (" + std::to_string(missing - 2 * kEach) + " more) ...");
+  }
+  head.insert(head.end(), tail.begin(), tail.end());
+  std::string s;
+  for (const std::string& k : head) s += (s.empty() ? "" : ", ") + k;
+  return s;
+}
+
+size_t key_size(const ExpertParamKey& p) { return p.stem.size() + p.suffix.size(); }
+
 // Checks a found parameter and fills `info`; returns the problem, or "" when consistent.
 std::string check_param(const Checkpoint& ckpt, const ExpertParamKey& p, bool stacked_present,
                         const std::map<int64_t, std::string>& experts, int64_t num_experts,
@@ -71,22 +97,22 @@ std::string check_param(const Checkpoint& ckpt, const ExpertParamKey& p, bool st
     }
     return "";
   }
+  // The count is bounded by the keys present, never by an index or a count taken on trust: a
+  // tiny file with key `weight999999999999999999` claims 10^18 experts, so the missing ones are
+  // counted, and only the first and last few named, without visiting each.
   const int64_t n = num_experts >= 0 ? num_experts : experts.rbegin()->first + 1;
-  std::vector<std::string> missing, extra;
+  std::vector<std::string> extra;
   int64_t present = 0;
   for (const auto& kv : experts) {
-    if (kv.first >= n) extra.push_back(kv.second);
-  }
-  for (int64_t e = 0; e < n; ++e) {
-    if (experts.count(e)) {
-      ++present;
+    if (kv.first >= n) {
+      extra.push_back(kv.second);
     } else {
-      missing.push_back(p.expert_key(e));
+      ++present;
     }
   }
-  if (!missing.empty()) {
+  if (present < n) {
     return "incomplete per-expert set: " + std::to_string(present) + " of " + std::to_string(n) +
-           " experts present; missing keys: " + join_limited(missing);
+           " experts present; missing keys: " + missing_keys(p, experts, n, n - present);
   }
   if (!extra.empty()) {
     return "per-expert keys past the expected " + std::to_string(n) + " experts: " +
@@ -149,18 +175,9 @@ int64_t glu_row(const GluFormat& f, int64_t h, int64_t j, int64_t F) {
 }
 
 void write_file_atomic(const std::string& path, const std::string& text) {
-  const std::string tmp = path + ".tmp." + std::to_string(getpid());
-  FILE* f = std::fopen(tmp.c_str(), "wb");
-  GMOE_CHECK(f != nullptr, tmp, ": cannot create: ", std::strerror(errno));
-  const bool ok = std::fwrite(text.data(), 1, text.size(), f) == text.size();
-  if (std::fclose(f) != 0 || !ok) {
-    std::remove(tmp.c_str());
-    GMOE_FAIL(path, ": write failed");
-  }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    std::remove(tmp.c_str());
-    GMOE_FAIL(path, ": cannot rename the temporary file into place: ", std::strerror(errno));
-  }
+  AtomicFile f(path);
+  f.write(text.data(), text.size());
+  f.commit();
 }
 
 }  // namespace
@@ -529,9 +546,21 @@ void convert_checkpoint(const std::string& in, const std::string& out,
       if (!s.empty() && d.key.stem.find(s) != std::string::npos) glu = true;
     }
     glu = glu && options.glu_from != options.glu_to;
+    const std::string what = in + ": '" + d.key.stacked_key() + "'";
     const int64_t es = safetensors_code_size(info.dtype_code);
-    uint64_t expert_bytes = static_cast<uint64_t>(es);
-    for (int64_t s : info.expert_shape) expert_bytes *= static_cast<uint64_t>(s);
+    const uint64_t expert_bytes = static_cast<uint64_t>(
+        checked_mul(checked_numel(info.expert_shape, what.c_str()), es, what.c_str()));
+    if (layout == ExpertLayout::per_expert) {
+      GMOE_CHECK(E > 0, what, ": 0 experts: the per-expert layout has no key to hold them (the ",
+                 "parameter would vanish); keep the stacked layout");
+      // Each per-expert tensor takes more than kMinHeaderEntry bytes of header: a count no header
+      // can hold (2^40 empty stacked experts) is refused before any per-expert work.
+      constexpr int64_t kMinHeaderEntry = 48;
+      const int64_t key_bytes = static_cast<int64_t>(key_size(d.key)) + kMinHeaderEntry;
+      GMOE_CHECK(E <= static_cast<int64_t>(kMaxSafetensorsHeaderBytes) / key_bytes, what, ": ", E,
+                 " per-expert tensors cannot fit a safetensors header (at most ",
+                 kMaxSafetensorsHeaderBytes, " bytes); keep the stacked layout");
+    }
     if (glu) {
       GMOE_CHECK(!info.expert_shape.empty() && info.expert_shape[0] % 2 == 0, in, ": '",
                  d.key.stacked_key(), "': GLU conversion needs an even first dimension, experts are ",
@@ -555,7 +584,7 @@ void convert_checkpoint(const std::string& in, const std::string& out,
     std::vector<int64_t> byte_shape = info.expert_shape;
     if (!byte_shape.empty()) {
       if (byte_shape.size() == 1) byte_shape.push_back(1);
-      byte_shape.back() *= es;
+      byte_shape.back() = checked_mul(byte_shape.back(), es, what.c_str());
     }
     const GluFormat from = options.glu_from, to = options.glu_to;
     auto emit_expert = [src_of, glu, from, to, byte_shape, expert_bytes](int64_t e,
@@ -574,7 +603,8 @@ void convert_checkpoint(const std::string& in, const std::string& out,
       std::vector<int64_t> shape{E};
       shape.insert(shape.end(), info.expert_shape.begin(), info.expert_shape.end());
       raw.push_back(RawTensor{key.stacked_key(), info.dtype_code, shape,
-                              [emit_expert, E](const ByteSink& sink) {
+                              [emit_expert, E, expert_bytes](const ByteSink& sink) {
+                                if (expert_bytes == 0) return;  // no work per empty expert
                                 for (int64_t e = 0; e < E; ++e) emit_expert(e, sink);
                               }});
     } else {
@@ -598,7 +628,12 @@ void convert_checkpoint(const std::string& in, const std::string& out,
   }
   std::map<std::string, std::string> metadata =
       ckpt.files().size() == 1 ? ckpt.files()[0].metadata() : std::map<std::string, std::string>{};
-  write_safetensors_raw(out, std::move(raw), metadata, options.progress);
+  // The output is a version of the input: it keeps the input's permissions.
+  struct stat st {};
+  const int mode = !ckpt.files().empty() && ::stat(ckpt.files()[0].path().c_str(), &st) == 0
+                       ? static_cast<int>(st.st_mode & 07777)
+                       : -1;
+  write_safetensors_raw(out, std::move(raw), metadata, options.progress, mode);
 }
 
 }  // namespace gmoe

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -27,10 +28,48 @@ struct RawTensor {
   std::function<void(const ByteSink&)> produce;
 };
 
-/// Writes a safetensors file from producers (see save_safetensors for the layout rules).
+/// Writes a safetensors file from producers (see save_safetensors for the layout rules), through
+/// an AtomicFile with permissions `mode` (-1: those of the file replaced, else the default).
 void write_safetensors_raw(const std::string& path, std::vector<RawTensor> tensors,
                            const std::map<std::string, std::string>& metadata,
-                           const ProgressFn& progress);
+                           const ProgressFn& progress, int mode = -1);
+
+/// A file that replaces `path` all at once or not at all. Written to a temporary file in the same
+/// directory (unnamed where the system allows, so even a killed process leaves nothing behind),
+/// fsynced, then renamed over the target; removed if destroyed before commit(). A symlink at
+/// `path` is written through (its target replaced, the link kept); a dangling one is refused.
+/// Permissions: `mode` when >= 0, else those of the file replaced, else the umask's default.
+class AtomicFile {
+ public:
+  AtomicFile(const std::string& path, int mode = -1);
+  ~AtomicFile();
+  AtomicFile(const AtomicFile&) = delete;
+  AtomicFile& operator=(const AtomicFile&) = delete;
+  /// Appends bytes (buffered).
+  void write(const void* p, uint64_t n);
+  /// Flushes, fsyncs, renames into place and fsyncs the directory.
+  void commit();
+
+ private:
+  static constexpr size_t kBuffer = 1 << 20;
+  void flush();
+  void write_all(const void* p, uint64_t n);
+  void discard();
+  std::string path_, target_, tmp_;  // tmp_: the temporary file's name, while it has one
+  int fd_ = -1;
+  int mode_ = -1;
+  std::vector<uint8_t> buf_;
+};
+
+/// Parses JSON text strictly in one linear pass: no NUL bytes, no duplicate keys in any object, no
+/// nesting deeper than `max_depth` containers. Throws gmoe::Error "<source>: <what> ...".
+nlohmann::json parse_json_strict(const char* begin, const char* end, int max_depth,
+                                 const std::string& source, const char* what);
+
+/// `text` made safe for a terminal: bytes outside printable ASCII (control characters, DEL, and
+/// any byte of a multi-byte sequence that is not valid UTF-8 or is a C1 control) become \xNN;
+/// a backslash becomes \\.
+std::string printable(const std::string& text);
 
 /// Element size of a safetensors dtype code, or 0 when the code is unknown or not byte-sized.
 int64_t safetensors_code_size(const std::string& code);

@@ -13,11 +13,13 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <nlohmann/json.hpp>
 #include <set>
 
 #include "checkpoint/internal.h"
+#include "common/checked_math.h"
 #include "gmoe/checkpoint.h"
 #include "gmoe/error.h"
 
@@ -73,32 +75,98 @@ bool as_u63(const json& v, uint64_t* out) {
   return true;
 }
 
-// Parses the header JSON with a callback that rejects nesting deeper than the format needs (so
-// hostile input cannot build deep trees) and duplicate keys (which nlohmann would silently
-// collapse, hiding a second definition of a tensor).
-json parse_header_json(const char* begin, const char* end, const std::string& source) {
-  std::vector<std::set<std::string>> seen(4);
-  auto callback = [&](int depth, json::parse_event_t event, json& parsed) -> bool {
-    if (event == json::parse_event_t::object_start || event == json::parse_event_t::array_start) {
-      GMOE_CHECK(depth <= 2, source, ": header JSON nests deeper than the safetensors format allows");
-      if (event == json::parse_event_t::object_start) seen[static_cast<size_t>(depth) + 1].clear();
-    } else if (event == json::parse_event_t::key) {
-      const std::string& k = parsed.get_ref<const std::string&>();
-      GMOE_CHECK(seen[static_cast<size_t>(depth)].insert(k).second, source,
-                 ": header JSON defines key '", k, "' twice");
-    }
+// Builds the DOM from SAX events, refusing nesting past `max_depth` (so hostile input cannot build
+// deep trees) and duplicate keys (which a map would silently collapse, hiding a second definition
+// of a tensor). Linear in the input: a duplicate is found by one lookup in the object being
+// built (nlohmann's callback parser instead rescans the parent at every closing brace, quadratic
+// in the number of tensors).
+class StrictJsonBuilder {
+ public:
+  StrictJsonBuilder(json* root, int max_depth, const std::string& source, const char* what)
+      : root_(root), max_depth_(max_depth), source_(source), what_(what) {}
+
+  bool null() { return put(json(nullptr)); }
+  bool boolean(bool v) { return put(json(v)); }
+  bool number_integer(json::number_integer_t v) { return put(json(v)); }
+  bool number_unsigned(json::number_unsigned_t v) { return put(json(v)); }
+  bool number_float(json::number_float_t v, const json::string_t&) { return put(json(v)); }
+  bool string(json::string_t& v) { return put(json(std::move(v))); }
+  bool binary(json::binary_t& v) { return put(json::binary(std::move(v))); }
+  bool start_object(std::size_t) { return open(json::object()); }
+  bool start_array(std::size_t) { return open(json::array()); }
+  bool end_object() { return close(); }
+  bool end_array() { return close(); }
+  bool key(json::string_t& k) {
+    json& obj = *stack_.back();
+    GMOE_CHECK(obj.find(k) == obj.end(), source_, ": ", what_, " JSON defines key '", k, "' twice");
+    key_ = &obj[k];
     return true;
-  };
-  try {
-    return json::parse(begin, end, callback, /*allow_exceptions=*/true);
-  } catch (const json::exception& e) {
-    GMOE_FAIL(source, ": header is not valid JSON: ", e.what());
   }
-}
+  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception& e) {
+    GMOE_FAIL(source_, ": ", what_, " is not valid JSON: ", e.what());
+  }
+
+ private:
+  // Places a value where the parser is: the root, the pending key of an object, or an array.
+  json* place(json&& v) {
+    if (stack_.empty()) {
+      *root_ = std::move(v);
+      return root_;
+    }
+    json& parent = *stack_.back();
+    if (parent.is_object()) {
+      *key_ = std::move(v);
+      return key_;
+    }
+    parent.push_back(std::move(v));
+    return &parent.back();
+  }
+  bool put(json&& v) {
+    place(std::move(v));
+    return true;
+  }
+  bool open(json&& v) {
+    GMOE_CHECK(static_cast<int>(stack_.size()) < max_depth_, source_, ": ", what_,
+               " JSON nests deeper than ", max_depth_, " levels, more than the format allows");
+    stack_.push_back(place(std::move(v)));
+    return true;
+  }
+  bool close() {
+    stack_.pop_back();
+    return true;
+  }
+
+  json* root_;
+  int max_depth_;
+  const std::string& source_;
+  const char* what_;
+  // The open objects and arrays. The pointers stay valid: a container only grows while it is the
+  // innermost open one, and an array's earlier elements are closed by then (a std::vector may
+  // move them, but nothing points into them any more).
+  std::vector<json*> stack_;
+  json* key_ = nullptr;
+};
 
 }  // namespace
 
 namespace ckpt_detail {
+
+json parse_json_strict(const char* begin, const char* end, int max_depth, const std::string& source,
+                       const char* what) {
+  // nlohmann's lexer takes a NUL byte for the end of the input; JSON text never holds one raw
+  // (Python's reader rejects such files), and whatever follows must not be silently ignored.
+  const void* nul = std::memchr(begin, '\0', static_cast<size_t>(end - begin));
+  GMOE_CHECK(nul == nullptr, source, ": ", what, " holds a NUL byte at offset ",
+             static_cast<const char*>(nul) - begin, " (JSON text never does)");
+  json root;
+  StrictJsonBuilder builder(&root, max_depth, source, what);
+  try {
+    json::sax_parse(begin, end, &builder);
+  } catch (const json::exception& e) {
+    GMOE_FAIL(source, ": ", what, " is not valid JSON: ", e.what());
+  }
+  return root;
+}
 
 int64_t safetensors_code_size(const std::string& code) {
   const DtypeCode* c = find_code(code);
@@ -133,6 +201,44 @@ bool natural_less(const std::string& a, const std::string& b) {
   return a.size() - i < b.size() - j;
 }
 
+std::string printable(const std::string& text) {
+  static const char kHex[] = "0123456789abcdef";
+  std::string out;
+  out.reserve(text.size());
+  auto escape = [&](unsigned char c) {
+    out += "\\x";
+    out += kHex[c >> 4];
+    out += kHex[c & 15];
+  };
+  const auto* b = reinterpret_cast<const unsigned char*>(text.data());
+  const size_t n = text.size();
+  for (size_t i = 0; i < n;) {
+    const unsigned char c = b[i];
+    if (c >= 0x20 && c < 0x7f) {
+      if (c == '\\') out += '\\';
+      out += static_cast<char>(c);
+      ++i;
+      continue;
+    }
+    // A well-formed UTF-8 sequence of 2-4 bytes (no overlong forms, no surrogates) passes, unless
+    // it encodes a C1 control (U+0080..U+009F; U+009B is a terminal's CSI).
+    size_t len = c >= 0xc2 && c <= 0xdf ? 2 : c >= 0xe0 && c <= 0xef ? 3 : c >= 0xf0 && c <= 0xf4 ? 4 : 0;
+    bool ok = len > 0 && i + len <= n;
+    for (size_t k = 1; ok && k < len; ++k) ok = (b[i + k] & 0xc0) == 0x80;
+    if (ok && len == 3) ok = !(c == 0xe0 && b[i + 1] < 0xa0) && !(c == 0xed && b[i + 1] >= 0xa0);
+    if (ok && len == 4) ok = !(c == 0xf0 && b[i + 1] < 0x90) && !(c == 0xf4 && b[i + 1] >= 0x90);
+    if (ok && len == 2) ok = !(c == 0xc2 && b[i + 1] < 0xa0);
+    if (ok) {
+      out.append(text, i, len);
+      i += len;
+    } else {
+      escape(c);
+      ++i;
+    }
+  }
+  return out;
+}
+
 std::string shape_string(const std::vector<int64_t>& shape) {
   std::string s = "[";
   for (size_t d = 0; d < shape.size(); ++d) s += (d ? ", " : "") + std::to_string(shape[d]);
@@ -151,6 +257,8 @@ TensorView make_view(const void* data, DType dtype, const std::vector<int64_t>& 
   v.dtype = dtype;
   v.device = Device::cpu();
   v.ndim = static_cast<int>(shape.size());
+  // Every stride below is a product of sizes: they fit when all the non-zero sizes' product does.
+  (void)checked_numel(shape, "a checkpoint tensor view: contiguous strides");
   int64_t s = 1;
   for (int d = v.ndim - 1; d >= 0; --d) {
     v.shape[d] = shape[static_cast<size_t>(d)];
@@ -180,7 +288,7 @@ void emit_view_bytes(const TensorView& v, const ByteSink& sink) {
   GMOE_CHECK(v.data != nullptr, "writing a tensor: ", v.str(), " has no data");
   const int64_t es = static_cast<int64_t>(dtype_size(v.dtype));
   if (v.is_contiguous()) {
-    sink(v.data, static_cast<uint64_t>(numel * es));
+    sink(v.data, static_cast<uint64_t>(v.nbytes()));
     return;
   }
   // Strided: gather rows of the last dimension into a bounded buffer.
@@ -220,11 +328,7 @@ const char* safetensors_dtype_code(DType t) {
   GMOE_FAIL("dtype ", dtype_name(t), " has no safetensors code");
 }
 
-int64_t SafetensorsEntry::numel() const {
-  int64_t n = 1;
-  for (int64_t s : shape) n *= s;
-  return n;
-}
+int64_t SafetensorsEntry::numel() const { return checked_numel(shape, name.c_str()); }
 
 const SafetensorsEntry* SafetensorsHeader::find(const std::string& name) const {
   // tensors is in natural order, which is a strict weak order: binary search.
@@ -253,7 +357,8 @@ SafetensorsHeader parse_safetensors(const void* data, uint64_t size, const std::
   h.data_bytes = size - h.data_offset;
 
   const char* hb = reinterpret_cast<const char*>(bytes + 8);
-  json root = parse_header_json(hb, hb + h.header_bytes, source);
+  // The format's deepest value is a shape or data_offsets array: depth 3.
+  json root = parse_json_strict(hb, hb + h.header_bytes, 3, source, "header");
   GMOE_CHECK(root.is_object(), source, ": header JSON is not an object");
 
   for (auto it = root.begin(); it != root.end(); ++it) {
@@ -289,24 +394,26 @@ SafetensorsHeader parse_safetensors(const void* data, uint64_t size, const std::
 
     const json& shape = v["shape"];
     GMOE_CHECK(shape.is_array(), source, ": tensor '", name, "': shape is not an array");
-    uint64_t numel = 1;
-    bool overflow = false;
+    // Every product of the sizes must fit: the element and byte counts, and the contiguous
+    // strides, which ignore a zero size elsewhere ([0, 2^62, 4] holds no element, but its row
+    // stride 2^64 does not fit). So the product of the non-zero sizes, in bytes, must fit.
+    int64_t span = 1;
+    bool empty = false, overflow = false;
     for (const json& s : shape) {
       uint64_t d = 0;
       GMOE_CHECK(as_u63(s, &d), source, ": tensor '", name,
                  "': shape entries must be non-negative integers, got ", s.dump());
       e.shape.push_back(static_cast<int64_t>(d));
-      if (d != 0 && numel > static_cast<uint64_t>(INT64_MAX) / d) overflow = true;
-      numel *= d;
+      if (d == 0) {
+        empty = true;
+      } else if (__builtin_mul_overflow(span, static_cast<int64_t>(d), &span)) {
+        overflow = true;
+      }
     }
-    // A zero dimension makes numel 0 however large the others are; an overflow before it is
-    // still absurd, so it is rejected either way.
-    GMOE_CHECK(!overflow, source, ": tensor '", name, "': shape ", shape_string(e.shape),
-               " overflows 64-bit element counts");
-    GMOE_CHECK(numel <= static_cast<uint64_t>(INT64_MAX) / static_cast<uint64_t>(e.element_size),
-               source, ": tensor '", name, "': shape ", shape_string(e.shape),
-               " overflows 64-bit byte counts");
-    const uint64_t nbytes = numel * static_cast<uint64_t>(e.element_size);
+    GMOE_CHECK(!overflow && !__builtin_mul_overflow(span, e.element_size, &span), source,
+               ": tensor '", name, "': shape ", shape_string(e.shape), " of ", e.dtype_code,
+               " overflows 64-bit byte counts or strides");
+    const uint64_t nbytes = empty ? 0 : static_cast<uint64_t>(span);
 
     const json& off = v["data_offsets"];
     GMOE_CHECK(off.is_array() && off.size() == 2, source, ": tensor '", name,
@@ -414,11 +521,114 @@ TensorView SafetensorsFile::view(const std::string& name) const {
 
 namespace ckpt_detail {
 
+AtomicFile::AtomicFile(const std::string& path, int mode) : path_(path) {
+  // A symlink is written through: its target gets the new contents and the link stays. A link
+  // whose target does not exist is refused rather than guessed at.
+  struct stat st {};
+  if (lstat(path.c_str(), &st) == 0 && S_ISLNK(st.st_mode)) {
+    char* real = realpath(path.c_str(), nullptr);
+    GMOE_CHECK(real != nullptr, path, ": is a symlink whose target cannot be resolved (",
+               std::strerror(errno), "); refusing to replace the link with a file");
+    target_ = real;
+    std::free(real);
+  } else {
+    target_ = path;
+  }
+  // Permissions: `mode` when given, else those of the file being replaced, else the default.
+  const bool exists = ::stat(target_.c_str(), &st) == 0;
+  GMOE_CHECK(!exists || S_ISREG(st.st_mode), path, ": exists and is not a regular file");
+  mode_ = mode >= 0 ? mode : exists ? static_cast<int>(st.st_mode & 07777) : -1;
+
+  const size_t slash = target_.rfind('/');
+  const std::string dir = slash == std::string::npos ? "." : target_.substr(0, slash == 0 ? 1 : slash);
+  // An unnamed file (O_TMPFILE) vanishes with the process however it dies; it is named only at
+  // commit. Where the filesystem or /proc lacks support, a named temporary file is used and
+  // removed on every failure that unwinds.
+  if (access("/proc/self/fd", X_OK) == 0) {
+    fd_ = ::open(dir.c_str(), O_TMPFILE | O_WRONLY | O_CLOEXEC, 0666);
+  }
+  if (fd_ < 0) {
+    tmp_ = target_ + ".tmp." + std::to_string(getpid());
+    fd_ = ::open(tmp_.c_str(), O_CREAT | O_EXCL | O_WRONLY | O_CLOEXEC, 0666);
+    GMOE_CHECK(fd_ >= 0, tmp_, ": cannot create: ", std::strerror(errno));
+  }
+  if (mode_ >= 0 && fchmod(fd_, static_cast<mode_t>(mode_)) != 0) {
+    const int err = errno;
+    discard();
+    GMOE_FAIL(path, ": cannot set permissions ", mode_, ": ", std::strerror(err));
+  }
+  buf_.reserve(kBuffer);
+}
+
+AtomicFile::~AtomicFile() { discard(); }
+
+void AtomicFile::discard() {
+  if (fd_ >= 0) ::close(fd_);
+  fd_ = -1;
+  if (!tmp_.empty()) ::unlink(tmp_.c_str());
+  tmp_.clear();
+}
+
+void AtomicFile::write_all(const void* p, uint64_t n) {
+  const auto* b = static_cast<const uint8_t*>(p);
+  while (n > 0) {
+    const ssize_t w = ::write(fd_, b, static_cast<size_t>(std::min<uint64_t>(n, 1u << 30)));
+    if (w < 0 && errno == EINTR) continue;
+    GMOE_CHECK(w > 0, path_, ": write failed: ", std::strerror(errno));
+    b += w;
+    n -= static_cast<uint64_t>(w);
+  }
+}
+
+void AtomicFile::write(const void* p, uint64_t n) {
+  if (n >= kBuffer) {
+    flush();
+    write_all(p, n);
+    return;
+  }
+  if (buf_.size() + n > kBuffer) flush();
+  const auto* b = static_cast<const uint8_t*>(p);
+  buf_.insert(buf_.end(), b, b + n);
+}
+
+void AtomicFile::flush() {
+  write_all(buf_.data(), buf_.size());
+  buf_.clear();
+}
+
+void AtomicFile::commit() {
+  flush();
+  // The data reaches the disk before the name does: after a power loss the path holds the old
+  // file or the new one, never a half-written one.
+  GMOE_CHECK(fsync(fd_) == 0, path_, ": fsync failed: ", std::strerror(errno));
+  if (tmp_.empty()) {  // unnamed: link it under a temporary name, then rename over the target
+    const std::string tmp = target_ + ".tmp." + std::to_string(getpid());
+    ::unlink(tmp.c_str());  // a leftover of an earlier process with our pid
+    const std::string proc = "/proc/self/fd/" + std::to_string(fd_);
+    GMOE_CHECK(linkat(AT_FDCWD, proc.c_str(), AT_FDCWD, tmp.c_str(), AT_SYMLINK_FOLLOW) == 0, path_,
+               ": cannot name the temporary file: ", std::strerror(errno));
+    tmp_ = tmp;
+  }
+  const int err = ::close(fd_) == 0 ? 0 : errno;
+  fd_ = -1;
+  GMOE_CHECK(err == 0, path_, ": close failed: ", std::strerror(err));
+  GMOE_CHECK(std::rename(tmp_.c_str(), target_.c_str()) == 0, path_,
+             ": cannot rename the temporary file into place: ", std::strerror(errno));
+  tmp_.clear();
+  // The rename itself is made durable by syncing the directory.
+  const size_t slash = target_.rfind('/');
+  const std::string dir = slash == std::string::npos ? "." : target_.substr(0, slash == 0 ? 1 : slash);
+  const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dfd >= 0) {
+    fsync(dfd);
+    ::close(dfd);
+  }
+}
+
 void write_safetensors_raw(const std::string& path, std::vector<RawTensor> tensors,
                            const std::map<std::string, std::string>& metadata,
-                           const ProgressFn& progress) {
+                           const ProgressFn& progress, int mode) {
   std::set<std::string> names;
-  std::vector<std::pair<int64_t, uint64_t>> sizes;  // element size, bytes, per tensor
   for (const RawTensor& t : tensors) {
     GMOE_CHECK(t.name != "__metadata__", path, ": '__metadata__' is not a valid tensor name");
     GMOE_CHECK(names.insert(t.name).second, path, ": tensor '", t.name, "' given twice");
@@ -434,19 +644,18 @@ void write_safetensors_raw(const std::string& path, std::vector<RawTensor> tenso
 
   json header = json::object();
   if (!metadata.empty()) header["__metadata__"] = metadata;
-  uint64_t offset = 0;
+  int64_t offset = 0;
   std::vector<uint64_t> nbytes;
   for (const RawTensor& t : tensors) {
-    uint64_t n = static_cast<uint64_t>(safetensors_code_size(t.dtype_code));
-    for (int64_t s : t.shape) {
-      GMOE_CHECK(s >= 0, path, ": tensor '", t.name, "': negative size in ", shape_string(t.shape));
-      n *= static_cast<uint64_t>(s);
-    }
-    header[t.name] = {{"dtype", t.dtype_code}, {"shape", t.shape}, {"data_offsets", {offset, offset + n}}};
-    nbytes.push_back(n);
-    offset += n;
+    const std::string what = path + ": tensor '" + t.name + "' of shape " + shape_string(t.shape);
+    const int64_t n = checked_mul(checked_numel(t.shape, what.c_str()),
+                                  safetensors_code_size(t.dtype_code), what.c_str());
+    const int64_t end = checked_add(offset, n, what.c_str());
+    header[t.name] = {{"dtype", t.dtype_code}, {"shape", t.shape}, {"data_offsets", {offset, end}}};
+    nbytes.push_back(static_cast<uint64_t>(n));
+    offset = end;
   }
-  const uint64_t total = offset;
+  const uint64_t total = static_cast<uint64_t>(offset);
   std::string text;
   try {
     text = header.dump();
@@ -454,52 +663,31 @@ void write_safetensors_raw(const std::string& path, std::vector<RawTensor> tenso
     GMOE_FAIL(path, ": cannot encode the header (keys and metadata must be UTF-8): ", e.what());
   }
   text.append((8 - text.size() % 8) % 8, ' ');
+  GMOE_CHECK(text.size() <= kMaxSafetensorsHeaderBytes, path, ": the header would be ", text.size(),
+             " bytes, past the limit of ", kMaxSafetensorsHeaderBytes, " that readers accept");
 
-  const std::string tmp = path + ".tmp." + std::to_string(getpid());
-  FILE* f = std::fopen(tmp.c_str(), "wb");
-  GMOE_CHECK(f != nullptr, tmp, ": cannot create: ", std::strerror(errno));
-  bool ok = true;
-  auto put = [&](const void* p, uint64_t n) {
-    if (ok && n > 0 && std::fwrite(p, 1, n, f) != n) ok = false;
-  };
-  try {
-    uint8_t len[8];
-    for (int i = 0; i < 8; ++i) len[i] = static_cast<uint8_t>(static_cast<uint64_t>(text.size()) >> (8 * i));
-    put(len, 8);
-    put(text.data(), text.size());
-    uint64_t done = 0;
-    for (size_t i = 0; i < tensors.size(); ++i) {
-      const RawTensor& t = tensors[i];
-      uint64_t written = 0;
-      t.produce([&](const void* p, uint64_t n) {
-        GMOE_CHECK(written + n <= nbytes[i], path, ": tensor '", t.name, "' produced more than its ",
-                   nbytes[i], " bytes");
-        put(p, n);
-        written += n;
-        done += n;
-        if (progress) progress(done, total, t.name);
-      });
-      GMOE_CHECK(written == nbytes[i], path, ": tensor '", t.name, "' produced ", written,
-                 " bytes, expected ", nbytes[i]);
-      if (progress && nbytes[i] == 0) progress(done, total, t.name);
-    }
-    if (std::fflush(f) != 0) ok = false;
-  } catch (...) {
-    std::fclose(f);
-    std::remove(tmp.c_str());
-    throw;
+  AtomicFile f(path, mode);  // removed unless committed, however this unwinds
+  uint8_t len[8];
+  for (int i = 0; i < 8; ++i) len[i] = static_cast<uint8_t>(static_cast<uint64_t>(text.size()) >> (8 * i));
+  f.write(len, 8);
+  f.write(text.data(), text.size());
+  uint64_t done = 0;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const RawTensor& t = tensors[i];
+    uint64_t written = 0;
+    t.produce([&](const void* p, uint64_t n) {
+      GMOE_CHECK(written + n <= nbytes[i], path, ": tensor '", t.name, "' produced more than its ",
+                 nbytes[i], " bytes");
+      f.write(p, n);
+      written += n;
+      done += n;
+      if (progress) progress(done, total, t.name);
+    });
+    GMOE_CHECK(written == nbytes[i], path, ": tensor '", t.name, "' produced ", written,
+               " bytes, expected ", nbytes[i]);
+    if (progress && nbytes[i] == 0) progress(done, total, t.name);
   }
-  const int err = errno;
-  if (std::fclose(f) != 0) ok = false;
-  if (!ok) {
-    std::remove(tmp.c_str());
-    GMOE_FAIL(path, ": write failed: ", std::strerror(err));
-  }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    const int rerr = errno;
-    std::remove(tmp.c_str());
-    GMOE_FAIL(path, ": cannot rename the temporary file into place: ", std::strerror(rerr));
-  }
+  f.commit();
 }
 
 }  // namespace ckpt_detail

@@ -114,7 +114,19 @@ void check_input_dtype(DType t, const char* name) {
 
 void check_output_dtype(DType out, DType in, const char* name) {
   GMOE_CHECK(out == in || out == DType::f32, name, ": expected dtype ", dtype_name(in),
-             " (the input's) or f32, got ", dtype_name(out));
+             in == DType::f32 ? " (the input's)" : " (the input's) or f32", ", got ", dtype_name(out));
+}
+
+void check_expert_mask(const TensorView& mask, int64_t E, Device device) {
+  if (!mask.defined()) return;
+  GMOE_CHECK(mask.ndim == 1 && mask.size(0) == E && mask.dtype == DType::i32,
+             "options.expert_mask: expected i32[", E, "], got ", mask.str());
+  GMOE_CHECK(mask.stride(0) == 1 || mask.size(0) <= 1, "options.expert_mask: must be contiguous");
+  // A mask given as a shape without data must not read as "no mask": the experts it protects
+  // would be overwritten.
+  GMOE_CHECK(mask.data != nullptr || E == 0, "options.expert_mask: ", mask.str(),
+             " has no data (pass an absent view for no mask)");
+  check_same_device(mask.device, device, "options.expert_mask");
 }
 
 Allocator& pick_allocator(Allocator* alloc, Device device) {

@@ -25,6 +25,8 @@ void check_f32_vector(const TensorView& v, const char* name, int64_t n, const ch
 void check_input_dtype(DType t, const char* name);
 /// The input dtype or f32.
 void check_output_dtype(DType out, DType in, const char* name);
+/// WgradOptions::expert_mask when given: i32[E], contiguous, with data, on `device`.
+void check_expert_mask(const TensorView& mask, int64_t E, Device device);
 /// Expert biases: E vectors of N, dtype of the rows or f32, contiguous, on `device`.
 void check_expert_bias(const ExpertBias& b, const char* name, int64_t E, int64_t N, DType rows_dtype,
                        Device device);

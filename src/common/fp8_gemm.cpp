@@ -121,13 +121,7 @@ void fp8_grouped_gemm_wgrad(const Fp8Grouped& dy, const Fp8Grouped& x, const Ten
              "dw: FP8 weight gradients are f32 or bf16, got ", dtype_name(dw.dtype()));
   GMOE_CHECK(!options.accumulate || dw.dtype() == DType::f32,
              "dw: accumulate needs an f32 main_grad, got ", dtype_name(dw.dtype()));
-  if (options.expert_mask.defined()) {
-    const TensorView& m = options.expert_mask;
-    GMOE_CHECK(m.ndim == 1 && m.size(0) == E && m.dtype == DType::i32,
-               "options.expert_mask: expected i32[", E, "], got ", m.str());
-    GMOE_CHECK(m.stride(0) == 1 || m.size(0) <= 1, "options.expert_mask: must be contiguous");
-    check_same_device(m.device, device, "options.expert_mask");
-  }
+  check_expert_mask(options.expert_mask, E, device);
   if (device.is_cpu()) {
     cpu_backend::fp8_grouped_gemm_wgrad(dy, x, counts, dw, options);
   } else {

@@ -1,7 +1,9 @@
 // src/common/grouped.cpp — ExpertWeights, host-side group offsets, device error reporting.
 #include "gmoe/grouped.h"
 
+#include <algorithm>
 #include <atomic>
+#include <cstdio>
 
 #include "common/backend.h"
 #include "common/checks.h"
@@ -49,25 +51,77 @@ TensorView ExpertWeights::expert(int64_t e) const {
   return is_stacked() ? stacked.select0(e) : list[static_cast<size_t>(e)];
 }
 
-std::vector<int64_t> host_group_offsets(const TensorView& counts, int64_t capacity,
-                                        const char* what) {
+ClampedGroupOffsets clamped_group_offsets(const TensorView& counts, int64_t capacity,
+                                          const char* what) {
   GMOE_CHECK(counts.device.is_cpu(), what, ": host offsets need counts on the CPU, got ",
              counts.str());
   GMOE_CHECK(counts.ndim == 1, what, ": expected a 1-D tensor, got ", counts.str());
   GMOE_CHECK(counts.dtype == DType::i32 || counts.dtype == DType::i64, what,
              ": expected dtype i32 or i64, got ", dtype_name(counts.dtype));
+  GMOE_CHECK(capacity >= 0, what, ": capacity ", capacity, " is negative");
   const int64_t E = counts.size(0);
-  std::vector<int64_t> offsets(static_cast<size_t>(E) + 1, 0);
+  GMOE_CHECK(E == 0 || counts.data != nullptr, what, ": ", counts.str(), " has no data");
+  ClampedGroupOffsets r;
+  r.offsets.assign(static_cast<size_t>(E) + 1, 0);
+  // The device's order (src/cuda/runtime/group_offsets.cu): each count clamped to [0, capacity]
+  // first, then the running total, itself clamped to capacity. Clamping before adding keeps every
+  // sum below 2 * capacity, so counts such as {1, INT64_MAX, 2} cannot wrap it past the check.
+  int64_t total = 0;  // min(exact prefix of clamped counts, capacity)
   for (int64_t e = 0; e < E; ++e) {
     const int64_t c = counts.dtype == DType::i32
                           ? static_cast<const int32_t*>(counts.data)[e * counts.stride(0)]
                           : static_cast<const int64_t*>(counts.data)[e * counts.stride(0)];
-    GMOE_CHECK(c >= 0, what, "[", e, "] is negative: ", c);
-    offsets[e + 1] = offsets[e] + c;
-    GMOE_CHECK(offsets[e + 1] <= capacity, what, ": counts sum past the capacity ", capacity,
-               " (running total ", offsets[e + 1], " at expert ", e, ")");
+    if (c < 0) {
+      if (!(r.errors & kDeviceErrorNegativeCount)) r.first_negative = e;
+      r.errors |= kDeviceErrorNegativeCount;
+    }
+    const int64_t clamped = std::min(std::max<int64_t>(c, 0), capacity);
+    if (c > capacity || clamped > capacity - total) {  // the first: {0, capacity + 1} too
+      if (!(r.errors & kDeviceErrorCountsPastCapacity)) r.first_past_capacity = e;
+      r.errors |= kDeviceErrorCountsPastCapacity;
+    }
+    total += std::min(clamped, capacity - total);
+    r.offsets[static_cast<size_t>(e) + 1] = total;
   }
-  return offsets;
+  return r;
+}
+
+std::vector<int64_t> host_group_offsets(const TensorView& counts, int64_t capacity,
+                                        const char* what) {
+  ClampedGroupOffsets r = clamped_group_offsets(counts, capacity, what);
+  if (r.errors != 0) {
+    // What the device would record in its error word, in check_device_errors' words, plus where.
+    std::string where;
+    if (r.errors & kDeviceErrorNegativeCount) {
+      where += " first negative: " + std::string(what) + "[" + std::to_string(r.first_negative) + "];";
+    }
+    if (r.errors & kDeviceErrorCountsPastCapacity) {
+      where += " the running total passes the capacity " + std::to_string(capacity) + " at " +
+               what + "[" + std::to_string(r.first_past_capacity) + "];";
+    }
+    GMOE_FAIL(what, ": the CPU backend refuses what the device would clamp:", device_error_text(r.errors),
+              where);
+  }
+  return std::move(r.offsets);
+}
+
+std::string device_error_text(uint32_t bits) {
+  std::string what;
+  if (bits & kDeviceErrorNegativeCount) what += " a count was negative (treated as 0);";
+  if (bits & kDeviceErrorCountsPastCapacity) {
+    what += " counts summed past the capacity (clamped: rows past it were not computed);";
+  }
+  if (bits & kDeviceErrorPaddedOffsets) {
+    what += " FP8 padded_offsets did not match the counts or the padded capacity (clamped);";
+  }
+  const uint32_t unknown =
+      bits & ~(kDeviceErrorNegativeCount | kDeviceErrorCountsPastCapacity | kDeviceErrorPaddedOffsets);
+  if (unknown != 0) {
+    char hex[16];
+    std::snprintf(hex, sizeof hex, "%x", unknown);
+    what += std::string(" unknown bits 0x") + hex + ";";
+  }
+  return what;
 }
 
 void check_device_errors(Stream stream) {

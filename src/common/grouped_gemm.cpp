@@ -178,13 +178,7 @@ void grouped_gemm_wgrad(const TensorView& dy, const TensorView& x, const TensorV
   check_output_dtype(dw.dtype(), dy.dtype, "dw");
   GMOE_CHECK(!options.accumulate || dw.dtype() == DType::f32,
              "dw: accumulate needs an f32 main_grad, got ", dtype_name(dw.dtype()));
-  if (options.expert_mask.defined()) {
-    const TensorView& m = options.expert_mask;
-    GMOE_CHECK(m.ndim == 1 && m.size(0) == counts.size(0) && m.dtype == DType::i32,
-               "options.expert_mask: expected i32[", counts.size(0), "], got ", m.str());
-    GMOE_CHECK(m.stride(0) == 1 || m.size(0) <= 1, "options.expert_mask: must be contiguous");
-    check_same_device(m.device, dy.device, "options.expert_mask");
-  }
+  check_expert_mask(options.expert_mask, counts.size(0), dy.device);
   if (dy.device.is_cpu()) {
     cpu_backend::grouped_gemm_wgrad(dy, x, counts, dw, options);
   } else {

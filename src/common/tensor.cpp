@@ -3,6 +3,7 @@
 
 #include <sstream>
 
+#include "common/checked_math.h"
 #include "gmoe/error.h"
 
 namespace gmoe {
@@ -11,7 +12,10 @@ std::string Device::str() const {
   return is_cpu() ? std::string("cpu") : "cuda:" + std::to_string(index);
 }
 
+// Row-major strides. Every stride must fit even when a size is 0 ([0, 2^62, 4] has no element
+// but a first stride of 2^64), which checked_numel of the sizes guarantees.
 static void fill_contiguous_strides(TensorView& t) {
+  (void)checked_numel(t.shape.begin(), t.shape.begin() + t.ndim, "TensorView: contiguous strides");
   int64_t s = 1;
   for (int d = t.ndim - 1; d >= 0; --d) {
     t.strides[d] = s;
@@ -44,16 +48,19 @@ TensorView::TensorView(void* data_, DType dtype_, Device device_,
 }
 
 int64_t TensorView::numel() const {
-  int64_t n = 1;
-  for (int d = 0; d < ndim; ++d) n *= shape[d];
-  return n;
+  return checked_numel(shape.begin(), shape.begin() + ndim, "TensorView: element count");
+}
+
+int64_t TensorView::nbytes() const {
+  return checked_mul(numel(), static_cast<int64_t>(dtype_size(dtype)), "TensorView: byte count");
 }
 
 bool TensorView::is_contiguous() const {
   int64_t expected = 1;
   for (int d = ndim - 1; d >= 0; --d) {
     if (shape[d] != 1 && strides[d] != expected) return false;
-    expected *= shape[d];
+    // A product past int64 cannot be any stride.
+    if (__builtin_mul_overflow(expected, shape[d], &expected)) return false;
   }
   return true;
 }

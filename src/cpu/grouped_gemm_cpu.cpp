@@ -123,7 +123,7 @@ void fprop(const TensorView& x, const ExpertWeights& w, const ExpertBias& bias, 
       for (int64_t r = 0; r < rows; ++r) {
         O* dst = row_ptr_mut<O>(y, off[e] + r);
         for (int64_t n = n0; n < n1; ++n) {
-          const float acc = dot(&xe[r * K], row_ptr<T>(we, n), K);
+          const float acc = dot(xe.data() + r * K, row_ptr<T>(we, n), K);  // K may be 0: no &xe[]
           if (be.empty()) {
             dst[n] = from_f32<O>(acc);
           } else {
@@ -183,7 +183,8 @@ void wgrad(const TensorView& dy, const TensorView& x, const std::vector<int64_t>
 #pragma omp for schedule(static)
       for (int64_t n = 0; n < N; ++n) {
         std::fill(acc.begin(), acc.end(), 0.f);
-        for (int64_t r = 0; r < rows; ++r) axpy(acc.data(), dye[r * N + n], &xe[r * K], K);
+        // xe.data(), not &xe[...]: with K = 0 the vector is empty and indexing it is undefined.
+        for (int64_t r = 0; r < rows; ++r) axpy(acc.data(), dye[r * N + n], xe.data() + r * K, K);
         store_row<O>(dwe, n, acc.data(), options.accumulate);
       }
     }

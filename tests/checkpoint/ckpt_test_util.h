@@ -107,6 +107,15 @@ inline void write_file(const std::string& path, const std::vector<uint8_t>& byte
   out.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
 }
 
+/// A safetensors file from a header text and a data section of `data_bytes` bytes (0x11 each).
+inline std::vector<uint8_t> craft(const std::string& header, size_t data_bytes) {
+  std::string text(8, '\0');
+  for (int i = 0; i < 8; ++i) text[static_cast<size_t>(i)] = static_cast<char>(static_cast<uint64_t>(header.size()) >> (8 * i));
+  text += header;
+  text.append(data_bytes, '\x11');
+  return std::vector<uint8_t>(text.begin(), text.end());
+}
+
 /// A temporary directory removed (with its files) at the end of the test.
 struct TempDir {
   std::string path;

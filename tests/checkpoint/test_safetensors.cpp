@@ -116,15 +116,6 @@ TEST_F(Safetensors, WriterRejectsDuplicateNamesAndLeavesNoFile) {
 
 // ---- corrupt and hostile inputs ----
 
-// A file from a header text and a data section of `data_bytes` bytes.
-std::vector<uint8_t> craft(const std::string& header, size_t data_bytes) {
-  std::string text(8, '\0');
-  for (int i = 0; i < 8; ++i) text[static_cast<size_t>(i)] = static_cast<char>(static_cast<uint64_t>(header.size()) >> (8 * i));
-  text += header;
-  text.append(data_bytes, '\x11');
-  return std::vector<uint8_t>(text.begin(), text.end());
-}
-
 // Expects opening the file to fail with all of `parts` (and the file name) in the message; also
 // through the in-memory parser.
 void expect_corrupt(const TempDir& dir, const std::string& name, const std::vector<uint8_t>& bytes,

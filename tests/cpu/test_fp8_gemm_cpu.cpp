@@ -219,8 +219,9 @@ TEST_F(CpuFp8GemmErrors, Fprop) {
   bad_scale.scale_inv.shape[1] += 1;
   GMOE_EXPECT_ERROR(fp8_grouped_gemm_fprop(bad_scale, p.w.q, counts, y.view()), "x.scale_inv");
   HostTensor y_wrong(DType::bf16, {c.capacity, c.N + 16});
-  GMOE_EXPECT_ERROR(fp8_grouped_gemm_fprop(p.x.q, p.w.q, counts, y_wrong.view()), "y",
-                    std::to_string(c.N).c_str());
+  // The expected fragment outlives the macro's list of C strings (a temporary's c_str() would not).
+  const std::string n_text = std::to_string(c.N);
+  GMOE_EXPECT_ERROR(fp8_grouped_gemm_fprop(p.x.q, p.w.q, counts, y_wrong.view()), "y", n_text.c_str());
   HostTensor y_f16(DType::f16, {c.capacity, c.N});
   GMOE_EXPECT_ERROR(fp8_grouped_gemm_fprop(p.x.q, p.w.q, counts, y_f16.view()), "y", "f16");
   HostTensor bias_short(DType::bf16, {c.E, c.N - 1});

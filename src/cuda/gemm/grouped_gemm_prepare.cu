@@ -174,6 +174,9 @@ __global__ void __launch_bounds__(kPrepareThreads)
   for (int e = first; e < last; ++e) {
     int64_t c = read_count(p.counts, p.counts_i64, e);
     if (c < 0) errors |= kDeviceErrorNegativeCount;
+    // A count past the capacity is clamped to it below, which the running total alone cannot
+    // see when every earlier count is 0.
+    if (c > p.capacity) errors |= kDeviceErrorCountsPastCapacity;
     local += min(max(c, int64_t{0}), p.capacity);
   }
   int64_t prefix = 0;
@@ -332,17 +335,7 @@ void check_device_errors(Stream stream) {
   GMOE_CUDA_CHECK(cudaMemsetAsync(word, 0, sizeof(uint32_t), stream));
   GMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
   std::ostringstream what;
-  what << "device error word 0x" << std::hex << bits << std::dec << ":";
-  if (bits & kDeviceErrorNegativeCount) what << " a count was negative (treated as 0);";
-  if (bits & kDeviceErrorCountsPastCapacity) {
-    what << " counts summed past the capacity (clamped: rows past it were not computed);";
-  }
-  if (bits & kDeviceErrorPaddedOffsets) {
-    what << " FP8 padded_offsets did not match the counts or the padded capacity (clamped);";
-  }
-  const uint32_t known =
-      kDeviceErrorNegativeCount | kDeviceErrorCountsPastCapacity | kDeviceErrorPaddedOffsets;
-  if (bits & ~known) what << " unknown bits 0x" << std::hex << (bits & ~known) << ";";
+  what << "device error word 0x" << std::hex << bits << std::dec << ":" << device_error_text(bits);
   GMOE_FAIL(what.str());
 }
 

@@ -42,6 +42,9 @@ __global__ void __launch_bounds__(32)
   for (int e = first; e < last; ++e) {
     const int64_t c = read_count(counts, is_i64, e);
     if (c < 0) errors |= kDeviceErrorNegativeCount;
+    // A count past the capacity is clamped to it below, which the running total alone cannot
+    // see when every earlier count is 0.
+    if (c > capacity) errors |= kDeviceErrorCountsPastCapacity;
     local += min(max(c, int64_t{0}), capacity);
   }
   const int64_t prefix = warp_exclusive_sum(local);
