@@ -6,59 +6,50 @@
 #include <limits>
 #include <sstream>
 
+#include "common/tolerance.h"
+
 namespace gmoe::test {
 namespace {
 
-double sigmoid(double x) { return 1.0 / (1.0 + std::exp(-x)); }
+template <typename T>
+T sigmoid(T x) { return T(1) / (T(1) + std::exp(-x)); }
 
 constexpr double kPi = 3.14159265358979323846;
-constexpr double kF32Ulp = 5.9604644775390625e-08;  // 2^-24
-constexpr double kEvalUlps = 64;                     // f32 ulps of `scale` an evaluation may be off
 
 // gelu(g) and its derivative: exact erf form, or the tanh approximation (torch's 'tanh').
-double gelu(double g, bool tanh_form, double* derivative) {
+template <typename T>
+T gelu(T g, bool tanh_form, T* derivative) {
   if (tanh_form) {
-    const double c = std::sqrt(2.0 / kPi), k = 0.044715;
-    const double t = std::tanh(c * (g + k * g * g * g));
-    *derivative = 0.5 * (1 + t) + 0.5 * g * (1 - t * t) * c * (1 + 3 * k * g * g);
-    return 0.5 * g * (1 + t);
+    const T c = T(std::sqrt(2.0 / kPi)), k = T(0.044715);
+    const T t = std::tanh(c * (g + k * g * g * g));
+    *derivative = T(0.5) * (1 + t) + T(0.5) * g * (1 - t * t) * c * (1 + 3 * k * g * g);
+    return T(0.5) * g * (1 + t);
   }
-  const double cdf = 0.5 * (1 + std::erf(g / std::sqrt(2.0)));
-  *derivative = cdf + g * std::exp(-0.5 * g * g) / std::sqrt(2 * kPi);
+  const T cdf = T(0.5) * (1 + std::erf(g / T(std::sqrt(2.0))));
+  *derivative = cdf + g * std::exp(T(-0.5) * g * g) / T(std::sqrt(2 * kPi));
   return g * cdf;
 }
 
-// Magnitudes the f32 formulas combine (see the header): of the value, of ∂/∂gate and of ∂/∂up,
-// before the factors dz and p.
-struct Scales {
-  double value = 0, d_gate = 0, d_up = 0;
+template <typename T>
+struct Gated {
+  T value = 0, d_gate = 0, d_up = 0;
 };
-Scales gated_scales(const ActivationOptions& o, double g, double u) {
-  if (o.kind == ActivationKind::clamped_swiglu) {
-    const double L = o.limit;
-    g = std::min(g, L);
-    u = std::clamp(u, -L, L);
-  }
-  const double a = o.kind == ActivationKind::clamped_swiglu ? std::max(1.0, std::abs(double(o.alpha))) : 1.0;
-  const double ag = std::abs(g), au = std::abs(u) + 1;
-  return {ag * au, au * (1 + a * ag), ag};
-}
 
-}  // namespace
-
-ExactGated exact_gated(const ActivationOptions& o, double g, double u) {
-  ExactGated r;
+// The formulas, in T: fp64 for the exact values, f32 for the own-precision reference.
+template <typename T>
+Gated<T> gated(const ActivationOptions& o, T g, T u) {
+  Gated<T> r;
   switch (o.kind) {
     case ActivationKind::swiglu: {
-      const double s = sigmoid(g);
+      const T s = sigmoid(g);
       r.value = g * s * u;
       r.d_gate = u * s * (1 + g * (1 - s));
       r.d_up = g * s;
       return r;
     }
     case ActivationKind::geglu: {
-      double d = 0;
-      const double ge = gelu(g, o.gelu_tanh, &d);
+      T d = 0;
+      const T ge = gelu(g, o.gelu_tanh, &d);
       r.value = ge * u;
       r.d_gate = u * d;
       r.d_up = ge;
@@ -67,13 +58,13 @@ ExactGated exact_gated(const ActivationOptions& o, double g, double u) {
     case ActivationKind::clamped_swiglu: {
       // torch.clamp semantics: NaN passes through the clamp; the gradient flows where
       // lo <= x <= hi (the limits included), and is 0 elsewhere and for NaN.
-      const double L = o.limit, alpha = o.alpha;
-      const double gc = std::isnan(g) ? g : std::min(g, L);
-      const double uc = std::isnan(u) ? u : std::clamp(u, -L, L);
-      const double s = sigmoid(alpha * gc);
+      const T L = T(o.limit), alpha = T(o.alpha);
+      const T gc = std::isnan(g) ? g : std::min(g, L);
+      const T uc = std::isnan(u) ? u : std::clamp(u, -L, L);
+      const T s = sigmoid(alpha * gc);
       r.value = gc * s * (uc + 1);
-      r.d_gate = g <= L ? (uc + 1) * s * (1 + alpha * gc * (1 - s)) : 0.0;
-      r.d_up = (u >= -L && u <= L) ? gc * s : 0.0;
+      r.d_gate = g <= L ? (uc + 1) * s * (1 + alpha * gc * (1 - s)) : T(0);
+      r.d_up = (u >= -L && u <= L) ? gc * s : T(0);
       return r;
     }
     case ActivationKind::squared_relu: break;
@@ -82,10 +73,32 @@ ExactGated exact_gated(const ActivationOptions& o, double g, double u) {
   return r;
 }
 
-double exact_squared_relu(double h, double* derivative) {
-  if (derivative != nullptr) *derivative = h > 0 ? 2 * h : 0.0;
+template <typename T>
+T squared_relu(T h, T* derivative) {
+  if (derivative != nullptr) *derivative = h > 0 ? 2 * h : T(0);
   if (std::isnan(h)) return h;
-  return h > 0 ? h * h : 0.0;
+  return h > 0 ? h * h : T(0);
+}
+
+}  // namespace
+
+ExactGated exact_gated(const ActivationOptions& o, double g, double u) {
+  const Gated<double> r = gated<double>(o, g, u);
+  return {r.value, r.d_gate, r.d_up};
+}
+
+double exact_squared_relu(double h, double* derivative) { return squared_relu<double>(h, derivative); }
+
+ExactGated f32_gated(const ActivationOptions& o, double g, double u) {
+  const Gated<float> r = gated<float>(o, static_cast<float>(g), static_cast<float>(u));
+  return {r.value, r.d_gate, r.d_up};
+}
+
+double f32_squared_relu(double h, double* derivative) {
+  float d = 0;
+  const float v = squared_relu<float>(static_cast<float>(h), &d);
+  if (derivative != nullptr) *derivative = d;
+  return v;
 }
 
 int64_t gate_column(const GluFormat& glu, int64_t F, int64_t j) {
@@ -98,86 +111,63 @@ int64_t up_column(const GluFormat& glu, int64_t F, int64_t j) {
 }
 
 ExactActivation exact_activation(const HostTensor& h, const HostTensor* dz, const std::vector<double>* probs,
-                                 int64_t total, const ActivationOptions& o, int64_t F) {
+                                 int64_t total, const ActivationOptions& o, int64_t F,
+                                 const std::vector<double>* dz_exact) {
   const int64_t cap = h.shape()[0], cols = h.shape()[1];
-  const bool gated = is_gated(o.kind);
+  const bool gated_kind = is_gated(o.kind);
   ExactActivation r;
-  r.z.assign(size_t(cap * F), 0.0);
-  r.z_slack = r.z;
+  auto init = [](ExactResult& e, int64_t n, int64_t reduction) {
+    e.value.assign(static_cast<size_t>(n), 0.0);
+    e.abs_sum = e.f32 = e.value;
+    e.reduction = reduction;
+  };
+  init(r.z, cap * F, 1);
   if (dz != nullptr) {
-    r.dh.assign(size_t(cap * cols), 0.0);
-    r.dh_slack = r.dh;
-    r.dprobs.assign(size_t(cap), 0.0);
-    r.dprobs_slack = r.dprobs;
+    init(r.dh, cap * cols, 1);
+    init(r.dprobs, cap, F);
   }
   for (int64_t row = 0; row < std::min(total, cap); ++row) {
     const double p = probs != nullptr ? (*probs)[row] : 1.0;
-    double dp = 0, dp_terms = 0, dp_eval = 0;
+    const float p32 = static_cast<float>(p);
+    double dp = 0, dp_abs = 0;
+    float dp32 = 0;
     for (int64_t j = 0; j < F; ++j) {
-      double a, da_g = 0, da_u = 0;
-      Scales sc;
+      Gated<double> a;
+      Gated<float> a32;
       int64_t gc = j, uc = -1;
-      if (gated) {
+      if (gated_kind) {
         gc = gate_column(o.glu, F, j);
         uc = up_column(o.glu, F, j);
         const double g = h.get(row * cols + gc), u = h.get(row * cols + uc);
-        const ExactGated e = exact_gated(o, g, u);
-        a = e.value;
-        da_g = e.d_gate;
-        da_u = e.d_up;
-        sc = gated_scales(o, g, u);
+        a = gated<double>(o, g, u);
+        a32 = gated<float>(o, static_cast<float>(g), static_cast<float>(u));
       } else {
         const double x = h.get(row * cols + j);
-        a = exact_squared_relu(x, &da_g);
-        sc = {x * x, 2 * std::abs(x), 0};
+        a.value = squared_relu<double>(x, &a.d_gate);
+        a32.value = squared_relu<float>(static_cast<float>(x), &a32.d_gate);
       }
-      r.z[row * F + j] = a * p;
-      r.z_slack[row * F + j] = kEvalUlps * kF32Ulp * sc.value * std::abs(p);
+      r.z.value[row * F + j] = a.value * p;
+      r.z.f32[row * F + j] = a32.value * p32;
       if (dz == nullptr) continue;
-      const double g_out = dz->get(row * F + j);
-      r.dh[row * cols + gc] = g_out * p * da_g;
-      r.dh_slack[row * cols + gc] = kEvalUlps * kF32Ulp * std::abs(g_out * p) * sc.d_gate;
-      if (gated) {
-        r.dh[row * cols + uc] = g_out * p * da_u;
-        r.dh_slack[row * cols + uc] = kEvalUlps * kF32Ulp * std::abs(g_out * p) * sc.d_up;
+      const float g32 = static_cast<float>(dz->get(row * F + j));
+      const double g_out = dz_exact != nullptr ? (*dz_exact)[row * F + j] : dz->get(row * F + j);
+      r.dh.value[row * cols + gc] = g_out * p * a.d_gate;
+      r.dh.f32[row * cols + gc] = g32 * p32 * a32.d_gate;
+      if (gated_kind) {
+        r.dh.value[row * cols + uc] = g_out * p * a.d_up;
+        r.dh.f32[row * cols + uc] = g32 * p32 * a32.d_up;
       }
-      dp += g_out * a;
-      dp_terms += std::abs(g_out * a);
-      dp_eval += std::abs(g_out) * sc.value;
+      dp += g_out * a.value;
+      dp_abs += std::abs(g_out * a.value);
+      dp32 += g32 * a32.value;
     }
     if (dz != nullptr) {
-      r.dprobs[row] = dp;
-      r.dprobs_slack[row] = kEvalUlps * kF32Ulp * dp_eval + double(F + 2) * kF32Ulp * dp_terms;
+      r.dprobs.value[row] = dp;
+      r.dprobs.abs_sum[row] = dp_abs;
+      r.dprobs.f32[row] = dp32;
     }
   }
   return r;
-}
-
-::testing::AssertionResult within_activation_bound(const std::vector<double>& got, const std::vector<double>& exact,
-                                                   const std::vector<double>& slack, DType out_dtype,
-                                                   const std::string& what) {
-  if (got.size() != exact.size() || slack.size() != exact.size()) {
-    return ::testing::AssertionFailure() << what << ": size " << got.size() << ", expected " << exact.size();
-  }
-  const double u = unit_roundoff(out_dtype);
-  const double subnormal_half_step = out_dtype == DType::f16    ? std::ldexp(1.0, -25)
-                                     : out_dtype == DType::bf16 ? std::ldexp(1.0, -134)
-                                                                : std::ldexp(1.0, -150);
-  for (size_t i = 0; i < got.size(); ++i) {
-    if (std::isnan(exact[i])) {
-      if (!std::isnan(got[i])) {
-        return ::testing::AssertionFailure() << what << ": element " << i << " = " << got[i] << ", expected NaN";
-      }
-      continue;
-    }
-    // A NaN slack comes from NaN inputs whose derivative is exactly 0 (a clamped side): no slack.
-    const double bound = u * std::abs(exact[i]) + (std::isnan(slack[i]) ? 0.0 : slack[i]) + subnormal_half_step;
-    if (!(std::abs(got[i] - exact[i]) <= bound)) {  // also catches NaN
-      return ::testing::AssertionFailure() << what << ": element " << i << " = " << got[i] << ", exact " << exact[i]
-                                           << ", error " << std::abs(got[i] - exact[i]) << " > bound " << bound;
-    }
-  }
-  return ::testing::AssertionSuccess();
 }
 
 const std::vector<ActivationOptions>& activation_test_variants() {

@@ -1,13 +1,8 @@
 // tests/common/activation_oracle.h — the activations of gmoe/activation.h computed exactly (fp64)
 // for the test suites: values and partial derivatives written out from the formulas (independently
 // of src/common/activation_math.h), the gate/up column layout, grouped forward and backward on host
-// tensors, and the bound an f32 evaluation rounded to the output dtype must meet.
-//
-// The bound of one output element: |got - exact| <= u(out)·|exact| + 64·2⁻²⁴·scale + half the
-// subnormal step of the output dtype, where `scale` is the magnitude of the terms the f32 formula
-// combines (e.g. |g|·(|u| + 1) for a gated value: it covers the cancellation in 1 + erf(g/√2),
-// 1 + tanh(·) and u + 1 that a relative bound on |exact| would not). dprobs, an f32 sum over F
-// columns, adds (F + 2)·2⁻²⁴·Σ|dz·act|. Where the exact value is NaN the output must be NaN.
+// tensors, each with the same formulas evaluated in f32: the own-precision reference of the
+// tolerance rule (common/tolerance.h). Where the exact value is NaN the output must be NaN.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -30,26 +25,29 @@ ExactGated exact_gated(const ActivationOptions& o, double g, double u);
 /// squared_relu: relu(h)²; `derivative` (optional) gets 2·relu(h) (0 at h = 0 and for NaN).
 double exact_squared_relu(double h, double* derivative = nullptr);
 
+/// The same formulas evaluated in f32 (the own-precision reference of the tolerance rule).
+ExactGated f32_gated(const ActivationOptions& o, double g, double u);
+double f32_squared_relu(double h, double* derivative = nullptr);
+
 /// Column of gate element j (of F) among h's 2F columns, and of the matching up element.
 int64_t gate_column(const GluFormat& glu, int64_t F, int64_t j);
 int64_t up_column(const GluFormat& glu, int64_t F, int64_t j);
 
-/// Exact grouped activation of host tensors, with the per-element slack of the bound above
-/// (64·2⁻²⁴·scale, plus the f32 accumulation term for dprobs). Rows >= total are exactly 0.
+/// Exact grouped activation of host tensors, each output an ExactResult (value: fp64; f32: the
+/// same formulas in f32, before the output's rounding; dprobs is a sum over F columns, its
+/// abs_sum Σ|dz·act|). Rows >= total are exactly 0.
 struct ExactActivation {
-  std::vector<double> z, z_slack;            ///< [capacity, F]: act(h)·p
-  std::vector<double> dh, dh_slack;          ///< [capacity, cols of h] (backward only)
-  std::vector<double> dprobs, dprobs_slack;  ///< [capacity]: Σ_j dz·act(h) (backward only)
+  ExactResult z;       ///< [capacity, F]: act(h)·p
+  ExactResult dh;      ///< [capacity, cols of h] (backward only)
+  ExactResult dprobs;  ///< [capacity]: Σ_j dz·act(h) (backward only)
 };
 /// h: [capacity, activation_input_cols(kind, F)]; dz: [capacity, F] or nullptr (forward only);
-/// probs: capacity values or nullptr.
+/// probs: capacity values or nullptr. dz_exact: where dz is the rounded result of an upstream op
+/// (the dgrad of grouped_gemm_dgrad_activation_backward), its exact values for the fp64 side; the
+/// f32 side takes dz as rounded.
 ExactActivation exact_activation(const HostTensor& h, const HostTensor* dz, const std::vector<double>* probs,
-                                 int64_t total, const ActivationOptions& o, int64_t F);
-
-/// Every element within the bound of the header comment (NaN exactly where exact is NaN).
-::testing::AssertionResult within_activation_bound(const std::vector<double>& got, const std::vector<double>& exact,
-                                                   const std::vector<double>& slack, DType out_dtype,
-                                                   const std::string& what);
+                                 int64_t total, const ActivationOptions& o, int64_t F,
+                                 const std::vector<double>* dz_exact = nullptr);
 
 /// The activation suites' sweep: each gated kind (GeGLU exact and tanh) concatenated and
 /// interleaved in blocks of 1, 32 and 64, then squared ReLU (17 variants; F must be a multiple of 64).

@@ -1,8 +1,8 @@
 // tests/common/fp8_fixture.h — FP8 grouped-GEMM problems on the host: a GemmProblem (bf16 x, dy,
 // weights, counts) quantized with the CPU backend's quantizer (rowwise and columnwise copies of
 // everything), the dequantized operands decoded independently from the format of gmoe/fp8.h
-// (fp8 bytes times the scale of their block, indexed here, not by the quantizer's code), and the
-// error bound of a recipe. CPU and CUDA suites build the same problem from it.
+// (fp8 bytes times the scale of their block, indexed here, not by the quantizer's code). CPU and
+// CUDA suites build the same problem from it.
 #pragma once
 
 #include <optional>
@@ -22,12 +22,6 @@ HostTensor decode_grouped(const Fp8Grouped& q, const std::vector<int64_t>& count
 /// Decodes one copy of quantized weights into E × [N, K] (f32; data_t transposed back).
 std::vector<HostTensor> decode_weights(const Fp8Weights& q, Fp8Copy which);
 
-/// Largest relative error of one element's quantization under a recipe and format, for values in
-/// the normal range of the format: round to nearest (2^-4 e4m3, 2^-3 e5m2), and for mxfp8 the
-/// saturation of the block maximum (a power-of-two scale maps amax into [256, 512) for e4m3,
-/// clamped at 448: at most 1/8).
-double fp8_relative_error(Fp8Recipe recipe, DType format);
-
 struct Fp8Problem {
   GemmProblem base;  ///< the bf16 source operands and counts
   Fp8Recipe recipe;
@@ -43,22 +37,12 @@ struct Fp8Problem {
 
   Fp8Problem(const ShapeCase& c, Fp8Recipe recipe, Rng& rng, DType counts_dtype = DType::i32,
              DType format = DType::e4m3, std::optional<DType> grad_format = std::nullopt);
-  /// The error bound's u for dgrad and wgrad (dy with the weights or x): the wider format's.
-  double u_grads() const;
 };
 
-/// |got - exact| <= bound[i] for every element (NaN fails); reports the worst ratio.
-::testing::AssertionResult within_bound(const std::vector<double>& got,
-                                        const std::vector<double>& exact,
-                                        const std::vector<double>& bound, const std::string& what);
-
-/// Per output element, the bound of the recipe against the unquantized source. With
-/// |dequant(a) - a| <= u·|a| + t_a per element (u = fp8_relative_error; t_a = 2^-18 · max|a|
-/// covers the format's subnormals, whatever the block's scale), a product's error is at most
-/// (u|a| + t_a)|b| + |a|(u|b| + t_b) + (u|a| + t_a)(u|b| + t_b); summed over the reduction, plus
-/// the output's rounding (u_out · (|exact| + that)) and 2^-10 · Σ|a·b| for fp32 accumulation.
-std::vector<double> recipe_bound_fprop(const Fp8Problem& p, double u, DType out);
-std::vector<double> recipe_bound_dgrad(const Fp8Problem& p, double u, DType out);
-std::vector<double> recipe_bound_wgrad(const Fp8Problem& p, double u, DType out);
+/// The exact GEMM of the unquantized source with the own-precision reference of the quantized
+/// operands: the tolerance rule then holds a result against the source, the quantization's error
+/// carried by the reference (the f32 sums of the same quantized inputs) instead of a bound of
+/// the recipe. `quantized` and `source` are exact_* of the decoded and of the bf16 operands.
+ExactResult against_source(const ExactResult& quantized, const ExactResult& source);
 
 }  // namespace gmoe::test

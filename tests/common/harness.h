@@ -1,11 +1,6 @@
 // tests/common/harness.h — what every gmoe test suite shares: fresh random inputs (seed printed on
-// failure), owning host tensors, output poisoning, the named shape cases and the one tolerance rule.
-//
-// The tolerance rule (DESIGN.md, "Numerics"): a kernel's output is compared with an exact (fp64)
-// computation on the same rounded inputs. Its largest error may be at most twice the largest error
-// of a reference computed in the kernel's own precision (the CPU backend: f32 accumulation,
-// rounded to the output dtype) plus a small atol. NaN never passes. The relative Frobenius error is
-// reported beside it.
+// failure), owning host tensors, output poisoning, the named shape cases, and the exact (fp64)
+// grouped GEMM with its own-precision (f32) twin for the one tolerance rule of common/tolerance.h.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -15,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "common/tolerance.h"
 #include "gmoe/grouped.h"
 #include "gmoe/tensor.h"
 
@@ -115,25 +111,7 @@ ShapeCase graph_case(int64_t E, int64_t N, int64_t K, int64_t per, int64_t slack
 std::vector<int64_t> zipf_counts(int64_t E, int64_t total, double s, int64_t empty_every, Rng& rng);
 
 // ---------------------------------------------------------------------------------------------
-// Tolerances and comparison.
-
-/// Unit roundoff of a dtype's storage (2^-24 f32, 2^-8 bf16, 2^-11 f16).
-double unit_roundoff(DType t);
-
-/// Result of comparing an output with the exact values.
-struct Comparison {
-  double max_abs_err = 0;   ///< max |got - exact|
-  double rel_frobenius = 0; ///< ||got - exact|| / ||exact||
-  int64_t nan_count = 0;    ///< non-finite outputs where the exact value is finite
-  int64_t worst_index = -1;
-};
-Comparison compare(const std::vector<double>& got, const std::vector<double>& exact);
-
-/// The kernel rule: got may be at most 2× as far from exact as own_ref, plus atol; no NaN.
-::testing::AssertionResult within_rule(const std::vector<double>& got,
-                                       const std::vector<double>& own_ref,
-                                       const std::vector<double>& exact, double atol,
-                                       const std::string& what);
+// Exact comparisons (the tolerance rule is in common/tolerance.h).
 
 /// twice[i] == 2·once[i] exactly: a result accumulated onto itself (f32 x + x is exact), so each
 /// element was added once, no more, no less.
@@ -145,12 +123,14 @@ Comparison compare(const std::vector<double>& got, const std::vector<double>& ex
                                          const std::string& what);
 
 // ---------------------------------------------------------------------------------------------
-// Exact (fp64) grouped GEMM on host tensors, and per-element bounds for the CPU reference.
+// Exact (fp64) grouped GEMM on host tensors, with the f32 sums of the own-precision reference.
 
-/// Exact results and, per element, Σ|a·b| (for rounding bounds) of the three passes.
+/// Exact results of the three passes, per element Σ|a·b|, and the f32 sums.
 struct ExactResult {
   std::vector<double> value;
   std::vector<double> abs_sum;
+  std::vector<double> f32;  ///< the same sums in f32, added in order: the own-precision reference
+                            ///< before the output's rounding (common/tolerance.h)
   int64_t reduction = 0;  ///< longest reduction length (K, N, or the largest count)
 };
 /// y[r, n] = Σ_k x[r,k]·w_e[n,k]; rows past the total are 0.
@@ -163,15 +143,14 @@ ExactResult exact_dgrad(const HostTensor& dy, const std::vector<HostTensor>& w,
 ExactResult exact_wgrad(const HostTensor& dy, const HostTensor& x, const std::vector<int64_t>& counts,
                         const std::vector<double>* init, const std::vector<int32_t>* mask);
 
+/// Adds bias_e (bias: [E, N]) to exact fprop results on the rows of expert e: to the fp64 values,
+/// and to the f32 sums as the op adds it, before the output's one rounding (`one_rounding`: bf16 x,
+/// bias and y) or onto the sums rounded to `out` (every other combination: a second rounding).
+void add_bias(ExactResult& exact, const HostTensor& bias, const std::vector<int64_t>& counts, DType out,
+              bool one_rounding);
+
 /// db[e, n] = Σ over the rows of expert e of g[row, n] (the bias gradient; 0 for an empty expert),
 /// g [capacity, N] with the experts' rows in order from row 0.
 ExactResult exact_bias_grad(const HostTensor& g, const std::vector<int64_t>& counts);
-
-/// Every element within rounding of the output dtype plus f32 accumulation over the reduction:
-/// |got - exact| <= u(out)·|exact| + L·2^-24·Σ|a·b| + half the
-/// subnormal step of the output dtype. Used to test the CPU reference itself.
-::testing::AssertionResult within_reference_bound(const std::vector<double>& got,
-                                                  const ExactResult& exact, DType out_dtype,
-                                                  const std::string& what);
 
 }  // namespace gmoe::test

@@ -1,9 +1,11 @@
 // tests/common/mlp_fixture.cpp — host-side GroupedMLP problems and the exact MLP (see the header).
 #include "common/mlp_fixture.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <tuple>
+#include <type_traits>
 
 #include "common/activation_oracle.h"
 
@@ -138,82 +140,135 @@ ExpertBias MlpProblem::b2(MlpBias m) const { return bias_of(b2g, b2l, m); }
   return ::testing::AssertionSuccess();
 }
 
-ExactMlp exact_mlp(const MlpProblem& p, bool with_bias, bool with_probs) {
+namespace {
+
+// The MLP in T: fp64 with no intermediate rounding (the exact MLP), or f32 sums with h, z, dz and
+// dh rounded to bf16 where the layer stores them and FC1's and FC2's biases added onto the rounded
+// GEMM outputs (the own-precision reference; outputs left as f32 sums for the rule to round).
+template <typename T>
+ExactMlp mlp_in(const MlpProblem& p, bool with_bias, bool with_probs) {
+  constexpr bool kOwn = std::is_same_v<T, float>;
+  auto store = [](T v) -> T {  // what the layer keeps between ops
+    if constexpr (kOwn) return static_cast<T>(rounded({double(v)}, DType::bf16)[0]);
+    return v;
+  };
   const int64_t E = p.E, H = p.H, F = p.F, R1 = p.rows1, cap = p.cap;
   const bool gated = is_gated(p.act.kind);
-  const std::vector<double> x = p.x.to_double(), dy = p.dy.to_double(), w1 = p.w1s.to_double(),
-                            w2 = p.w2s.to_double(), b1 = p.b1g.to_double(), b2 = p.b2g.to_double(),
-                            probs = p.probs.to_double();
-  ExactMlp r;
-  r.y.assign(size_t(cap * H), 0.0);
-  r.dx.assign(size_t(cap * H), 0.0);
-  r.dprobs.assign(with_probs ? size_t(cap) : 0, 0.0);
-  r.dw1.assign(size_t(E * R1 * H), 0.0);
-  r.dw2.assign(size_t(E * H * F), 0.0);
-  r.db1.assign(with_bias ? size_t(E * R1) : 0, 0.0);
-  r.db2.assign(with_bias ? size_t(E * H) : 0, 0.0);
-  std::vector<double> h(static_cast<size_t>(R1)), z(static_cast<size_t>(F)), a(static_cast<size_t>(F)),
+  auto as_t = [](const HostTensor& t) {
+    const std::vector<double> d = t.to_double();
+    return std::vector<T>(d.begin(), d.end());
+  };
+  const std::vector<T> x = as_t(p.x), dy = as_t(p.dy), w1 = as_t(p.w1s), w2 = as_t(p.w2s), b1 = as_t(p.b1g),
+                       b2 = as_t(p.b2g), probs = as_t(p.probs);
+  std::vector<T> y(size_t(cap * H), 0), dx(size_t(cap * H), 0), dprobs(with_probs ? size_t(cap) : 0, 0),
+      dw1(size_t(E * R1 * H), 0), dw2(size_t(E * H * F), 0), db1(with_bias ? size_t(E * R1) : 0, 0),
+      db2(with_bias ? size_t(E * H) : 0, 0);
+  std::vector<T> h(static_cast<size_t>(R1)), z(static_cast<size_t>(F)), a(static_cast<size_t>(F)),
       dz(static_cast<size_t>(F)), dh(static_cast<size_t>(R1));
+  auto with_b = [&](T sum, T b) { return kOwn ? store(sum) + b : sum + b; };
   int64_t row = 0;
   for (int64_t e = 0; e < E; ++e) {
-    const double* W1 = &w1[size_t(e * R1 * H)];
-    const double* W2 = &w2[size_t(e * H * F)];
+    const T* W1 = &w1[size_t(e * R1 * H)];
+    const T* W2 = &w2[size_t(e * H * F)];
     for (int64_t k = 0; k < p.c.counts[e]; ++k, ++row) {
-      const double* xr = &x[size_t(row * H)];
-      const double* gr = &dy[size_t(row * H)];
-      const double pr = with_probs ? probs[row] : 1.0;
+      const T* xr = &x[size_t(row * H)];
+      const T* gr = &dy[size_t(row * H)];
+      const T pr = with_probs ? probs[row] : T(1);
       for (int64_t c = 0; c < R1; ++c) {
-        double s = with_bias ? b1[e * R1 + c] : 0.0;
+        T s = 0;
         for (int64_t i = 0; i < H; ++i) s += xr[i] * W1[c * H + i];
-        h[c] = s;
+        h[c] = store(with_bias ? with_b(s, b1[e * R1 + c]) : s);
       }
       for (int64_t j = 0; j < F; ++j) {
-        double s = 0;
+        T s = 0;
         for (int64_t n = 0; n < H; ++n) s += gr[n] * W2[n * F + j];
-        dz[j] = s;
+        dz[j] = store(s);
       }
-      double dp = 0;
+      T dp = 0;
       for (int64_t j = 0; j < F; ++j) {
-        double d_gate = 0, d_up = 0;
+        T d_gate = 0, d_up = 0;
         const int64_t gc = gated ? gate_column(p.act.glu, F, j) : j;
         const int64_t uc = gated ? up_column(p.act.glu, F, j) : -1;
         if (gated) {
-          const ExactGated ev = exact_gated(p.act, h[gc], h[uc]);
-          a[j] = ev.value;
-          d_gate = ev.d_gate;
-          d_up = ev.d_up;
+          const ExactGated ev = kOwn ? f32_gated(p.act, h[gc], h[uc]) : exact_gated(p.act, h[gc], h[uc]);
+          a[j] = T(ev.value);
+          d_gate = T(ev.d_gate);
+          d_up = T(ev.d_up);
         } else {
-          a[j] = exact_squared_relu(h[j], &d_gate);
+          double d = 0;
+          a[j] = T(kOwn ? f32_squared_relu(h[j], &d) : exact_squared_relu(h[j], &d));
+          d_gate = T(d);
         }
-        z[j] = a[j] * pr;
-        dh[gc] = dz[j] * pr * d_gate;
-        if (gated) dh[uc] = dz[j] * pr * d_up;
+        z[j] = store(a[j] * pr);
+        dh[gc] = store(dz[j] * pr * d_gate);
+        if (gated) dh[uc] = store(dz[j] * pr * d_up);
         dp += dz[j] * a[j];
       }
-      if (with_probs) r.dprobs[row] = dp;
+      if (with_probs) dprobs[row] = dp;
       for (int64_t n = 0; n < H; ++n) {
-        double s = with_bias ? b2[e * H + n] : 0.0;
+        T s = 0;
         for (int64_t j = 0; j < F; ++j) s += z[j] * W2[n * F + j];
-        r.y[row * H + n] = s;
+        y[row * H + n] = with_bias ? with_b(s, b2[e * H + n]) : s;
       }
       for (int64_t i = 0; i < H; ++i) {
-        double s = 0;
+        T s = 0;
         for (int64_t c = 0; c < R1; ++c) s += dh[c] * W1[c * H + i];
-        r.dx[row * H + i] = s;
+        dx[row * H + i] = s;
       }
-      double* dW1 = &r.dw1[size_t(e * R1 * H)];
-      double* dW2 = &r.dw2[size_t(e * H * F)];
+      T* dW1 = &dw1[size_t(e * R1 * H)];
+      T* dW2 = &dw2[size_t(e * H * F)];
       for (int64_t c = 0; c < R1; ++c)
         for (int64_t i = 0; i < H; ++i) dW1[c * H + i] += dh[c] * xr[i];
       for (int64_t n = 0; n < H; ++n)
         for (int64_t j = 0; j < F; ++j) dW2[n * F + j] += gr[n] * z[j];
       if (with_bias) {
-        for (int64_t c = 0; c < R1; ++c) r.db1[e * R1 + c] += dh[c];
-        for (int64_t n = 0; n < H; ++n) r.db2[e * H + n] += gr[n];
+        for (int64_t c = 0; c < R1; ++c) db1[e * R1 + c] += dh[c];
+        for (int64_t n = 0; n < H; ++n) db2[e * H + n] += gr[n];
       }
     }
   }
-  return r;
+  auto d = [](const std::vector<T>& v) { return std::vector<double>(v.begin(), v.end()); };
+  return {d(y), d(dx), d(dprobs), d(dw1), d(dw2), d(db1), d(db2)};
+}
+
+}  // namespace
+
+ExactMlp exact_mlp(const MlpProblem& p, bool with_bias, bool with_probs) {
+  return mlp_in<double>(p, with_bias, with_probs);
+}
+
+ExactMlp own_precision_mlp(const MlpProblem& p, bool with_bias, bool with_probs) {
+  return mlp_in<float>(p, with_bias, with_probs);
+}
+
+ExactMlp values_of(const MlpOutputs& o) {
+  const bool probs = !o.dprobs.shape().empty();  // a default HostTensor: no dprobs
+  return {o.y.to_double(), o.dx.to_double(), probs ? o.dprobs.to_double() : std::vector<double>{}, o.dw1, o.dw2,
+          o.db1, o.db2};
+}
+
+void expect_mlp_within_rule(const MlpProblem& p, const MlpOutputs& got, const ExactMlp& own, const ExactMlp& exact,
+                            DType bias_grad_dtype) {
+  const ExactMlp g = values_of(got);
+  const int64_t longest = p.c.counts.empty() ? 1 : *std::max_element(p.c.counts.begin(), p.c.counts.end());
+  const struct {
+    const std::vector<double>& got;
+    const std::vector<double>& own;
+    const std::vector<double>& exact;
+    DType out;
+    int64_t reduction;
+    const char* what;
+  } outputs[] = {{g.y, own.y, exact.y, DType::bf16, p.F, "y"},
+                 {g.dx, own.dx, exact.dx, DType::bf16, p.rows1, "dx"},
+                 {g.dprobs, own.dprobs, exact.dprobs, DType::f32, p.F, "dprobs"},
+                 {g.dw1, own.dw1, exact.dw1, DType::bf16, longest, "dW1"},
+                 {g.dw2, own.dw2, exact.dw2, DType::bf16, longest, "dW2"},
+                 {g.db1, own.db1, exact.db1, bias_grad_dtype, longest, "db1"},
+                 {g.db2, own.db2, exact.db2, bias_grad_dtype, longest, "db2"}};
+  for (const auto& o : outputs) {
+    if (o.got.empty() && o.exact.empty()) continue;  // no probs or no bias
+    EXPECT_TRUE(within_rule(o.got, rounded(o.own, o.out), o.exact, Precision{o.out, o.reduction}, o.what));
+  }
 }
 
 const std::vector<int>& fp8_option_flags() {

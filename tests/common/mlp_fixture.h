@@ -88,6 +88,20 @@ struct ExactMlp {
   std::vector<double> y, dx, dprobs, dw1, dw2, db1, db2;
 };
 ExactMlp exact_mlp(const MlpProblem& p, bool with_bias, bool with_probs);
+/// The same MLP in the layer's own precision (f32 sums; h, z, dz and dh rounded to bf16 where the
+/// layer stores them; biases added onto the rounded GEMM outputs): the reference of the tolerance
+/// rule against exact_mlp. Outputs are f32 sums, rounded by the rule.
+ExactMlp own_precision_mlp(const MlpProblem& p, bool with_bias, bool with_probs);
+
+/// The outputs of a run as value vectors (dprobs, db empty where the run has none).
+ExactMlp values_of(const MlpOutputs& o);
+
+/// Every output of `got` against `exact` by the tolerance rule, `own` the reference in the
+/// layer's own precision (rounded to each output's dtype here: own_precision_mlp's f32 sums, or a
+/// backend's outputs, which rounding leaves as they are). Each output keyed by its dtype (y, dx,
+/// dW bf16; dprobs f32; db `bias_grad_dtype`) and reduction length. dprobs and db where `got` has them.
+void expect_mlp_within_rule(const MlpProblem& p, const MlpOutputs& got, const ExactMlp& own, const ExactMlp& exact,
+                            DType bias_grad_dtype);
 
 /// The FP8 option combinations that the delayed/recompute suites run against the immediate run,
 /// as bits: 1 fc1.delay_wgrad, 2 fc2.delay_wgrad, 4 recompute_activation, 8 fc1.save_original_input,

@@ -1,8 +1,8 @@
 // tests/cpu/test_fp8_gemm_cpu.cpp — the CPU reference FP8 grouped GEMM on every named shape case
 // and recipe, three passes: against the exact (fp64) GEMM of the operands decoded independently
-// from the format (the reference's own bound: its output rounding and f32 accumulation), and
-// against the unquantized bf16 source within the recipe's error bound. Also the argument checks
-// of the public FP8 GEMM ops.
+// from the format, and against the unquantized bf16 source, both by the tolerance rule with the
+// f32 sums of the decoded operands as the own-precision reference (against the source it carries
+// the quantization's error). Also the argument checks of the public FP8 GEMM ops.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -35,11 +35,9 @@ TEST_P(CpuFp8Gemm, Fprop) {
     HostTensor y(out, {c.capacity, c.N});
     poison(y);
     fp8_grouped_gemm_fprop(p.x.q, p.w.q, p.base.counts.view(), y.view());
-    EXPECT_TRUE(within_reference_bound(y.to_double(), exact, out,
-                                       std::string("fprop out ") + dtype_name(out)));
-    EXPECT_TRUE(within_bound(y.to_double(), exact_fprop(p.base.x, p.base.w, c.counts).value,
-                             recipe_bound_fprop(p, fp8_relative_error(recipe(), p.format), out),
-                             "fprop vs bf16 source"));
+    EXPECT_TRUE(within_rule(y.to_double(), exact, out, std::string("fprop out ") + dtype_name(out)));
+    EXPECT_TRUE(within_rule(y.to_double(), against_source(exact, exact_fprop(p.base.x, p.base.w, c.counts)), out,
+                            "fprop vs bf16 source"));
   }
 }
 
@@ -51,16 +49,11 @@ TEST_P(CpuFp8Gemm, FpropBias) {
   ExactResult exact = exact_fprop(p.x_rows, p.w_data, c.counts);
   HostTensor bias(DType::f32, {c.E, c.N});
   fill_random(bias, rng, -2.0, 2.0);
-  int64_t row = 0;
-  for (int64_t e = 0; e < c.E; ++e) {
-    for (int64_t r = 0; r < c.counts[e]; ++r, ++row) {
-      for (int64_t n = 0; n < c.N; ++n) exact.value[row * c.N + n] += bias.get(e * c.N + n);
-    }
-  }
+  add_bias(exact, bias, c.counts, DType::f32, true);
   HostTensor y(DType::f32, {c.capacity, c.N});
   poison(y);
   fp8_grouped_gemm_fprop(p.x.q, p.w.q, ExpertBias::from_grouped(bias.view()), p.base.counts.view(), y.view());
-  EXPECT_TRUE(within_reference_bound(y.to_double(), exact, DType::f32, "fprop + bias"));
+  EXPECT_TRUE(within_rule(y.to_double(), exact, DType::f32, "fprop + bias"));
 }
 
 TEST_P(CpuFp8Gemm, Dgrad) {
@@ -72,11 +65,9 @@ TEST_P(CpuFp8Gemm, Dgrad) {
     HostTensor dx(out, {c.capacity, c.K});
     poison(dx);
     fp8_grouped_gemm_dgrad(p.dy.q, p.w.q, p.base.counts.view(), dx.view());
-    EXPECT_TRUE(within_reference_bound(dx.to_double(), exact, out,
-                                       std::string("dgrad out ") + dtype_name(out)));
-    EXPECT_TRUE(within_bound(dx.to_double(), exact_dgrad(p.base.dy, p.base.w, c.counts).value,
-                             recipe_bound_dgrad(p, fp8_relative_error(recipe(), p.format), out),
-                             "dgrad vs bf16 source"));
+    EXPECT_TRUE(within_rule(dx.to_double(), exact, out, std::string("dgrad out ") + dtype_name(out)));
+    EXPECT_TRUE(within_rule(dx.to_double(), against_source(exact, exact_dgrad(p.base.dy, p.base.w, c.counts)), out,
+                            "dgrad vs bf16 source"));
   }
 }
 
@@ -111,12 +102,9 @@ TEST_P(CpuFp8Gemm, Wgrad) {
     dw.poison_all();
     fp8_grouped_gemm_wgrad(p.dy.q, p.x.q, p.base.counts.view(), dw.view());
     const std::vector<double> got = dw.to_double();
-    EXPECT_TRUE(
-        within_reference_bound(got, exact, out, std::string("wgrad out ") + dtype_name(out)));
+    EXPECT_TRUE(within_rule(got, exact, out, std::string("wgrad out ") + dtype_name(out)));
     const ExactResult source = exact_wgrad(p.base.dy, p.base.x, c.counts, nullptr, nullptr);
-    EXPECT_TRUE(within_bound(got, source.value,
-                             recipe_bound_wgrad(p, fp8_relative_error(recipe(), p.format), out),
-                             "wgrad vs bf16 source"));
+    EXPECT_TRUE(within_rule(got, against_source(exact, source), out, "wgrad vs bf16 source"));
     for (int64_t e = 0; e < c.E; ++e) {
       if (c.counts[e] != 0) continue;
       for (int64_t i = 0; i < c.N * c.K; ++i) {
@@ -154,7 +142,7 @@ TEST_P(CpuFp8Gemm, WgradAccumulateWithMask) {
       ASSERT_EQ(got[e * per + i], init_v[e * per + i]) << "expert " << e << " was written";
     }
   }
-  EXPECT_TRUE(within_reference_bound(got, exact, DType::f32, "wgrad accumulate with mask"));
+  EXPECT_TRUE(within_rule(got, exact, DType::f32, "wgrad accumulate with mask"));
 }
 
 std::string param_name(const ::testing::TestParamInfo<Param>& info) {
@@ -177,11 +165,10 @@ TEST(CpuFp8GemmFormats, E5m2Operands) {
     const Fp8Problem p(c, r, rng, DType::i32, DType::e5m2);
     HostTensor y(DType::f32, {c.capacity, c.N});
     fp8_grouped_gemm_fprop(p.x.q, p.w.q, p.base.counts.view(), y.view());
-    EXPECT_TRUE(within_reference_bound(y.to_double(), exact_fprop(p.x_rows, p.w_data, c.counts),
-                                       DType::f32, "fprop e5m2"));
-    EXPECT_TRUE(within_bound(y.to_double(), exact_fprop(p.base.x, p.base.w, c.counts).value,
-                             recipe_bound_fprop(p, fp8_relative_error(r, DType::e5m2), DType::f32),
-                             "fprop e5m2 vs bf16 source"));
+    const ExactResult exact = exact_fprop(p.x_rows, p.w_data, c.counts);
+    EXPECT_TRUE(within_rule(y.to_double(), exact, DType::f32, "fprop e5m2"));
+    EXPECT_TRUE(within_rule(y.to_double(), against_source(exact, exact_fprop(p.base.x, p.base.w, c.counts)),
+                            DType::f32, "fprop e5m2 vs bf16 source"));
   }
 }
 

@@ -1,9 +1,10 @@
 // tests/cpu/test_grouped_gemm_cpu.cpp — the CPU reference grouped GEMM against a naive fp64
-// computation on every named shape case: three passes, bf16/f16/f32 inputs, both weight layouts,
+// computation, by the tolerance rule (common/tolerance.h: at most 2x the error of the f32 sums of
+// tests/common rounded to the output dtype), on every named shape case: three passes, bf16/f16/f32 inputs, both weight layouts,
 // outputs in the input dtype and f32, wgrad overwrite/accumulate with and without an expert mask.
 #include <gtest/gtest.h>
 
-#include <cmath>
+#include <string>
 #include <tuple>
 
 #include "common/gemm_fixture.h"
@@ -31,15 +32,13 @@ TEST_P(CpuGroupedGemm, Fprop) {
     HostTensor y(out_dtype, {c.capacity, c.N});
     poison(y);
     grouped_gemm_fprop(p.x.view(), p.weights(layout()), p.counts.view(), y.view());
-    EXPECT_TRUE(within_reference_bound(y.to_double(), exact, out_dtype,
-                                       std::string("fprop out ") + dtype_name(out_dtype)));
+    EXPECT_TRUE(within_rule(y.to_double(), exact, out_dtype, std::string("fprop out ") + dtype_name(out_dtype)));
   }
 }
 
 // fprop with a bias (grouped [E, N] or a list; dtype of x or f32). bf16 with a bf16 bias: added
-// before the one rounding (the exact result includes it, and so does the reference bound's
-// Σ|terms|); other dtypes: the GEMM's output rounded, then the bias added and rounded again (the
-// first rounding is of the GEMM's result, which the bias may cancel: bounded by Σ|terms|).
+// to the f32 sum before the one rounding; other dtypes: the GEMM's output rounded, then the bias
+// added and rounded again. The own-precision reference does the same.
 TEST_P(CpuGroupedGemm, FpropWithBias) {
   Rng rng;
   const ShapeCase c = make(rng);
@@ -57,32 +56,12 @@ TEST_P(CpuGroupedGemm, FpropWithBias) {
   const bool as_list = rng.integer(0, 1) == 1;
   const ExpertBias b = as_list ? ExpertBias::from_list(list) : ExpertBias::from_grouped(bias.view());
   ExactResult exact = exact_fprop(p.x, p.w, c.counts);
-  int64_t row = 0;
-  for (int64_t e = 0; e < c.E; ++e) {
-    for (int64_t r = 0; r < c.counts[e]; ++r, ++row) {
-      for (int64_t n = 0; n < c.N; ++n) {
-        exact.value[row * c.N + n] += bias.get(e * c.N + n);
-        exact.abs_sum[row * c.N + n] += std::abs(bias.get(e * c.N + n));
-      }
-    }
-  }
+  add_bias(exact, bias, c.counts, dtype(), dtype() == DType::bf16 && bias.dtype() == DType::bf16);
   HostTensor y(dtype(), {c.capacity, c.N});
   poison(y);
   grouped_gemm_fprop(p.x.view(), p.weights(layout()), b, p.counts.view(), y.view());
-  const std::string what =
-      std::string("fprop + bias (") + (as_list ? "list " : "grouped ") + dtype_name(bias.dtype()) + ")";
-  if (dtype() == DType::bf16 && bias.dtype() == DType::bf16) {
-    EXPECT_TRUE(within_reference_bound(y.to_double(), exact, dtype(), what));
-  } else {
-    const std::vector<double> got = y.to_double();
-    const double u = unit_roundoff(dtype());
-    for (size_t i = 0; i < got.size(); ++i) {
-      // The GEMM's rounding (|gemm| <= Σ|terms|), the second rounding, f32 accumulation.
-      const double bound = u * exact.abs_sum[i] + u * std::abs(exact.value[i]) +
-                           (double(exact.reduction) + 2) * std::ldexp(1.0, -24) * exact.abs_sum[i] + 1e-30;
-      ASSERT_LE(std::abs(got[i] - exact.value[i]), bound) << what << ": element " << i;
-    }
-  }
+  EXPECT_TRUE(within_rule(y.to_double(), exact, dtype(),
+                          std::string("fprop + bias (") + (as_list ? "list " : "grouped ") + dtype_name(bias.dtype()) + ")"));
 }
 
 TEST_P(CpuGroupedGemm, Dgrad) {
@@ -94,8 +73,7 @@ TEST_P(CpuGroupedGemm, Dgrad) {
     HostTensor dx(out_dtype, {c.capacity, c.K});
     poison(dx);
     grouped_gemm_dgrad(p.dy.view(), p.weights(layout()), p.counts.view(), dx.view());
-    EXPECT_TRUE(within_reference_bound(dx.to_double(), exact, out_dtype,
-                                       std::string("dgrad out ") + dtype_name(out_dtype)));
+    EXPECT_TRUE(within_rule(dx.to_double(), exact, out_dtype, std::string("dgrad out ") + dtype_name(out_dtype)));
   }
 }
 
@@ -110,8 +88,7 @@ TEST_P(CpuGroupedGemm, Wgrad) {
     grouped_gemm_wgrad(p.dy.view(), p.x.view(), p.counts.view(), dw.view());
     const ExactResult exact = exact_wgrad(p.dy, p.x, c.counts, nullptr, nullptr);
     const std::vector<double> got = dw.to_double();
-    EXPECT_TRUE(within_reference_bound(got, exact, out_dtype,
-                                       std::string("wgrad out ") + dtype_name(out_dtype)));
+    EXPECT_TRUE(within_rule(got, exact, out_dtype, std::string("wgrad out ") + dtype_name(out_dtype)));
     for (int64_t e = 0; e < c.E; ++e) {
       if (c.counts[e] != 0) continue;
       for (int64_t i = 0; i < c.N * c.K; ++i) {
@@ -145,12 +122,11 @@ TEST_P(CpuGroupedGemm, WgradAccumulateWithMask) {
     for (int64_t e = 0; e < c.E; ++e) {
       if (mask[e] != 0) continue;
       for (int64_t i = 0; i < c.N * c.K; ++i) {
-        exact.value[e * c.N * c.K + i] = init_v[e * c.N * c.K + i];
+        exact.value[e * c.N * c.K + i] = exact.f32[e * c.N * c.K + i] = init_v[e * c.N * c.K + i];
         ASSERT_EQ(got[e * c.N * c.K + i], init_v[e * c.N * c.K + i]) << "masked expert " << e << " was written";
       }
     }
-    EXPECT_TRUE(within_reference_bound(got, exact, DType::f32,
-                                       accumulate ? "wgrad accumulate+mask" : "wgrad overwrite+mask"));
+    EXPECT_TRUE(within_rule(got, exact, DType::f32, accumulate ? "wgrad accumulate+mask" : "wgrad overwrite+mask"));
   }
 }
 

@@ -34,34 +34,14 @@ namespace gmoe::test {
 namespace {
 
 // ---------------------------------------------------------------------------------------------
-// Tolerances.
+// Tolerances: the rule of common/tolerance.h, the f32 sums of the same quantized operands the
+// reference. Hopper's FP8 tensor cores add each 128-long k-block's products in fewer bits than f32
+// before promoting them (Fp8Accumulation::kPromoted); with fast accumulation (Fp8GemmOptions,
+// tensorwise only: blockwise always promotes, mxfp8 runs bf16 GEMMs) nothing is promoted (kFast).
 
-// Tight: the kernel against the exact GEMM of the dequantized operands. Besides the output's
-// rounding, Hopper's FP8 tensor cores add the products of each 128-long k-block with fewer bits
-// than fp32 before the block's sum is promoted to the fp32 accumulators: allowed 2^-11 of
-// Σ|a·b| (the recipe's own error is 2^-3 of it, so a misplaced scale or block still fails).
-constexpr double kAccumulationFraction = 1.0 / 2048.0;
-
-// With fast accumulation (Fp8GemmOptions, tensorwise) nothing is promoted: the tensor cores'
-// accumulator, about 14 significant bits, takes one rounding per 32-long k-step of the reduction,
-// each at most 2^-13 of the partial sum's magnitude, itself at most Σ|a·b|.
-constexpr double kFastAccumulationStep = 1.0 / 8192.0;
-
-// reduction > 0: the bound of fast accumulation over a reduction of that length.
-std::vector<double> tight_bound(const ExactResult& exact, DType out, int64_t reduction = 0) {
-  const double fraction =
-      kAccumulationFraction + (reduction > 0 ? static_cast<double>((reduction + 31) / 32) * kFastAccumulationStep : 0.0);
-  std::vector<double> b(exact.value.size());
-  for (size_t i = 0; i < b.size(); ++i) {
-    b[i] = unit_roundoff(out) * std::abs(exact.value[i]) + fraction * exact.abs_sum[i] + 1e-30;
-  }
-  return b;
-}
-
-// The reduction the tight bound must allow fast accumulation over: only tensorwise accumulates
-// fast (blockwise always promotes; mxfp8 runs bf16 GEMMs), so the others keep the promoted bound.
-int64_t fast_reduction(Fp8Recipe recipe, const Fp8GemmOptions& options, int64_t reduction) {
-  return options.fast_accumulation && recipe == Fp8Recipe::tensorwise ? reduction : 0;
+Fp8Accumulation accumulation(Fp8Recipe recipe, const Fp8GemmOptions& options = {}) {
+  return options.fast_accumulation && recipe == Fp8Recipe::tensorwise ? Fp8Accumulation::kFast
+                                                                      : Fp8Accumulation::kPromoted;
 }
 
 std::vector<double> values_of(const HostTensor& t) { return t.to_double(); }
@@ -108,7 +88,6 @@ void check_fprop(const ShapeCase& c, Fp8Recipe recipe, Rng& rng, bool with_bias 
   HostTensor y_h(DType::bf16, {c.capacity, c.N});
   poison(y_h);
   DeviceTensor y(y_h);
-  const int64_t fast_k = fast_reduction(recipe, options, c.K);
   if (options.fast_accumulation) {
     fp8_grouped_gemm_fprop(x.q, w.q, bias_v, counts.view(), y.view(), options);
   } else if (with_bias) {
@@ -120,27 +99,18 @@ void check_fprop(const ShapeCase& c, Fp8Recipe recipe, Rng& rng, bool with_bias 
   check_device_errors(nullptr);
   const std::vector<double> got = y.download().to_double();
   ExactResult exact = exact_fprop(p.x_rows, p.w_data, c.counts);
+  const Fp8Accumulation acc = accumulation(recipe, options);
   if (!with_bias) {
-    EXPECT_TRUE(within_bound(got, exact.value, tight_bound(exact, DType::bf16, fast_k), "fprop tight"));
-    const double u = fp8_relative_error(recipe, p.format);
-    EXPECT_TRUE(within_bound(got, exact_fprop(p.base.x, p.base.w, c.counts).value,
-                             recipe_bound_fprop(p, u, DType::bf16), "fprop vs bf16 source"));
+    EXPECT_TRUE(within_rule(got, exact, DType::bf16, "fprop tight", acc));
+    EXPECT_TRUE(within_rule(got, against_source(exact, exact_fprop(p.base.x, p.base.w, c.counts)), DType::bf16,
+                            "fprop vs bf16 source", acc));
     return;
   }
-  const std::vector<double> product = exact.value;
-  int64_t row = 0;
-  for (int64_t e = 0; e < c.E; ++e) {
-    for (int64_t r = 0; r < c.counts[e]; ++r, ++row) {
-      for (int64_t n = 0; n < c.N; ++n) exact.value[row * c.N + n] += bias.get(e * c.N + n);
-    }
-  }
-  std::vector<double> bound = tight_bound(exact, DType::bf16, fast_k);
   // A bias off 16-byte alignment: blockwise adds it in a second pass, after y's rounding to bf16;
   // tensorwise's epilogue and the bf16 GEMM behind mxfp8 read it at any alignment (fused).
-  if (bias_offset % 8 != 0 && recipe == Fp8Recipe::blockwise) {
-    for (size_t i = 0; i < bound.size(); ++i) bound[i] += unit_roundoff(DType::bf16) * std::abs(product[i]);
-  }
-  EXPECT_TRUE(within_bound(got, exact.value, bound, std::string("fprop + bias (") + (as_list ? "list)" : "grouped)")));
+  add_bias(exact, bias, c.counts, DType::bf16, !(bias_offset % 8 != 0 && recipe == Fp8Recipe::blockwise));
+  EXPECT_TRUE(within_rule(got, exact, DType::bf16, std::string("fprop + bias (") + (as_list ? "list)" : "grouped)"),
+                          acc));
 }
 
 // grad_format: dy's format (e5m2 runs the kernels whose A operand is e5m2).
@@ -172,20 +142,10 @@ void check_fprop_e5m2_x(const ShapeCase& c, Fp8Recipe recipe, Rng& rng) {
     GMOE_TEST_CUDA(cudaDeviceSynchronize());
     check_device_errors(nullptr);
     ExactResult exact = exact_fprop(x5_rows, p.w_data, c.counts);
-    const std::vector<double> product = exact.value;
-    if (with_bias) {
-      int64_t row = 0;
-      for (int64_t e = 0; e < c.E; ++e) {
-        for (int64_t r = 0; r < c.counts[e]; ++r, ++row) {
-          for (int64_t n = 0; n < c.N; ++n) exact.value[row * c.N + n] += bias.get(e * c.N + n);
-        }
-      }
-    }
-    std::vector<double> bound = tight_bound(exact, DType::bf16);
-    if (with_bias) {  // y rounded to bf16 once before the bias is added (second pass)
-      for (size_t i = 0; i < bound.size(); ++i) bound[i] += unit_roundoff(DType::bf16) * std::abs(product[i]);
-    }
-    EXPECT_TRUE(within_bound(y.download().to_double(), exact.value, bound, "fprop (e5m2 x) tight"));
+    // y rounded to bf16 once before the bias is added (second pass).
+    if (with_bias) add_bias(exact, bias, c.counts, DType::bf16, false);
+    EXPECT_TRUE(within_rule(y.download().to_double(), exact, DType::bf16, "fprop (e5m2 x) tight",
+                            Fp8Accumulation::kPromoted));
   }
 }
 
@@ -207,11 +167,10 @@ void check_dgrad(const ShapeCase& c, Fp8Recipe recipe, Rng& rng, DType grad_form
   check_device_errors(nullptr);
   const std::vector<double> got = dx.download().to_double();
   const ExactResult exact = exact_dgrad(p.dy_rows, p.w_t, c.counts);
-  EXPECT_TRUE(within_bound(got, exact.value, tight_bound(exact, DType::bf16, fast_reduction(recipe, options, c.N)),
-                           "dgrad tight"));
-  const double u = p.u_grads();
-  EXPECT_TRUE(within_bound(got, exact_dgrad(p.base.dy, p.base.w, c.counts).value,
-                           recipe_bound_dgrad(p, u, DType::bf16), "dgrad vs bf16 source"));
+  const Fp8Accumulation acc = accumulation(recipe, options);
+  EXPECT_TRUE(within_rule(got, exact, DType::bf16, "dgrad tight", acc));
+  EXPECT_TRUE(within_rule(got, against_source(exact, exact_dgrad(p.base.dy, p.base.w, c.counts)), DType::bf16,
+                          "dgrad vs bf16 source", acc));
 }
 
 void check_wgrad(const ShapeCase& c, Fp8Recipe recipe, Layout layout, Rng& rng,
@@ -220,8 +179,7 @@ void check_wgrad(const ShapeCase& c, Fp8Recipe recipe, Layout layout, Rng& rng,
   DeviceGrouped dy(p.dy.q), x(p.x.q);
   DeviceTensor counts(p.base.counts);
   const ExactResult exact = exact_wgrad(p.dy_cols, p.x_cols, c.counts, nullptr, nullptr);
-  const ExactResult source = exact_wgrad(p.base.dy, p.base.x, c.counts, nullptr, nullptr);
-  const double u = p.u_grads();
+  const ExactResult source = against_source(exact, exact_wgrad(p.base.dy, p.base.x, c.counts, nullptr, nullptr));
   for (DType out : {DType::f32, DType::bf16}) {
     SCOPED_TRACE(std::string("dW ") + dtype_name(out) + ", " + layout_name(layout));
     HostExpertTensor dw_h(layout, out, c.E, c.N, c.K);
@@ -231,9 +189,8 @@ void check_wgrad(const ShapeCase& c, Fp8Recipe recipe, Layout layout, Rng& rng,
     GMOE_TEST_CUDA(cudaDeviceSynchronize());
     check_device_errors(nullptr);
     const std::vector<double> got = dw.to_double();
-    EXPECT_TRUE(within_bound(got, exact.value, tight_bound(exact, out), "wgrad tight"));
-    EXPECT_TRUE(within_bound(got, source.value, recipe_bound_wgrad(p, u, out),
-                             "wgrad vs bf16 source"));
+    EXPECT_TRUE(within_rule(got, exact, out, "wgrad tight", Fp8Accumulation::kPromoted));
+    EXPECT_TRUE(within_rule(got, source, out, "wgrad vs bf16 source", Fp8Accumulation::kPromoted));
     for (int64_t e = 0; e < c.E; ++e) {
       if (c.counts[e] != 0) continue;
       for (int64_t i = 0; i < c.N * c.K; ++i) {
@@ -275,7 +232,7 @@ void check_wgrad_accumulate_mask(const ShapeCase& c, Fp8Recipe recipe, Layout la
       // Masked experts, and empty experts when accumulating, are left untouched: bitwise init.
       const bool untouched = mask[e] == 0 || (accumulate && c.counts[e] == 0);
       for (int64_t i = 0; i < per; ++i) {
-        if (mask[e] == 0) exact.value[e * per + i] = init_v[e * per + i];
+        if (mask[e] == 0) exact.value[e * per + i] = exact.f32[e * per + i] = init_v[e * per + i];
         if (untouched) {
           ASSERT_EQ(got[e * per + i], init_v[e * per + i]) << "expert " << e << " was written";
         } else if (!accumulate && c.counts[e] == 0) {
@@ -283,12 +240,8 @@ void check_wgrad_accumulate_mask(const ShapeCase& c, Fp8Recipe recipe, Layout la
         }
       }
     }
-    // The accumulated value adds one f32 rounding of |init + result|.
-    std::vector<double> bound = tight_bound(exact, DType::f32);
-    for (size_t i = 0; i < bound.size(); ++i) {
-      bound[i] += std::ldexp(1.0, -23) * std::abs(exact.value[i]);
-    }
-    EXPECT_TRUE(within_bound(got, exact.value, bound, "wgrad f32 accumulate/mask"));
+    // The reference adds its f32 sum onto init with one f32 rounding, as the kernel does.
+    EXPECT_TRUE(within_rule(got, exact, DType::f32, "wgrad f32 accumulate/mask", Fp8Accumulation::kPromoted));
   }
   expect_overwrite_then_accumulate(layout, c.E, c.N, c.K, rng, [&](const ExpertWeights& out, bool accumulate) {
     WgradOptions opt;
@@ -482,11 +435,11 @@ TEST(CudaFp8GemmLarge, BlockwiseScalesAtAnyFourByteOffset) {
     const ExactResult fprop = exact_fprop(p.x_rows, p.w_data, c.counts);
     const ExactResult dgrad = exact_dgrad(p.dy_rows, p.w_t, c.counts);
     const ExactResult wgrad = exact_wgrad(p.dy_cols, p.x_cols, c.counts, nullptr, nullptr);
-    EXPECT_TRUE(within_bound(aligned[0].to_double(), fprop.value, tight_bound(fprop, DType::bf16), "fprop tight"));
-    EXPECT_TRUE(within_bound(aligned[1].to_double(), dgrad.value, tight_bound(dgrad, DType::bf16), "dgrad tight"));
-    EXPECT_TRUE(within_bound(aligned[2].to_double(), wgrad.value, tight_bound(wgrad, DType::f32), "wgrad tight"));
-    EXPECT_TRUE(
-        within_bound(aligned[3].to_double(), wgrad.value, tight_bound(wgrad, DType::bf16), "wgrad bf16 tight"));
+    const Fp8Accumulation acc = Fp8Accumulation::kPromoted;
+    EXPECT_TRUE(within_rule(aligned[0].to_double(), fprop, DType::bf16, "fprop tight", acc));
+    EXPECT_TRUE(within_rule(aligned[1].to_double(), dgrad, DType::bf16, "dgrad tight", acc));
+    EXPECT_TRUE(within_rule(aligned[2].to_double(), wgrad, DType::f32, "wgrad tight", acc));
+    EXPECT_TRUE(within_rule(aligned[3].to_double(), wgrad, DType::bf16, "wgrad bf16 tight", acc));
     for (int shift : {1, 2, 3, 4}) {
       SCOPED_TRACE("scales " + std::to_string(4 * shift) + " bytes past a 16-byte boundary");
       ShiftedScales xs(x.q.scale_inv, shift), xt(x.q.scale_inv_t, shift), ys(dy.q.scale_inv, shift),
@@ -782,11 +735,12 @@ TEST_F(CudaFp8GemmErrors, InconsistentPaddedOffsetsAreClampedAndReported) {
     const std::vector<double> got = dw.download().to_double();
     const int64_t per = c.N * c.K;
     const std::vector<double> got0(got.begin(), got.begin() + per);
-    const std::vector<double> exact0(exact.value.begin(), exact.value.begin() + per);
     ExactResult e0;
-    e0.value = exact0;
+    e0.value.assign(exact.value.begin(), exact.value.begin() + per);
     e0.abs_sum.assign(exact.abs_sum.begin(), exact.abs_sum.begin() + per);
-    EXPECT_TRUE(within_bound(got0, exact0, tight_bound(e0, DType::f32), "expert 0"));
+    e0.f32.assign(exact.f32.begin(), exact.f32.begin() + per);
+    e0.reduction = c.counts[0];
+    EXPECT_TRUE(within_rule(got0, e0, DType::f32, "expert 0", Fp8Accumulation::kPromoted));
     for (double v : got) ASSERT_FALSE(std::isnan(v)) << "a dW element was not written";
   }
 }
@@ -838,7 +792,7 @@ TEST(CudaFp8GemmGraph, CaptureOnceReplayUnderChangingCounts) {
     layer();  // eager once first: module loading and attribute setting happen outside capture
     GMOE_TEST_CUDA(cudaStreamSynchronize(stream));
     const CapturedGraph graph(stream, layer);
-    const int64_t fast_fprop = fast_reduction(recipe, options, K), fast_dgrad = fast_reduction(recipe, options, N);
+    const Fp8Accumulation acc = accumulation(recipe, options);
 
     for (const std::vector<int64_t>& routing : routings) {
       SCOPED_TRACE("routing " + ::testing::PrintToString(routing));
@@ -863,12 +817,9 @@ TEST(CudaFp8GemmGraph, CaptureOnceReplayUnderChangingCounts) {
       const ExactResult ey = exact_fprop(p.x_rows, p.w_data, routing);
       const ExactResult edx = exact_dgrad(p.dy_rows, p.w_t, routing);
       const ExactResult edw = exact_wgrad(p.dy_cols, p.x_cols, routing, nullptr, nullptr);
-      EXPECT_TRUE(within_bound(values_of(y_g), ey.value, tight_bound(ey, DType::bf16, fast_fprop),
-                               "fprop replay"));
-      EXPECT_TRUE(within_bound(values_of(dx_g), edx.value, tight_bound(edx, DType::bf16, fast_dgrad),
-                               "dgrad replay"));
-      EXPECT_TRUE(within_bound(values_of(dw_g), edw.value, tight_bound(edw, DType::f32),
-                               "wgrad replay"));
+      EXPECT_TRUE(within_rule(values_of(y_g), ey, DType::bf16, "fprop replay", acc));
+      EXPECT_TRUE(within_rule(values_of(dx_g), edx, DType::bf16, "dgrad replay", acc));
+      EXPECT_TRUE(within_rule(values_of(dw_g), edw, DType::f32, "wgrad replay", Fp8Accumulation::kPromoted));
     }
     GMOE_TEST_CUDA(cudaStreamDestroy(stream));
   }
