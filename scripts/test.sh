@@ -7,6 +7,8 @@
 #   debug    CPU only, AddressSanitizer + UBSan: proves a build without nvcc works, and runs the
 #            GoogleTest suites under the sanitizers (no tools, no fuzz target: what does not
 #            depend on the build, e.g. the install, fuzz and tool checks, runs in `default` only)
+# then the PyTorch package: its extension added to the default build, pytest tests/python (PyPI's
+# torch, pinned in scripts/test_python.sh; the CUDA tests skip without a GPU).
 # Prints the time of every stage, and at the end all of them, so that growth shows in every CI
 # log. Exits non-zero on the first failure.
 set -euo pipefail
@@ -46,3 +48,4 @@ for preset in default debug; do
   stage "tests $preset" ctest --preset "$preset" -j 1 || { suite_counts "$preset"; exit 1; }
   suite_counts "$preset"
 done
+stage "python package" scripts/test_python.sh --build-dir build/default
