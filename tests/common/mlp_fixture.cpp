@@ -143,8 +143,9 @@ ExpertBias MlpProblem::b2(MlpBias m) const { return bias_of(b2g, b2l, m); }
 namespace {
 
 // The MLP in T: fp64 with no intermediate rounding (the exact MLP), or f32 sums with h, z, dz and
-// dh rounded to bf16 where the layer stores them and FC1's and FC2's biases added onto the rounded
-// GEMM outputs (the own-precision reference; outputs left as f32 sums for the rule to round).
+// dh rounded to bf16 where the layer stores them and the (bf16, grouped) biases added to the f32
+// sums before the one rounding, as grouped_gemm_fprop adds them (the own-precision reference;
+// outputs left as f32 sums for the rule to round).
 template <typename T>
 ExactMlp mlp_in(const MlpProblem& p, bool with_bias, bool with_probs) {
   constexpr bool kOwn = std::is_same_v<T, float>;
@@ -165,7 +166,6 @@ ExactMlp mlp_in(const MlpProblem& p, bool with_bias, bool with_probs) {
       db2(with_bias ? size_t(E * H) : 0, 0);
   std::vector<T> h(static_cast<size_t>(R1)), z(static_cast<size_t>(F)), a(static_cast<size_t>(F)),
       dz(static_cast<size_t>(F)), dh(static_cast<size_t>(R1));
-  auto with_b = [&](T sum, T b) { return kOwn ? store(sum) + b : sum + b; };
   int64_t row = 0;
   for (int64_t e = 0; e < E; ++e) {
     const T* W1 = &w1[size_t(e * R1 * H)];
@@ -177,7 +177,7 @@ ExactMlp mlp_in(const MlpProblem& p, bool with_bias, bool with_probs) {
       for (int64_t c = 0; c < R1; ++c) {
         T s = 0;
         for (int64_t i = 0; i < H; ++i) s += xr[i] * W1[c * H + i];
-        h[c] = store(with_bias ? with_b(s, b1[e * R1 + c]) : s);
+        h[c] = store(with_bias ? s + b1[e * R1 + c] : s);
       }
       for (int64_t j = 0; j < F; ++j) {
         T s = 0;
@@ -208,7 +208,7 @@ ExactMlp mlp_in(const MlpProblem& p, bool with_bias, bool with_probs) {
       for (int64_t n = 0; n < H; ++n) {
         T s = 0;
         for (int64_t j = 0; j < F; ++j) s += z[j] * W2[n * F + j];
-        y[row * H + n] = with_bias ? with_b(s, b2[e * H + n]) : s;
+        y[row * H + n] = with_bias ? s + b2[e * H + n] : s;
       }
       for (int64_t i = 0; i < H; ++i) {
         T s = 0;

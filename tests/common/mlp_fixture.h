@@ -89,8 +89,8 @@ struct ExactMlp {
 };
 ExactMlp exact_mlp(const MlpProblem& p, bool with_bias, bool with_probs);
 /// The same MLP in the layer's own precision (f32 sums; h, z, dz and dh rounded to bf16 where the
-/// layer stores them; biases added onto the rounded GEMM outputs): the reference of the tolerance
-/// rule against exact_mlp. Outputs are f32 sums, rounded by the rule.
+/// layer stores them; the grouped bf16 biases added before the one rounding): the reference of the
+/// tolerance rule against exact_mlp. Outputs are f32 sums, rounded by the rule.
 ExactMlp own_precision_mlp(const MlpProblem& p, bool with_bias, bool with_probs);
 
 /// The outputs of a run as value vectors (dprobs, db empty where the run has none).
