@@ -224,18 +224,58 @@ OraclePermutation oracle_permutation(const std::vector<int32_t>& ids, int64_t T,
   return p;
 }
 
-std::vector<double> oracle_gather_sum(const std::vector<double>& src, int64_t H, const std::vector<int32_t>& row_of,
-                                      int64_t T, int64_t k, const std::vector<double>& w) {
-  std::vector<double> out(T * H, 0.0);
+namespace {
+
+// The gather-sum accumulated in Acc (double: the exact sum; float: the own-precision one), slots in
+// order. The inputs are already rounded values, so casting them to float is exact.
+template <typename Acc>
+std::vector<double> gather_sum(const std::vector<double>& src, int64_t H, const std::vector<int32_t>& row_of,
+                               int64_t T, int64_t k, const std::vector<double>& w) {
+  std::vector<Acc> acc(T * H, Acc(0));
   for (int64_t t = 0; t < T; ++t) {
     for (int64_t j = 0; j < k; ++j) {
       const int32_t r = row_of[t * k + j];
       if (r < 0) continue;
-      const double wt = w.empty() ? 1.0 : w[t * k + j];
-      for (int64_t h = 0; h < H; ++h) out[t * H + h] += wt * src[r * H + h];
+      const Acc wt = w.empty() ? Acc(1) : static_cast<Acc>(w[t * k + j]);
+      for (int64_t h = 0; h < H; ++h) acc[t * H + h] += wt * static_cast<Acc>(src[r * H + h]);
     }
   }
-  return out;
+  return std::vector<double>(acc.begin(), acc.end());
+}
+
+template <typename Acc>
+std::vector<double> combine_dprobs(const std::vector<double>& dout, const std::vector<double>& y, int64_t H,
+                                   const std::vector<int32_t>& row_of, int64_t T, int64_t k) {
+  std::vector<Acc> acc(T * k, Acc(0));
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t j = 0; j < k; ++j) {
+      const int32_t r = row_of[t * k + j];
+      for (int64_t h = 0; h < H && r >= 0; ++h) {
+        acc[t * k + j] += static_cast<Acc>(dout[t * H + h]) * static_cast<Acc>(y[r * H + h]);
+      }
+    }
+  }
+  return std::vector<double>(acc.begin(), acc.end());
+}
+
+}  // namespace
+
+ExactResult oracle_gather_sum(const std::vector<double>& src, int64_t H, const std::vector<int32_t>& row_of,
+                              int64_t T, int64_t k, const std::vector<double>& w) {
+  ExactResult r;
+  r.value = gather_sum<double>(src, H, row_of, T, k, w);
+  r.f32 = gather_sum<float>(src, H, row_of, T, k, w);
+  r.reduction = k;
+  return r;
+}
+
+ExactResult oracle_combine_dprobs(const std::vector<double>& dout, const std::vector<double>& y, int64_t H,
+                                  const std::vector<int32_t>& row_of, int64_t T, int64_t k) {
+  ExactResult r;
+  r.value = combine_dprobs<double>(dout, y, H, row_of, T, k);
+  r.f32 = combine_dprobs<float>(dout, y, H, row_of, T, k);
+  r.reduction = H;
+  return r;
 }
 
 ::testing::AssertionResult all_close(const std::vector<double>& got, const std::vector<double>& want, double atol,

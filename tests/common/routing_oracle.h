@@ -52,10 +52,16 @@ struct OraclePermutation {
 OraclePermutation oracle_permutation(const std::vector<int32_t>& ids, int64_t T, int64_t k, int64_t E, int64_t rows,
                                      const PermuteOptions& options);
 
-/// Σ_j w[t, j] · rows_of[row_of[t, j], :] in fp64: the combine (w = probs, or 1 when empty) and the
-/// permute's backward (w empty). src: [rows, H].
-std::vector<double> oracle_gather_sum(const std::vector<double>& src, int64_t H, const std::vector<int32_t>& row_of,
-                                      int64_t T, int64_t k, const std::vector<double>& w);
+/// Σ_j w[t, j] · src[row_of[t, j], :]: the combine (w = probs) and the permute's backward (w empty:
+/// 1). src: [rows, H]. In fp64, and in f32 slot by slot (the own-precision reference of
+/// common/tolerance.h); the reduction is k.
+ExactResult oracle_gather_sum(const std::vector<double>& src, int64_t H, const std::vector<int32_t>& row_of,
+                              int64_t T, int64_t k, const std::vector<double>& w);
+
+/// The combine's dprobs [T, k]: Σ_h dout[t, h] · y[row_of[t, j], h], 0 for a dropped slot. In fp64
+/// and in f32 (h in order); the reduction is H.
+ExactResult oracle_combine_dprobs(const std::vector<double>& dout, const std::vector<double>& y, int64_t H,
+                                  const std::vector<int32_t>& row_of, int64_t T, int64_t k);
 
 /// Element-wise |got - want| <= atol + rtol·|want| (NaN never passes), naming the worst element.
 ::testing::AssertionResult all_close(const std::vector<double>& got, const std::vector<double>& want, double atol,

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "common/harness.h"
+#include "common/tolerance.h"
 #include "gmoe/activation.h"
 #include "gmoe/error.h"
 #include "gmoe/fp8.h"
@@ -243,13 +244,6 @@ bool apply(Hostile h, Spec& target, Spec& counts, const Problem& p, Rng& rng) {
   return false;
 }
 
-// Compares `got` (the output Arg, [R, C] or [E, R, C] flattened by the caller) with `exact`.
-::testing::AssertionResult close(double got, double exact, DType out, double scale) {
-  const double tol = 4 * unit_roundoff(out) * (std::fabs(exact) + scale) + 1e-5 * scale;
-  if (std::fabs(got - exact) <= tol) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << "got " << got << ", exact " << exact << " (tol " << tol << ")";
-}
-
 // Storage elements the view does not address must still be poisoned (NaN).
 ::testing::AssertionResult untouched_outside(const Arg& a, const std::vector<int64_t>& addressed) {
   if (!a.addressable) return ::testing::AssertionSuccess();
@@ -420,59 +414,75 @@ TEST_F(ApiProperties, EveryOpGivesTheRightResultOrAnError) {
       case Op::dgrad:
       case Op::activation_forward:
       case Op::bias_add: {
+        // exact: fp64; own: the same formula in f32 rounded to the output dtype (common/tolerance.h).
+        const int64_t red = op == Op::dgrad ? p.N : op == Op::bias_add || op == Op::activation_forward ? 1 : p.K;
+        const bool one_rounding = p.dt == DType::bf16 && bias.view.dtype == DType::bf16;  // the bias epilogue
+        std::vector<double> got, exact, own;
         for (int64_t r = 0; r < p.capacity; ++r) {
           const int64_t e = expert_of(r);
           for (int64_t c = 0; c < out_cols; ++c) {
-            double exact = 0, scale = 1;
+            double x = 0;
+            float o = 0;
             if (op == Op::bias_add) {
-              exact = out_before.get(a_out.at({r, c})) + (e < p.E ? bias.get({e, c}) : 0.0);
+              const double a = out_before.get(a_out.at({r, c})), b = e < p.E ? bias.get({e, c}) : 0.0;
+              x = a + b;
+              o = static_cast<float>(a) + static_cast<float>(b);
             } else if (e < p.E && op == Op::activation_forward) {
               const double g = a_in.get({r, c}), u = a_in.get({r, F + c});
-              exact = g / (1 + std::exp(-g)) * u;
+              x = g / (1 + std::exp(-g)) * u;
+              const float gf = static_cast<float>(g);
+              o = gf * (1.0f / (1.0f + std::exp(-gf))) * static_cast<float>(u);
             } else if (e < p.E) {
-              const int64_t red = op == Op::dgrad ? p.N : p.K;
               for (int64_t k = 0; k < red; ++k) {
                 const double wv = op == Op::dgrad ? w.get({e, k, c}) : w.get({e, c, k});
-                exact += a_in.get({r, k}) * wv;
-                scale += std::fabs(a_in.get({r, k}) * wv);
+                x += a_in.get({r, k}) * wv;
+                o += static_cast<float>(a_in.get({r, k})) * static_cast<float>(wv);
               }
-              if (op == Op::fprop_bias) exact += bias.get({e, c});
+              if (op == Op::fprop_bias) {
+                const double b = bias.get({e, c});
+                x += b;
+                o = one_rounding ? o + static_cast<float>(b)
+                                 : static_cast<float>(rounded({o}, p.dt)[0]) + static_cast<float>(b);
+              }
             }
-            ASSERT_TRUE(close(a_out.get({r, c}), exact, p.dt, scale)) << "row " << r << " col " << c;
+            got.push_back(a_out.get({r, c}));
+            exact.push_back(x);
+            own.push_back(o);
             addressed.push_back(a_out.at({r, c}));
           }
         }
+        ASSERT_TRUE(within_rule(got, rounded(own, p.dt), exact, Precision{p.dt, red}, op_name(op)));
         if (op != Op::bias_add) {
           ASSERT_TRUE(untouched_outside(a_out, addressed));
         }
         break;
       }
-      case Op::wgrad: {
-        for (int64_t e = 0; e < p.E; ++e) {
-          for (int64_t n = 0; n < p.N; ++n) {
-            for (int64_t k = 0; k < p.K; ++k) {
-              double exact = 0, scale = 1;
-              for (int64_t r = off[static_cast<size_t>(e)]; r < off[static_cast<size_t>(e) + 1]; ++r) {
-                exact += a_out.get({r, n}) * a_in.get({r, k});
-                scale += std::fabs(a_out.get({r, n}) * a_in.get({r, k}));
-              }
-              ASSERT_TRUE(close(dw.get({e, n, k}), exact, p.dt, scale)) << "dW[" << e << ", " << n << ", " << k << "]";
-            }
-          }
-        }
-        break;
-      }
+      case Op::wgrad:
       case Op::bias_grad: {
+        // dW[e, n, k] = Σ_r dy[r, n]·x[r, k] (f32), dbias[e, n] = Σ_r dy[r, n]: sums over expert e's rows.
+        const bool is_wgrad = op == Op::wgrad;
+        const DType out = is_wgrad ? DType::f32 : bias.view.dtype;
+        const int64_t kk = is_wgrad ? p.K : 1;
+        int64_t red = 1;
+        std::vector<double> got, exact, own;
         for (int64_t e = 0; e < p.E; ++e) {
+          red = std::max(red, p.counts[static_cast<size_t>(e)]);
           for (int64_t n = 0; n < p.N; ++n) {
-            double exact = 0, scale = 1;
-            for (int64_t r = off[static_cast<size_t>(e)]; r < off[static_cast<size_t>(e) + 1]; ++r) {
-              exact += a_out.get({r, n});
-              scale += std::fabs(a_out.get({r, n}));
+            for (int64_t k = 0; k < kk; ++k) {
+              double x = 0;
+              float o = 0;
+              for (int64_t r = off[static_cast<size_t>(e)]; r < off[static_cast<size_t>(e) + 1]; ++r) {
+                const double a = a_out.get({r, n}), b = is_wgrad ? a_in.get({r, k}) : 1.0;
+                x += a * b;
+                o += static_cast<float>(a) * static_cast<float>(b);
+              }
+              got.push_back(is_wgrad ? dw.get({e, n, k}) : bias.get({e, n}));
+              exact.push_back(x);
+              own.push_back(o);
             }
-            ASSERT_TRUE(close(bias.get({e, n}), exact, bias.view.dtype, scale)) << "dbias[" << e << ", " << n << "]";
           }
         }
+        ASSERT_TRUE(within_rule(got, rounded(own, out), exact, Precision{out, red}, op_name(op)));
         break;
       }
       case Op::quantize:
