@@ -198,6 +198,8 @@ TEST_P(PermuteCuda, MatchesCpu) {
   permute(x.view(), ids.view(), o, perm.view(), counts.view(), {row_of.view(), src.view()}, probs.view(), pprobs.view(),
           dropped.view());
 
+  // The CPU's map, kept before its buffers are poisoned to become the device's initial outputs.
+  const std::vector<int32_t> want_row_of = int32_values(row_of), want_src = int32_values(src);
   poison(perm);
   poison(pprobs);
   poison(row_of);
@@ -208,8 +210,8 @@ TEST_P(PermuteCuda, MatchesCpu) {
   permute(dx.view(), dids.view(), o, dperm.view(), dcounts.view(), map, dprobs.view(), dpp.view(), ddrop.view());
   sync_and_check();
   EXPECT_EQ(int64_values(dcounts.download()), int64_values(counts));
-  EXPECT_EQ(int32_values(drow.download()), int32_values(row_of));
-  EXPECT_EQ(int32_values(dsrc.download()), int32_values(src));
+  EXPECT_EQ(int32_values(drow.download()), want_row_of);
+  EXPECT_EQ(int32_values(dsrc.download()), want_src);
   EXPECT_EQ(ddrop.download().get(0), dropped.get(0));
   HostTensor want_perm(c.dtype, {rows, c.H}), want_pp(DType::f32, {rows});
   permute(x.view(), ids.view(), o, want_perm.view(), counts.view(), {row_of.view(), src.view()}, probs.view(),
