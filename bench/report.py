@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """bench/report.py — merges result files of one GPU session (gmoe-bench --json, torch_baseline.py
---json) into one results file in the BENCHMARKS.md format, and prints one table: TFLOP/s of every
+--json) into one results file in the docs/benchmarks.md format, and prints one table: TFLOP/s of every
 implementation per case and pass, gmoe's ratio to each baseline, and the geometric means. Layer
 rows (impl gmoe_linear, from gmoe-bench's layer mode) get a second table: the layer's time beside
 its bare GEMMs measured in the same run, the overhead, and the kernel launches per call.
@@ -50,7 +50,7 @@ def skipped_lines(rows):
 
 
 def skipped_row(error):
-    """A row in the BENCHMARKS.md format for an error record {case, pass, impl, error}."""
+    """A row in the docs/benchmarks.md format for an error record {case, pass, impl, error}."""
     reason = error["error"]
     reason = reason[len("skipped: "):] if reason.startswith("skipped: ") else reason
     return {"case": error["case"], "pass": error["pass"], "impl": error["impl"],
@@ -231,7 +231,7 @@ def main():
             merged["torch"] = d["torch"]
         merged["rows"] += d["rows"]
         for e in d.get("errors", []):
-            # An error of one (case, pass, impl) is that row not run: a skipped row (BENCHMARKS.md).
+            # An error of one (case, pass, impl) is that row not run: a skipped row (docs/benchmarks.md).
             if e.get("case") and e.get("pass") and e.get("impl"):
                 merged["rows"].append(skipped_row(e))
             else:

@@ -21,7 +21,7 @@ concatenated halves [gate | up], the case's gated activation, FC2 [E, hidden, ff
   timed `forward` (with autograd recording, as in training) and `forward_backward` (forward, then
   torch.autograd.grad of a random dy for x, W1 and W2), eager (impl "torch") and the whole
   composition under torch.compile (impl "torch_compile", compiled and warmed up before timing; a
-  compile failure is recorded under "errors" and the run goes on). FLOPs (BENCHMARKS.md): forward
+  compile failure is recorded under "errors" and the run goes on). FLOPs (docs/benchmarks.md): forward
   2·rows·hidden·2·ffn + 2·rows·ffn·hidden, forward_backward 3× that.
 layer (the gemm cases, as gmoe-bench --mode layer): the GroupedLinear forward and forward+backward
            composed of torch ops, x [rows, K], W [E, N, K], a bf16 bias [E, N] and an f32 main_grad
@@ -42,7 +42,7 @@ offs are the cumulative int32 row offsets of the counts.
 
 Timed with CUDA events: warm-up, then (mlp and layer cases) --warm-ms of untimed back-to-back work,
 then the median of --iters runs. Writes rows in the
-BENCHMARKS.md results format (correct null). --dry-run prints the cases and what would be timed
+docs/benchmarks.md results format (correct null). --dry-run prints the cases and what would be timed
 without importing torch.
 
 Run on the GPU machine in the same session as gmoe-bench (scripts/gpu_check.sh does).
@@ -135,7 +135,7 @@ def fp8_rowwise_rows(case, args, errors, x, w, dy, offs):
     """torch._scaled_grouped_mm (e4m3, rowwise scales, bf16 out): the GEMM alone, operands
     quantized before timing, each in the layout the kernel wants (A row-major, B column-major).
     impl torch_fp8_rowwise: the default accumulation (use_fast_accum=False: partial sums promoted to
-    fp32, as gmoe's FP8 GEMMs do; BENCHMARKS.md's anchor numbers); torch_fp8_rowwise_fast:
+    fp32, as gmoe's FP8 GEMMs do; docs/benchmarks.md's anchor numbers); torch_fp8_rowwise_fast:
     use_fast_accum=True (the tensor cores' reduced-precision accumulation over the whole K)."""
     flops = gemm_flops(case)
     out = []

@@ -20,7 +20,7 @@ It also measures the op layer's per-call host overhead: a tiny gmoe op (grouped_
 [64, 64], 8 experts) called back to back, against a torch op of the same size (torch.sum over
 dim 0), in µs per call (impl "gmoe_op_overhead" / "torch_op_overhead", field "us_per_call").
 
-Writes rows in the BENCHMARKS.md results format (--json). Needs the gmoe package importable
+Writes rows in the docs/benchmarks.md results format (--json). Needs the gmoe package importable
 (pip install ., or PYTHONPATH=python after scripts/test_python.sh --inplace --cuda).
 """
 import argparse

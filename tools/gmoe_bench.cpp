@@ -101,7 +101,7 @@ int main(int argc, char** argv) {
                  "unfused composition (mlp cases); all: the three")
       ->check(CLI::IsMember({"gemm", "layer", "mlp", "all"}));
   app.add_option("--case", filter, "only cases whose name contains this");
-  app.add_option("--json", json_path, "write results as JSON (BENCHMARKS.md format)");
+  app.add_option("--json", json_path, "write results as JSON (docs/benchmarks.md format)");
   app.add_option("--markdown", md_path, "write the table as markdown");
   app.add_option("--iters", o.iters, "timed runs per measurement (median reported)")->check(CLI::PositiveNumber);
   app.add_option("--warmup", o.warmup, "untimed runs before timing");

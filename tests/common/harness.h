@@ -107,7 +107,7 @@ ShapeCase make_case(const std::string& name, Rng& rng, CaseScale scale = CaseSca
 std::vector<std::vector<int64_t>> graph_routings(int64_t E, int64_t per, int64_t slack, Rng& rng);
 ShapeCase graph_case(int64_t E, int64_t N, int64_t K, int64_t per, int64_t slack);
 /// Zipf(s) counts over E experts in random order, about `empty_every`-th expert empty, summing to
-/// `total` (the BENCHMARKS.md "skewed" split).
+/// `total` (the docs/benchmarks.md "skewed" split).
 std::vector<int64_t> zipf_counts(int64_t E, int64_t total, double s, int64_t empty_every, Rng& rng);
 
 // ---------------------------------------------------------------------------------------------

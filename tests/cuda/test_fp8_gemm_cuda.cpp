@@ -392,9 +392,9 @@ struct ShiftedScales {
 // wgrad into f32 and into bf16: each its own kernel), bit for bit, as the aligned run, itself
 // checked against the exact GEMM of the dequantized operands (outputs NaN-poisoned before every
 // run). fprop/dgrad run in 1x1 clusters in the first case and in 2x1 in the second (2121 rows per
-// expert on average, past the 2048 of choose_rows_cluster), checked by the launch record. (Through
+// expert on average, past the 2048 of choose_fp8_rows_kernel), checked by the launch record. (Through
 // TMA, whose boxes start only at 16-byte aligned elements, fprop/dgrad's token-major scales could
-// not come: bench/results/2026-11-25-h100-c4a7cc5-wgrad-scale-tma.md.)
+// not come: docs/decisions.md, "Blockwise fprop/dgrad: the scales".)
 TEST(CudaFp8GemmLarge, BlockwiseScalesAtAnyFourByteOffset) {
   GMOE_SKIP_WITHOUT_GPU();
   Rng rng;
@@ -482,7 +482,7 @@ TEST(CudaFp8GemmLarge, BigExpertsChunkedInClusters) {
   }
 }
 
-// The cluster rule of fprop/dgrad (fp8_grouped_gemm.cu, choose_rows_cluster): the promoted kernels
+// The cluster rule of fprop/dgrad (fp8_gemm_heuristics.cu, choose_fp8_rows_kernel): the promoted kernels
 // (blockwise, tensorwise) take 2x1 clusters from 2048 rows per expert on average, whatever the
 // output's width; fast accumulation's 128x256 tiles from 4096 rows, and 1x1 where the output is
 // wider than 2048 columns. Checked by the launch record, each result against the exact one.

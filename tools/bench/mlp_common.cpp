@@ -18,7 +18,7 @@ ActivationOptions mlp_activation(const BenchCase& c, int64_t glu_block) {
   ActivationOptions o;
   o.kind = activation_from_name(c.activation.empty() ? "swiglu" : c.activation);
   if (is_gated(o.kind) && glu_block > 0 && c.ffn % glu_block == 0) o.glu = {GluLayout::interleaved, glu_block};
-  return o;  // alpha 1.702, limit 7: gpt-oss's (BENCHMARKS.md)
+  return o;  // alpha 1.702, limit 7: gpt-oss's (docs/benchmarks.md)
 }
 
 int64_t mlp_fc1_rows(const BenchCase& c) { return activation_input_cols(mlp_activation(c).kind, c.ffn); }

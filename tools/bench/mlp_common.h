@@ -16,7 +16,7 @@
 //   gmoe_unfused  the same work composed of separate public ops: GroupedLinear FC1,
 //                 grouped_activation_forward, GroupedLinear FC2; backward FC2, grouped_activation_
 //                 backward (dh written over h), FC1
-// FLOPs as BENCHMARKS.md counts them (mlp_flops; forward_backward 3×). Correctness first: one
+// FLOPs as docs/benchmarks.md counts them (mlp_flops; forward_backward 3×). Correctness first: one
 // forward + backward of each on outputs poisoned with NaN, then y and dx at sampled rows against
 // the exact values (fp64, no intermediate rounding) by the rule of check.h: the largest error at
 // most twice that of a reference in the layer's own precision (f32 sums, h, z, dz, dh and the

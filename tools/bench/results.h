@@ -1,5 +1,5 @@
 // tools/bench/results.h — benchmark result rows, the table printed last, and the JSON/markdown
-// files in the format of ../shared/BENCHMARKS.md ("Results format").
+// files in the format of docs/benchmarks.md ("Results format").
 #pragma once
 
 #include <optional>
@@ -37,7 +37,7 @@ ResultRow timed_row(const std::string& case_name, const std::string& pass, const
                     const std::string& dtype, double ms, double flops, std::optional<bool> correct = std::nullopt,
                     std::string note = {});
 
-/// A row that was not run, with the reason (BENCHMARKS.md's `skipped`).
+/// A row that was not run, with the reason (docs/benchmarks.md's `skipped`).
 ResultRow skipped_row(const std::string& case_name, const std::string& pass, const std::string& impl,
                       const std::string& dtype, const std::string& reason);
 

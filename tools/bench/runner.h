@@ -40,7 +40,7 @@ struct BenchOptions {
   /// time_interleaved_ms). The gemm mode has its own, gemm_warm_ms.
   double warm_ms = 1000;
   /// gemm mode on CUDA: the same warm-up before each timing (0, the default: bursts, as the anchors
-  /// in BENCHMARKS.md were measured). The FP8 rows are timed interleaved with the bf16 grouped GEMM
+  /// in docs/benchmarks.md were measured). The FP8 rows are timed interleaved with the bf16 grouped GEMM
   /// of the same pass (their bare_ms), so their ratio to it holds at either clock.
   double gemm_warm_ms = 0;
   /// gemm mode: only this pass (fprop, dgrad or wgrad; empty: all three), e.g. to profile one kernel.

@@ -34,7 +34,7 @@ BenchCase scale_rows(const BenchCase& c, double factor);
 /// FLOPs of one GEMM pass of a gemm case: 2·rows·N·K.
 double gemm_flops(const BenchCase& c);
 
-/// FLOPs of one forward of an mlp case (BENCHMARKS.md): 2·rows·hidden·2·ffn + 2·rows·ffn·hidden
+/// FLOPs of one forward of an mlp case (docs/benchmarks.md): 2·rows·hidden·2·ffn + 2·rows·ffn·hidden
 /// (FC1 has ffn outputs instead of 2·ffn for the non-gated squared_relu); forward+backward is 3×.
 double mlp_flops(const BenchCase& c);
 
