@@ -60,10 +60,10 @@ TileConfig choose_rows_tile(DType in, GemmPass pass, GemmEpilogue epilogue, int6
 }
 
 // To f32, each output tile costs 2·BM·BN·rows flops in the mainloop and BM·BN·4 bytes in the
-// epilogue. Per SM (~5.6 TFLOP/s, ~23 GB/s of the write bandwidth) the two take equal time near
-// rows = 500, so with fewer than ~1000 rows per expert the dW write is a large share, and the
-// ping-pong schedule hides it behind the other warpgroup's mainloop; the cooperative tile (no
-// overlap, fewer and larger tiles) wins when the reduction is long. A 16-bit dW is written at half
+// epilogue: with short reductions (few rows per expert) the dW write is a large share of a tile's
+// time, and the ping-pong schedule hides it behind the other warpgroup's mainloop; the cooperative
+// tile (no overlap, fewer and larger tiles) wins when the reduction is long. The crossover,
+// kWgradCoopMinRows, and its figures are in docs/decisions.md. A 16-bit dW is written at half
 // the bytes: cooperative only (a ping-pong 16-bit weight gradient is no faster, and not compiled).
 // The cooperative tile runs in 2x1 clusters where wgrad_cluster_2x1 says so.
 TileConfig choose_wgrad_tile(DType in, DType out, int64_t capacity, int64_t num_experts, int64_t gemm_m) {
