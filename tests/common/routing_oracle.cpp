@@ -369,4 +369,11 @@ HostTensor random_routing(int64_t T, int64_t E, int64_t k, Rng& rng, double hot)
   return ids;
 }
 
+PermuteOptions popts(int64_t pad, double cf) {
+  PermuteOptions o;
+  o.pad_multiple = pad;
+  o.capacity_factor = cf;
+  return o;
+}
+
 }  // namespace gmoe::test

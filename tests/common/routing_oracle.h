@@ -85,6 +85,26 @@ std::vector<int64_t> int64_values(const HostTensor& t);
 RouterOptions router_options(int64_t k, RouterScore score, bool normalize, int64_t n_group = 1, int64_t topk_group = 1,
                              float scaling_factor = 1.0f);
 
+/// One router configuration of the routing suites, named.
+struct RouterCase {
+  std::string name;
+  int64_t T, E;
+  RouterOptions o;
+  bool bias = false;
+  DType dtype = DType::bf16;
+};
+
+/// One permute configuration of the routing suites, named.
+struct PermuteCase {
+  std::string name;
+  int64_t T, E, k, H;
+  PermuteOptions o;
+  DType dtype = DType::bf16;
+};
+
+/// PermuteOptions with padding to `pad` rows and capacity factor `cf` (0: no capacity).
+PermuteOptions popts(int64_t pad, double cf);
+
 /// Random ids i32 [T, k], distinct per token; a fraction `hot` of the picks goes to the first
 /// min(E, 4) experts, so that capacities bite and some experts stay empty-ish.
 HostTensor random_routing(int64_t T, int64_t E, int64_t k, Rng& rng, double hot = 0.4);

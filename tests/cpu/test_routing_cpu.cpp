@@ -22,15 +22,6 @@
 namespace gmoe::test {
 namespace {
 
-// One router configuration, named.
-struct RouterCase {
-  std::string name;
-  int64_t T, E;
-  RouterOptions o;
-  bool bias = false;
-  DType dtype = DType::f32;
-};
-
 std::vector<RouterCase> router_cases() {
   using S = RouterScore;
   return {
@@ -194,20 +185,6 @@ TEST(RouterCpuTies, BiasSteersSelectionNotProbabilities) {
 
 // ---------------------------------------------------------------------------------------------
 // Permute and combine.
-
-struct PermuteCase {
-  std::string name;
-  int64_t T, E, k, H;
-  PermuteOptions o;
-  DType dtype = DType::bf16;
-};
-
-PermuteOptions popts(int64_t pad, double cf) {
-  PermuteOptions o;
-  o.pad_multiple = pad;
-  o.capacity_factor = cf;
-  return o;
-}
 
 std::vector<PermuteCase> permute_cases() {
   return {{"plain", 29, 8, 2, 64, popts(1, 0)},

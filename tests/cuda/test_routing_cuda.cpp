@@ -33,14 +33,6 @@ void sync_and_check() {
   check_device_errors(nullptr);
 }
 
-struct RouterCase {
-  std::string name;
-  int64_t T, E;
-  RouterOptions o;
-  bool bias = false;
-  DType dtype = DType::bf16;
-};
-
 std::vector<RouterCase> router_cases() {
   using S = RouterScore;
   return {{"qwen3_softmax_top8_e128", 4099, 128, router_options(8, S::softmax, true)},
@@ -159,24 +151,16 @@ TEST(RouterCudaTies, LowerExpertIdWins) {
 
 // ---------------------------------------------------------------------------------------------
 
-struct PermuteCase {
-  std::string name;
-  int64_t T, E, k, H;
-  int64_t pad;
-  double cf;
-  DType dtype = DType::bf16;
-};
-
 std::vector<PermuteCase> permute_cases() {
-  return {{"qwen3_t4096_e128_k8_h2048", 4096, 128, 8, 2048, 1, 0},
-          {"pad128_capacity", 3000, 32, 4, 256, 128, 1.0},
-          {"pad16_capacity_half", 1000, 16, 2, 136, 16, 0.5},
-          {"odd_h_f32_scalar_path", 517, 8, 2, 67, 1, 0, DType::f32},
-          {"f16_e256_k8", 700, 256, 8, 96, 16, 0, DType::f16},
-          {"e1", 300, 1, 1, 64, 1, 0},
-          {"topk_equals_e", 257, 5, 5, 32, 1, 0},
-          {"all_but_few_dropped", 512, 4, 2, 16, 1, 0.05},
-          {"zero_tokens", 0, 8, 2, 64, 16, 1.0}};
+  return {{"qwen3_t4096_e128_k8_h2048", 4096, 128, 8, 2048, popts(1, 0)},
+          {"pad128_capacity", 3000, 32, 4, 256, popts(128, 1.0)},
+          {"pad16_capacity_half", 1000, 16, 2, 136, popts(16, 0.5)},
+          {"odd_h_f32_scalar_path", 517, 8, 2, 67, popts(1, 0), DType::f32},
+          {"f16_e256_k8", 700, 256, 8, 96, popts(16, 0), DType::f16},
+          {"e1", 300, 1, 1, 64, popts(1, 0)},
+          {"topk_equals_e", 257, 5, 5, 32, popts(1, 0)},
+          {"all_but_few_dropped", 512, 4, 2, 16, popts(1, 0.05)},
+          {"zero_tokens", 0, 8, 2, 64, popts(16, 1.0)}};
 }
 
 class PermuteCuda : public ::testing::TestWithParam<PermuteCase> {};
@@ -185,9 +169,7 @@ TEST_P(PermuteCuda, MatchesCpu) {
   GMOE_SKIP_WITHOUT_GPU();
   const PermuteCase& c = GetParam();
   Rng rng;
-  PermuteOptions o;
-  o.pad_multiple = c.pad;
-  o.capacity_factor = c.cf;
+  const PermuteOptions& o = c.o;
   const int64_t rows = permuted_rows(c.T, c.k, c.E, o) + 5;
   HostTensor x(c.dtype, {c.T, c.H}), probs(DType::f32, {c.T, c.k});
   fill_random(x, rng);
