@@ -38,6 +38,11 @@ struct Tuning {
   /// multiple of 128) in fprop and dgrad: -1 the heuristic's chunk, 0 no splitting.
   int64_t row_chunk = -1;
 
+  /// The cluster forced on FP8 fprop/dgrad: fp8_rows_cluster, else cluster (automatic: none).
+  ClusterShape fp8_rows_cluster_forced() const {
+    return fp8_rows_cluster != ClusterShape::automatic ? fp8_rows_cluster : cluster;
+  }
+
   bool operator==(const Tuning& o) const {
     return gemm_tile == o.gemm_tile && cluster == o.cluster && fp8_rows_cluster == o.fp8_rows_cluster &&
            wgrad_raster == o.wgrad_raster && row_chunk == o.row_chunk;

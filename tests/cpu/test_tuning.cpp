@@ -119,5 +119,12 @@ TEST(Tuning, EachThreadHasItsOwn) {
   EXPECT_EQ(current_tuning(), mine) << "another thread's scope changed this thread's overrides";
 }
 
+TEST(Tuning, Fp8RowsClusterFallsBackToTheCluster) {
+  EXPECT_EQ(parse_tuning("").fp8_rows_cluster_forced(), ClusterShape::automatic);
+  EXPECT_EQ(parse_tuning("cluster=2x1").fp8_rows_cluster_forced(), ClusterShape::c2x1);
+  EXPECT_EQ(parse_tuning("fp8_rows_cluster=2x2").fp8_rows_cluster_forced(), ClusterShape::c2x2);
+  EXPECT_EQ(parse_tuning("cluster=1x1,fp8_rows_cluster=2x2").fp8_rows_cluster_forced(), ClusterShape::c2x2);
+}
+
 }  // namespace
 }  // namespace gmoe::test

@@ -500,7 +500,7 @@ void check_rows_clusters(const ShapeCase& fprop_case, const ShapeCase& dgrad_cas
   }
   SCOPED_TRACE("tensorwise, fast accumulation");
   const Fp8GemmOptions fast{true};
-  const bool forced = cuda_backend::forced_fp8_rows_cluster() >= 0;
+  const bool forced = current_tuning().fp8_rows_cluster_forced() != ClusterShape::automatic;
   check_fprop(fprop_case, Fp8Recipe::tensorwise, rng, false, fast);
   expect_launch("fprop", true, fprop_case.E, true, fast_m, 1);
   if (!forced) EXPECT_EQ(cuda_backend::last_launch_record().tile_n, 256) << "fprop";
@@ -535,8 +535,8 @@ TEST(CudaFp8GemmLarge, FastAccumulationTiles) {
   const ShapeCase small = fixed_case("fast_small", 400, 1040, {0, 129, 517, 1000}, 5);
   const ShapeCase big = fixed_case("fast_big", 384, 1168, {9000, 0, 4100}, 200);
   // Forced 2x2 clusters (gpu_check's forced runs) keep 128x128 tiles.
-  const bool clusters_forced = cuda_backend::forced_fp8_rows_cluster() >= 0;
-  const int wide = cuda_backend::forced_fp8_rows_cluster() == 2 ? 128 : 256;
+  const bool clusters_forced = current_tuning().fp8_rows_cluster_forced() != ClusterShape::automatic;
+  const int wide = current_tuning().fp8_rows_cluster_forced() == ClusterShape::c2x2 ? 128 : 256;
   const Fp8GemmOptions fast{true};
   auto tile_n = [] { return cuda_backend::last_launch_record().tile_n; };
   check_fprop(small, Fp8Recipe::tensorwise, rng, false, fast);

@@ -75,9 +75,7 @@ Fp8KernelKey choose_fp8_rows_kernel(const Fp8RowsProblem& p) {
   key.out = DType::bf16;
   key.epilogue = p.bias ? Fp8Epilogue::bias : Fp8Epilogue::none;
   key.format_a = p.format_a;
-  const Tuning& tuning = current_tuning();
-  const ClusterShape forced =
-      tuning.fp8_rows_cluster != ClusterShape::automatic ? tuning.fp8_rows_cluster : tuning.cluster;
+  const ClusterShape forced = current_tuning().fp8_rows_cluster_forced();
   if (forced != ClusterShape::automatic) {
     key.tile = tile_in_cluster(forced, wants_fast_tiles(p));
     if (find_fp8_kernel(key) != nullptr) return key;

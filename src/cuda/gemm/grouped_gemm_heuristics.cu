@@ -132,9 +132,4 @@ int32_t row_chunk_rows() {
 
 int forced_cluster() { return cluster_index(current_tuning().cluster); }
 
-int forced_fp8_rows_cluster() {
-  const int forced = cluster_index(current_tuning().fp8_rows_cluster);
-  return forced >= 0 ? forced : forced_cluster();
-}
-
 }  // namespace gmoe::cuda_backend

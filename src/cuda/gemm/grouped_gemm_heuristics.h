@@ -51,8 +51,5 @@ int32_t row_chunk_rows();
 
 /// Tuning::cluster as an index: 0 for 1x1, 1 for 2x1, 2 for 2x2, -1 when automatic.
 int forced_cluster();
-/// The FP8 fprop/dgrad cluster forced by Tuning::fp8_rows_cluster (same values), else by
-/// Tuning::cluster; -1 when neither forces one.
-int forced_fp8_rows_cluster();
 
 }  // namespace gmoe::cuda_backend
