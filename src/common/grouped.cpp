@@ -114,8 +114,11 @@ std::string device_error_text(uint32_t bits) {
   if (bits & kDeviceErrorPaddedOffsets) {
     what += " FP8 padded_offsets did not match the counts or the padded capacity (clamped);";
   }
-  const uint32_t unknown =
-      bits & ~(kDeviceErrorNegativeCount | kDeviceErrorCountsPastCapacity | kDeviceErrorPaddedOffsets);
+  if (bits & kDeviceErrorRoutingIndexOutOfRange) {
+    what += " an expert id or a routing-map row was out of range (that slot was dropped);";
+  }
+  const uint32_t unknown = bits & ~(kDeviceErrorNegativeCount | kDeviceErrorCountsPastCapacity |
+                                    kDeviceErrorPaddedOffsets | kDeviceErrorRoutingIndexOutOfRange);
   if (unknown != 0) {
     char hex[16];
     std::snprintf(hex, sizeof hex, "%x", unknown);

@@ -233,5 +233,16 @@ TEST(DgradActivationBackward, RefusalsNameTheArgument) {
   EXPECT_TRUE(bitwise_equal(h, h0, "h (nothing written by a refused call)"));
 }
 
+// Every bit a kernel can record has words of its own: none reaches the user as "unknown".
+TEST(Errors, EveryDeviceErrorBitIsDescribed) {
+  for (uint32_t bit : {kDeviceErrorNegativeCount, kDeviceErrorCountsPastCapacity, kDeviceErrorPaddedOffsets,
+                       kDeviceErrorRoutingIndexOutOfRange}) {
+    const std::string text = device_error_text(bit);
+    EXPECT_FALSE(text.empty()) << "bit 0x" << std::hex << bit;
+    EXPECT_EQ(text.find("unknown"), std::string::npos) << text;
+  }
+  EXPECT_NE(device_error_text(1u << 31).find("unknown bits 0x80000000"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace gmoe::test
