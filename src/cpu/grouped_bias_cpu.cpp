@@ -38,6 +38,8 @@ void grouped_bias_grad(const TensorView& dy, const TensorView& counts, const Exp
 void copy_rows(const TensorView& dst, const TensorView& src) {
   const size_t row_bytes = static_cast<size_t>(src.size(1)) * dtype_size(src.dtype);
   const size_t es = dtype_size(src.dtype);
+  // A zero-width view may carry a null pointer; memcpy's arguments must not be null even for 0 bytes.
+  if (row_bytes == 0) return;
   for (int64_t r = 0; r < src.size(0); ++r) {
     std::memcpy(static_cast<char*>(dst.data) + r * dst.stride(0) * es,
                 static_cast<const char*>(src.data) + r * src.stride(0) * es, row_bytes);

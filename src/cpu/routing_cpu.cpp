@@ -279,7 +279,8 @@ void permute(const TensorView& x, const TensorView& ids, const PermuteOptions& o
     if (kept) src[row_of[i]] = static_cast<int32_t>(i / k);
   }
   const size_t es = dtype_size(x.dtype), row_bytes = static_cast<size_t>(H) * es;
-  for (int64_t r = 0; r < rows; ++r) {
+  // H == 0 views may be null, and memcpy/memset take no null pointer even for 0 bytes.
+  for (int64_t r = 0; row_bytes > 0 && r < rows; ++r) {
     char* dst = static_cast<char*>(permuted.data) + r * permuted.stride(0) * es;
     if (src[r] < 0) {
       std::memset(dst, 0, row_bytes);
@@ -330,7 +331,7 @@ void combine_backward(const TensorView& dout, const RoutingMap& map, const Tenso
                       const TensorView& expert_out, const TensorView& dexpert_out, const TensorView& dprobs) {
   const int64_t T = dout.size(0), H = dout.size(1), k = map.row_of.size(1), rows = dexpert_out.size(0);
   const size_t es = dtype_size(dexpert_out.dtype);
-  for (int64_t r = 0; r < rows; ++r) {
+  for (int64_t r = 0; H > 0 && r < rows; ++r) {
     std::memset(static_cast<char*>(dexpert_out.data) + r * dexpert_out.stride(0) * es, 0, static_cast<size_t>(H) * es);
   }
   for (int64_t t = 0; t < T; ++t) {
