@@ -3,6 +3,7 @@
 
 #include <c10/core/CPUAllocator.h>
 
+#include <algorithm>
 #include <vector>
 
 namespace gmoe_torch {
@@ -71,6 +72,16 @@ gmoe::TensorView view_of(const at::Tensor& t, const char* what) {
   for (int d = 0; d < v.ndim; ++d) {
     v.shape[d] = t.size(d);
     v.strides[d] = t.stride(d);
+  }
+  // A tensor without elements addresses no memory, and torch calls it contiguous whatever its
+  // strides (autograd's gradient of a sum over 0 tokens is an expanded [0, H] with strides 0, and
+  // .contiguous() keeps it): gmoe sees the contiguous strides of its shape.
+  if (t.numel() == 0) {
+    int64_t stride = 1;
+    for (int d = v.ndim - 1; d >= 0; --d) {
+      v.strides[d] = stride;
+      stride *= std::max<int64_t>(v.shape[d], 1);
+    }
   }
   return v;
 }
