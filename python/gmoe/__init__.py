@@ -3,8 +3,9 @@
 Importing the package loads the compiled extension, which registers gmoe's ops in PyTorch's
 dispatcher under ``torch.ops.gmoe`` (CPU tensors run gmoe's CPU reference backend, CUDA tensors its
 CUDA backend on the current stream), their fake kernels (``torch.compile``) and their autograd
-formulas. The typed Python entry points are in :mod:`gmoe.ops`; the modules are
-:class:`GroupedLinear` and :class:`GroupedMLP`.
+formulas. The typed Python entry points are in :mod:`gmoe.ops` (expert GEMMs, activations),
+:mod:`gmoe.fp8` and :mod:`gmoe.routing` (router top-k, aux and z losses, permute, combine); the
+modules are :class:`GroupedLinear`, :class:`GroupedMLP` and :class:`MoELayer` (the whole block).
 
 Per-expert token counts (``m_splits``) stay on the tensors' device: nothing here reads them on the
 host, so a training step with CUDA tensors never synchronises and can be captured in a CUDA graph
@@ -48,6 +49,20 @@ from .fp8 import (  # noqa: E402
     quantize_weights,
 )
 from .modules import FP8_RECIPES, GroupedLinear, GroupedMLP, fp8_autocast  # noqa: E402
+from .routing import (  # noqa: E402
+    SCORE_FUNCS,
+    Permuted,
+    RouterOutput,
+    RoutingMap,
+    combine,
+    permute,
+    permuted_rows,
+    router_aux_loss,
+    router_topk,
+    router_z_loss,
+    unpermute,
+)
+from .moe_layer import MoELayer  # noqa: E402
 
 __all__ = [
     "ACTIVATIONS",
@@ -64,6 +79,18 @@ __all__ = [
     "quantize_weights",
     "GroupedLinear",
     "GroupedMLP",
+    "MoELayer",
+    "SCORE_FUNCS",
+    "Permuted",
+    "RouterOutput",
+    "RoutingMap",
+    "combine",
+    "permute",
+    "permuted_rows",
+    "router_aux_loss",
+    "router_topk",
+    "router_z_loss",
+    "unpermute",
     "check_device_errors",
     "set_debug_sync",
     "fc1_glu_convert",

@@ -1,6 +1,7 @@
 """Fake (meta) kernels of the gmoe ops: the shapes and dtypes of their outputs, for torch.compile,
 FakeTensor and torch.library.opcheck. They mirror python/csrc/ops.cpp's output allocation; the
 argument checks stay in gmoe (run by the real kernels)."""
+import math
 from typing import Optional, Sequence, Tuple
 
 import torch
@@ -173,3 +174,79 @@ def _dequantize_weights(data, scale_inv, transposed, recipe, out_dtype):
 @torch.library.register_fake(_lib + "check_device_errors")
 def _check_device_errors(anchor: Tensor) -> None:
     return None
+
+
+# ---- routing (gmoe/routing.h; python/csrc/routing_ops.cpp) ------------------------------------------
+
+def permuted_rows(tokens, top_k: int, num_experts: int, pad_multiple: int = 1, capacity_factor: float = 0.0):
+    """gmoe::permuted_rows: min(T·k, E·capacity) + E·(pad_multiple - 1), capacity =
+    ceil(capacity_factor·T·k / E) (no limit when capacity_factor is 0). `tokens` may be symbolic."""
+    kept = tokens * top_k
+    if capacity_factor > 0:
+        # The same double expression, in the same order, as gmoe::expert_capacity.
+        cap = math.ceil(capacity_factor * tokens * top_k / num_experts)
+        kept = torch.sym_min(kept, num_experts * torch.sym_min(cap, kept))
+    return kept + num_experts * (pad_multiple - 1)
+
+
+@torch.library.register_fake(_lib + "router_topk")
+def _router_topk(logits: Tensor, top_k: int, score: str = "softmax", normalize: bool = False, n_group: int = 1,
+                 topk_group: int = 1, scaling_factor: float = 1.0, score_bias: Optional[Tensor] = None):
+    T, E = logits.shape
+    return (logits.new_empty((T, top_k), dtype=torch.float32), logits.new_empty((T, top_k), dtype=torch.int32),
+            logits.new_empty((E,), dtype=torch.int32))
+
+
+@torch.library.register_fake(_lib + "router_topk_backward")
+def _router_topk_backward(logits, ids, dprobs, score="softmax", normalize=False, scaling_factor=1.0,
+                          out_dtype=None):
+    return logits.new_empty(logits.shape, dtype=out_dtype or logits.dtype)
+
+
+@torch.library.register_fake(_lib + "router_aux_loss")
+def _router_aux_loss(logits, counts, top_k, score="softmax", coeff=1.0):
+    return logits.new_empty((1,), dtype=torch.float32)
+
+
+@torch.library.register_fake(_lib + "router_aux_loss_backward")
+def _router_aux_loss_backward(logits, counts, dloss, top_k, score="softmax", coeff=1.0, out_dtype=None):
+    return logits.new_empty(logits.shape, dtype=out_dtype or logits.dtype)
+
+
+@torch.library.register_fake(_lib + "router_z_loss")
+def _router_z_loss(logits, coeff=1.0):
+    return logits.new_empty((1,), dtype=torch.float32)
+
+
+@torch.library.register_fake(_lib + "router_z_loss_backward")
+def _router_z_loss_backward(logits, dloss, coeff=1.0, out_dtype=None):
+    return logits.new_empty(logits.shape, dtype=out_dtype or logits.dtype)
+
+
+@torch.library.register_fake(_lib + "permute")
+def _permute(x: Tensor, ids: Tensor, num_experts: int, pad_multiple: int = 1, capacity_factor: float = 0.0,
+             probs: Optional[Tensor] = None):
+    T, H = x.shape
+    k = ids.shape[1]
+    rows = permuted_rows(T, k, num_experts, pad_multiple, capacity_factor)
+    i32 = torch.int32
+    return (x.new_empty((rows, H)), x.new_empty((num_experts,), dtype=i32), x.new_empty((T, k), dtype=i32),
+            x.new_empty((rows,), dtype=i32), x.new_empty((rows if probs is not None else 0,), dtype=torch.float32),
+            x.new_empty((1,), dtype=i32))
+
+
+@torch.library.register_fake(_lib + "permute_backward")
+def _permute_backward(dpermuted, row_of, src_token, dpermuted_probs=None):
+    dprobs = dpermuted.new_empty(row_of.shape if dpermuted_probs is not None else (0,), dtype=torch.float32)
+    return dpermuted.new_empty((row_of.shape[0], dpermuted.shape[1])), dprobs
+
+
+@torch.library.register_fake(_lib + "combine")
+def _combine(expert_out, row_of, src_token, probs=None):
+    return expert_out.new_empty((row_of.shape[0], expert_out.shape[1]))
+
+
+@torch.library.register_fake(_lib + "combine_backward")
+def _combine_backward(dout, row_of, src_token, probs=None, expert_out=None, need_dprobs=False):
+    dprobs = dout.new_empty(row_of.shape if need_dprobs else (0,), dtype=torch.float32)
+    return dout.new_empty((src_token.shape[0], dout.shape[1])), dprobs
