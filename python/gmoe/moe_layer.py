@@ -1,0 +1,184 @@
+"""gmoe.MoELayer: the whole Mixture-of-Experts block as one module (gmoe/moe_layer.h in PyTorch).
+
+    logits             = x · W_routerᵀ in float32                        (self.router)
+    ids, probs, counts = router_topk(logits)                             (gmoe.router_topk)
+    rows, m_splits     = permute(x, ids)                                 rows grouped by expert
+    y_rows             = experts(rows, m_splits)                         (self.experts, a GroupedMLP)
+    out[t]             = Σ_j probs[t, j] · y_rows[row(t, j)]  (+ shared_experts(x))
+
+Every shape is host-known and the counts never leave the device, so a training step with the
+layer never synchronises and can be captured in a CUDA graph once and replayed under any routing.
+Autograd gives gradients to x, the router weight (through the probabilities and the losses), the
+experts and the shared experts; the experts keep GroupedLinear's Megatron conventions (``main_grad``,
+``delay_wgrad_compute`` with :meth:`MoELayer.backward_dw`, wgrad hooks).
+"""
+from typing import Callable, List, Optional, Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .modules import GroupedLinear, GroupedMLP
+from .routing import SCORE_FUNCS, combine, permute, router_aux_loss, router_topk, router_z_loss
+
+
+class MoELayer(nn.Module):
+    """Router → permute → :class:`GroupedMLP` → combine, with optional shared experts.
+
+    Args:
+        num_experts: E, the routed experts.
+        hidden_size: H, the width of x and of the output.
+        ffn_hidden_size: F, each expert's activation width.
+        top_k: k, the experts per token (1..E).
+        activation, bias, glu_layout, recipe, weight_layout, device, dtype: the experts'
+            (:class:`GroupedMLP`; the shared experts use the same).
+        score_func: ``"softmax"`` (Mixtral, Qwen) or ``"sigmoid"`` (DeepSeek-V3).
+        normalize_topk: renormalise each token's k probabilities to sum 1.
+        n_group, topk_group: group-limited routing (DeepSeek-V3): only the best ``topk_group`` of
+            ``n_group`` equal expert groups are eligible.
+        scaling_factor: multiplies the final probabilities (DeepSeek-V3's routed_scaling_factor).
+        score_correction_bias: a float32 buffer ``score_correction_bias`` [E] (zeros) added to the
+            scores for the selection only (DeepSeek-V3's auxiliary-loss-free balancing; it gets no
+            gradient: the trainer updates it from :attr:`last_counts`).
+        pad_multiple: each expert's rows padded to a multiple of this (16 or 128 for FP8 recipes).
+        capacity_factor: > 0 drops each expert's tokens past ``ceil(capacity_factor·T·k/E)``.
+        aux_loss_coeff, z_loss_coeff: coefficients of the load-balancing loss and the router
+            z-loss (0: not computed).
+        shared_expert_ffn_hidden_size: > 0 adds a dense MLP of this width, run on every token,
+            whose output is added (DeepSeek, Qwen).
+
+    Submodules: ``router`` (``nn.Linear(H, E, bias=False)``; its logits are computed in float32),
+    ``experts`` (:class:`GroupedMLP`), ``shared_experts`` (None, or a one-expert
+    :class:`GroupedMLP` applied to all tokens: a dense MLP).
+
+    After each forward: ``aux_loss`` is the sum of the scaled losses (a 0-d float32 tensor in the
+    autograd graph, for the trainer to add to its loss; None when both coefficients are 0),
+    ``last_counts`` the tokens routed to each expert (int32 [E] on the device, before any capacity
+    drop) and ``last_dropped`` the (token, slot) pairs the capacity dropped (int32 [1] on the
+    device). Reading them on the host is the caller's synchronisation.
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, top_k: int, *,
+                 activation: str = "swiglu", bias: bool = False, glu_layout: Union[str, int] = "concatenated",
+                 score_func: str = "softmax", normalize_topk: bool = False, n_group: int = 1, topk_group: int = 1,
+                 scaling_factor: float = 1.0, score_correction_bias: bool = False, pad_multiple: int = 1,
+                 capacity_factor: float = 0.0, aux_loss_coeff: float = 0.0, z_loss_coeff: float = 0.0,
+                 shared_expert_ffn_hidden_size: int = 0, recipe: Optional[str] = None,
+                 weight_layout: str = "stacked", device: Optional[Union[str, torch.device]] = None,
+                 dtype: Optional[torch.dtype] = None):
+        super().__init__()
+        if num_experts < 1:
+            raise ValueError(f"num_experts: expected at least 1, got {num_experts}")
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k: expected 1..num_experts = 1..{num_experts}, got {top_k}")
+        if score_func not in SCORE_FUNCS:
+            raise ValueError(f"score_func: expected one of {SCORE_FUNCS}, got {score_func!r}")
+        if n_group < 1 or num_experts % n_group:
+            raise ValueError(f"n_group: must be >= 1 and divide num_experts = {num_experts}, got {n_group}")
+        if n_group > 1 and not (1 <= topk_group <= n_group and topk_group * (num_experts // n_group) >= top_k):
+            raise ValueError(f"topk_group: expected 1..n_group = 1..{n_group} with topk_group groups of "
+                             f"{num_experts // n_group} experts holding top_k = {top_k}, got {topk_group}")
+        if pad_multiple < 1:
+            raise ValueError(f"pad_multiple: expected >= 1, got {pad_multiple}")
+        if not capacity_factor >= 0:
+            raise ValueError(f"capacity_factor: expected >= 0 (0: no capacity), got {capacity_factor}")
+        if shared_expert_ffn_hidden_size < 0:
+            raise ValueError(f"shared_expert_ffn_hidden_size: expected >= 0 (0: none), got "
+                             f"{shared_expert_ffn_hidden_size}")
+        self.num_experts, self.hidden_size, self.ffn_hidden_size, self.top_k = \
+            num_experts, hidden_size, ffn_hidden_size, top_k
+        self.score_func, self.normalize_topk = score_func, bool(normalize_topk)
+        self.n_group, self.topk_group, self.scaling_factor = n_group, topk_group, float(scaling_factor)
+        self.pad_multiple, self.capacity_factor = pad_multiple, float(capacity_factor)
+        self.aux_loss_coeff, self.z_loss_coeff = float(aux_loss_coeff), float(z_loss_coeff)
+
+        self.router = nn.Linear(hidden_size, num_experts, bias=False, device=device, dtype=dtype)
+        mlp = dict(activation=activation, glu_layout=glu_layout, bias=bias, weight_layout=weight_layout,
+                   recipe=recipe, device=device, dtype=dtype)
+        self.experts = GroupedMLP(num_experts, hidden_size, ffn_hidden_size, **mlp)
+        self.shared_experts = GroupedMLP(1, hidden_size, shared_expert_ffn_hidden_size, **mlp) \
+            if shared_expert_ffn_hidden_size > 0 else None
+        bias_buffer = torch.zeros(num_experts, dtype=torch.float32, device=device) if score_correction_bias else None
+        self.register_buffer("score_correction_bias", bias_buffer)
+
+        self.aux_loss: Optional[Tensor] = None
+        self.last_counts: Optional[Tensor] = None
+        self.last_dropped: Optional[Tensor] = None
+
+    _PER_FORWARD = ("aux_loss", "last_counts", "last_dropped")
+
+    def __getstate__(self):
+        # The last forward's outputs belong to its autograd graph: a copy or a pickle of the
+        # layer starts without them (deepcopy refuses non-leaf tensors).
+        state = super().__getstate__()
+        return {**state, **{name: None for name in self._PER_FORWARD}}
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
+                f"ffn_hidden_size={self.ffn_hidden_size}, top_k={self.top_k}, score_func={self.score_func}")
+
+    def forward(self, x: Tensor) -> Tensor:
+        """The block's output for x [..., H] (the experts' dtype), of x's shape."""
+        if x.dim() < 1 or x.shape[-1] != self.hidden_size:
+            raise ValueError(f"x: expected [..., {self.hidden_size}] (hidden_size), got {tuple(x.shape)}")
+        shape = x.shape
+        tokens = x.reshape(-1, self.hidden_size)
+        logits = F.linear(tokens.float(), self.router.weight.float())
+        route = router_topk(logits, self.top_k, score_func=self.score_func, normalize=self.normalize_topk,
+                            n_group=self.n_group, topk_group=self.topk_group, scaling_factor=self.scaling_factor,
+                            score_bias=self.score_correction_bias)
+        perm = permute(tokens, route.ids, self.num_experts, pad_multiple=self.pad_multiple,
+                       capacity_factor=self.capacity_factor)
+        out = combine(self.experts(perm.rows, perm.counts), perm.map, route.probs)
+        if self.shared_experts is not None:
+            every_token = torch.full((1,), tokens.shape[0], dtype=torch.int32, device=tokens.device)
+            out = out + self.shared_experts(tokens, every_token)
+
+        aux_loss = None
+        if self.aux_loss_coeff != 0:
+            aux_loss = router_aux_loss(logits, route.counts, self.top_k, self.aux_loss_coeff,
+                                       score_func=self.score_func)
+        if self.z_loss_coeff != 0:
+            z_loss = router_z_loss(logits, self.z_loss_coeff)
+            aux_loss = z_loss if aux_loss is None else aux_loss + z_loss
+        self.aux_loss = aux_loss
+        self.last_counts = route.counts
+        self.last_dropped = perm.dropped
+        return out.view(shape)
+
+    # ---- the experts' Megatron conventions, for the whole layer --------------------------------
+
+    def _grouped_linears(self) -> List[GroupedLinear]:
+        mlps = [self.experts] + ([self.shared_experts] if self.shared_experts is not None else [])
+        return [fc for m in mlps for fc in (m.fc1, m.fc2)]
+
+    @property
+    def delay_wgrad_compute(self) -> bool:
+        """Whether backward leaves the experts' (and shared experts') weight gradients to
+        :meth:`backward_dw`. Settable; the router's weight gradient is never delayed."""
+        return self.experts.fc1.delay_wgrad_compute
+
+    @delay_wgrad_compute.setter
+    def delay_wgrad_compute(self, value: bool) -> None:
+        for fc in self._grouped_linears():
+            fc.delay_wgrad_compute = bool(value)
+
+    def backward_dw(self) -> None:
+        """The delayed weight gradients of the experts, then of the shared experts (see
+        GroupedMLP.backward_dw)."""
+        self.experts.backward_dw()
+        if self.shared_experts is not None:
+            self.shared_experts.backward_dw()
+
+    def register_wgrad_hook(self, fn: Callable[[], None]) -> None:
+        """Calls ``fn()`` once the experts' weight gradients of a backward are complete, and again
+        once the shared experts' are (GroupedMLP.register_wgrad_hook)."""
+        self.experts.register_wgrad_hook(fn)
+        if self.shared_experts is not None:
+            self.shared_experts.register_wgrad_hook(fn)
+
+    def invalidate_fp8_weight(self) -> None:
+        """Drops the FP8 weight caches (see GroupedLinear.invalidate_fp8_weight)."""
+        self.experts.invalidate_fp8_weight()
+        if self.shared_experts is not None:
+            self.shared_experts.invalidate_fp8_weight()
