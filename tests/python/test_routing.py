@@ -503,7 +503,7 @@ def test_cuda_router_matches_cpu(router):
     kw_cuda = dict(kw, score_bias=None if kw["score_bias"] is None else kw["score_bias"].cuda())
     gpu = gmoe.router_topk(logits.cuda(), k, **kw_cuda)
     assert torch.equal(gpu.ids.cpu(), cpu.ids) and torch.equal(gpu.counts.cpu(), cpu.counts)
-    torch.testing.assert_close(gpu.probs.cpu(), cpu.probs, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(gpu.probs.cpu(), cpu.probs, rtol=1e-5, atol=1e-6)
 
 
 @cuda_only
@@ -548,7 +548,7 @@ def test_cuda_out_of_range_ids_set_the_device_error_word():
     ids[5, 1] = E + 3
     p = gmoe.permute(torch.randn(T, H, device="cuda", dtype=torch.bfloat16), ids, E)
     assert p.rows.shape[0] == T * 2  # nothing written past the buffer; the slot is dropped
-    with pytest.raises(ValueError, match="rout|id"):
+    with pytest.raises(ValueError, match="expert id"):
         gmoe.check_device_errors()
     gmoe.check_device_errors()
 
@@ -566,16 +566,18 @@ def _moe_cuda():
 
 
 def _moe_step(m, x, dy):
-    """forward, backward (with the aux loss), backward_dw, an SGD step of the router and experts."""
+    """forward, backward (with the aux loss; the experts' weight gradients into main_grad, delayed
+    to backward_dw), an SGD step of the router and the experts. Returns (y, dx, counts)."""
     y = m(x)
-    ((y.float() * dy).sum() + m.aux_loss).backward()
+    dx, drouter = torch.autograd.grad((y.float() * dy).sum() + m.aux_loss, [x, m.router.weight])
     m.backward_dw()
     with torch.no_grad():
-        for n, p in m.named_parameters():
-            g = p.main_grad if hasattr(p, "main_grad") else p.grad
-            p.add_(g.to(p.dtype), alpha=-1e-2)
-            g.zero_()
-    return y
+        m.router.weight.add_(drouter, alpha=-1e-2)
+        for p in m.parameters():
+            if hasattr(p, "main_grad"):
+                p.add_(p.main_grad.to(p.dtype), alpha=-1e-2)
+                p.main_grad.zero_()
+    return y, dx, m.last_counts
 
 
 @cuda_only
@@ -597,12 +599,14 @@ def test_cuda_moe_training_step_graph_replays_bitwise_under_changing_routing():
     x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(T, H, device="cuda")
 
-    def restore():
-        m.load_state_dict(state)
-        for p in m.parameters():
-            p.grad = None
-            if hasattr(p, "main_grad"):
-                p.main_grad.zero_()
+    def restore(bias=None):
+        with torch.no_grad():
+            m.load_state_dict(state)  # in place: the graph keeps reading the same parameters
+            if bias is not None:
+                m.score_correction_bias.copy_(bias)
+            for p in m.parameters():
+                if hasattr(p, "main_grad"):
+                    p.main_grad.zero_()
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -611,45 +615,34 @@ def test_cuda_moe_training_step_graph_replays_bitwise_under_changing_routing():
             _moe_step(m, x, dy)
     torch.cuda.current_stream().wait_stream(side)
     restore()
-    for p in m.parameters():  # the graph's gradients are static buffers: allocate them before capture
-        if not hasattr(p, "main_grad"):
-            p.grad = torch.zeros_like(p)
-    x.grad = torch.zeros_like(x)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):  # global capture mode: any sync inside fails the capture
-        y_static = _moe_step(m, x, dy)
-    counts_static = m.last_counts
+        static = _moe_step(m, x, dy)
 
+    # the last routing: a selection bias that sends every token to experts 0 and 1, past capacity
+    biases = [None, None, torch.tensor([5.0, 5.0, 0, 0, 0, 0, 0, 0], device="cuda")]
     seen_counts = set()
-    for i in range(3):
+    for i, bias in enumerate(biases):
         new_x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16) * (1 + i)
         new_dy = torch.randn_like(dy)
-        restore()
-        for p in m.parameters():
-            if not hasattr(p, "main_grad"):
-                p.grad = torch.zeros_like(p)
+        restore(bias)
         with torch.no_grad():
             x.copy_(new_x)
-            x.grad.zero_()
             dy.copy_(new_dy)
-            if i == 2:  # a routing that the bias pushes onto two experts: capacity drops
-                m.score_correction_bias.copy_(torch.tensor([5.0, 5.0, 0, 0, 0, 0, 0, 0], device="cuda"))
         graph.replay()
-        replay = [y_static.clone(), x.grad.clone(), counts_static.clone()] + [p.detach().clone()
-                                                                              for p in m.parameters()]
-        seen_counts.add(tuple(counts_static.tolist()))
-        bias_now = m.score_correction_bias.clone()
-        restore()
-        with torch.no_grad():
-            m.score_correction_bias.copy_(bias_now)
+        replay = [t.clone() for t in static] + [p.detach().clone() for p in m.parameters()]
+        seen_counts.add(tuple(static[2].tolist()))
+
+        restore(bias)
         xe = new_x.clone().requires_grad_()
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            ye = _moe_step(m, xe, new_dy)
+            eager = list(_moe_step(m, xe, new_dy))
         finally:
             torch.cuda.set_sync_debug_mode("default")
-        eager = [ye, xe.grad, m.last_counts] + [p.detach() for p in m.parameters()]
+        eager += [p.detach() for p in m.parameters()]
         for j, (a, b) in enumerate(zip(replay, eager)):
             assert torch.equal(a, b), f"replay {i}: output {j} differs between the replayed graph and eager"
     assert len(seen_counts) == 3  # the routing changed on every replay
+    assert m.last_dropped.item() > 0  # and the last one dropped tokens
