@@ -162,8 +162,8 @@ def test_permute_half_dtypes_copy_bitwise(dtype):
 
 
 def test_permute_token_with_all_experts_dropped():
-    # tokens 0..5 fill experts 0 and 1 to their capacity of ceil(0.5·8·2/4) = 2 ... 4 rows; the last
-    # token's two slots go to the two full experts and are both dropped: dx of it is 0, combine gives 0
+    # capacity ceil(0.5·8·2/4) = 2 rows per expert: experts 0 and 1 keep tokens 0 and 2, and every
+    # later token routed to them (3..7) loses both slots: its dx is 0 and combine gives it 0
     E, T, k, H = 4, 8, 2, 6
     ids = torch.tensor([[0, 1]] * T, dtype=torch.int32)
     ids[1] = torch.tensor([2, 3])
@@ -385,7 +385,7 @@ def test_moe_layer_bf16_tolerance():
 def test_moe_layer_token_with_all_experts_dropped_gets_only_the_shared_path():
     m = make_moe("mixtral", capacity_factor=0.25, shared_expert_ffn_hidden_size=4)
     x = torch.randn(32, 16)
-    x[-1] = x[0]  # the same route as token 0, but last: past every capacity its experts have
+    x[-3:] = x[0]  # four tokens of one route; capacity ceil(0.25·32·2/8) = 2: the last two are dropped
     y = m(x)
     assert m.last_dropped.item() > 0
     y_ref, _, _ = moe_ref(m, x)
