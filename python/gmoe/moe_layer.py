@@ -124,9 +124,11 @@ class MoELayer(nn.Module):
         shape = x.shape
         tokens = x.reshape(-1, self.hidden_size)
         logits = F.linear(tokens.float(), self.router.weight.float())
+        # The bias is float32 for the op even after module.to(bfloat16), which casts buffers too.
+        bias = self.score_correction_bias.float() if self.score_correction_bias is not None else None
         route = router_topk(logits, self.top_k, score_func=self.score_func, normalize=self.normalize_topk,
                             n_group=self.n_group, topk_group=self.topk_group, scaling_factor=self.scaling_factor,
-                            score_bias=self.score_correction_bias)
+                            score_bias=bias)
         perm = permute(tokens, route.ids, self.num_experts, pad_multiple=self.pad_multiple,
                        capacity_factor=self.capacity_factor)
         out = combine(self.experts(perm.rows, perm.counts), perm.map, route.probs)
