@@ -123,7 +123,8 @@ class MoELayer(nn.Module):
             raise ValueError(f"x: expected [..., {self.hidden_size}] (hidden_size), got {tuple(x.shape)}")
         shape = x.shape
         tokens = x.reshape(-1, self.hidden_size)
-        logits = F.linear(tokens.float(), self.router.weight.float())
+        with torch.autocast(tokens.device.type, enabled=False):  # float32 logits under autocast too
+            logits = F.linear(tokens.float(), self.router.weight.float())
         # The bias is float32 for the op even after module.to(bfloat16), which casts buffers too.
         bias = self.score_correction_bias.float() if self.score_correction_bias is not None else None
         route = router_topk(logits, self.top_k, score_func=self.score_func, normalize=self.normalize_topk,

@@ -383,6 +383,15 @@ def test_moe_layer_bf16_tolerance(case):
     assert torch.equal(m_bf16.last_counts, m_f32.last_counts)
 
 
+def test_moe_layer_router_stays_float32_under_autocast():
+    m = make_moe("deepseek")
+    x = torch.randn(30, 16)
+    y = m(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y_autocast = m(x)  # the experts are gmoe ops (no autocast); the router's linear is kept in f32
+    assert torch.equal(y_autocast, y)
+
+
 def test_moe_layer_token_with_all_experts_dropped_gets_only_the_shared_path():
     m = make_moe("mixtral", capacity_factor=0.25, shared_expert_ffn_hidden_size=4)
     x = torch.randn(32, 16)
