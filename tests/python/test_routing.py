@@ -383,6 +383,24 @@ def test_moe_layer_bf16_tolerance(case):
     assert torch.equal(m_bf16.last_counts, m_f32.last_counts)
 
 
+@pytest.mark.parametrize("recipe", ["fp8_tensorwise", "fp8_blockwise", "mxfp8"])
+def test_moe_layer_fp8_recipes(recipe):
+    torch.manual_seed(4)
+    kw = dict(pad_multiple=16, shared_expert_ffn_hidden_size=64, dtype=torch.bfloat16)
+    native = gmoe.MoELayer(4, 128, 64, 2, **kw)
+    fp8 = gmoe.MoELayer(4, 128, 64, 2, recipe=recipe, **kw)
+    fp8.load_state_dict(native.state_dict())
+    x = torch.randn(40, 128, dtype=torch.bfloat16, requires_grad=True)
+    y, y8 = native(x), fp8(x)
+    assert torch.equal(fp8.last_counts, native.last_counts)  # the router is not quantized
+    rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()  # noqa: E731
+    assert rel(y8, y) < 0.15
+    dy = torch.randn_like(y)
+    for g8, g in zip(torch.autograd.grad(y8, [x] + list(fp8.parameters()), dy),
+                     torch.autograd.grad(y, [x] + list(native.parameters()), dy)):
+        assert rel(g8, g) < 0.2
+
+
 def test_moe_layer_router_stays_float32_under_autocast():
     m = make_moe("deepseek")
     x = torch.randn(30, 16)
