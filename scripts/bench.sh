@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# scripts/run.sh — the README's main job: set-up, build, and gmoe-bench on the public suite.
+# scripts/bench.sh — set-up, build, and gmoe-bench on the public suite (the main job before the
+# training example; scripts/run.sh runs that now).
 # On a Hopper GPU it runs the CUDA backend with baselines; without one, the CPU reference backend
 # on a reduced suite (rows scaled down; about two minutes): a correctness and smoke run, whose times
 # say nothing about performance. Extra arguments go to gmoe-bench.
