@@ -483,16 +483,22 @@ def _stacked_fc1(cfg: Config) -> str:
     return "experts.up_proj" if cfg.activation == "squared_relu" else "experts.gate_up_proj"
 
 
-def to_hf(state: Dict[str, torch.Tensor], impl: str, cfg: Config, layout: str) -> Dict[str, torch.Tensor]:
-    """A model's state (its own names; weights or any per-parameter tensor such as an Adam moment)
-    under Hugging Face names, the experts in `layout` ("stacked" or "per_expert")."""
-    out, mlps = {}, {}
+def _split_mlps(state: Dict[str, torch.Tensor]):
+    """({key: tensor} outside the MoE blocks, {"model.layers.L.mlp.": {rest of key: tensor}})."""
+    rest, mlps = {}, {}
     for key, t in state.items():
         m = _MLP.match(key)
         if m:
             mlps.setdefault(m.group(1), {})[m.group(2)] = t
         else:
-            out[key] = t
+            rest[key] = t
+    return rest, mlps
+
+
+def to_hf(state: Dict[str, torch.Tensor], impl: str, cfg: Config, layout: str) -> Dict[str, torch.Tensor]:
+    """A model's state (its own names; weights or any per-parameter tensor such as an Adam moment)
+    under Hugging Face names, the experts in `layout` ("stacked" or "per_expert")."""
+    out, mlps = _split_mlps(state)
     for prefix, sub in mlps.items():
         if impl == "torch":
             router, fc1, fc2 = sub["gate.weight"], sub[_stacked_fc1(cfg)], sub["experts.down_proj"]
@@ -518,13 +524,7 @@ def _stacked(sub: Dict[str, torch.Tensor], key: str, E: int) -> torch.Tensor:
 def from_hf(hf: Dict[str, torch.Tensor], impl: str, cfg: Config) -> Dict[str, torch.Tensor]:
     """The inverse of to_hf, from either expert layout, into the model's own names (gmoe: in
     cfg.weight_layout)."""
-    out, mlps = {}, {}
-    for key, t in hf.items():
-        m = _MLP.match(key)
-        if m:
-            mlps.setdefault(m.group(1), {})[m.group(2)] = t
-        else:
-            out[key] = t
+    out, mlps = _split_mlps(hf)
     stacked_fc1 = _stacked_fc1(cfg)
     for prefix, sub in mlps.items():
         if stacked_fc1 in sub:
@@ -723,7 +723,7 @@ class RunResult:
     impl: str
     losses: List[float]                  # one per step, from step 0 (a resumed run includes the saved ones)
     tokens_per_s: Optional[float]        # over this run's steps after the first few
-    peak_memory_bytes: Optional[int]     # CUDA: the peak of allocated memory during this model's run
+    peak_memory_bytes: Optional[int]     # CUDA: peak allocated memory of this model's run (weights included)
     note: str = ""
 
 
@@ -731,9 +731,13 @@ def train_one(impl: str, cfg: Config, init: Dict[str, torch.Tensor], corpus: tor
     device, dtype = torch.device(cfg.device), cfg.torch_dtype
     cuda = device.type == "cuda"
     if cuda:
+        # The previous model's compiled code may still hold its modules: drop it, and count this
+        # model's peak from what is allocated now.
+        torch._dynamo.reset()
         gc.collect()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
+        base_memory = torch.cuda.memory_allocated(device)
     torch.manual_seed(cfg.seed)
     model = build_model(impl, cfg, device, dtype)
     start, losses, moments, adam_step = 0, [], None, 0
@@ -780,7 +784,8 @@ def train_one(impl: str, cfg: Config, init: Dict[str, torch.Tensor], corpus: tor
     losses = losses + device_losses.tolist()
     timed = stop - (start + skip)
     tps = cfg.batch * cfg.seq_len * timed / (t_last - t_first) if t_first is not None and timed > 0 else None
-    peak = torch.cuda.max_memory_allocated(device) if cuda else None
+    peak = torch.cuda.max_memory_allocated(device) - base_memory if cuda else None
+    trainer.graph = None
     note = ""
     if impl == "torch":
         note = "experts: torch._grouped_mm" if cuda else "experts: a per-expert loop (torch._grouped_mm's backward fails on the CPU)"
