@@ -762,6 +762,14 @@ def train_one(impl: str, cfg: Config, init: Dict[str, torch.Tensor], corpus: tor
     device_losses = torch.zeros(max(stop - start, 0), dtype=torch.float32, device=device)
     skip = min(3, max(stop - start - 1, 0))  # steps not timed (first replays, allocator warm-up)
     t_first = t_last = None
+    t_saving = 0.0  # checkpoint writes are not training time
+
+    def tokens_per_s(done):
+        timed = done - (start + skip)
+        if t_first is None or timed <= 0:
+            return None
+        return cfg.batch * cfg.seq_len * timed / (t_last - t_first - t_saving)
+
     for step in range(start, stop):
         if step == start + skip:
             if cuda:
@@ -773,17 +781,17 @@ def train_one(impl: str, cfg: Config, init: Dict[str, torch.Tensor], corpus: tor
             if cuda:
                 torch.cuda.synchronize()
             t_last = time.perf_counter()
-            timed = done - (start + skip)
-            tps = cfg.batch * cfg.seq_len * timed / (t_last - t_first) if t_first is not None and timed > 0 else None
+            tps = tokens_per_s(done)
             loss = float(device_losses[step - start])
             log(f"{impl:5s} step {done:5d}/{cfg.steps}  loss {loss:.4f}  tokens/s "
                 f"{'-' if tps is None else f'{tps:,.0f}'}", flush=True)
         if cfg.save_dir and (done == stop or (cfg.save_every and done % cfg.save_every == 0)):
+            t0 = time.perf_counter()
             save_checkpoint(cfg.save_dir, impl, cfg, trainer, done,
                             losses + device_losses[:done - start].tolist())
+            t_saving += time.perf_counter() - t0 if done < stop else 0.0
     losses = losses + device_losses.tolist()
-    timed = stop - (start + skip)
-    tps = cfg.batch * cfg.seq_len * timed / (t_last - t_first) if t_first is not None and timed > 0 else None
+    tps = tokens_per_s(stop)
     peak = torch.cuda.max_memory_allocated(device) - base_memory if cuda else None
     trainer.graph = None
     note = ""
@@ -792,7 +800,7 @@ def train_one(impl: str, cfg: Config, init: Dict[str, torch.Tensor], corpus: tor
         if cuda and cfg.compile:
             note += ", torch.compile"
     else:
-        note = f"experts: gmoe.GroupedMLP{' ' + cfg.recipe if cfg.recipe else ''}"
+        note = f"MoE block: gmoe.MoELayer{', experts in ' + cfg.recipe if cfg.recipe else ''}"
         if cfg.delay_wgrad:
             note += ", delayed wgrad"
     if graph:
