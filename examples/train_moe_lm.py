@@ -796,7 +796,8 @@ def train_one(impl: str, cfg: Config, init: Dict[str, torch.Tensor], corpus: tor
     trainer.graph = None
     note = ""
     if impl == "torch":
-        note = "experts: torch._grouped_mm" if cuda else "experts: a per-expert loop (torch._grouped_mm's backward fails on the CPU)"
+        note = "experts: torch._grouped_mm" if cuda else \
+            "experts: a per-expert loop (torch._grouped_mm's backward fails on the CPU)"
         if cuda and cfg.compile:
             note += ", torch.compile"
     else:
@@ -903,8 +904,9 @@ def summary_markdown(cfg: Config, results: Dict[str, RunResult]) -> str:
     dev = torch.cuda.get_device_name(cfg.device) if cfg.device.startswith("cuda") else f"CPU ({os.cpu_count()} cores)"
     lines = ["# MoE language model: gmoe against plain PyTorch", "",
              f"- device: {dev}; dtype {cfg.dtype}{'; gmoe experts in ' + cfg.recipe if cfg.recipe else ''}",
-             f"- model: {cfg.layers} layers, hidden {cfg.hidden}, {cfg.heads} heads, {cfg.experts} experts, top-{cfg.top_k}, "
-             f"expert FFN {cfg.ffn}, {cfg.activation}; MoE blocks {100 * moe_flop_share(cfg):.0f}% of the matmul FLOPs",
+             f"- model: {cfg.layers} layers, hidden {cfg.hidden}, {cfg.heads} heads, {cfg.experts} experts, "
+             f"top-{cfg.top_k}, expert FFN {cfg.ffn}, {cfg.activation}; "
+             f"MoE blocks {100 * moe_flop_share(cfg):.0f}% of the matmul FLOPs",
              f"- data: {CORPUS_NAME}; batch {cfg.batch} x {cfg.seq_len} bytes, {cfg.steps} steps, seed {cfg.seed}",
              f"- AdamW lr {cfg.lr}, betas (0.9, 0.95), weight decay {cfg.weight_decay}, clip {cfg.clip}; "
              f"aux loss {cfg.aux_loss_coeff}, z-loss {cfg.z_loss_coeff}", "",
