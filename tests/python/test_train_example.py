@@ -51,6 +51,12 @@ def test_resume_continues_the_loss_curve_bitwise(tmp_path, weight_layout, ckpt_l
         assert resumed[impl].losses == full[impl].losses, impl  # the first 4 from the checkpoint, then 4 new
     state = json.loads((ckpt / "gmoe" / "trainer_state.json").read_text())
     assert state["step"] == state["data_position"] == 4
+    # The same checkpoint into gmoe's other weight layout: the same curve up to rounding (the
+    # gradient norm sums per tensor, and the tensors differ).
+    other = "per_expert" if weight_layout == "stacked" else "stacked"
+    switched = run("--weight-layout", other, "--impl", "gmoe", "--resume", ckpt, steps=8)["gmoe"].losses
+    assert switched[:4] == full["gmoe"].losses[:4]
+    assert switched[4:] == pytest.approx(full["gmoe"].losses[4:], abs=1e-5)
 
 
 def test_checkpoint_uses_hugging_face_expert_names(tmp_path):
@@ -66,6 +72,11 @@ def test_checkpoint_uses_hugging_face_expert_names(tmp_path):
     assert not any("fc1" in k or "router" in k for k in keys)
     with safe_open(str(tmp_path / "gmoe" / "optimizer.safetensors"), "pt") as f:
         assert "exp_avg.model.layers.0.mlp.experts.2.up_proj.weight" in set(f.keys())
+    run("--save-dir", tmp_path / "stacked", "--ckpt-layout", "stacked", "--impl", "gmoe", steps=2)
+    with safe_open(str(tmp_path / "stacked" / "gmoe" / "model.safetensors"), "pt") as f:
+        assert f.get_slice("model.layers.0.mlp.experts.gate_up_proj").get_shape() == [4, 64, 32]
+        assert f.get_slice("model.layers.0.mlp.experts.down_proj").get_shape() == [4, 32, 32]
+        assert not any(".experts.0." in k for k in f.keys())
 
 
 @pytest.mark.parametrize("activation", ["swiglu", "squared_relu"])
