@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # scripts/gpu_check.sh — the one command run on the GPU machine (H100/H200).
 #
-#   scripts/gpu_check.sh [stage ...]   stages: build test sanitize bench tiles profile timeline
+#   scripts/gpu_check.sh [stage ...]   stages: build test sanitize bench tiles profile timeline train
 #                                      (default: build test sanitize bench)
 #
 # build     configure with CUDA, build gmoe_tests_cuda and gmoe-bench with all cores (build/gpu)
@@ -15,6 +15,9 @@
 # tiles     gmoe-bench's gemm mode once per forced `--tuning` setting beside the heuristics' choice
 # profile   Nsight Compute sections for the GEMM kernels of the cases that miss their targets
 # timeline  every kernel's duration in launch order (ncu) for a few gmoe-bench runs
+# train     the PyTorch package added to the build, its tests, then examples/train_moe_lm.py (the
+#           main job's GPU run: gmoe against the torch.compile'd PyTorch model, CUDA graphs);
+#           $OUT/train_moe_lm/{summary.md,loss.png,losses.json}
 #
 # Options (environment): GMOE_BUILD_DIR (a build made elsewhere and carried here), GMOE_BUILD_TARGETS,
 # GMOE_TEST_PARTS ("suite forced"), GMOE_TEST_SHARDS (4), GMOE_GPU_CPU_SUITES=1, GMOE_SANITIZE_*,
@@ -250,6 +253,14 @@ PY
       done
       cat "$OUT/timeline.txt" | tail -150
       summary "timeline: done ($(( $(date +%s) - t0 )) s)" ;;
+    train)
+      if scripts/test_python.sh --build-dir "$BUILD" >"$OUT/train.log" 2>&1 &&
+         PYTHONPATH=python python3 examples/train_moe_lm.py --out "$OUT/train_moe_lm" >>"$OUT/train.log" 2>&1; then
+        summary "train: ok ($(( $(date +%s) - t0 )) s)"
+        grep -E "^\| (gmoe|torch) |^Agreement|^Speed|^Peak" "$OUT/train_moe_lm/summary.md" | tee -a "$OUT/summary.txt"
+      else
+        summary "train: FAILED"; tail -40 "$OUT/train.log"; status=1
+      fi ;;
     *) echo "unknown stage '$stage'"; exit 2 ;;
   esac
 done

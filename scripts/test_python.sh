@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # scripts/test_python.sh — the Python package's tests: installs what they need when it is missing
-# (PyPI's torch, pinned; pytest; the build backend), builds the package, runs `pytest tests/python`,
-# and prints how long each part took. Exits non-zero on any failure.
+# (PyPI's torch, safetensors and matplotlib, pinned; pytest; the build backend), builds the
+# package, runs `pytest tests/python`, and prints how long each part took. Exits non-zero on any
+# failure.
 #
 #   scripts/test_python.sh            pip install . (scikit-build-core, no build isolation, so the
 #                                     extension is built against the torch installed here)
@@ -17,6 +18,7 @@
 #   --cuda / --cpu-only               compile libgmoe's CUDA backend into the package, or not. Default:
 #                                     CUDA when a GPU is visible (nvidia-smi), else CPU only — the CPU
 #                                     tests need no more, and CI saves the CUDA build.
+#   --build-only                      set-up and build, no tests (scripts/run.sh uses it)
 #   extra arguments after --          go to pytest
 # PYTHON selects the interpreter (default: python3).
 set -euo pipefail
@@ -24,9 +26,12 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 PYTHON="${PYTHON:-python3}"
 TORCH_PIN="2.11.0"
+SAFETENSORS_PIN="0.8.0"
+MATPLOTLIB_PIN="3.11.2"
 mode=pip
 cuda=auto
 build_dir=""
+build_only=0
 pytest_args=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -34,6 +39,7 @@ while [[ $# -gt 0 ]]; do
     --build-dir) mode=inplace; build_dir="$2"; shift ;;
     --cuda) cuda=ON ;;
     --cpu-only) cuda=OFF ;;
+    --build-only) build_only=1 ;;
     --) shift; pytest_args=("$@"); break ;;
     *) echo "test_python.sh: unknown argument $1" >&2; exit 2 ;;
   esac
@@ -49,6 +55,12 @@ if ! "$PYTHON" -c "import torch" >/dev/null 2>&1; then
   "$PYTHON" -m pip install "torch==$TORCH_PIN"
 fi
 "$PYTHON" -c "import pytest" >/dev/null 2>&1 || "$PYTHON" -m pip install pytest
+# The training example writes its checkpoints with safetensors and its plot with matplotlib. Where
+# no registry is reachable (the GPU machine) a missing one is reported, and its tests fail.
+for pin in "safetensors==$SAFETENSORS_PIN" "matplotlib==$MATPLOTLIB_PIN"; do
+  "$PYTHON" -c "import ${pin%%=*}" >/dev/null 2>&1 || "$PYTHON" -m pip install "$pin" ||
+    echo "== could not install $pin: tests/python/test_train_example.py will fail"
+done
 torch_version="$("$PYTHON" -c "import torch; print(torch.__version__)")"
 [[ "$torch_version" == "$TORCH_PIN"* ]] || echo "== note: testing against torch $torch_version (pinned: $TORCH_PIN)"
 t1=$(date +%s)
@@ -78,6 +90,10 @@ else
   pythonpath="$root/python${PYTHONPATH:+:$PYTHONPATH}"
 fi
 t2=$(date +%s)
+if [[ $build_only -eq 1 ]]; then
+  echo "== test_python.sh: set-up $((t1 - t0)) s, build $((t2 - t1)) s (--build-only: no tests)"
+  exit 0
+fi
 
 echo "== pytest tests/python"
 # Run from outside the repository root so that `import gmoe` finds the installed package (pip
