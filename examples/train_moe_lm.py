@@ -65,13 +65,7 @@ from torch import nn
 
 import gmoe
 
-try:
-    from gmoe import MoELayer
-except ImportError:
-    # STOPGAP until gmoe.MoELayer is on this branch: delete this branch and
-    # examples/moe_layer_stopgap.py at merge.
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from moe_layer_stopgap import MoELayer
+from gmoe import MoELayer
 
 VOCAB = 256
 IMPLS = ("gmoe", "torch")
@@ -443,9 +437,8 @@ def build_model(impl: str, cfg: Config, device, dtype) -> MoELM:
         layer = MoELayer(cfg.experts, cfg.hidden, cfg.ffn, cfg.top_k, activation=cfg.activation,
                          aux_loss_coeff=cfg.aux_loss_coeff, z_loss_coeff=cfg.z_loss_coeff, recipe=cfg.recipe,
                          weight_layout=cfg.weight_layout, device=device, dtype=dtype)
-        if cfg.delay_wgrad:
-            # GroupedLinear reads the flag in every forward; backward_dw() runs after backward.
-            layer.experts.fc1.delay_wgrad_compute = layer.experts.fc2.delay_wgrad_compute = True
+        # The expert layers read the flag in every forward; backward_dw() runs after backward.
+        layer.delay_wgrad_compute = cfg.delay_wgrad
         return layer
 
     return MoELM(cfg, make_gmoe, device=device, dtype=dtype)
@@ -601,8 +594,7 @@ class Trainer:
         (ce if aux is None else ce + aux).backward()
         if self.cfg.delay_wgrad:
             for moe in self.moe_layers:
-                if hasattr(moe.experts, "backward_dw"):
-                    moe.experts.backward_dw()
+                moe.backward_dw()
         if self.mixed:
             torch._foreach_copy_([m.grad for m in self.masters], [p.grad for p in self.params])
         torch.nn.utils.clip_grad_norm_(self.masters, self.cfg.clip, foreach=True)
