@@ -170,4 +170,9 @@ CheckResult check_pass(const GemmHostData& d, const std::string& pass, const voi
   return result;
 }
 
+void fill_uniform_scaled_host(void* data, DType dtype, int64_t n, double a, uint64_t seed) {
+  fill_uniform_host(data, dtype, n, seed);
+  for (int64_t i = 0; i < n; ++i) store_float(data, dtype, i, float(a) * load_float(data, dtype, i));
+}
+
 }  // namespace gmoe::bench

@@ -14,12 +14,6 @@
 namespace gmoe::bench {
 namespace {
 
-// Uniform in [-a, a): [-1, 1) scaled, rounded to the dtype.
-void fill_scaled(std::vector<uint8_t>& buf, DType dt, int64_t n, double a, uint64_t seed) {
-  fill_uniform_host(buf.data(), dt, n, seed);
-  for (int64_t i = 0; i < n; ++i) store_float(buf.data(), dt, i, float(a) * load_float(buf.data(), dt, i));
-}
-
 std::vector<float> floats(const void* p, DType dt, int64_t offset, int64_t n) {
   std::vector<float> v(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) v[i] = load_float(p, dt, offset + i);
@@ -36,8 +30,8 @@ std::vector<ResultRow> run_moe_case_cpu(const BenchCase& c, const BenchOptions& 
   fill_uniform_host(x.data(), dt, T * H, o.seed);
   fill_uniform_host(dout.data(), dt, T * H, o.seed + 1);
   // Weights scaled so that h and y are about unit size (x, dout uniform in [-1, 1)).
-  fill_scaled(w1, dt, E * R1 * H, 3.0 / std::sqrt(double(H)), o.seed + 2);
-  fill_scaled(w2, dt, E * H * F, 3.0 / std::sqrt(double(F)), o.seed + 3);
+  fill_uniform_scaled_host(w1.data(), dt, E * R1 * H, 3.0 / std::sqrt(double(H)), o.seed + 2);
+  fill_uniform_scaled_host(w2.data(), dt, E * H * F, 3.0 / std::sqrt(double(F)), o.seed + 3);
   const std::vector<float> l32 = moe_logits(c, o.seed + 4);
   for (int64_t i = 0; i < T * E; ++i) store_float(logits.data(), dt, i, l32[i]);
 
