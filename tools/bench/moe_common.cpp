@@ -257,6 +257,7 @@ std::vector<ResultRow> moe_rows(const BenchCase& c, DType dt, const MoeTimes& t,
     if (std::string(pass) == "forward_backward") {
       r.peak_mib = t.peak_bytes / (1024.0 * 1024.0);
       r.note += "; kept for backward: " + t.kept_detail;
+      if (!t.graph_note.empty()) r.note += "; " + t.graph_note;
     }
     rows.push_back(r);
   };

@@ -28,6 +28,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -117,6 +118,7 @@ MoeOpBytes moe_op_bytes(const BenchCase& c, DType dt);
 struct MoeTimes {
   double forward_ms = 0, backward_ms = 0, forward_backward_ms = 0;
   std::optional<double> graph_forward_ms, graph_forward_backward_ms;  ///< CUDA: the captured passes replayed
+  std::string graph_note;  ///< why the replays were not timed, if they were not
   std::optional<GraphNodeCounts> forward_nodes, forward_backward_nodes;
   double peak_bytes = 0;           ///< peak_mib's, in bytes
   double kept_bytes = 0;           ///< kept_bytes_per_token's, for all tokens
