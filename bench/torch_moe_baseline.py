@@ -160,11 +160,11 @@ def make_inputs(case, dev, seed=0):
     T, H, F, E = case["tokens"], case["hidden"], case["ffn"], case["E"]
     bias = case.get("logit_bias") or [0.0] * E
     std = case.get("logit_std", 1.0)
-    g = torch.Generator(device="cpu").manual_seed(seed)
+    g = torch.Generator(device=dev).manual_seed(seed)
     dt = torch.bfloat16
 
-    def randn(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=g) * scale).to(device=dev, dtype=dt)
+    def randn(*shape, scale=1.0):  # drawn on the device: a DeepSeek-V3 case has 11G weights
+        return torch.randn(*shape, generator=g, device=dev, dtype=dt).mul_(scale)
 
     x = randn(T, H)
     x[:, 0] = 1.0  # carries the routing's per-expert bias through the router
