@@ -87,6 +87,19 @@ std::vector<gmoe::bench::ResultRow> run_or_skip(const std::function<std::vector<
   }
 }
 
+// False when a checked row is incorrect; prints each such row.
+bool all_rows_correct(const std::vector<gmoe::bench::ResultRow>& rows) {
+  bool ok = true;
+  for (const gmoe::bench::ResultRow& row : rows) {
+    if (row.correct && !*row.correct) {
+      ok = false;
+      std::printf("  INCORRECT %s %s %s: %s\n", row.case_name.c_str(), row.impl.c_str(), row.pass.c_str(),
+                  row.note.c_str());
+    }
+  }
+  return ok;
+}
+
 // The impl name of an FP8 recipe's gemm rows (fp8_runner.h).
 std::string fp8_impl(const std::string& recipe) { return recipe == "mxfp8" ? "gmoe_mxfp8" : "gmoe_fp8_" + recipe; }
 
@@ -227,14 +240,8 @@ int main(int argc, char** argv) {
         std::vector<ResultRow> m =
             run_or_skip([&] { return use_cuda ? run_moe_case_cuda(cm, o) : run_moe_case_cpu(cm, o); }, full.name,
                         "gmoe", dtype, {"forward", "backward", "forward_backward"});
-        for (ResultRow& row : m) {
-          row.kind = "moe";
-          if (row.correct && !*row.correct) {
-            all_correct = false;
-            std::printf("  INCORRECT %s %s %s: %s\n", row.case_name.c_str(), row.impl.c_str(), row.pass.c_str(),
-                        row.note.c_str());
-          }
-        }
+        for (ResultRow& row : m) row.kind = "moe";  // skipped rows too
+        all_correct = all_rows_correct(m) && all_correct;
         std::printf("  %-24s tokens %lld, top-%lld of E %lld, hidden %lld, ffn %lld, %s, %s routing: done\n",
                     cm.name.c_str(), (long long)cm.tokens, (long long)cm.top_k, (long long)cm.E, (long long)cm.hidden,
                     (long long)cm.ffn, cm.activation.c_str(), cm.routing.c_str());
@@ -251,13 +258,7 @@ int main(int argc, char** argv) {
               return use_cuda ? run_mlp_case_cuda(cm, o) : run_mlp_case_cpu(cm, o);
             },
             full.name, "gmoe", dtype, layer_passes);
-        for (const ResultRow& row : m) {
-          if (row.correct && !*row.correct) {
-            all_correct = false;
-            std::printf("  INCORRECT %s %s %s: %s\n", row.case_name.c_str(), row.impl.c_str(), row.pass.c_str(),
-                        row.note.c_str());
-          }
-        }
+        all_correct = all_rows_correct(m) && all_correct;
         std::printf("  %-24s rows %lld, E %lld, hidden %lld, ffn %lld, %s: done\n", cm.name.c_str(),
                     (long long)cm.rows, (long long)cm.E, (long long)cm.hidden, (long long)cm.ffn,
                     cm.activation.c_str());
