@@ -227,6 +227,35 @@ MoeCheck check_moe(const MoeSample& s, const MoeGot& got) {
   return chk;
 }
 
+void moe_gather(const BenchCase& c, DType dt, int samples, uint64_t seed, const void* x, const void* dout,
+                const void* logits, const int32_t* ids, const void* out, const void* dx, const float* dlogits,
+                MoeSample* s, MoeGot* got) {
+  const int64_t T = c.tokens, E = c.E, k = c.top_k, H = c.hidden;
+  s->dtype = dt;
+  s->E = E;
+  s->k = k;
+  s->H = H;
+  s->F = c.ffn;
+  s->R1 = mlp_fc1_rows(c);
+  s->act = mlp_activation(c);
+  s->tokens = moe_sample_tokens(T, samples, seed);
+  auto append = [dt](std::vector<float>& to, const void* p, int64_t offset, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) to.push_back(load_float(p, dt, offset + i));
+  };
+  for (int64_t t : s->tokens) {
+    append(s->x, x, t * H, H);
+    append(s->dout, dout, t * H, H);
+    append(s->logits, logits, t * E, E);
+    s->ids.insert(s->ids.end(), ids + t * k, ids + (t + 1) * k);
+    append(got->out, out, t * H, H);
+    append(got->dx, dx, t * H, H);
+    got->dlogits.insert(got->dlogits.end(), dlogits + t * E, dlogits + (t + 1) * E);
+  }
+  got->nonfinite_out = count_nonfinite(out, dt, T * H);
+  got->nonfinite_dx = count_nonfinite(dx, dt, T * H);
+  got->nonfinite_dlogits = count_nonfinite(dlogits, DType::f32, T * E);
+}
+
 MoeOpBytes moe_op_bytes(const BenchCase& c, DType dt) {
   const double es = double(dtype_size(dt)), T = double(c.tokens), k = double(c.top_k), H = double(c.hidden);
   const double rows = T * k, idx = 4.0 * rows;  // an i32 per (token, slot)

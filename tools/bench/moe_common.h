@@ -106,6 +106,14 @@ struct MoeCheck {
 /// The check of the file comment.
 MoeCheck check_moe(const MoeSample& s, const MoeGot& got);
 
+/// The sample of one checked run of case c from host copies of whole tensors (x, dout, out, dx
+/// [tokens, hidden] and logits [tokens, E] of dt; ids i32 [tokens, top_k]; dlogits f32 [tokens, E]):
+/// moe_sample_tokens' tokens, their rows, and the non-finite elements of the whole outputs. The
+/// caller adds the chosen experts' weights (slot, w1, w2).
+void moe_gather(const BenchCase& c, DType dt, int samples, uint64_t seed, const void* x, const void* dout,
+                const void* logits, const int32_t* ids, const void* out, const void* dx, const float* dlogits,
+                MoeSample* s, MoeGot* got);
+
 /// Bytes each routing op reads and writes on a case (the unique bytes: x read once per token, not
 /// once per copy), and a plain copy's: the rows of `moe_copy_table`.
 struct MoeOpBytes {

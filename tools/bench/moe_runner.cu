@@ -78,12 +78,6 @@ std::vector<T> to_host(const void* p, int64_t n) {
   return v;
 }
 
-std::vector<float> to_floats(const std::vector<uint16_t>& v, DType dt, int64_t offset, int64_t n) {
-  std::vector<float> out(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) out[i] = load_float(v.data(), dt, offset + i);
-  return out;
-}
-
 // A graph of one call of `work`, instantiated.
 struct Graph {
   cudaGraph_t graph = nullptr;
@@ -150,35 +144,16 @@ std::vector<ResultRow> run_moe_case_cuda(const BenchCase& c, const BenchOptions&
     t.kept_bytes = double(kept + size_t(T * (H + E)) * es);
     t.kept_detail = std::to_string(kept / std::max<int64_t>(T, 1)) + " B/token owned + x and logits by reference";
 
-    MoeSample s;
-    s.dtype = dt;
-    s.E = E;
-    s.k = k;
-    s.H = H;
-    s.F = F;
-    s.R1 = mlp_fc1_rows(c);
-    s.act = mlp_activation(c);
-    s.tokens = moe_sample_tokens(T, o.samples, o.seed + 7);
     const std::vector<int32_t> ids = to_host<int32_t>(f.ids.view().data, T * k);
     const std::vector<uint16_t> hx = to_host<uint16_t>(b.xs[0]->ptr, T * H), hd = to_host<uint16_t>(b.douts[0]->ptr, T * H);
     const std::vector<uint16_t> hl = to_host<uint16_t>(b.logits[0]->ptr, T * E);
     const std::vector<uint16_t> hout = to_host<uint16_t>(f.out.view().data, T * H);
     const std::vector<uint16_t> hdx = to_host<uint16_t>(back.dx.view().data, T * H);
     const std::vector<float> hdl = to_host<float>(back.dlogits.view().data, T * E);
+    MoeSample s;
     MoeGot got;
-    for (int64_t tok : s.tokens) {
-      auto append = [](std::vector<float>& to, const std::vector<float>& v) { to.insert(to.end(), v.begin(), v.end()); };
-      append(s.x, to_floats(hx, dt, tok * H, H));
-      append(s.dout, to_floats(hd, dt, tok * H, H));
-      append(s.logits, to_floats(hl, dt, tok * E, E));
-      s.ids.insert(s.ids.end(), ids.begin() + tok * k, ids.begin() + (tok + 1) * k);
-      append(got.out, to_floats(hout, dt, tok * H, H));
-      append(got.dx, to_floats(hdx, dt, tok * H, H));
-      got.dlogits.insert(got.dlogits.end(), hdl.begin() + tok * E, hdl.begin() + (tok + 1) * E);
-    }
-    got.nonfinite_out = count_nonfinite(hout.data(), dt, T * H);
-    got.nonfinite_dx = count_nonfinite(hdx.data(), dt, T * H);
-    got.nonfinite_dlogits = count_nonfinite(hdl.data(), DType::f32, T * E);
+    moe_gather(c, dt, o.samples, o.seed + 7, hx.data(), hd.data(), hl.data(), ids.data(), hout.data(), hdx.data(),
+               hdl.data(), &s, &got);
     // Only the chosen experts' weights come to the host (all of them are tens of GB in some cases).
     const std::vector<int64_t> chosen = moe_chosen_experts(s.ids, E, &s.slot);
     const size_t w1e = size_t(s.R1 * H) * es, w2e = size_t(H * F) * es;

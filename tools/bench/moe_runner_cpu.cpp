@@ -12,15 +12,6 @@
 #include "common/float_convert.h"
 
 namespace gmoe::bench {
-namespace {
-
-std::vector<float> floats(const void* p, DType dt, int64_t offset, int64_t n) {
-  std::vector<float> v(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) v[i] = load_float(p, dt, offset + i);
-  return v;
-}
-
-}  // namespace
 
 std::vector<ResultRow> run_moe_case_cpu(const BenchCase& c, const BenchOptions& o) {
   const DType dt = o.dtype;
@@ -61,32 +52,14 @@ std::vector<ResultRow> run_moe_case_cpu(const BenchCase& c, const BenchOptions& 
     t.kept_bytes = double(kept + x.size() + logits.size());
     t.kept_detail = std::to_string(kept / std::max<int64_t>(T, 1)) + " B/token owned + x and logits by reference";
     MoeSample s;
-    s.dtype = dt;
-    s.E = E;
-    s.k = k;
-    s.H = H;
-    s.F = F;
-    s.R1 = R1;
-    s.act = mlp_activation(c);
-    s.tokens = moe_sample_tokens(T, o.samples, o.seed + 7);
     MoeGot got;
-    const int32_t* ids = static_cast<const int32_t*>(f.ids.view().data);
-    for (int64_t tok : s.tokens) {
-      for (const float v : floats(x.data(), dt, tok * H, H)) s.x.push_back(v);
-      for (const float v : floats(dout.data(), dt, tok * H, H)) s.dout.push_back(v);
-      for (const float v : floats(logits.data(), dt, tok * E, E)) s.logits.push_back(v);
-      s.ids.insert(s.ids.end(), ids + tok * k, ids + (tok + 1) * k);
-      for (const float v : floats(f.out.view().data, dt, tok * H, H)) got.out.push_back(v);
-      for (const float v : floats(b.dx.view().data, dt, tok * H, H)) got.dx.push_back(v);
-      for (const float v : floats(b.dlogits.view().data, DType::f32, tok * E, E)) got.dlogits.push_back(v);
-    }
+    moe_gather(c, dt, o.samples, o.seed + 7, x.data(), dout.data(), logits.data(),
+               static_cast<const int32_t*>(f.ids.view().data), f.out.view().data, b.dx.view().data,
+               static_cast<const float*>(b.dlogits.view().data), &s, &got);
     s.w1 = w1;  // every expert, in place: slot e is expert e
     s.w2 = w2;
     s.slot.resize(static_cast<size_t>(E));
     for (int64_t e = 0; e < E; ++e) s.slot[e] = e;
-    got.nonfinite_out = count_nonfinite(f.out.view().data, dt, T * H);
-    got.nonfinite_dx = count_nonfinite(b.dx.view().data, dt, T * H);
-    got.nonfinite_dlogits = count_nonfinite(b.dlogits.view().data, DType::f32, T * E);
     chk = check_moe(s, got);
   }
   t.forward_ms = median(fwd);
