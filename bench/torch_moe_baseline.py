@@ -3,7 +3,7 @@
 gmoe.MoELayer through the PyTorch package, on the moe cases of a gmoe suite, in one session.
 
 The block, per case (tokens T, hidden H, ffn F, E experts, top_k, activation; bf16):
-    logits = linear(x, W_r)                                   router [T, E]
+    logits = linear(x, W_r)                                   router [T, E] (bf16; --router-dtype fp32)
     probs, ids = topk(softmax(logits, f32), top_k); probs /= probs.sum(-1)   (renormalised)
     order = argsort(ids.flatten(), stable); src = order // top_k             sort-based permute
     xp = x[src];  counts = bincount(ids, E);  offs = cumsum(counts)          offsets on the device
@@ -15,10 +15,11 @@ impls:
   torch          the block, eager
   torch_compile  the same under torch.compile (compiled before timing; a compile failure is recorded
                  under "errors" and the run goes on)
-  gmoe_torch     gmoe.MoELayer(E, H, F, top_k, activation=...) with the same weights (its parameters of
-                 shapes [E, H], [E, 2F, H], [E, H, F] share the block's storage) when the gmoe package
-                 is importable and has MoELayer; else the summary says it is absent. Its output is
-                 checked against the eager block's (relative Frobenius error below 2e-2: "correct").
+  gmoe_torch     gmoe.MoELayer(E, H, F, top_k, activation=..., normalize_topk=True) with the same
+                 weights (its parameters of shapes [E, H], [E, 2F, H], [E, H, F] share the block's
+                 storage) when the gmoe package is importable and has MoELayer; else the summary says
+                 it is absent. Its output is checked against the eager block's with a float32 router,
+                 as the module computes its logits (relative Frobenius error below 2e-2: "correct").
 
 The routing of a case: logits = logit_std · N(0, 1) + logit_bias[e], as gmoe-bench draws them; here
 through the router itself: x's first feature is the constant 1, W_r's first column logit_bias, the
@@ -70,10 +71,12 @@ def clamped_swiglu(gate, up):
 ACTIVATIONS = {"swiglu": swiglu, "clamped_swiglu": clamped_swiglu}
 
 
-def moe_block(x, w_r, w1, w2, top_k, act):
-    """The MoE block as Megatron writes it (see the module docstring)."""
+def moe_block(x, w_r, w1, w2, top_k, act, router_dtype=None):
+    """The MoE block as Megatron writes it (see the module docstring); router_dtype: the router
+    linear's (None: x's; torch.float32: Megatron's --moe-router-dtype fp32, as gmoe.MoELayer)."""
     E = w1.shape[0]
-    logits = torch.nn.functional.linear(x, w_r)
+    rd = router_dtype or x.dtype
+    logits = torch.nn.functional.linear(x.to(rd), w_r.to(rd))
     scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
     probs, ids = torch.topk(scores, top_k, dim=-1)
     probs = probs / probs.sum(dim=-1, keepdim=True)
@@ -93,11 +96,13 @@ def moe_block(x, w_r, w1, w2, top_k, act):
 _compiled = {}
 
 
-def compiled_block(top_k, act):
-    # One compiled function per (top_k, activation); a new shape recompiles (dynamic=False).
-    key = (top_k, act)
+def compiled_block(top_k, act, router_dtype):
+    # One compiled function per (top_k, activation, router dtype); a new shape recompiles
+    # (dynamic=False).
+    key = (top_k, act, router_dtype)
     if key not in _compiled:
-        _compiled[key] = torch.compile(lambda x, w_r, w1, w2: moe_block(x, w_r, w1, w2, top_k, act), dynamic=False)
+        _compiled[key] = torch.compile(lambda x, w_r, w1, w2: moe_block(x, w_r, w1, w2, top_k, act, router_dtype),
+                                       dynamic=False)
     return _compiled[key]
 
 
@@ -185,7 +190,8 @@ def gmoe_module(case, w_r, w1, w2, dev):
     if not hasattr(gmoe, "MoELayer"):
         return None, "the gmoe package has no MoELayer"
     E, H, F, k = case["E"], case["hidden"], case["ffn"], case["top_k"]
-    want = {"activation": case.get("activation", "swiglu"), "device": dev, "dtype": torch.bfloat16}
+    want = {"activation": case.get("activation", "swiglu"), "device": dev, "dtype": torch.bfloat16,
+            "score_func": "softmax", "normalize_topk": True, "bias": False}
     try:
         accepted = inspect.signature(gmoe.MoELayer).parameters
         kwargs = {n: v for n, v in want.items() if n in accepted or any(
@@ -224,9 +230,10 @@ def case_rows(case, args, dev, errors, notes):
     weights = [w_r, w1, w2]
     flops = expert_flops(case)
     T = max(case["tokens"], 1)
-    impls = [("torch", lambda: moe_block(x, w_r, w1, w2, k, act), weights)]
+    rd = torch.float32 if args.router_dtype == "fp32" else None
+    impls = [("torch", lambda: moe_block(x, w_r, w1, w2, k, act, rd), weights)]
     if not args.no_compile:
-        fn = compiled_block(k, act)
+        fn = compiled_block(k, act, rd)
         impls.append(("torch_compile", lambda: fn(x, w_r, w1, w2), weights))
     module_check = None
     if not args.no_module:
@@ -241,8 +248,10 @@ def case_rows(case, args, dev, errors, notes):
             else:
                 try:
                     with torch.no_grad():
-                        err = relative_error(m(x), moe_block(x, w_r, w1, w2, k, act))
-                    module_check = (err < 2e-2, f"out: relative Frobenius error {err:.3g} against the eager block")
+                        # float32 logits, as the module computes them: the same routing
+                        err = relative_error(m(x), moe_block(x, w_r, w1, w2, k, act, torch.float32))
+                    module_check = (err < 2e-2, f"out: relative Frobenius error {err:.3g} against the eager block "
+                                                "(float32 router)")
                 except Exception as e:  # noqa: BLE001 (its timing below records the same failure)
                     module_check = (False, f"out: {type(e).__name__}: {e}")
                 if not module_check[0]:
@@ -312,6 +321,9 @@ def main():
                     help="auto: CUDA when available, else the CPU (a smoke run: its times are not figures)")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
     ap.add_argument("--no-module", action="store_true", help="skip gmoe.MoELayer")
+    ap.add_argument("--router-dtype", choices=["bf16", "fp32"], default="bf16",
+                    help="the PyTorch block's router linear: bf16 (Megatron's default: the input's dtype) or fp32 "
+                         "(Megatron's --moe-router-dtype fp32, as gmoe.MoELayer computes its logits)")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--warm-ms", type=float, default=1000.0,
                     help="CUDA: ms of back-to-back untimed work before each timing (as gmoe-bench's --warm-ms)")
