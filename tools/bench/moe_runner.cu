@@ -6,10 +6,9 @@
 // (global capture mode: it fails on any host sync), whose nodes are what one call launches, and
 // (where the memory allows) instantiated per input set; then the timing, CUDA events: the eager
 // forward, the eager forward + backward and both graphs replayed, interleaved so that drift
-// affects them alike; the backward alone (each after an
-// untimed forward); last, the routing ops alone on the case's routing, interleaved with a device
-// copy of the permuted rows' bytes. x, the logits and dout rotate past L2 (the weights, one copy,
-// are far larger than L2 in every moe case).
+// affects them alike; the backward alone (each after an untimed forward); last, the routing ops
+// alone on the case's routing, interleaved with a device copy of the permuted rows' bytes. x, the
+// logits and dout rotate past L2 (the weights, one copy, are far larger than L2 in every moe case).
 #include <cuda_runtime.h>
 
 #include <algorithm>
