@@ -1,9 +1,12 @@
 #!/usr/bin/env python3
 """bench/report.py — merges result files of one GPU session (gmoe-bench --json, torch_baseline.py
---json) into one results file in the docs/benchmarks.md format, and prints one table: TFLOP/s of every
-implementation per case and pass, gmoe's ratio to each baseline, and the geometric means. Layer
-rows (impl gmoe_linear, from gmoe-bench's layer mode) get a second table: the layer's time beside
-its bare GEMMs measured in the same run, the overhead, and the kernel launches per call.
+--json, torch_moe_baseline.py --json) into one results file in the docs/benchmarks.md format, and
+prints one table: TFLOP/s of every implementation per case and pass, gmoe's ratio to each baseline,
+and the geometric means. Layer rows (impl gmoe_linear, from gmoe-bench's layer mode) get a second
+table: the layer's time beside its bare GEMMs measured in the same run, the overhead, and the kernel
+launches per call. Rows of moe cases (kind "moe") get tables of their own: the MoE block forward +
+backward, gmoe against the PyTorch composition eager and compiled, with the bytes kept for backward
+per token and the peak memory of each; and permute / combine against a device copy.
 
     report.py gmoe.json torch.json --out results.json --markdown results.md
 """
@@ -211,6 +214,72 @@ def write_markdown_table(f, lines):
             f.write("|" + "---|" * 2 + "---:|" * (len(l) - 2) + "\n")
 
 
+def is_moe(r):
+    return r.get("kind") == "moe"
+
+
+def moe_table(rows):
+    """The MoE block forward + backward per case: gmoe (eager C++ calls), gmoe_graph (the captured
+    pass replayed), gmoe_torch (the PyTorch module), the PyTorch composition eager and compiled; the
+    compiled composition's time over gmoe's and gmoe_torch's (the targets: >= 1.5x, >= 1.8x on
+    fine-grained cases); bytes kept for backward per token and gmoe's over the compiled composition's
+    (target <= 0.6x); peak memory of each."""
+    impls = ["gmoe", "gmoe_graph", "gmoe_torch", "torch", "torch_compile"]
+    cells = {}
+    for r in rows:
+        if is_moe(r) and r["pass"] == "forward_backward" and r["impl"] in impls:
+            cells.setdefault(r["case"], {})[r["impl"]] = r
+    if not cells:
+        return []
+
+    def get(c, impl, key):
+        r = c.get(impl)
+        return None if r is None or r.get("skipped") else r.get(key)
+
+    def num(v, prec):
+        return "-" if v is None else f"{v:.{prec}f}"
+
+    def ratio(a, b):
+        return None if a is None or b is None or b <= 0 else a / b
+
+    head = (["case"] + [f"{i} ms" for i in impls] + ["compiled/gmoe", "compiled/gmoe_torch"]
+            + [f"kept B/token {i}" for i in ("gmoe", "gmoe_torch", "torch", "torch_compile")]
+            + ["kept gmoe/compiled"] + [f"peak MiB {i}" for i in ("gmoe", "gmoe_torch", "torch", "torch_compile")]
+            + ["correct"])
+    lines, logs = [head], {"compiled/gmoe": [], "compiled/gmoe_torch": [], "kept": []}
+    for case, c in cells.items():
+        speed = ratio(get(c, "torch_compile", "ms"), get(c, "gmoe", "ms"))
+        speed_t = ratio(get(c, "torch_compile", "ms"), get(c, "gmoe_torch", "ms"))
+        kept = ratio(get(c, "gmoe", "kept_bytes_per_token"), get(c, "torch_compile", "kept_bytes_per_token"))
+        for key, v in (("compiled/gmoe", speed), ("compiled/gmoe_torch", speed_t), ("kept", kept)):
+            if v:
+                logs[key].append(math.log(v))
+        checked = [c[i].get("correct") for i in ("gmoe", "gmoe_torch") if i in c and c[i].get("correct") is not None]
+        lines.append([case] + [num(get(c, i, "ms"), 3) if i in c and not c[i].get("skipped") else
+                               ("skipped" if i in c else "-") for i in impls]
+                     + [num(speed, 2) + ("x" if speed else ""), num(speed_t, 2) + ("x" if speed_t else "")]
+                     + [num(get(c, i, "kept_bytes_per_token"), 0) for i in ("gmoe", "gmoe_torch", "torch", "torch_compile")]
+                     + [num(kept, 2) + ("x" if kept else "")]
+                     + [num(get(c, i, "peak_mib"), 1) for i in ("gmoe", "gmoe_torch", "torch", "torch_compile")]
+                     + ["-" if not checked else ("yes" if all(checked) else "NO")])
+    geo = lambda v: f"{math.exp(sum(v) / len(v)):.2f}x" if v else "-"  # noqa: E731
+    lines.append(["geomean"] + [""] * len(impls) + [geo(logs["compiled/gmoe"]), geo(logs["compiled/gmoe_torch"])]
+                 + [""] * 4 + [geo(logs["kept"])] + [""] * 5)
+    return lines
+
+
+def moe_copy_table(rows):
+    """Permute and combine (forward and backward) alone: bytes read + written per second against a
+    plain device copy's in the same run (target: >= 80%)."""
+    lines = [["case", "op", "pass", "ms", "GB/s", "copy GB/s", "of copy"]]
+    for r in rows:
+        if is_moe(r) and r.get("gbps") is not None and r["impl"] != "device_copy" and not r.get("skipped"):
+            copy = r.get("copy_gbps")
+            lines.append([r["case"], r["impl"], r["pass"], f"{r['ms']:.3f}", f"{r['gbps']:.0f}",
+                          "-" if not copy else f"{copy:.0f}", "-" if not copy else f"{100 * r['gbps'] / copy:.1f}%"])
+    return lines if len(lines) > 1 else []
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("inputs", nargs="+")
@@ -229,6 +298,9 @@ def main():
             merged["rows"] = []
         if "torch" in d:
             merged["torch"] = d["torch"]
+        for n in d.get("notes", []):
+            if n not in merged.setdefault("notes", []):
+                merged["notes"].append(n)
         merged["rows"] += d["rows"]
         for e in d.get("errors", []):
             # An error of one (case, pass, impl) is that row not run: a skipped row (docs/benchmarks.md).
@@ -239,14 +311,20 @@ def main():
     if merged is None:
         raise SystemExit("report: no readable input")
     json.dump(merged, open(args.out, "w"), indent=1)
-    tables = sections(merged["rows"])
-    layer = layer_table(merged["rows"])
-    fp8_layer = fp8_layer_table(merged["rows"])
-    fp8_mlp = fp8_layer_table([r for r in merged["rows"] if r["pass"] in ("forward", "forward_backward")
+    rows = [r for r in merged["rows"] if not is_moe(r)]  # the moe cases' rows have tables of their own
+    tables = sections(rows)
+    layer = layer_table(rows)
+    fp8_layer = fp8_layer_table(rows)
+    fp8_mlp = fp8_layer_table([r for r in rows if r["pass"] in ("forward", "forward_backward")
                                and not r["impl"].startswith(LAYER_IMPL)], "gmoe_", "bf16 GroupedMLP")
-    fp8_gemm = fp8_layer_table([r for r in merged["rows"] if r["pass"] in ("fprop", "dgrad", "wgrad")], "gmoe_",
+    fp8_gemm = fp8_layer_table([r for r in rows if r["pass"] in ("fprop", "dgrad", "wgrad")], "gmoe_",
                                "bf16 GEMM")
-    act_share = activation_share_table(merged["rows"])
+    act_share = activation_share_table(rows)
+    moe = moe_table(merged["rows"])
+    moe_passes = table([r for r in merged["rows"] if is_moe(r)], ["gmoe", "gmoe_graph", "gmoe_torch"],
+                       ["torch", "torch_compile"], passes={"forward", "backward", "forward_backward"})
+    moe_copy = moe_copy_table(merged["rows"])
+    notes = merged.get("notes") or []
     for title, lines in tables:
         print(f"\n{title}:")
         print_table(lines)
@@ -265,6 +343,17 @@ def main():
     if act_share:
         print("\nThe activation kernels alone, as a share of GroupedMLP's time:")
         print_table(act_share)
+    if moe:
+        print("\nMoE block forward+backward (router, permute, experts, combine), same run:")
+        print_table(moe)
+    if moe_passes:
+        print("\nMoE block per pass (TFLOP/s of the expert GEMMs):")
+        print_table(moe_passes)
+    if moe_copy:
+        print("\nPermute and combine alone against a device copy:")
+        print_table(moe_copy)
+    for n in notes:
+        print(f"note: {n}")
     skipped = skipped_lines(merged["rows"])
     if skipped:
         print("\nSkipped (not run):")
@@ -307,6 +396,23 @@ def main():
                 f.write("\nThe activation kernels alone (forward; forward and backward) as a share of GroupedMLP's "
                         "time: the most that fusing them into the GEMMs' epilogues could save.\n\n")
                 write_markdown_table(f, act_share)
+            if moe:
+                f.write("\n## MoE block\n\nForward + backward of the whole block (router top-k, permute, expert MLP, "
+                        "combine): gmoe (MoELayer, eager calls; gmoe_graph: the captured pass replayed; gmoe_torch: "
+                        "gmoe.MoELayer) against the PyTorch composition (bench/torch_moe_baseline.py) eager and "
+                        "compiled, in ms; compiled/gmoe is the speed-up (targets: >= 1.5x, >= 1.8x fine-grained). "
+                        "Bytes kept for backward per token (target: gmoe <= 0.6x the compiled composition's) and "
+                        "peak memory of one forward + backward beyond inputs and weights (docs/benchmarks.md).\n\n")
+                write_markdown_table(f, moe)
+            if moe_passes:
+                f.write("\nMoE block per pass, TFLOP/s of the expert GEMMs.\n\n")
+                write_markdown_table(f, moe_passes)
+            if moe_copy:
+                f.write("\nPermute and combine alone: bytes read + written per second against a plain device copy in "
+                        "the same run (target: >= 80%).\n\n")
+                write_markdown_table(f, moe_copy)
+            for n in notes:
+                f.write(f"\nNote: {n}\n")
             if skipped:
                 f.write("\nSkipped (not run):\n\n")
                 for line in skipped:

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # scripts/gpu_check.sh — the one command run on the GPU machine (H100/H200).
 #
-#   scripts/gpu_check.sh [stage ...]   stages: build test sanitize bench tiles profile timeline train
-#                                      (default: build test sanitize bench)
+#   scripts/gpu_check.sh [stage ...]   stages: build test sanitize bench moe tiles profile timeline train
+#                                      (default: build test sanitize bench moe)
 #
 # build     configure with CUDA, build gmoe_tests_cuda and gmoe-bench with all cores (build/gpu)
 # test      the CUDA suite in gtest shards, beside its runs with each tile, cluster, raster and row
@@ -12,6 +12,11 @@
 #           bench/torch_baseline.py in the same session, merged by bench/report.py into the
 #           baseline of this GPU: $OUT/<gpu>.json and .md (<gpu>: h100, h200), which replace
 #           bench/results/<gpu>.{json,md}
+# moe       the MoE block on the suite's moe cases: gmoe-bench --mode moe (MoELayer; its peak memory
+#           and bytes kept for backward; permute / combine against a device copy) and
+#           bench/torch_moe_baseline.py (the PyTorch composition eager and compiled, and
+#           gmoe.MoELayer, the package's extension built into the build folder first), merged into
+#           $OUT/moe.json and moe.md, and into $OUT/<gpu>.json and .md when they are there
 # tiles     gmoe-bench's gemm mode once per forced `--tuning` setting beside the heuristics' choice
 # profile   Nsight Compute sections for the GEMM kernels of the cases that miss their targets
 # timeline  every kernel's duration in launch order (ncu) for a few gmoe-bench runs
@@ -21,7 +26,7 @@
 #
 # Options (environment): GMOE_BUILD_DIR (a build made elsewhere and carried here), GMOE_BUILD_TARGETS,
 # GMOE_TEST_PARTS ("suite forced"), GMOE_TEST_SHARDS (4), GMOE_GPU_CPU_SUITES=1, GMOE_SANITIZE_*,
-# GMOE_BENCH_*, GMOE_TORCH_KIND, GMOE_TILES, GMOE_PROFILE_SPECS, GMOE_TIMELINE, GMOE_COMMIT (the
+# GMOE_BENCH_*, GMOE_TORCH_KIND, GMOE_MOE_*, GMOE_TILES, GMOE_PROFILE_SPECS, GMOE_TIMELINE, GMOE_COMMIT (the
 # commit measured). Logs go to $OUT (default /tmp/gmoe_out) as logs.tgz, with summary.txt. The machine
 # has no package registry: carry .deps (`scripts/setup_deps.sh --bundle`). Stages can be split over
 # several calls while the machine stays warm (the build folder is kept).
@@ -34,7 +39,7 @@ mkdir -p "$OUT"
 # test stage then runs the CUDA suite alone when the CTest tree is not there.
 BUILD="${GMOE_BUILD_DIR:-build/gpu}"
 stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(build test sanitize bench)
+[ ${#stages[@]} -eq 0 ] && stages=(build test sanitize bench moe)
 commit="${GMOE_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
 export GMOE_COMMIT="$commit"
 # The baseline's name: the GPU model in lower case (NVIDIA H100 80GB HBM3 -> h100).
@@ -137,7 +142,8 @@ for stage in "${stages[@]}"; do
         grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/sanitizer.log" | tail -1 | tee -a "$OUT/summary.txt"
       done ;;
     bench)
-      # GMOE_BENCH_MODE (a list of gemm, layer, mlp, all; default all) and the FP8 recipes of the
+      # GMOE_BENCH_MODE (a list of gemm, layer, mlp, moe, all; default "gemm layer mlp": the moe
+      # cases are the moe stage's, which runs their PyTorch baselines beside them) and the FP8 recipes of the
       # gemm and layer modes (GMOE_BENCH_FP8, GMOE_BENCH_LAYER_FP8; "none" for none) narrow a run to
       # what a session still needs; torch always runs beside it (GMOE_TORCH_KIND: gemm, mlp or all).
       # GMOE_BENCH_WARM_MS (default 1000): the sustained work before each layer and mlp timing, in
@@ -149,7 +155,7 @@ for stage in "${stages[@]}"; do
       [ "$fp8" != none ] && fp8_args+=(--fp8 "$fp8")
       [ "$layer_fp8" != none ] && fp8_args+=(--layer-fp8 "$layer_fp8")
       : >"$OUT/bench.log"
-      for mode in ${GMOE_BENCH_MODE:-all}; do
+      for mode in ${GMOE_BENCH_MODE:-gemm layer mlp}; do
         "$BUILD/gmoe-bench" --suite bench/suites/public.json --mode "$mode" --iters 20 --warm-ms "$warm" \
           "${fp8_args[@]}" --json "$OUT/gmoe_$mode.json" >>"$OUT/bench.log" 2>&1 || status=1
       done
@@ -162,6 +168,53 @@ for stage in "${stages[@]}"; do
         --markdown "$OUT/$gpu.md" | tee -a "$OUT/bench.log"
       rm -f "$OUT"/gmoe_*.json "$OUT/torch.json"
       summary "bench: done, $OUT/$gpu.json and $gpu.md ($(( $(date +%s) - t0 )) s)" ;;
+    moe)
+      # GMOE_MOE_SUITE: the suite (default bench/suites/public.json); GMOE_MOE_CASE: only the moe
+      # cases whose name contains it (default: all of them);
+      # GMOE_MOE_TORCH=0: gmoe-bench alone; GMOE_MOE_PACKAGE=0: no extension build (gmoe_torch is then
+      # reported absent unless the package is importable anyway); GMOE_MOE_COMPILE=0: no
+      # torch.compile (about a minute per shape). The warm-up is the bench stage's (GMOE_BENCH_WARM_MS).
+      warm="${GMOE_BENCH_WARM_MS:-1000}"
+      moe_suite="${GMOE_MOE_SUITE:-bench/suites/public.json}"
+      moe_case="${GMOE_MOE_CASE:-}"
+      : >"$OUT/moe.log"
+      "$BUILD/gmoe-bench" --suite "$moe_suite" --mode moe --case "$moe_case" --iters 20 \
+        --warm-ms "$warm" --json "$OUT/moe_gmoe.json" >>"$OUT/moe.log" 2>&1 || { status=1; summary "moe: gmoe-bench FAILED"; }
+      grep -E "INCORRECT|SKIPPED|correctness" "$OUT/moe.log" | tee -a "$OUT/summary.txt"
+      moe_inputs=("$OUT/moe_gmoe.json")
+      if [ "${GMOE_MOE_TORCH:-1}" = 1 ]; then
+        if [ "${GMOE_MOE_PACKAGE:-1}" = 1 ]; then
+          # The package's extension, added to this build (scripts/test_python.sh --build-dir does the same).
+          if cmake -S . -B "$BUILD" -DGMOE_BUILD_PYTHON=ON -DPython_EXECUTABLE="$(command -v python3)" >>"$OUT/moe.log" 2>&1 &&
+             cmake --build "$BUILD" -j "$(nproc)" --target gmoe_torch_ops >>"$OUT/moe.log" 2>&1; then
+            summary "moe: the PyTorch package's extension built"
+          else
+            summary "moe: the PyTorch package's extension did not build (gmoe_torch absent; see moe.log)"
+          fi
+          cmake -S . -B "$BUILD" -DGMOE_BUILD_PYTHON=OFF >/dev/null 2>&1
+        fi
+        compile_args=()
+        [ "${GMOE_MOE_COMPILE:-1}" = 1 ] || compile_args=(--no-compile)
+        PYTHONPATH="$root/python${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 python3 bench/torch_moe_baseline.py \
+          --suite "$moe_suite" --case "$moe_case" --iters 20 --warm-ms "$warm" "${compile_args[@]}" \
+          --json "$OUT/moe_torch.json" >>"$OUT/moe.log" 2>&1 || summary "moe: torch baseline FAILED (or gmoe_torch incorrect)"
+        moe_inputs+=("$OUT/moe_torch.json")
+      fi
+      python3 bench/report.py "${moe_inputs[@]}" --out "$OUT/moe.json" --markdown "$OUT/moe.md" >>"$OUT/moe.log" 2>&1 ||
+        status=1
+      sed -n '/^## MoE block/,$p' "$OUT/moe.md" | head -60 | tee -a "$OUT/summary.txt"
+      if [ -f "$OUT/$gpu.json" ]; then
+        # This GPU's whole baseline (the bench stage's): its moe rows, if any, replaced by these.
+        python3 - "$OUT/$gpu.json" <<'PY' && python3 bench/report.py "$OUT/$gpu.json" "$OUT/moe.json" \
+          --out "$OUT/$gpu.json" --markdown "$OUT/$gpu.md" >/dev/null || status=1
+import json, sys
+d = json.load(open(sys.argv[1]))
+d["rows"] = [r for r in d["rows"] if r.get("kind") != "moe"]
+json.dump(d, open(sys.argv[1], "w"), indent=1)
+PY
+      fi
+      rm -f "$OUT/moe_gmoe.json" "$OUT/moe_torch.json"
+      summary "moe: done, $OUT/moe.json and moe.md ($(( $(date +%s) - t0 )) s)" ;;
     tiles)
       # gmoe-bench's gemm mode once per forced setting (GMOE_TILES: --tuning specs, default each
       # tile config, weight-gradient tile order and cluster), no baselines, beside the heuristics'

@@ -1,6 +1,6 @@
 // tools/gmoe_bench.cpp — gmoe-bench: runs a benchmark suite, checking correctness before timing.
 //
-//   gmoe-bench [--suite bench/suites/public.json] [--backend auto|cpu|cuda] [--mode gemm|layer|mlp|all]
+//   gmoe-bench [--suite bench/suites/public.json] [--backend auto|cpu|cuda] [--mode gemm|layer|mlp|moe|all]
 //              [--json F] [--markdown F] [--tuning SPEC]
 //
 // On a GPU (sm_90) it runs the CUDA backend on the suite as given, with the cuBLAS baselines in the
@@ -10,7 +10,12 @@
 // times GroupedLinear forward and forward+backward on the same cases beside its bare GEMMs, with the
 // kernel launches per call (CUDA graph capture) and a check that they do not grow with E; `mlp`
 // times GroupedMLP forward and forward+backward on the mlp cases beside the same work composed of
-// separate public ops (impl gmoe_unfused); `all` (default) runs all three. --tuning overrides the
+// separate public ops (impl gmoe_unfused); `moe` times MoELayer (router top-k, permute, GroupedMLP,
+// combine) forward, backward and forward+backward on the moe cases, eager and replayed from CUDA
+// graphs, with its peak memory and the bytes it keeps for backward per token, and permute and
+// combine alone against a device copy (bench/moe_common.h); `all` (default) runs all four. On the
+// CPU a moe case is also made narrower when its weights would not fit (scale_moe_for_cpu).
+// --tuning overrides the
 // kernel heuristics for the whole run (gmoe/tuning.h). A case that a runner
 // cannot run (an unsupported combination, e.g. --fp8 where K is not a multiple of 16, or any error
 // inside the case) becomes rows marked `skipped` with the reason, and the run goes on. Exits
@@ -47,6 +52,9 @@ bool check_layer_launches_cuda(const BenchOptions&) { GMOE_FAIL("gmoe-bench was 
 std::vector<ResultRow> run_mlp_case_cuda(const BenchCase&, const BenchOptions&) {
   GMOE_FAIL("gmoe-bench was built without CUDA");
 }
+std::vector<ResultRow> run_moe_case_cuda(const BenchCase&, const BenchOptions&) {
+  GMOE_FAIL("gmoe-bench was built without CUDA");
+}
 std::vector<ResultRow> run_fp8_gemm_case_cuda(const BenchCase&, const BenchOptions&, const Fp8BenchRecipe&) {
   GMOE_FAIL("gmoe-bench was built without CUDA");
 }
@@ -79,6 +87,19 @@ std::vector<gmoe::bench::ResultRow> run_or_skip(const std::function<std::vector<
   }
 }
 
+// False when a checked row is incorrect; prints each such row.
+bool all_rows_correct(const std::vector<gmoe::bench::ResultRow>& rows) {
+  bool ok = true;
+  for (const gmoe::bench::ResultRow& row : rows) {
+    if (row.correct && !*row.correct) {
+      ok = false;
+      std::printf("  INCORRECT %s %s %s: %s\n", row.case_name.c_str(), row.impl.c_str(), row.pass.c_str(),
+                  row.note.c_str());
+    }
+  }
+  return ok;
+}
+
 // The impl name of an FP8 recipe's gemm rows (fp8_runner.h).
 std::string fp8_impl(const std::string& recipe) { return recipe == "mxfp8" ? "gmoe_mxfp8" : "gmoe_fp8_" + recipe; }
 
@@ -89,7 +110,8 @@ int main(int argc, char** argv) {
   CLI::App app{"gmoe-bench: grouped GEMM and expert-layer benchmarks (correctness first, then timing)"};
   std::string suite_path = "bench/suites/public.json", backend = "auto", json_path, md_path, filter,
               dtype = "bf16", mode = "all";
-  double cpu_gflop = 0.5, cpu_layer_gflop = 0.125, cpu_mlp_gflop = 0.25;
+  double cpu_gflop = 0.5, cpu_layer_gflop = 0.125, cpu_mlp_gflop = 0.25, cpu_moe_gflop = 0.05,
+         cpu_moe_weight_mib = 64;
   BenchOptions o;
   bool no_baselines = false;
   app.add_option("--suite", suite_path, "suite file (format of bench/suites/public.json)");
@@ -98,8 +120,9 @@ int main(int argc, char** argv) {
   app.add_option("--dtype", dtype, "input dtype")->check(CLI::IsMember({"bf16", "f16"}));
   app.add_option("--mode", mode,
                  "gemm: the GEMM passes; layer: GroupedLinear beside its bare GEMMs; mlp: GroupedMLP beside its "
-                 "unfused composition (mlp cases); all: the three")
-      ->check(CLI::IsMember({"gemm", "layer", "mlp", "all"}));
+                 "unfused composition (mlp cases); moe: MoELayer, its memory, and permute / combine against a "
+                 "device copy (moe cases); all: the four")
+      ->check(CLI::IsMember({"gemm", "layer", "mlp", "moe", "all"}));
   app.add_option("--case", filter, "only cases whose name contains this");
   app.add_option("--json", json_path, "write results as JSON (docs/benchmarks.md format)");
   app.add_option("--markdown", md_path, "write the table as markdown");
@@ -110,6 +133,9 @@ int main(int argc, char** argv) {
   app.add_option("--cpu-gflop", cpu_gflop, "CPU backend: GFLOP per pass the rows are scaled to");
   app.add_option("--cpu-layer-gflop", cpu_layer_gflop, "CPU backend, layer mode: GFLOP per GEMM the rows are scaled to");
   app.add_option("--cpu-mlp-gflop", cpu_mlp_gflop, "CPU backend, mlp mode: GFLOP per forward the rows are scaled to");
+  app.add_option("--cpu-moe-gflop", cpu_moe_gflop, "CPU backend, moe mode: GFLOP per forward the tokens are scaled to");
+  app.add_option("--cpu-moe-weight-mib", cpu_moe_weight_mib,
+                 "CPU backend, moe mode: hidden and ffn scaled down until the experts' weights fit this");
   app.add_option("--layer-fp8", o.layer_recipes,
                  "layer mode on CUDA: also GroupedLinear with these FP8 recipes (fp8_blockwise, fp8_tensorwise, "
                  "mxfp8; with '+native_wgrad' the weight gradient in bf16, with '+cached_weights' the weights "
@@ -190,7 +216,7 @@ int main(int argc, char** argv) {
                            "times and TFLOP/s are not performance figures)");
     if (!tuning.empty()) std::printf("gmoe-bench: tuning %s\n", gmoe::tuning_spec(gmoe::current_tuning()).c_str());
     const bool run_gemm = mode == "gemm" || mode == "all", run_layer = mode == "layer" || mode == "all";
-    const bool run_mlp = mode == "mlp" || mode == "all";
+    const bool run_mlp = mode == "mlp" || mode == "all", run_moe = mode == "moe" || mode == "all";
     std::vector<ResultRow> rows;
     bool all_correct = true;
     const auto t0 = std::chrono::steady_clock::now();
@@ -208,6 +234,21 @@ int main(int argc, char** argv) {
     }
     for (const BenchCase& full : suite.cases) {
       if (!filter.empty() && full.name.find(filter) == std::string::npos) continue;
+      if (full.kind == "moe") {
+        if (!run_moe) continue;
+        const BenchCase cm = use_cuda ? full : scale_moe_for_cpu(full, cpu_moe_gflop, cpu_moe_weight_mib * 1024 * 1024);
+        std::vector<ResultRow> m =
+            run_or_skip([&] { return use_cuda ? run_moe_case_cuda(cm, o) : run_moe_case_cpu(cm, o); }, full.name,
+                        "gmoe", dtype, {"forward", "backward", "forward_backward"});
+        for (ResultRow& row : m) row.kind = "moe";  // skipped rows too
+        all_correct = all_rows_correct(m) && all_correct;
+        std::printf("  %-24s tokens %lld, top-%lld of E %lld, hidden %lld, ffn %lld, %s, %s routing: done\n",
+                    cm.name.c_str(), (long long)cm.tokens, (long long)cm.top_k, (long long)cm.E, (long long)cm.hidden,
+                    (long long)cm.ffn, cm.activation.c_str(), cm.routing.c_str());
+        std::fflush(stdout);
+        rows.insert(rows.end(), m.begin(), m.end());
+        continue;
+      }
       if (full.kind == "mlp") {
         if (!run_mlp) continue;
         BenchCase cm = full;
@@ -217,13 +258,7 @@ int main(int argc, char** argv) {
               return use_cuda ? run_mlp_case_cuda(cm, o) : run_mlp_case_cpu(cm, o);
             },
             full.name, "gmoe", dtype, layer_passes);
-        for (const ResultRow& row : m) {
-          if (row.correct && !*row.correct) {
-            all_correct = false;
-            std::printf("  INCORRECT %s %s %s: %s\n", row.case_name.c_str(), row.impl.c_str(), row.pass.c_str(),
-                        row.note.c_str());
-          }
-        }
+        all_correct = all_rows_correct(m) && all_correct;
         std::printf("  %-24s rows %lld, E %lld, hidden %lld, ffn %lld, %s: done\n", cm.name.c_str(),
                     (long long)cm.rows, (long long)cm.E, (long long)cm.hidden, (long long)cm.ffn,
                     cm.activation.c_str());

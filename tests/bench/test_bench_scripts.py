@@ -1,12 +1,14 @@
 #!/usr/bin/env python3
 """tests/bench/test_bench_scripts.py — the GPU session's Python tools, checked where there is no GPU.
 
-bench/torch_baseline.py and bench/report.py run only on the GPU machine, where a mistake costs a
-device call. Here: torch_baseline.py's --dry-run on every --kind (no torch needed: it lists the
-cases and what it would time) and its argument checks; report.py on synthetic result files of every
-kind of row it tables (bf16 and FP8 GEMMs, the layer against its bare GEMMs, the FP8 layer against
-the bf16 one, the layer against torch's layer composition, the MLP), the ratios and geometric means
-it prints, torch's per-row errors as skipped rows, and its refusal of unreadable input.
+bench/torch_baseline.py, bench/torch_moe_baseline.py and bench/report.py run only on the GPU
+machine, where a mistake costs a device call. Here: torch_baseline.py's --dry-run on every --kind
+(no torch needed: it lists the cases and what it would time) and its argument checks; the same for
+torch_moe_baseline.py on the moe cases; report.py on synthetic result files of every kind of row it
+tables (bf16 and FP8 GEMMs, the layer against its bare GEMMs, the FP8 layer against the bf16 one,
+the layer against torch's layer composition, the MLP, the MoE block and its routing ops), the
+ratios and geometric means it prints, torch's per-row errors as skipped rows, and its refusal of
+unreadable input.
 
     python3 tests/bench/test_bench_scripts.py        (ctest: bench_scripts)
 """
@@ -22,6 +24,7 @@ ROOT = os.environ.get("GMOE_SOURCE_DIR") or os.path.abspath(os.path.join(os.path
 SUITE = os.path.join(ROOT, "bench", "suites", "public.json")
 BASELINE = os.path.join(ROOT, "bench", "torch_baseline.py")
 REPORT = os.path.join(ROOT, "bench", "report.py")
+MOE_BASELINE = os.path.join(ROOT, "bench", "torch_moe_baseline.py")
 
 
 def run(*args):
@@ -70,6 +73,32 @@ class TorchBaselineDryRun(unittest.TestCase):
         for args in (("--kind", "conv"), ("--iters", "0"), ()):  # () : no --json without --dry-run
             with self.subTest(args=args):
                 p = run(BASELINE, "--suite", SUITE, *args)
+                self.assertNotEqual(p.returncode, 0)
+                self.assertIn("error", p.stderr)
+
+
+class TorchMoeBaselineDryRun(unittest.TestCase):
+    def test_it_lists_the_moe_cases(self):
+        with open(SUITE) as f:
+            moe = [c["name"] for c in json.load(f)["cases"] if c["kind"] == "moe"]
+        # issue 45's shapes, each with uniform and skewed routing
+        for model in ("qwen3_30b_a3b", "dsv3_e256", "gptoss_20b", "mixtral_8x7b"):
+            for routing in ("uniform", "skewed"):
+                self.assertIn(f"moe_{model}/{routing}", moe)
+        p = run(MOE_BASELINE, "--suite", SUITE, "--dry-run")
+        self.assertEqual(p.returncode, 0, p.stderr)
+        lines = p.stdout.splitlines()
+        self.assertEqual(lines[-1], f"{len(moe)} cases")
+        self.assertEqual([l.split()[0] for l in lines[:-1]], moe)
+        self.assertIn("tokens 8192, top-8 of E 128, hidden 2048, ffn 768", p.stdout)
+        p = run(MOE_BASELINE, "--suite", SUITE, "--dry-run", "--case", "gptoss")
+        self.assertEqual(p.stdout.splitlines()[-1], "2 cases")
+        self.assertIn("clamped_swiglu", p.stdout)
+
+    def test_bad_arguments(self):
+        for args in (("--device", "tpu"), ("--iters", "0"), ()):  # () : no --json without --dry-run
+            with self.subTest(args=args):
+                p = run(MOE_BASELINE, "--suite", SUITE, *args)
                 self.assertNotEqual(p.returncode, 0)
                 self.assertIn("error", p.stderr)
 
@@ -181,6 +210,45 @@ class Report(unittest.TestCase):
         self.assertIn("1.25x", md.split("## expert MLP")[1])
         self.assertIn("a/skewed torch_fp8_rowwise: counts", stdout)
         self.assertIn("compile failed", stdout)
+
+    def test_moe_tables(self):
+        def moe_row(case, pass_name, impl, ms, **extra):
+            r = {"case": case, "kind": "moe", "pass": pass_name, "impl": impl, "dtype": "bf16", "ms": ms,
+                 "tflops": 100.0 / ms, "correct": None}
+            r.update(extra)
+            return r
+
+        ours = [moe_row("moe_q/uniform", "forward_backward", "gmoe", 10.0, correct=True, kept_bytes_per_token=3000.0,
+                        peak_mib=900.0),
+                moe_row("moe_q/uniform", "forward_backward", "gmoe_graph", 9.5, correct=True),
+                moe_row("moe_q/uniform", "forward", "gmoe", 4.0, correct=True),
+                moe_row("moe_q/uniform", "forward", "gmoe_permute", 0.1, gbps=2400.0, copy_gbps=3000.0),
+                moe_row("moe_q/uniform", "copy", "device_copy", 0.1, gbps=3000.0),
+                # an mlp case of the same model name: not in the MoE tables, and they not in its
+                gemm_row("q/uniform", "forward_backward", "gmoe", 500.0)]
+        torch_rows = [moe_row("moe_q/uniform", "forward_backward", "torch", 20.0, kept_bytes_per_token=7000.0,
+                              peak_mib=2000.0),
+                      moe_row("moe_q/uniform", "forward_backward", "torch_compile", 16.0, kept_bytes_per_token=6000.0,
+                              peak_mib=1500.0),
+                      moe_row("moe_q/uniform", "forward", "torch_compile", 5.0),
+                      gemm_row("q/uniform", "forward_backward", "torch_compile", 400.0, correct=None)]
+        stdout, merged, md = self.report(
+            self.write("gmoe.json", ours, gpu="H100", commit="abc", date="today", suite="public"),
+            self.write("torch.json", torch_rows, torch="2.11", notes=["gmoe_torch: absent (no MoELayer)"]))
+        self.assertEqual(len(merged["rows"]), len(ours) + len(torch_rows))
+        block = md.split("## MoE block")[1]
+        # compiled / gmoe = 16 / 10 = 1.60x; kept 3000 / 6000 = 0.50x; peak memory of each.
+        self.assertIn("| moe_q/uniform | 10.000 | 9.500 | - | 20.000 | 16.000 | 1.60x | - | 3000 | - | 7000 | 6000 | "
+                      "0.50x | 900.0 | - | 2000.0 | 1500.0 | yes |", block)
+        self.assertIn("| moe_q/uniform | gmoe_permute | forward | 0.100 | 2400 | 3000 | 80.0% |", block)
+        self.assertNotIn("device_copy", block)
+        self.assertIn("Note: gmoe_torch: absent (no MoELayer)", md)
+        self.assertIn("note: gmoe_torch: absent", stdout)
+        # the expert MLP table has the mlp case only: 500 / 400 = 1.25x
+        mlp = md.split("## expert MLP")[1].split("## MoE block")[0]
+        self.assertIn("q/uniform", mlp)
+        self.assertNotIn("moe_q", mlp)
+        self.assertIn("1.25x", mlp)
 
     def test_unreadable_inputs(self):
         good = self.write("gmoe.json", [gemm_row("a/uniform", "fprop", "gmoe", 800.0)])

@@ -36,7 +36,8 @@ uint64_t splitmix(uint64_t x) {
   return x ^ (x >> 31);
 }
 
-// Non-finite elements, on the bits (all-ones exponent), so it runs at memory speed.
+}  // namespace
+
 int64_t count_nonfinite(const void* p, DType dt, int64_t n) {
   int64_t bad = 0;
   if (dt == DType::f32) {
@@ -51,8 +52,6 @@ int64_t count_nonfinite(const void* p, DType dt, int64_t n) {
   for (int64_t i = 0; i < n; ++i) bad += (u[i] & mask) == mask;
   return bad;
 }
-
-}  // namespace
 
 std::vector<int64_t> prefix_offsets(const std::vector<int64_t>& counts) {
   std::vector<int64_t> off(counts.size() + 1, 0);
@@ -169,6 +168,11 @@ CheckResult check_pass(const GemmHostData& d, const std::string& pass, const voi
   if (!result.ok && !worst.empty()) os << ", worst " << worst;
   result.detail = os.str();
   return result;
+}
+
+void fill_uniform_scaled_host(void* data, DType dtype, int64_t n, double a, uint64_t seed) {
+  fill_uniform_host(data, dtype, n, seed);
+  for (int64_t i = 0; i < n; ++i) store_float(data, dtype, i, float(a) * load_float(data, dtype, i));
 }
 
 }  // namespace gmoe::bench

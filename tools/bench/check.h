@@ -49,6 +49,13 @@ CheckResult check_pass(const GemmHostData& d, const std::string& pass, const voi
 /// (seed, index), in parallel.
 void fill_uniform_host(void* data, DType dtype, int64_t n, uint64_t seed);
 
+/// The same, uniform in [-a, a) (those values scaled by a, rounded to the dtype).
+void fill_uniform_scaled_host(void* data, DType dtype, int64_t n, double a, uint64_t seed);
+
+/// Non-finite elements of `n` bf16/f16/f32 values, on the bits (all-ones exponent), so it runs at
+/// memory speed.
+int64_t count_nonfinite(const void* p, DType dt, int64_t n);
+
 /// Offsets (E + 1) of counts.
 std::vector<int64_t> prefix_offsets(const std::vector<int64_t>& counts);
 

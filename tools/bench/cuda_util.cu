@@ -25,6 +25,13 @@ __global__ void fill_uniform_kernel(T* p, int64_t n, uint64_t seed) {
   }
 }
 
+template <typename T>
+__global__ void scale_kernel(T* p, int64_t n, float a) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    p[i] = T(a * float(p[i]));
+  }
+}
+
 }  // namespace
 
 void fill_uniform(void* p, DType dt, int64_t n, uint64_t seed) {
@@ -33,6 +40,17 @@ void fill_uniform(void* p, DType dt, int64_t n, uint64_t seed) {
     fill_uniform_kernel<<<1024, 256>>>(static_cast<__nv_bfloat16*>(p), n, seed);
   } else {
     fill_uniform_kernel<<<1024, 256>>>(static_cast<__half*>(p), n, seed);
+  }
+  BENCH_CUDA(cudaGetLastError());
+}
+
+void fill_uniform_scaled(void* p, DType dt, int64_t n, double a, uint64_t seed) {
+  fill_uniform(p, dt, n, seed);
+  if (n == 0) return;
+  if (dt == DType::bf16) {
+    scale_kernel<<<1024, 256>>>(static_cast<__nv_bfloat16*>(p), n, float(a));
+  } else {
+    scale_kernel<<<1024, 256>>>(static_cast<__half*>(p), n, float(a));
   }
   BENCH_CUDA(cudaGetLastError());
 }

@@ -35,6 +35,9 @@ struct DeviceBuffer {
 /// the legacy default stream.
 void fill_uniform(void* p, DType dt, int64_t n, uint64_t seed);
 
+/// The same, uniform in [-a, a) (fill_uniform's values scaled by a).
+void fill_uniform_scaled(void* p, DType dt, int64_t n, double a, uint64_t seed);
+
 /// How many copies of a set of inputs of `set_bytes` to rotate through so that no timed run finds
 /// its inputs in L2 (1 to 8, from the device's L2 size).
 int rotation_sets(size_t set_bytes);

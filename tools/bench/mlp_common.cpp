@@ -136,6 +136,84 @@ act::Eval act32(const ActivationOptions& o, float g, float u) {
 
 }  // namespace
 
+MlpRowReference mlp_row_reference(const MlpHostData& d, int64_t e, const float* x, const double* dy_exact,
+                                  const float* dy_own) {
+  const int64_t H = d.H, F = d.F, R1 = d.R1;
+  const bool gated = is_gated(d.act.kind);
+  const int64_t block = d.act.glu.layout == GluLayout::interleaved ? d.act.glu.block : 0;
+  auto in = [&](const void* p, int64_t i) { return load_float(p, d.dtype, i); };
+  const DType dt = d.dtype;
+  const size_t r1 = static_cast<size_t>(R1), f = static_cast<size_t>(F), hh = static_cast<size_t>(H);
+  std::vector<double> h64(r1), z64(f), dz64(f, 0.0), dh64(r1);
+  std::vector<float> h32(r1), z32(f), dz32(f, 0.0f), dh32(r1), w(hh);
+  const int64_t w1e = e * R1 * H, w2e = e * H * F;
+  MlpRowReference ref;
+  ref.y_exact.assign(hh, 0.0);
+  ref.y_own = ref.dx_exact = ref.dx_own = ref.y_exact;
+  // h = x·W1ᵀ
+  for (int64_t c = 0; c < R1; ++c) {
+    double acc64 = 0;
+    float acc32 = 0;
+    for (int64_t k = 0; k < H; ++k) {
+      const float a = x[k], b = in(d.w1, w1e + c * H + k);
+      acc64 += double(a) * double(b);
+      acc32 += a * b;
+    }
+    h64[c] = acc64;
+    h32[c] = round_to(dt, acc32);
+  }
+  // dz = dy·W2 (needs only dy and W2)
+  for (int64_t n = 0; n < H; ++n) {
+    for (int64_t j = 0; j < F; ++j) {
+      const float b = in(d.w2, w2e + n * F + j);
+      dz64[j] += dy_exact[n] * double(b);
+      dz32[j] += dy_own[n] * b;
+    }
+  }
+  for (int64_t j = 0; j < F; ++j) dz32[j] = round_to(dt, dz32[j]);
+  // z = act(h), dh = act'(h)·dz
+  for (int64_t j = 0; j < F; ++j) {
+    const int64_t gc = gated ? act::gate_column(j, block) : j;
+    const int64_t uc = gated ? gc + act::up_offset(F, block) : j;
+    const Act64 a = act64(d.act, h64[gc], gated ? h64[uc] : 0.0);
+    const act::Eval b = act32(d.act, h32[gc], gated ? h32[uc] : 0.0f);
+    z64[j] = a.value;
+    z32[j] = round_to(dt, b.value);
+    dh64[gc] = dz64[j] * a.d_gate;
+    dh32[gc] = round_to(dt, dz32[j] * b.d_gate);
+    if (gated) {
+      dh64[uc] = dz64[j] * a.d_up;
+      dh32[uc] = round_to(dt, dz32[j] * b.d_up);
+    }
+  }
+  // y = z·W2ᵀ, dx = dh·W1
+  for (int64_t n = 0; n < H; ++n) {
+    double acc64 = 0;
+    float acc32 = 0;
+    for (int64_t j = 0; j < F; ++j) {
+      const float b = in(d.w2, w2e + n * F + j);
+      acc64 += z64[j] * double(b);
+      acc32 += z32[j] * b;
+    }
+    ref.y_exact[n] = acc64;
+    ref.y_own[n] = round_to(dt, acc32);
+  }
+  std::vector<double> dx64(hh, 0.0);
+  std::vector<float> dx32(hh, 0.0f);
+  for (int64_t c = 0; c < R1; ++c) {
+    for (int64_t k = 0; k < H; ++k) w[k] = in(d.w1, w1e + c * H + k);
+    for (int64_t k = 0; k < H; ++k) {
+      dx64[k] += dh64[c] * double(w[k]);
+      dx32[k] += dh32[c] * w[k];
+    }
+  }
+  for (int64_t k = 0; k < H; ++k) {
+    ref.dx_exact[k] = dx64[k];
+    ref.dx_own[k] = round_to(dt, dx32[k]);
+  }
+  return ref;
+}
+
 MlpReference mlp_reference(const MlpHostData& d, int samples, uint64_t seed) {
   MlpReference ref;
   if (d.rows == 0) return ref;
@@ -144,130 +222,43 @@ MlpReference mlp_reference(const MlpHostData& d, int samples, uint64_t seed) {
   for (int64_t i = 0; i < n_rows; ++i) {
     ref.rows.push_back(std::uniform_int_distribution<int64_t>(0, d.offsets.back() - 1)(rng));
   }
-  const int64_t H = d.H, F = d.F, R1 = d.R1;
-  const bool gated = is_gated(d.act.kind);
-  const int64_t block = d.act.glu.layout == GluLayout::interleaved ? d.act.glu.block : 0;
-  auto in = [&](const void* p, int64_t i) { return load_float(p, d.dtype, i); };
-  const DType dt = d.dtype;
+  const int64_t H = d.H;
   ref.y_exact.assign(size_t(n_rows * H), 0.0);
   ref.y_own = ref.dx_exact = ref.dx_own = ref.y_exact;
-  const size_t r1 = static_cast<size_t>(R1), f = static_cast<size_t>(F), hh = static_cast<size_t>(H);
-  std::vector<double> h64(r1), z64(f), dz64(f), dh64(r1);
-  std::vector<float> h32(r1), z32(f), dz32(f), dh32(r1), w(hh);
+  std::vector<float> x(static_cast<size_t>(H)), dy_own(static_cast<size_t>(H));
+  std::vector<double> dy_exact(static_cast<size_t>(H));
   for (int64_t s = 0; s < n_rows; ++s) {
     const int64_t r = ref.rows[s];
     const int64_t e = std::upper_bound(d.offsets.begin(), d.offsets.end(), r) - d.offsets.begin() - 1;
-    const int64_t w1e = e * R1 * H, w2e = e * H * F;
-    // h = x·W1ᵀ
-    for (int64_t c = 0; c < R1; ++c) {
-      double acc64 = 0;
-      float acc32 = 0;
-      for (int64_t k = 0; k < H; ++k) {
-        const float a = in(d.x, r * H + k), b = in(d.w1, w1e + c * H + k);
-        acc64 += double(a) * double(b);
-        acc32 += a * b;
-      }
-      h64[c] = acc64;
-      h32[c] = round_to(dt, acc32);
-    }
-    // dz = dy·W2 (needs only dy and W2)
-    std::fill(dz64.begin(), dz64.end(), 0.0);
-    std::fill(dz32.begin(), dz32.end(), 0.0f);
-    for (int64_t n = 0; n < H; ++n) {
-      const float g = in(d.dy, r * H + n);
-      for (int64_t j = 0; j < F; ++j) {
-        const float b = in(d.w2, w2e + n * F + j);
-        dz64[j] += double(g) * double(b);
-        dz32[j] += g * b;
-      }
-    }
-    for (int64_t j = 0; j < F; ++j) dz32[j] = round_to(dt, dz32[j]);
-    // z = act(h), dh = act'(h)·dz
-    for (int64_t j = 0; j < F; ++j) {
-      const int64_t gc = gated ? act::gate_column(j, block) : j;
-      const int64_t uc = gated ? gc + act::up_offset(F, block) : j;
-      const Act64 a = act64(d.act, h64[gc], gated ? h64[uc] : 0.0);
-      const act::Eval b = act32(d.act, h32[gc], gated ? h32[uc] : 0.0f);
-      z64[j] = a.value;
-      z32[j] = round_to(dt, b.value);
-      dh64[gc] = dz64[j] * a.d_gate;
-      dh32[gc] = round_to(dt, dz32[j] * b.d_gate);
-      if (gated) {
-        dh64[uc] = dz64[j] * a.d_up;
-        dh32[uc] = round_to(dt, dz32[j] * b.d_up);
-      }
-    }
-    // y = z·W2ᵀ, dx = dh·W1
-    for (int64_t n = 0; n < H; ++n) {
-      double acc64 = 0;
-      float acc32 = 0;
-      for (int64_t j = 0; j < F; ++j) {
-        const float b = in(d.w2, w2e + n * F + j);
-        acc64 += z64[j] * double(b);
-        acc32 += z32[j] * b;
-      }
-      ref.y_exact[s * H + n] = acc64;
-      ref.y_own[s * H + n] = round_to(dt, acc32);
-    }
-    std::vector<double> dx64(hh, 0.0);
-    std::vector<float> dx32(hh, 0.0f);
-    for (int64_t c = 0; c < R1; ++c) {
-      for (int64_t k = 0; k < H; ++k) w[k] = in(d.w1, w1e + c * H + k);
-      for (int64_t k = 0; k < H; ++k) {
-        dx64[k] += dh64[c] * double(w[k]);
-        dx32[k] += dh32[c] * w[k];
-      }
-    }
     for (int64_t k = 0; k < H; ++k) {
-      ref.dx_exact[s * H + k] = dx64[k];
-      ref.dx_own[s * H + k] = round_to(dt, dx32[k]);
+      x[k] = load_float(d.x, d.dtype, r * H + k);
+      dy_own[k] = load_float(d.dy, d.dtype, r * H + k);
+      dy_exact[k] = dy_own[k];
     }
+    const MlpRowReference row = mlp_row_reference(d, e, x.data(), dy_exact.data(), dy_own.data());
+    std::copy(row.y_exact.begin(), row.y_exact.end(), ref.y_exact.begin() + s * H);
+    std::copy(row.y_own.begin(), row.y_own.end(), ref.y_own.begin() + s * H);
+    std::copy(row.dx_exact.begin(), row.dx_exact.end(), ref.dx_exact.begin() + s * H);
+    std::copy(row.dx_own.begin(), row.dx_own.end(), ref.dx_own.begin() + s * H);
   }
   return ref;
 }
 
 namespace {
 
-// Non-finite elements of a bf16/f16 output, on the bits (all-ones exponent): memory speed.
-int64_t count_nonfinite(const void* p, DType dt, int64_t n) {
-  const uint16_t mask = dt == DType::bf16 ? 0x7f80 : 0x7c00;
-  const uint16_t* u = static_cast<const uint16_t*>(p);
-  int64_t bad = 0;
-  for (int64_t i = 0; i < n; ++i) bad += (u[i] & mask) == mask;
-  return bad;
-}
-
 CheckResult check_rows_against(const MlpHostData& d, const MlpReference& ref, const std::vector<double>& exact,
                                const std::vector<double>& own, const void* out, const char* name) {
   const double u = d.dtype == DType::bf16 ? std::ldexp(1.0, -8) : std::ldexp(1.0, -11);
-  const int64_t nonfinite = count_nonfinite(out, d.dtype, d.rows * d.H);
-  double max_err = 0, max_ref_err = 0, sum_sq = 0;
-  std::string worst;
+  std::vector<double> got(exact.size());
   for (size_t s = 0; s < ref.rows.size(); ++s) {
-    for (int64_t n = 0; n < d.H; ++n) {
-      const size_t i = s * size_t(d.H) + size_t(n);
-      const double got = load_float(out, d.dtype, ref.rows[s] * d.H + n);
-      const double err = std::isfinite(got) ? std::abs(got - exact[i]) : INFINITY;
-      max_ref_err = std::max(max_ref_err, std::abs(own[i] - exact[i]));
-      sum_sq += exact[i] * exact[i];
-      if (err > max_err) {
-        max_err = err;
-        std::ostringstream os;
-        os << "[" << ref.rows[s] << ", " << n << "] got " << got << " exact " << exact[i];
-        worst = os.str();
-      }
-    }
+    for (int64_t n = 0; n < d.H; ++n) got[s * size_t(d.H) + size_t(n)] = load_float(out, d.dtype, ref.rows[s] * d.H + n);
   }
-  const double count = double(ref.rows.size() * size_t(d.H));
-  const double rms = count > 0 ? std::sqrt(sum_sq / count) : 0;
-  const double limit = 2 * max_ref_err + u * rms + 1e-30;
-  CheckResult r;
-  r.ok = nonfinite == 0 && max_err <= limit;
-  std::ostringstream os;
-  os << name << ": max err " << max_err << " (limit " << limit << ") over " << ref.rows.size() << " rows";
-  if (nonfinite) os << ", " << nonfinite << " non-finite outputs";
-  if (!r.ok && !worst.empty()) os << ", worst " << worst;
-  r.detail = os.str();
+  const std::string rows = " over " + std::to_string(ref.rows.size()) + " rows";
+  CheckResult r = check_gathered(exact, own, got, u, name, count_nonfinite(out, d.dtype, d.rows * d.H), [&](size_t i) {
+    return "[" + std::to_string(ref.rows[i / size_t(d.H)]) + ", " + std::to_string(i % size_t(d.H)) + "]";
+  });
+  const size_t at = r.detail.find(')');
+  r.detail.insert(at + 1, rows);
   return r;
 }
 
@@ -299,6 +290,33 @@ CheckResult check_rows_relative(const MlpHostData& d, const MlpReference& ref, c
 }
 
 }  // namespace
+
+CheckResult check_gathered(const std::vector<double>& exact, const std::vector<double>& own,
+                           const std::vector<double>& got, double u, const char* name, int64_t nonfinite_elsewhere,
+                           const std::function<std::string(size_t)>& label) {
+  double max_err = 0, max_ref_err = 0, sum_sq = 0;
+  const int64_t nonfinite = nonfinite_elsewhere;  // a non-finite sample fails by its infinite error
+  size_t worst = exact.size();
+  for (size_t i = 0; i < exact.size(); ++i) {
+    const double err = std::isfinite(got[i]) ? std::abs(got[i] - exact[i]) : INFINITY;
+    max_ref_err = std::max(max_ref_err, std::abs(own[i] - exact[i]));
+    sum_sq += exact[i] * exact[i];
+    if (err > max_err || worst == exact.size()) {
+      max_err = std::max(max_err, err);
+      worst = i;
+    }
+  }
+  const double rms = exact.empty() ? 0 : std::sqrt(sum_sq / double(exact.size()));
+  const double limit = 2 * max_ref_err + u * rms + 1e-30;
+  CheckResult r;
+  r.ok = nonfinite == 0 && max_err <= limit;
+  std::ostringstream os;
+  os << name << ": max err " << max_err << " (limit " << limit << ")";
+  if (nonfinite) os << ", " << nonfinite << " non-finite outputs";
+  if (!r.ok && worst < exact.size()) os << ", worst " << label(worst) << " got " << got[worst] << " exact " << exact[worst];
+  r.detail = os.str();
+  return r;
+}
 
 MlpCheck check_mlp_quantized(const MlpHostData& d, const MlpReference& ref, const void* y, const void* dx,
                              double max_rel) {

@@ -25,6 +25,8 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
+#include <string>
 #include <vector>
 
 #include "bench/check.h"
@@ -99,6 +101,24 @@ struct MlpReference {
 };
 /// About samples / 32 rows (at least 4, at most 64), chosen at random from `seed`.
 MlpReference mlp_reference(const MlpHostData& d, int samples, uint64_t seed);
+
+/// One row x (H values of d.dtype, as floats) through expert e's MLP of `d` (d.x, d.dy and
+/// d.offsets unused), exactly (fp64) and in the layer's own precision (f32 sums; h, z, dz, dh and
+/// the outputs rounded to d.dtype): y [H], and dx [H] for the output gradient dy [H] (dy_exact for
+/// the exact one, dy_own, values of d.dtype, for the own-precision one).
+struct MlpRowReference {
+  std::vector<double> y_exact, y_own, dx_exact, dx_own;
+};
+MlpRowReference mlp_row_reference(const MlpHostData& d, int64_t e, const float* x, const double* dy_exact,
+                                  const float* dy_own);
+
+/// The check rule of check.h on gathered values: the largest |got - exact| at most twice the
+/// largest |own - exact| plus u times the RMS of `exact` (u: one rounding unit of the outputs), and
+/// no non-finite value in `got` nor `nonfinite_elsewhere` (non-finite elements counted outside the
+/// sample). `name` and the worst element's `label(i)` go into the detail.
+CheckResult check_gathered(const std::vector<double>& exact, const std::vector<double>& own,
+                           const std::vector<double>& got, double u, const char* name, int64_t nonfinite_elsewhere,
+                           const std::function<std::string(size_t)>& label);
 
 struct MlpCheck {
   CheckResult forward;   ///< y

@@ -25,25 +25,6 @@
 namespace gmoe::bench {
 namespace {
 
-template <typename T>
-__global__ void scale_kernel(T* p, int64_t n, float a) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-    p[i] = T(a * float(p[i]));
-  }
-}
-
-// Uniform in [-a, a): fill_uniform's [-1, 1) scaled (legacy default stream, like fill_uniform).
-void fill_scaled(void* p, DType dt, int64_t n, double a, uint64_t seed) {
-  fill_uniform(p, dt, n, seed);
-  if (n == 0) return;
-  if (dt == DType::bf16) {
-    scale_kernel<<<1024, 256>>>(static_cast<__nv_bfloat16*>(p), n, float(a));
-  } else {
-    scale_kernel<<<1024, 256>>>(static_cast<__half*>(p), n, float(a));
-  }
-  BENCH_CUDA(cudaGetLastError());
-}
-
 // The device buffers of an mlp run: `sets` copies of x, dy and both weights to rotate through, one
 // main_grad per FC, the outputs and the counts.
 struct MlpBuffers {
@@ -68,8 +49,8 @@ struct MlpBuffers {
       fill_uniform(xs[s]->ptr, dt, rows * H, seed + 10 * s);
       fill_uniform(dys[s]->ptr, dt, rows * H, seed + 10 * s + 1);
       // Weights scaled so that h and y are about unit size.
-      fill_scaled(w1s[s]->ptr, dt, E * R1 * H, 3.0 / std::sqrt(double(H)), seed + 10 * s + 2);
-      fill_scaled(w2s[s]->ptr, dt, E * H * F, 3.0 / std::sqrt(double(F)), seed + 10 * s + 3);
+      fill_uniform_scaled(w1s[s]->ptr, dt, E * R1 * H, 3.0 / std::sqrt(double(H)), seed + 10 * s + 2);
+      fill_uniform_scaled(w2s[s]->ptr, dt, E * H * F, 3.0 / std::sqrt(double(F)), seed + 10 * s + 3);
     }
     mg1 = std::make_unique<DeviceBuffer>(E * R1 * H * sizeof(float));
     mg2 = std::make_unique<DeviceBuffer>(E * H * F * sizeof(float));

@@ -8,18 +8,8 @@
 
 #include "bench/mlp_common.h"
 #include "bench/wall_clock.h"
-#include "common/float_convert.h"
 
 namespace gmoe::bench {
-namespace {
-
-// Uniform in [-a, a): [-1, 1) scaled, rounded to the dtype.
-void fill_scaled(std::vector<uint8_t>& buf, DType dt, int64_t n, double a, uint64_t seed) {
-  fill_uniform_host(buf.data(), dt, n, seed);
-  for (int64_t i = 0; i < n; ++i) store_float(buf.data(), dt, i, float(a) * load_float(buf.data(), dt, i));
-}
-
-}  // namespace
 
 std::vector<ResultRow> run_mlp_case_cpu(const BenchCase& c, const BenchOptions& o) {
   const DType dt = o.dtype;
@@ -29,8 +19,8 @@ std::vector<ResultRow> run_mlp_case_cpu(const BenchCase& c, const BenchOptions& 
   fill_uniform_host(x.data(), dt, rows * H, o.seed);
   fill_uniform_host(dy.data(), dt, rows * H, o.seed + 1);
   // Weights scaled so that h and y are about unit size (x, dy uniform in [-1, 1)).
-  fill_scaled(w1, dt, E * R1 * H, 3.0 / std::sqrt(double(H)), o.seed + 2);
-  fill_scaled(w2, dt, E * H * F, 3.0 / std::sqrt(double(F)), o.seed + 3);
+  fill_uniform_scaled_host(w1.data(), dt, E * R1 * H, 3.0 / std::sqrt(double(H)), o.seed + 2);
+  fill_uniform_scaled_host(w2.data(), dt, E * H * F, 3.0 / std::sqrt(double(F)), o.seed + 3);
   std::vector<int32_t> counts(c.counts.begin(), c.counts.end());
   std::vector<uint8_t> y(rows * H * es), dx(rows * H * es);
   std::vector<float> mg1(E * R1 * H, 0.f), mg2(E * H * F, 0.f);

@@ -64,6 +64,7 @@ std::string fmt(double v, int prec = 1) {
 }
 
 bool is_layer_row(const ResultRow& r) { return r.impl == "gmoe_linear"; }
+bool is_moe_row(const ResultRow& r) { return r.kind == "moe"; }
 // mlp cases: GroupedMLP (gmoe) and its unfused composition (gmoe_unfused), passes forward and
 // forward_backward (the gemm cases' gmoe rows are fprop, dgrad, wgrad).
 bool is_mlp_row(const ResultRow& r) {
@@ -78,7 +79,7 @@ std::vector<std::vector<std::string>> table(const std::vector<ResultRow>& all_ro
   for (const ResultRow& r : all_rows) {
     // FP8 layer rows and the activation-alone rows are bench/report.py's (they compare with other
     // rows of their own kind, not with gmoe's).
-    if (r.impl.rfind("gmoe_linear_", 0) == 0 || r.impl == "gmoe_activation") continue;
+    if (r.impl.rfind("gmoe_linear_", 0) == 0 || r.impl == "gmoe_activation" || is_moe_row(r)) continue;
     if (!is_layer_row(r) && is_mlp_row(r) == mlp) rows.push_back(r);
   }
   if (rows.empty()) return {};
@@ -176,6 +177,41 @@ std::vector<std::vector<std::string>> layer_table(const std::vector<ResultRow>& 
   return out;
 }
 
+std::string opt(const std::optional<double>& v, int prec) { return v ? fmt(*v, prec) : "-"; }
+
+// The MoE layer's rows (impl gmoe: eager calls; gmoe_graph: the captured pass replayed): time,
+// TFLOP/s of the expert GEMMs, peak memory beyond inputs and weights, bytes kept for backward per
+// token, launches per call.
+std::vector<std::vector<std::string>> moe_table(const std::vector<ResultRow>& all_rows) {
+  std::vector<std::vector<std::string>> out;
+  out.push_back({"case", "pass", "impl", "ms", "TFLOP/s", "peak MiB", "kept B/token", "kernels", "correct"});
+  for (const ResultRow& r : all_rows) {
+    if (!is_moe_row(r) || r.gbps || (r.impl != "gmoe" && r.impl != "gmoe_graph")) continue;
+    if (r.skipped) {
+      out.push_back({r.case_name, r.pass, r.impl, "skipped", "-", "-", "-", "-", "-"});
+      continue;
+    }
+    out.push_back({r.case_name, r.pass, r.impl, fmt(r.ms, 3), fmt(r.tflops, r.tflops < 10 ? 3 : 1), opt(r.peak_mib, 1),
+                   opt(r.kept_bytes_per_token, 0), r.launches ? std::to_string(r.launches->kernels) : "-",
+                   !r.correct ? "-" : (*r.correct ? "yes" : "NO")});
+  }
+  return out.size() > 1 ? out : std::vector<std::vector<std::string>>{};
+}
+
+// Permute and combine (forward and backward) alone: their bandwidth against a plain device copy's
+// in the same run (the target: at least 80%).
+std::vector<std::vector<std::string>> moe_copy_table(const std::vector<ResultRow>& all_rows) {
+  std::vector<std::vector<std::string>> out;
+  out.push_back({"case", "op", "pass", "ms", "GB/s", "copy GB/s", "of copy"});
+  for (const ResultRow& r : all_rows) {
+    if (!is_moe_row(r) || !r.gbps || r.skipped) continue;
+    const bool ratio = r.copy_gbps && *r.copy_gbps > 0;
+    out.push_back({r.case_name, r.impl, r.pass, fmt(r.ms, 3), fmt(*r.gbps, 0), opt(r.copy_gbps, 0),
+                   ratio ? fmt(100 * *r.gbps / *r.copy_gbps, 1) + "%" : "-"});
+  }
+  return out.size() > 1 ? out : std::vector<std::vector<std::string>>{};
+}
+
 void print_text(const std::vector<std::vector<std::string>>& t) {
   if (t.empty()) return;
   std::vector<size_t> width(t[0].size(), 0);
@@ -234,6 +270,15 @@ void print_table(const std::vector<ResultRow>& rows) {
     std::printf("GroupedLinear (grouped bias, f32 main_grad accumulated) vs its bare GEMMs, same run:\n");
     print_text(layer);
   }
+  const auto moe = moe_table(rows), moe_copy = moe_copy_table(rows);
+  if (!moe.empty()) {
+    std::printf("\nMoELayer (router top-k, permute, GroupedMLP, combine; TFLOP/s of the expert GEMMs):\n");
+    print_text(moe);
+  }
+  if (!moe_copy.empty()) {
+    std::printf("\nPermute and combine alone against a device copy, same run:\n");
+    print_text(moe_copy);
+  }
   const std::vector<std::string> skipped = skipped_lines(rows);
   if (!skipped.empty()) std::printf("\nSkipped (not run):\n");
   for (const std::string& s : skipped) std::printf("  %s\n", s.c_str());
@@ -258,6 +303,11 @@ void write_json(const std::string& path, const RunInfo& info, const std::vector<
       jr["overhead"] = overhead(r);
     }
     if (r.native_alone_ms) jr["native_alone_ms"] = *r.native_alone_ms;
+    if (!r.kind.empty()) jr["kind"] = r.kind;
+    if (r.peak_mib) jr["peak_mib"] = *r.peak_mib;
+    if (r.kept_bytes_per_token) jr["kept_bytes_per_token"] = *r.kept_bytes_per_token;
+    if (r.gbps) jr["gbps"] = *r.gbps;
+    if (r.copy_gbps) jr["copy_gbps"] = *r.copy_gbps;
     if (r.launches) {
       jr["launches"] = r.launches->kernels;
       jr["graph_nodes"] = {{"kernel", r.launches->kernels}, {"memset", r.launches->memsets},
@@ -293,6 +343,17 @@ void write_markdown(const std::string& path, const RunInfo& info, const std::vec
     out << "\nGroupedLinear (grouped bias, f32 main_grad accumulated): its time beside the bare GEMMs of the "
         << "same work in the same run, the overhead, and what one call launches (CUDA graph capture).\n\n";
     write_markdown_table(out, layer);
+  }
+  const auto moe = moe_table(rows), moe_copy = moe_copy_table(rows);
+  if (!moe.empty()) {
+    out << "\nMoELayer (router top-k, permute, GroupedMLP, combine): time, TFLOP/s of the expert GEMMs, peak "
+        << "memory beyond inputs and weights, bytes kept for backward per token, kernels per call.\n\n";
+    write_markdown_table(out, moe);
+  }
+  if (!moe_copy.empty()) {
+    out << "\nPermute and combine alone: bytes read and written per second against a plain device copy in the "
+        << "same run.\n\n";
+    write_markdown_table(out, moe_copy);
   }
   const std::vector<std::string> skipped = skipped_lines(rows);
   if (!skipped.empty()) out << "\nSkipped (not run):\n\n";

@@ -30,6 +30,12 @@ struct ResultRow {
   /// Set when the row was not run: the reason (an unsupported combination, or the error that
   /// ended the case). Such a row has no time and no correctness result.
   std::optional<std::string> skipped;
+  // moe cases (kind "moe"; docs/benchmarks.md):
+  std::string kind;                           ///< the case's kind where the rows need it ("moe"), else empty
+  std::optional<double> peak_mib;             ///< peak memory of one pass beyond its inputs and weights
+  std::optional<double> kept_bytes_per_token; ///< what forward keeps for backward, per token
+  std::optional<double> gbps;                 ///< bytes moved (read + written) per second, GB/s
+  std::optional<double> copy_gbps;            ///< a plain device copy's GB/s in the same run
 };
 
 /// A row of `flops` done in `ms` (TFLOP/s derived; 0 for a zero time).
@@ -51,7 +57,9 @@ struct RunInfo {
 /// One line per case and pass: TFLOP/s of every impl and gmoe's ratio to each baseline. The rows of
 /// mlp cases (passes forward and forward_backward of impls gmoe, gmoe_unfused) get a table of their
 /// own, with their own geometric means; layer rows (impl gmoe_linear) another: time, bare GEMM
-/// time, overhead, launches. Skipped rows show as "skipped" and are listed with their reasons.
+/// time, overhead, launches; moe rows (kind "moe") two: the MoE layer's passes with peak memory
+/// and bytes kept for backward, and permute / combine against a device copy. Skipped rows show as
+/// "skipped" and are listed with their reasons.
 void print_table(const std::vector<ResultRow>& rows);
 void write_json(const std::string& path, const RunInfo& info, const std::vector<ResultRow>& rows);
 void write_markdown(const std::string& path, const RunInfo& info, const std::vector<ResultRow>& rows);

@@ -74,4 +74,11 @@ std::vector<ResultRow> run_mlp_case_cpu(const BenchCase& c, const BenchOptions& 
 /// CUDA: CUDA-event timing, the two implementations interleaved.
 std::vector<ResultRow> run_mlp_case_cuda(const BenchCase& c, const BenchOptions& o);
 
+/// MoE mode (bench/moe_common.h): MoELayer forward, backward and forward+backward on a moe case,
+/// its peak memory and the bytes it keeps for backward, and permute / combine alone against a
+/// device copy. CPU: wall-clock (the caller scales the case down first).
+std::vector<ResultRow> run_moe_case_cpu(const BenchCase& c, const BenchOptions& o);
+/// CUDA: CUDA-event timing, eager calls and the captured passes replayed (CUDA graphs).
+std::vector<ResultRow> run_moe_case_cuda(const BenchCase& c, const BenchOptions& o);
+
 }  // namespace gmoe::bench

@@ -1,6 +1,8 @@
 // tools/bench/suite.h — benchmark suite files (bench/suites/*.json, the format of
 // ../shared/bench/public_suite.json): gemm cases (rows × K input, E weights N × K) and mlp cases
-// (rows × hidden input, FC1 [E, 2·ffn, hidden], FC2 [E, hidden, ffn]), each with explicit counts.
+// (rows × hidden input, FC1 [E, 2·ffn, hidden], FC2 [E, hidden, ffn]), each with explicit counts;
+// and moe cases (the whole MoE block on `tokens` tokens, top_k experts each), whose routing comes
+// from router logits of a given distribution instead (docs/benchmarks.md).
 #pragma once
 
 #include <cstdint>
@@ -10,13 +12,19 @@
 namespace gmoe::bench {
 
 struct BenchCase {
-  std::string kind;  ///< "gemm" or "mlp"
+  std::string kind;  ///< "gemm", "mlp" or "moe"
   std::string name;
-  int64_t E = 0, rows = 0;
+  int64_t E = 0, rows = 0;         ///< moe: rows = tokens · top_k, the rows the experts run
   int64_t K = 0, N = 0;            ///< gemm
-  int64_t hidden = 0, ffn = 0;     ///< mlp
-  std::string activation;          ///< mlp
-  std::vector<int64_t> counts;     ///< rows per expert; sums to rows
+  int64_t hidden = 0, ffn = 0;     ///< mlp, moe
+  std::string activation;          ///< mlp, moe
+  std::vector<int64_t> counts;     ///< gemm, mlp: rows per expert; sums to rows
+  int64_t tokens = 0, top_k = 0;   ///< moe
+  /// moe: the router logits of token t are logit_std · N(0, 1) + logit_bias[e] (logit_bias: E
+  /// values, all 0 for uniform routing); `routing` names the distribution (uniform, skewed).
+  std::string routing;
+  double logit_std = 1.0;
+  std::vector<double> logit_bias;
 };
 
 struct Suite {
@@ -36,6 +44,12 @@ double gemm_flops(const BenchCase& c);
 
 /// FLOPs of one forward of an mlp case (docs/benchmarks.md): 2·rows·hidden·2·ffn + 2·rows·ffn·hidden
 /// (FC1 has ffn outputs instead of 2·ffn for the non-gated squared_relu); forward+backward is 3×.
+/// For a moe case, the expert GEMMs' (rows = tokens · top_k).
 double mlp_flops(const BenchCase& c);
+
+/// A moe case made small enough for the CPU reference backend: tokens scaled so that one forward
+/// is about `gflop` GFLOP (at least 16 tokens), and when the experts' weights exceed
+/// `max_weight_bytes`, hidden and ffn scaled down alike (kept multiples of 16).
+BenchCase scale_moe_for_cpu(const BenchCase& c, double gflop, double max_weight_bytes);
 
 }  // namespace gmoe::bench
