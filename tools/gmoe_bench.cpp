@@ -143,8 +143,7 @@ int main(int argc, char** argv) {
                  "'+requant_input' x by reference and quantized again in backward; '+pow2': power-of-two scales; "
                  "'+fast_accum': fprop and dgrad with fast accumulation), rows gmoe_linear_<recipe>, timed "
                  "interleaved with the native layer; mlp mode: GroupedMLP with the recipe on both FCs ('+quant_after_act': "
-                 "z quantized after the activation instead of inside it; '+quant_in_act_bwd': dh quantized inside "
-                 "the activation's backward)")
+                 "z quantized after the activation instead of inside it)")
       ->delimiter(',')
       ->check([](const std::string& name) {
         try {

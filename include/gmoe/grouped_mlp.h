@@ -34,8 +34,8 @@
 // activation), else FC2's dgrad then grouped_activation_backward; then FC1's backward. Both FCs
 // are GroupedLinear layers driven through their public API. With an FP8 recipe (options.recipe)
 // both FCs quantize inside as GroupedLinear does (x, z and the gradients in one pass each, the
-// weights cached; see gmoe/grouped_linear.h), the activation in between in bf16, with z (and
-// optionally dh) quantized by the activation itself (fp8_quantize_in_activation below).
+// weights cached; see gmoe/grouped_linear.h), the activation in between in bf16, with z quantized
+// by the activation itself (fp8_quantize_in_activation below).
 #pragma once
 
 #include <cstdint>
@@ -82,13 +82,6 @@ struct GroupedMLPOptions {
   /// (the one-pass kernel would evaluate the activation twice, for the amax and for the values):
   /// z is written in bf16 for the quantizer's one read ([capacity, ffn] of scratch meanwhile).
   bool fp8_quantize_in_activation = true;
-  /// FP8 recipes: quantize FC1's output gradient inside the activation's backward (dh is not
-  /// written in bf16); used when FC1 also has an FP8 weight gradient and no bias (whose gradient
-  /// reads dh) and z is not recomputed. Bitwise the same values except dprobs (summed in another
-  /// order). Off by default because the one-pass kernel is slower than the activation's backward
-  /// followed by the quantizer (docs/decisions.md). Tensorwise, either way, takes dh's amax from the
-  /// activation's backward, so that FC1 reads dh once to quantize it.
-  bool fp8_quantize_in_activation_backward = false;
   /// Scratch, saved tensors and fresh gradients; nullptr: the device's default allocator.
   Allocator* allocator = nullptr;
 };
@@ -176,15 +169,11 @@ class GroupedMLP {
 
  private:
   Allocator& allocator() const;
-  /// FP8 under the conditions of fp8_quantize_in_activation(_backward): forward quantizes z inside
-  /// the activation, backward dh inside its backward.
+  /// FP8 under the conditions of fp8_quantize_in_activation: forward quantizes z inside the
+  /// activation.
   bool fp8_quantize_z() const {
     return options_.recipe != LinearRecipe::native && options_.fp8_quantize_in_activation &&
            (fc2_.options().fp8_wgrad || options_.recompute_activation);
-  }
-  bool fp8_quantize_dh() const {
-    return options_.recipe != LinearRecipe::native && options_.fp8_quantize_in_activation_backward &&
-           fc1_.options().fp8_wgrad && !fc1_.bias().defined() && !options_.recompute_activation;
   }
 
   GroupedMLPOptions options_;

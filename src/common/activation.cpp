@@ -186,22 +186,4 @@ void quantize_activation_forward(const TensorView& h, const TensorView& counts, 
   amax.release_on(stream);
 }
 
-void quantize_activation_backward(const TensorView& h, const TensorView& dz, const TensorView& counts,
-                                  const ActivationOptions& act, const TensorView& probs, const TensorView& dprobs,
-                                  const Fp8QuantizeOptions& options, const Fp8Grouped& q, const TensorView& dh_scratch,
-                                  bool fused, Stream stream, Allocator& alloc) {
-  if (fused && !activation_amax_for(options.recipe) && h.device.is_cuda() &&
-      cuda_backend::quantize_activation_backward(h, dz, counts, act, probs, dprobs, options, q, stream, alloc)) {
-    after_op(h.device, stream);
-    return;
-  }
-  // Tensorwise: dh's amax from the activation's own pass (the quantizer then reads dh once).
-  Tensor amax = activation_amax_scratch(options.recipe, counts.size(0), alloc, stream);
-  grouped_activation_backward(h, dz, counts, dh_scratch, act, probs, dprobs, {}, stream, &alloc, amax.view());
-  Fp8QuantizeOptions o = options;
-  o.amax = amax.view();
-  quantize_grouped(GroupedRows{dh_scratch, counts}, o, stream, &alloc, &q);
-  amax.release_on(stream);
-}
-
 }  // namespace gmoe

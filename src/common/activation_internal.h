@@ -37,12 +37,5 @@ Tensor activation_amax_scratch(Fp8Recipe recipe, int64_t experts, Allocator& all
 void quantize_activation_forward(const TensorView& h, const TensorView& counts, const ActivationOptions& act,
                                  const TensorView& probs, const Fp8QuantizeOptions& options, const Fp8Grouped& q,
                                  bool fused, Stream stream, Allocator& alloc);
-/// The backward's twin: dh (h's shape) quantized into q, and dprobs when defined (equal up to
-/// the order of its sum). The composition writes dh into `dh_scratch` (h's shape; may be h itself);
-/// tensorwise always composes, as forward does.
-void quantize_activation_backward(const TensorView& h, const TensorView& dz, const TensorView& counts,
-                                  const ActivationOptions& act, const TensorView& probs, const TensorView& dprobs,
-                                  const Fp8QuantizeOptions& options, const Fp8Grouped& q, const TensorView& dh_scratch,
-                                  bool fused, Stream stream, Allocator& alloc);
 
 }  // namespace gmoe

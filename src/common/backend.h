@@ -135,18 +135,13 @@ void permute_glu_rows(const TensorView& src, const TensorView& dst, const GluFor
 /// absent): each expert's column sums of x.data, from the same pass over x (gmoe/fp8.h).
 void quantize_grouped(const GroupedRows& x, const Fp8QuantizeOptions& options, const Fp8Grouped& q,
                       Stream stream, Allocator& alloc, const ExpertBias& column_sums);
-/// The activation's output (z = act(h)·probs, [capacity, F] with F = q.cols) or gradient (dh, h's
-/// shape, and dprobs when defined) quantized into q straight from h (and dz), in one pass: bitwise
-/// grouped_activation_forward/backward then quantize_grouped (dprobs equal up to its summation
-/// order). False, having launched nothing, where the fused kernel does not apply (dtype, alignment,
+/// The activation's output (z = act(h)·probs, [capacity, F] with F = q.cols) quantized into q
+/// straight from h, in one pass: bitwise grouped_activation_forward then quantize_grouped. False,
+/// having launched nothing, where the fused kernel does not apply (tensorwise, dtype, alignment,
 /// gate/up layout: fp8_quantize_activation.cu); the caller then composes the two ops.
 bool quantize_activation_forward(const TensorView& h, const TensorView& counts, const ActivationOptions& act,
                                  const TensorView& probs, const Fp8QuantizeOptions& options, const Fp8Grouped& q,
                                  Stream stream, Allocator& alloc);
-bool quantize_activation_backward(const TensorView& h, const TensorView& dz, const TensorView& counts,
-                                  const ActivationOptions& act, const TensorView& probs, const TensorView& dprobs,
-                                  const Fp8QuantizeOptions& options, const Fp8Grouped& q, Stream stream,
-                                  Allocator& alloc);
 void quantize_weights(const ExpertWeights& w, const Fp8QuantizeOptions& options, const Fp8Weights& q,
                       Stream stream, Allocator& alloc);
 void dequantize_grouped(const Fp8Grouped& q, const TensorView& counts, const TensorView& out,

@@ -41,11 +41,6 @@ bool quantize_activation_forward(const TensorView&, const TensorView&, const Act
                                  const Fp8QuantizeOptions&, const Fp8Grouped&, Stream, Allocator&) {
   unavailable();
 }
-bool quantize_activation_backward(const TensorView&, const TensorView&, const TensorView&, const ActivationOptions&,
-                                  const TensorView&, const TensorView&, const Fp8QuantizeOptions&, const Fp8Grouped&,
-                                  Stream, Allocator&) {
-  unavailable();
-}
 void copy_rows(const TensorView&, const TensorView&, Stream) { unavailable(); }
 void zero_bytes(void*, std::size_t, Stream) { unavailable(); }
 void* event_create() { unavailable(); }

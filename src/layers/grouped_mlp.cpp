@@ -225,9 +225,7 @@ GroupedMLPBackward GroupedMLP::backward(GroupedMLPContext& ctx, const TensorView
   Allocator& alloc = allocator();
   GroupedMLPBackward result;
   const TensorView h = st.h.view();
-  GroupedLinearFp8Operand dhq;
   Tensor dh_amax;
-  const bool quantize_dh = fp8_quantize_dh();
   // Without probabilities, a rebuilt z or FP8, FC2's dgrad and the activation's backward are one
   // op (GroupedLinear::backward_with_activation: dh over h, bitwise the two in turn).
   const bool dgrad_activation = !fc2_.fp8() && !st.probs.defined() && !options_.recompute_activation &&
@@ -246,18 +244,10 @@ GroupedMLPBackward GroupedMLP::backward(GroupedMLPContext& ctx, const TensorView
       result.dprobs =
           dprobs_out.defined() ? Tensor::wrap(dprobs_out) : Tensor::empty({cap}, DType::f32, alloc, stream);
     }
-    if (quantize_dh) {
-      // FP8: dh quantized by the activation's backward itself (h is not read after it).
-      const Fp8QuantizeOptions qo = fc1_.grad_quantization();
-      dhq = fc1_.allocate_fp8_operand(cap, h.size(1), qo, stream);
-      quantize_activation_backward(h, b2.dx, st.counts, options_.activation, st.probs, result.dprobs.view(), qo,
-                                   dhq.q, h, true, stream, alloc);
-    } else {
-      // Tensorwise FP8: dh's amax from this pass, so that FC1's quantization of dh reads it once.
-      if (fc1_.fp8()) dh_amax = activation_amax_scratch(fc1_.grad_quantization().recipe, num_experts(), alloc, stream);
-      grouped_activation_backward(h, b2.dx, st.counts, h, options_.activation, st.probs, result.dprobs.view(),
-                                  z_rebuilt.view(), stream, &alloc, dh_amax.view());
-    }
+    // Tensorwise FP8: dh's amax from this pass, so that FC1's quantization of dh reads it once.
+    if (fc1_.fp8()) dh_amax = activation_amax_scratch(fc1_.grad_quantization().recipe, num_experts(), alloc, stream);
+    grouped_activation_backward(h, b2.dx, st.counts, h, options_.activation, st.probs, result.dprobs.view(),
+                                z_rebuilt.view(), stream, &alloc, dh_amax.view());
   }
   b2.dx.release_on(stream);
   const bool fc2_delayed = options_.fc2.delay_wgrad;
@@ -269,15 +259,14 @@ GroupedMLPBackward GroupedMLP::backward(GroupedMLPContext& ctx, const TensorView
   }
   result.grads.fc2 = std::move(b2.grads);
   if (!fc2_delayed) st.z.release_on(stream);
-  // FC1: dx = dh·W1_e, db1; dW1 now unless delayed (dh stays in st.h until then, unless quantized).
-  GroupedLinearBackward b1 = quantize_dh ? fc1_.backward_fp8(st.fc1, std::move(dhq), stream, dgrad_out)
-                                         : fc1_.backward(st.fc1, h, stream, dgrad_out, dh_amax.view());
+  // FC1: dx = dh·W1_e, db1; dW1 now unless delayed (dh stays in st.h until then).
+  GroupedLinearBackward b1 = fc1_.backward(st.fc1, h, stream, dgrad_out, dh_amax.view());
   dh_amax.release_on(stream);
   result.dx = std::move(b1.dx);
   result.grads.fc1 = std::move(b1.grads);
   st.fc1_pending = options_.fc1.delay_wgrad;
   st.fc2_pending = fc2_delayed;
-  if (!st.fc1_pending || quantize_dh) st.h.release_on(stream);
+  if (!st.fc1_pending) st.h.release_on(stream);
   if (st.fc1_pending || st.fc2_pending) {
     st.backward_done = true;
     // backward_dw may run on another stream: order it after all of this backward (FC2's own event

@@ -272,7 +272,7 @@ void expect_mlp_within_rule(const MlpProblem& p, const MlpOutputs& got, const Ex
 }
 
 const std::vector<int>& fp8_option_flags() {
-  static const std::vector<int> kFlags = {1, 2, 4, 6, 8, 16, 19, 20, 31, 32, 33, 34, 40, 48};
+  static const std::vector<int> kFlags = {1, 2, 4, 6, 8, 16, 19, 20, 24, 31};
   return kFlags;
 }
 
@@ -282,14 +282,12 @@ void apply_fp8_option_flags(GroupedMLPOptions& o, int flags) {
   o.recompute_activation = flags & 4;
   o.fc1.save_original_input = flags & 8;
   o.fp8_quantize_in_activation = !(flags & 16);
-  o.fp8_quantize_in_activation_backward = flags & 32;
 }
 
 std::string fp8_option_flags_name(int flags) {
   std::string s = "flags " + std::to_string(flags) + ":";
-  const char* names[] = {" delay fc1", " delay fc2", " recompute", " save_original_input", " z quantized after",
-                         " dh quantized in backward"};
-  for (int b = 0; b < 6; ++b) {
+  const char* names[] = {" delay fc1", " delay fc2", " recompute", " save_original_input", " z quantized after"};
+  for (int b = 0; b < 5; ++b) {
     if (flags & (1 << b)) s += names[b];
   }
   return s;

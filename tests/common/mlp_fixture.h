@@ -105,8 +105,7 @@ void expect_mlp_within_rule(const MlpProblem& p, const MlpOutputs& got, const Ex
 
 /// The FP8 option combinations that the delayed/recompute suites run against the immediate run,
 /// as bits: 1 fc1.delay_wgrad, 2 fc2.delay_wgrad, 4 recompute_activation, 8 fc1.save_original_input,
-/// 16 z quantized after the activation (fp8_quantize_in_activation off), 32 dh quantized in the
-/// activation's backward (fp8_quantize_in_activation_backward on).
+/// 16 z quantized after the activation (fp8_quantize_in_activation off).
 const std::vector<int>& fp8_option_flags();
 void apply_fp8_option_flags(GroupedMLPOptions& o, int flags);
 std::string fp8_option_flags_name(int flags);

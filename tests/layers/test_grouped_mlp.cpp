@@ -269,10 +269,9 @@ INSTANTIATE_TEST_SUITE_P(NamedCases, CpuGroupedMlp,
 // layers of that recipe around the bf16 activation (FC2 keeping its input by reference, as the MLP
 // does); the numerics of those layers are held to the tolerance rule in test_grouped_linear_fp8.cpp
 // (the FP8 GEMMs with the same quantized operands as the reference). The blockwise recipe also with fp8_wgrad off on
-// both FCs (the options reach the layers: the composition is built with the same). With a bias on
-// FC1 the MLP quantizes z inside the activation only; without one, dh inside its backward too
-// (GroupedMLPOptions::fp8_quantize_in_activation(_backward), the latter turned on here; on the CPU,
-// the composition): both ways bitwise.
+// both FCs (the options reach the layers: the composition is built with the same). The MLP
+// quantizes z inside the activation (GroupedMLPOptions::fp8_quantize_in_activation; on the CPU, the
+// composition), with and without a bias: both bitwise.
 TEST(CpuGroupedMlpFp8, EachRecipeIsTheCompositionOfFp8Layers) {
   Rng rng;
   const std::pair<LinearRecipe, bool> recipes[] = {{LinearRecipe::fp8_tensorwise, true},
@@ -295,7 +294,6 @@ TEST(CpuGroupedMlpFp8, EachRecipeIsTheCompositionOfFp8Layers) {
         MlpRunOptions ro;
         ro.mlp.recipe = recipe;
         ro.mlp.fc1.fp8_wgrad = ro.mlp.fc2.fp8_wgrad = fp8_wgrad;
-        ro.mlp.fp8_quantize_in_activation_backward = true;
         const MlpOutputs got = run_mlp(p, Layout::kStacked, bias, true, ro);
         EXPECT_TRUE(same_outputs(got, ref, "FP8 GroupedMLP vs the composition of FP8 layers"));
        }

@@ -40,8 +40,6 @@ BenchRecipe bench_recipe_from_name(const std::string& name) {
       r.cached_weights = true;
     } else if (option == "quant_after_act") {
       r.quant_in_act = false;
-    } else if (option == "quant_in_act_bwd") {
-      r.quant_in_act_bwd = true;
     } else if (option == "requant_input") {
       r.requant_input = true;
     } else if (option == "pow2") {
@@ -50,7 +48,7 @@ BenchRecipe bench_recipe_from_name(const std::string& name) {
       r.fast_accum = true;
     } else {
       GMOE_CHECK(false, "--layer-fp8: '", name, "': unknown option '+", option,
-                 "' (native_wgrad, cached_weights, quant_after_act, quant_in_act_bwd, requant_input, pow2, fast_accum)");
+                 "' (native_wgrad, cached_weights, quant_after_act, requant_input, pow2, fast_accum)");
     }
     at = next;
   }

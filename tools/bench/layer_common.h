@@ -42,7 +42,6 @@ struct BenchRecipe {
   bool fp8_wgrad = true;
   bool cached_weights = false;
   bool quant_in_act = true;       ///< mlp mode: fp8_quantize_in_activation ("+quant_after_act": off)
-  bool quant_in_act_bwd = false;  ///< mlp mode: fp8_quantize_in_activation_backward ("+quant_in_act_bwd": on)
   bool requant_input = false;     ///< "+requant_input": x (FC1's) by reference, quantized again in backward
   bool pow2 = false;              ///< "+pow2": scales rounded down to powers of two (fp8_pow2_scales)
   bool fast_accum = false;        ///< "+fast_accum": fprop/dgrad with fast accumulation (fp8_fast_accumulation)

@@ -38,7 +38,7 @@ GroupedLinearOptions fc_options(const TensorView& main_grad, bool keep_input_ref
 }  // namespace
 
 GroupedMLP make_bench_mlp(const BenchCase& c, const MlpParams& p, LinearRecipe recipe, bool fp8_wgrad,
-                          bool quant_in_act, bool quant_in_act_bwd, bool requant_input, bool pow2,
+                          bool quant_in_act, bool requant_input, bool pow2,
                           bool fast_accum) {
   GroupedMLPOptions o;
   o.activation = mlp_activation(c, p.glu_block);
@@ -49,7 +49,6 @@ GroupedMLP make_bench_mlp(const BenchCase& c, const MlpParams& p, LinearRecipe r
   o.fc1.fp8_pow2_scales = o.fc2.fp8_pow2_scales = pow2;
   o.fc1.fp8_fast_accumulation = o.fc2.fp8_fast_accumulation = fast_accum;
   o.fp8_quantize_in_activation = quant_in_act;
-  o.fp8_quantize_in_activation_backward = quant_in_act_bwd;
   return GroupedMLP(ExpertWeights::from_stacked(p.w1), ExpertWeights::from_stacked(p.w2), {}, {}, o);
 }
 

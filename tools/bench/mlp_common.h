@@ -54,10 +54,10 @@ struct MlpParams {
 };
 
 /// GroupedMLP in the configuration of the header comment, with `recipe` for both FCs (FP8: the
-/// weight gradients FP8 or not, and GroupedMLPOptions' fp8_quantize_in_activation(_backward)). FC1
+/// weight gradients FP8 or not, and GroupedMLPOptions::fp8_quantize_in_activation). FC1
 /// keeps x as make_bench_layer keeps a layer's input (requant_input likewise).
 GroupedMLP make_bench_mlp(const BenchCase& c, const MlpParams& p, LinearRecipe recipe = LinearRecipe::native,
-                          bool fp8_wgrad = true, bool quant_in_act = true, bool quant_in_act_bwd = false,
+                          bool fp8_wgrad = true, bool quant_in_act = true,
                           bool requant_input = false, bool pow2 = false, bool fast_accum = false);
 
 /// The unfused composition of separate public ops, in the same configuration.

@@ -192,7 +192,7 @@ std::vector<ResultRow> run_mlp_case_cuda(const BenchCase& c, const BenchOptions&
     const BenchRecipe br = bench_recipe_from_name(name);
     const LinearRecipe recipe = br.recipe;
     std::vector<GroupedMLP> fp8;
-    for (int s = 0; s < b.sets; ++s) fp8.push_back(make_bench_mlp(c, b.params(s, o), recipe, br.fp8_wgrad, br.quant_in_act, br.quant_in_act_bwd,
+    for (int s = 0; s < b.sets; ++s) fp8.push_back(make_bench_mlp(c, b.params(s, o), recipe, br.fp8_wgrad, br.quant_in_act,
                                                                 br.requant_input, br.pow2, br.fast_accum));
     auto invalidate = [&](int i) {
       if (!br.cached_weights) fp8[i % b.sets].invalidate_fp8_weight();

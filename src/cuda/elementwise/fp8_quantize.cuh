@@ -1,6 +1,6 @@
 // src/cuda/elementwise/fp8_quantize.cuh — the FP8 quantization tile kernel (grouped rows and expert weights),
 // the tensorwise amax kernel, and their parameters. Instantiated in fp8_quantize_grouped.cu,
-// fp8_quantize_weights.cu and, with the activation's sources, fp8_quantize_activation.cu.
+// fp8_quantize_weights.cu and, with the activation's source, fp8_quantize_activation.cu.
 //
 // One CTA (256 threads) quantizes one 128 x 128 tile of the source:
 //   grouped rows: blockIdx.x walks the per-expert PADDED 128-row tiles (expert e owns padded rows
@@ -8,9 +8,9 @@
 //     finds its expert by binary search in the device offsets. Tiles past padded[E] ("tail"
 //     tiles) zero the rows past the real total and the unused columns of data_t.
 //   weights: blockIdx.x = e * ceil(N/128) + n-tile.
-//   blockIdx.y is the 128-column tile (a source may cover several per CTA: passes).
+//   blockIdx.y is the 128-column tile.
 // Phases: (1) the source's 16-byte granules of the tile into registers (RowsSource: loads of the
-// tensor; an activation's source computes them from h and dz; rows past the expert's count and
+// tensor; an activation's source computes them from h; rows past the expert's count and
 // columns past `cols` read as 0) and into shared memory (16-byte granules XOR-swizzled by
 // (row / 16) % 8); (2) rowwise: amax of each 1x128 (1x32 for mxfp8) block by warp shuffles
 // over the lanes that hold the row (a 1x128 block's scale then computed once, by one lane, in
@@ -441,25 +441,17 @@ __device__ void zero_tail(const QuantParams& p, const Tile& g, int64_t col0, int
   }
 }
 
-/// The default tile source: the tile's rows of T as stored (grouped rows or expert weights), one
-/// pass over the column tile blockIdx.y. A source supplies the tile's values granule by granule, so
-/// that a kernel producing them (an activation, fp8_quantize_activation.cu) can quantize them
-/// without writing them out first: passes() column tiles per CTA, the first output column of
-/// each, and granule(pass) with a per-row sum (dp) and a 16-byte shared-memory slot (kStashBytes
-/// of them per CTA, one per thread and load slot: what a pass computes for a later one) per load
-/// slot; finish() sees the per-row sums.
+/// The default tile source: the tile's rows of T as stored (grouped rows or expert weights), the
+/// column tile blockIdx.y. A source supplies the tile's values granule by granule, so that a
+/// kernel producing them (an activation, fp8_quantize_activation.cu) can quantize them without
+/// writing them out first: col0() is the CTA's first output column, granule(i, v) the 16 bytes of
+/// row i of the tile, granule column v.
 struct RowsSource {
-  static constexpr int kMaxPasses = 1;
-  __device__ int passes() const { return 1; }
-  __device__ int64_t col0(int) const { return static_cast<int64_t>(blockIdx.y) * kTile; }
-  static constexpr int kStashBytes = 0;
+  __device__ int64_t col0() const { return static_cast<int64_t>(blockIdx.y) * kTile; }
   template <typename T>
-  __device__ uint4 granule(const QuantParams& p, const Tile& g, int i, int v, int ncols, int64_t col0, int, float&,
-                           uint4*) const {
+  __device__ uint4 granule(const QuantParams& p, const Tile& g, int i, int v, int ncols, int64_t col0) const {
     return load_granule<T>(p, g, i, v, ncols, col0);
   }
-  template <int kIters>
-  __device__ void finish(const QuantParams&, const Tile&, const float (&)[kIters]) const {}
 };
 
 /// RowsSource for a tensorwise tile kernel that makes the column sums itself: with the amax given
@@ -559,12 +551,10 @@ struct Slots {
 };
 
 /// (1) The thread's load slots of the tile's columns [col0, col0 + ncols): loaded by the kernel
-/// from the tensor as stored, or computed by the source (which may add to a per-row sum, dp, and
-/// keep a granule in its stash slot for a later pass).
+/// from the tensor as stored, or computed by the source.
 template <typename T, class Src, int kIters>
 __device__ __forceinline__ void load_slots(const QuantParams& p, const Tile& g, int64_t col0, int ncols,
-                                           const Src& src, int pass, float (&dp)[kIters], Slots<T> t,
-                                           uint4* stash, uint4 (&raw)[kIters]) {
+                                           const Src& src, Slots<T> t, uint4 (&raw)[kIters]) {
   using S = Slots<T>;
   if constexpr (kFromMemory<Src>) {
     if (p.vec) {  // 16-byte loads from one base pointer and row step (one test of p.vec per tile)
@@ -586,8 +576,7 @@ __device__ __forceinline__ void load_slots(const QuantParams& p, const Tile& g, 
   } else {
 #pragma unroll
     for (int it = 0; it < kIters; ++it) {
-      raw[it] = src.template granule<T>(p, g, it * S::kRowsPerIt + t.r0, t.v, ncols, col0, pass, dp[it],
-                                        stash + it * kThreads + t.tid);
+      raw[it] = src.template granule<T>(p, g, it * S::kRowsPerIt + t.r0, t.v, ncols, col0);
     }
   }
 }
@@ -911,18 +900,17 @@ __device__ __forceinline__ void quantize_columns(const QuantParams& p, const Til
 
 /// Quantizes the tile's columns [col0, col0 + ncols) (ncols > 0, g.nrows > 0): (1) load, (2)
 /// rowwise, (3) columnwise (the file comment). kWeights: expert weights (blockwise = one 128x128
-/// block per tile) instead of grouped rows (blockwise = 1x128 and 128x1 blocks). dp: the source's
-/// per-row sums (one per load slot).
-template <typename T, Fp8Recipe R, bool kWeights, bool kE5m2, class Src, int kIters>
+/// block per tile) instead of grouped rows (blockwise = 1x128 and 128x1 blocks).
+template <typename T, Fp8Recipe R, bool kWeights, bool kE5m2, class Src>
 __device__ __forceinline__ void quantize_tile(const QuantParams& p, const Tile& g, int64_t col0, int ncols,
-                                              const Src& src, int pass, float (&dp)[kIters]) {
+                                              const Src& src) {
   using S = Slots<T>;
-  static_assert(kIters == S::kIters, "load slots per thread");
+  constexpr int kIters = S::kIters;
   // Column sums here unless tensorwise (its amax pass makes them, unless the amax was given).
   constexpr bool kSums =
       kColumnSums<Src, kWeights> && (R != Fp8Recipe::tensorwise || std::is_same<Src, RowsSourceTileSums>::value);
   constexpr bool kRowBlocks = R == Fp8Recipe::blockwise && !kWeights;  // 1x128 (and 128x1) blocks
-  extern __shared__ uint4 smem_tile[];  // [128][NV] granules, swizzled; then the source's stash
+  extern __shared__ uint4 smem_tile[];  // [128][NV] granules, swizzled
   __shared__ float warp_amax[kWarps];
   __shared__ __align__(16) float col_red[kSums ? kWarps : 1][kTile];
   __shared__ float row_blocks[kRowBlocks ? kWarps : 1][S::kWarpBlocks];  // amax in, multiplier out
@@ -931,7 +919,7 @@ __device__ __forceinline__ void quantize_tile(const QuantParams& p, const Tile& 
   const bool do_cols = p.data_t != nullptr;
 
   uint4 raw[kIters];
-  load_slots<T>(p, g, col0, ncols, src, pass, dp, t, smem_tile + kTile * S::NV, raw);
+  load_slots<T>(p, g, col0, ncols, src, t, raw);
   if (do_cols) store_swizzled<T>(raw, t, smem_tile);
   if constexpr (kSums) {
     if (p.col_sums != nullptr) stage_slot_sums<T>(raw, col_red);
@@ -958,14 +946,13 @@ __device__ __forceinline__ void quantize_tile(const QuantParams& p, const Tile& 
   if (do_cols) quantize_columns<T, R, kWeights, kE5m2>(p, g, col0, ncols, smem_tile, t, scale);
 }
 
-/// One CTA: one 128-row tile (blockIdx.x) and src.passes() column tiles of it (blockIdx.y).
+/// One CTA: one 128-row tile (blockIdx.x) and one column tile of it (blockIdx.y, src.col0()).
 /// __launch_bounds__ names no minimum of CTAs per SM: a minimum of 1 lets ptxas take many more
 /// registers for the columnwise kernels, which then run slower at a fraction of the warp slots;
 /// minimums of 3-5 make them spill. kE5m2: the output format (p.e5m2).
 template <typename T, Fp8Recipe R, bool kWeights, bool kE5m2, class Src = RowsSource>
 __global__ void __launch_bounds__(kThreads)
     quantize_tile_kernel(const QuantParams p, const Src src) {
-  constexpr int kIters = kTile * (kTile * static_cast<int>(sizeof(T)) / 16) / kThreads;
   // Tensorwise: one CTA writes every expert's scale (also for experts without a tile).
   if (R == Fp8Recipe::tensorwise && blockIdx.x == 0 && blockIdx.y == 0) {
     for (int e = threadIdx.x; e < p.num_experts; e += kThreads) {
@@ -975,23 +962,13 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
   const Tile g = kWeights ? weights_tile<T>(p, blockIdx.x) : grouped_tile<T>(p, blockIdx.x);
-  float dp[kIters];
-#pragma unroll
-  for (int it = 0; it < kIters; ++it) dp[it] = 0.0f;
-  const int passes = src.passes();
-#pragma unroll
-  for (int pass = 0; pass < Src::kMaxPasses; ++pass) {
-    if (pass >= passes) break;
-    if (pass > 0) __syncthreads();  // the previous pass is done with the shared tile
-    const int64_t col0 = src.col0(pass);
-    const int ncols = static_cast<int>(max64(0, min64(kTile, p.cols - col0)));
-    if (!kWeights && g.tail) {
-      zero_tail<R>(p, g, col0, ncols);
-    } else if (ncols > 0 && g.nrows > 0) {  // (not: empty matrices; CTA-uniform)
-      quantize_tile<T, R, kWeights, kE5m2>(p, g, col0, ncols, src, pass, dp);
-    }
+  const int64_t col0 = src.col0();
+  const int ncols = static_cast<int>(max64(0, min64(kTile, p.cols - col0)));
+  if (!kWeights && g.tail) {
+    zero_tail<R>(p, g, col0, ncols);
+  } else if (ncols > 0 && g.nrows > 0) {  // (not: empty matrices; CTA-uniform)
+    quantize_tile<T, R, kWeights, kE5m2>(p, g, col0, ncols, src);
   }
-  if (!g.tail && g.nrows > 0) src.finish(p, g, dp);
 }
 
 /// Tensorwise, pass 1: amax_bits[e] = max over expert e's elements (finite values) as f32 bits;
@@ -1001,9 +978,7 @@ template <typename T, bool kWeights, class Src = RowsSource>
 __global__ void __launch_bounds__(kThreads) amax_tile_kernel(const QuantParams p, uint32_t* amax_bits, const Src src) {
   __shared__ float warp_amax[kWarps];
   constexpr bool kSums = kColumnSums<Src, kWeights>;
-  static_assert(!kSums || Src::kMaxPasses == 1, "column sums: one column tile per CTA");
   __shared__ __align__(16) float col_red[kSums ? kWarps : 1][kTile];
-  extern __shared__ uint4 amax_stash[];  // the source's stash
   constexpr int V = 16 / sizeof(T);
   constexpr int NV = kTile / V;
   constexpr int kIters = kTile * NV / kThreads;
@@ -1011,15 +986,13 @@ __global__ void __launch_bounds__(kThreads) amax_tile_kernel(const QuantParams p
   if (g.tail || g.nrows == 0) return;
   uint32_t m = 0;  // amax bits
   [[maybe_unused]] float sums[V] = {};  // kSums: this thread's column sums
-  float dp = 0.0f;  // (unused: sums are the quantization pass's)
-  for (int pass = 0; pass < src.passes(); ++pass) {
-    const int64_t col0 = src.col0(pass);
-    const int ncols = static_cast<int>(max64(0, min64(kTile, p.cols - col0)));
-    if (ncols == 0) continue;
+  const int64_t col0 = src.col0();
+  const int ncols = static_cast<int>(max64(0, min64(kTile, p.cols - col0)));
+  if (ncols > 0) {
 #pragma unroll
     for (int it = 0; it < kIters; ++it) {
       const int idx = it * kThreads + threadIdx.x;
-      const uint4 raw = src.template granule<T>(p, g, idx / NV, idx % NV, ncols, col0, pass, dp, amax_stash + idx);
+      const uint4 raw = src.template granule<T>(p, g, idx / NV, idx % NV, ncols, col0);
       m = max(m, granule_amax_bits<T>(raw));
       if constexpr (kSums) add_to_sums<T>(raw, sums);
     }
@@ -1037,10 +1010,7 @@ __global__ void __launch_bounds__(kThreads) amax_tile_kernel(const QuantParams p
     if (t > 0.0f) atomicMax(&amax_bits[g.e], __float_as_uint(t));
   }
   if constexpr (kSums) {
-    const int64_t col0 = src.col0(0);
-    if (p.col_sums != nullptr) {
-      store_column_sums(p, g, col0, static_cast<int>(max64(0, min64(kTile, p.cols - col0))), col_red);
-    }
+    if (p.col_sums != nullptr) store_column_sums(p, g, col0, ncols, col_red);
   }
 }
 
@@ -1081,7 +1051,7 @@ void set_outputs(QuantParams& p, const Q& q, const Fp8QuantizeOptions& o) {
 
 template <typename T, Fp8Recipe R, bool kWeights, class Src>
 void launch_tile(const QuantParams& p, dim3 grid, const Src& src, cudaStream_t stream) {
-  const int smem = (p.data_t != nullptr || Src::kStashBytes > 0 ? tile_smem_bytes<T>() : 0) + Src::kStashBytes;
+  const int smem = p.data_t != nullptr ? tile_smem_bytes<T>() : 0;
   auto kernel = p.e5m2 ? quantize_tile_kernel<T, R, kWeights, true, Src>
                        : quantize_tile_kernel<T, R, kWeights, false, Src>;
   GMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
@@ -1106,11 +1076,7 @@ void launch_typed(Fp8Recipe r, const QuantParams& p, dim3 grid, uint32_t* amax, 
         return;
       }
       GMOE_CUDA_CHECK(cudaMemsetAsync(amax, 0, sizeof(uint32_t) * p.num_experts, stream));
-      if (Src::kStashBytes > 0) {
-        GMOE_CUDA_CHECK(cudaFuncSetAttribute(amax_tile_kernel<T, kWeights, Src>,
-                                             cudaFuncAttributeMaxDynamicSharedMemorySize, Src::kStashBytes));
-      }
-      amax_tile_kernel<T, kWeights, Src><<<grid, kThreads, Src::kStashBytes, stream>>>(p, amax, src);
+      amax_tile_kernel<T, kWeights, Src><<<grid, kThreads, 0, stream>>>(p, amax, src);
       GMOE_CUDA_CHECK(cudaGetLastError());
       launch_tile<T, Fp8Recipe::tensorwise, kWeights>(p, grid, src, stream);  // (col_sums: done above)
       return;
