@@ -6,7 +6,9 @@
 #            reported as skipped without a GPU); every CPU suite and the tool checks
 #   debug    CPU only, AddressSanitizer + UBSan: proves a build without nvcc works, and runs the
 #            GoogleTest suites under the sanitizers (no tools, no fuzz target: what does not
-#            depend on the build, e.g. the install, fuzz and tool checks, runs in `default` only)
+#            depend on the build, e.g. the install, fuzz and tool checks, runs in `default` only),
+#            each suite without its large named shape cases (GMOE_SANITIZER_SUBSET: they run in
+#            `default`, and under ASan they would take most of this run)
 # then the PyTorch package: its extension added to the default build, pytest tests/python (PyPI's
 # torch, pinned in scripts/test_python.sh; the CUDA tests skip without a GPU).
 # Prints the time of every stage, and at the end all of them, so that growth shows in every CI
