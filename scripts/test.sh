@@ -6,7 +6,9 @@
 #            reported as skipped without a GPU); every CPU suite and the tool checks
 #   debug    CPU only, AddressSanitizer + UBSan: proves a build without nvcc works, and runs the
 #            GoogleTest suites under the sanitizers (no tools, no fuzz target: what does not
-#            depend on the build, e.g. the install, fuzz and tool checks, runs in `default` only)
+#            depend on the build, e.g. the install, fuzz and tool checks, runs in `default` only),
+#            each suite without its large named shape cases (GMOE_SANITIZER_SUBSET: they run in
+#            `default`, and under ASan they would take most of this run)
 # then the PyTorch package: its extension added to the default build, pytest tests/python (PyPI's
 # torch, pinned in scripts/test_python.sh; the CUDA tests skip without a GPU).
 # Prints the time of every stage, and at the end all of them, so that growth shows in every CI
@@ -45,7 +47,10 @@ stage setup scripts/setup_deps.sh
 for preset in default debug; do
   stage "configure $preset" cmake --preset "$preset"
   stage "build $preset" cmake --build --preset "$preset" -j "$jobs"
-  stage "tests $preset" ctest --preset "$preset" -j 1 || { suite_counts "$preset"; exit 1; }
+  # -j: two tests at a time. Much of the suites' time is single-threaded (the FP8 paths, the fuzz
+  # runs, the install check), and OMP_WAIT_POLICY=PASSIVE (CMakeLists.txt) keeps the OpenMP parts
+  # of two suites from spinning against each other.
+  stage "tests $preset" ctest --preset "$preset" -j "$jobs" || { suite_counts "$preset"; exit 1; }
   suite_counts "$preset"
 done
 stage "python package" scripts/test_python.sh --build-dir build/default

@@ -1,7 +1,7 @@
 // src/cuda/fp8_gemm/sm90_fp8_grouped_gemm.cuh — the CUTLASS 3.x FP8 grouped (pointer-array)
 // warp-specialized GEMM behind Fp8GroupedGemmKernel, for sm_90a.
 //
-// Include this only from the one-instantiation files that CMake generates from
+// Include this only from the instantiation files that CMake generates from
 // fp8_grouped_gemm_instances.def (GMOE_FP8_GEMM_INSTANTIATE, at the end): it is heavy.
 //
 // Two mainloops, both with fp32 accumulation that is promoted out of the tensor cores every

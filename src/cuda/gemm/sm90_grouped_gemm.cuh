@@ -1,9 +1,9 @@
 // src/cuda/gemm/sm90_grouped_gemm.cuh — the CUTLASS 3.x grouped (pointer-array) warp-specialized GEMM
 // behind GroupedGemmKernel, for sm_90a (TMA loads/stores, wgmma, persistent grid).
 //
-// Include this only from the one-instantiation sm90_*.cu files that CMake generates from
-// grouped_gemm_instances.def: it is heavy. Each of those files holds its line's
-// GMOE_GROUPED_GEMM_INSTANTIATE (at the end): `template struct GroupedGemmKernel<...>;`.
+// Include this only from the sm90_*.cu files that CMake generates from grouped_gemm_instances.def:
+// it is heavy. Each of those files holds its lines' GMOE_GROUPED_GEMM_INSTANTIATE (at the end):
+// `template struct GroupedGemmKernel<...>;`.
 //
 // How the kernel meets gmoe's contract (counts never on the host):
 // - The problem shapes, pointer arrays and strides live on the device, written by the preparation
