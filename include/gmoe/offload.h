@@ -77,7 +77,8 @@ class PinnedHostPool {
 };
 
 /// What offloads run on: one copy stream (distinct from the compute streams; nullptr on the CPU),
-/// a PinnedHostPool it owns, and the allocator that reloaded tensors come from.
+/// a PinnedHostPool it owns, and the allocator that reloaded tensors come from. It must outlive
+/// every context offloaded with it (a context not yet reloaded holds blocks of its pool).
 class Offloader {
  public:
   /// For `device`; `copy_stream`: the stream of every copy (a CUDA stream the caller made and keeps
