@@ -28,6 +28,7 @@
 
 #include "bench/fp8_runner.h"
 #include "bench/layer_common.h"
+#include "bench/offload_common.h"
 #include "bench/results.h"
 #include "bench/runner.h"
 #include "bench/suite.h"
@@ -98,8 +99,9 @@ int main(int argc, char** argv) {
   app.add_option("--dtype", dtype, "input dtype")->check(CLI::IsMember({"bf16", "f16"}));
   app.add_option("--mode", mode,
                  "gemm: the GEMM passes; layer: GroupedLinear beside its bare GEMMs; mlp: GroupedMLP beside its "
-                 "unfused composition (mlp cases); all: the three")
-      ->check(CLI::IsMember({"gemm", "layer", "mlp", "all"}));
+                 "unfused composition (mlp cases); offload: a stack of 4 GroupedMLPs with and without activation "
+                 "offloading (mlp cases); all: gemm, layer and mlp")
+      ->check(CLI::IsMember({"gemm", "layer", "mlp", "offload", "all"}));
   app.add_option("--case", filter, "only cases whose name contains this");
   app.add_option("--json", json_path, "write results as JSON (docs/benchmarks.md format)");
   app.add_option("--markdown", md_path, "write the table as markdown");
@@ -208,6 +210,13 @@ int main(int argc, char** argv) {
     }
     for (const BenchCase& full : suite.cases) {
       if (!filter.empty() && full.name.find(filter) == std::string::npos) continue;
+      if (mode == "offload") {
+        if (full.kind != "mlp") continue;
+        const std::vector<ResultRow> m = run_offload_mode(full, o, use_cuda, cpu_mlp_gflop, dtype);
+        for (const ResultRow& row : m) all_correct = all_correct && (!row.correct || *row.correct);
+        rows.insert(rows.end(), m.begin(), m.end());
+        continue;
+      }
       if (full.kind == "mlp") {
         if (!run_mlp) continue;
         BenchCase cm = full;
