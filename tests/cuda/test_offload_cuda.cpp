@@ -5,7 +5,7 @@
 // scribbled over between forward and backward (a copy not ordered before its free would bring the
 // scribble back); the pool stops growing after the first step; a step with offloading captured in
 // a CUDA graph (global mode: any host sync fails the capture) and replayed bitwise. Run under
-// compute-sanitizer (racecheck, memcheck) with --gtest_filter='OffloadCuda*'.
+// compute-sanitizer (racecheck, memcheck) with --gtest_filter='*OffloadCuda*'.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
