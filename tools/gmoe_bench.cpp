@@ -33,6 +33,7 @@
 
 #include "bench/fp8_runner.h"
 #include "bench/layer_common.h"
+#include "bench/offload_common.h"
 #include "bench/results.h"
 #include "bench/runner.h"
 #include "bench/suite.h"
@@ -121,8 +122,9 @@ int main(int argc, char** argv) {
   app.add_option("--mode", mode,
                  "gemm: the GEMM passes; layer: GroupedLinear beside its bare GEMMs; mlp: GroupedMLP beside its "
                  "unfused composition (mlp cases); moe: MoELayer, its memory, and permute / combine against a "
-                 "device copy (moe cases); all: the four")
-      ->check(CLI::IsMember({"gemm", "layer", "mlp", "moe", "all"}));
+                 "device copy (moe cases); offload: a stack of 4 GroupedMLPs with and without activation "
+                 "offloading (mlp cases); all: gemm, layer, mlp and moe")
+      ->check(CLI::IsMember({"gemm", "layer", "mlp", "moe", "offload", "all"}));
   app.add_option("--case", filter, "only cases whose name contains this");
   app.add_option("--json", json_path, "write results as JSON (docs/benchmarks.md format)");
   app.add_option("--markdown", md_path, "write the table as markdown");
@@ -233,6 +235,13 @@ int main(int argc, char** argv) {
     }
     for (const BenchCase& full : suite.cases) {
       if (!filter.empty() && full.name.find(filter) == std::string::npos) continue;
+      if (mode == "offload") {
+        if (full.kind != "mlp") continue;
+        const std::vector<ResultRow> m = run_offload_mode(full, o, use_cuda, cpu_mlp_gflop, dtype);
+        for (const ResultRow& row : m) all_correct = all_correct && (!row.correct || *row.correct);
+        rows.insert(rows.end(), m.begin(), m.end());
+        continue;
+      }
       if (full.kind == "moe") {
         if (!run_moe) continue;
         const BenchCase cm = use_cuda ? full : scale_moe_for_cpu(full, cpu_moe_gflop, cpu_moe_weight_mib * 1024 * 1024);

@@ -21,6 +21,7 @@
 #include "gmoe/fp8_gemm.h"
 #include "gmoe/grouped.h"
 #include "gmoe/grouped_bias.h"
+#include "gmoe/offload.h"
 #include "gmoe/stream.h"
 #include "gmoe/tensor.h"
 
@@ -107,7 +108,9 @@ struct GroupedLinearOptions {
 };
 
 /// What forward saves for backward (and backward for backward_dw). One per forward in flight.
-class GroupedLinearContext {
+/// Offloadable (gmoe/offload.h): x's copy, or its FP8 columnwise copy and scales, and after a
+/// delayed backward dy's columnwise copy; never the caller's tensors kept by reference.
+class GroupedLinearContext : public Offloadable {
  public:
   GroupedLinearContext();
   ~GroupedLinearContext();
@@ -118,6 +121,7 @@ class GroupedLinearContext {
 
  private:
   friend class GroupedLinear;
+  void collect(OffloadSlots& slots) override;
   struct State;
   std::unique_ptr<State> state_;
 };

@@ -101,7 +101,9 @@ struct GroupedMLPBackward {
 };
 
 /// What forward saves for backward (and backward for backward_dw). One per forward in flight.
-class GroupedMLPContext {
+/// Offloadable (gmoe/offload.h): h (dh after backward), z, and both FCs' saved tensors (x's copy,
+/// FP8 columnwise copies and scales); never counts, probs or x kept by reference.
+class GroupedMLPContext : public Offloadable {
  public:
   GroupedMLPContext();
   ~GroupedMLPContext();
@@ -112,6 +114,7 @@ class GroupedMLPContext {
 
  private:
   friend class GroupedMLP;
+  void collect(OffloadSlots& slots) override;
   struct State;
   std::unique_ptr<State> state_;
 };

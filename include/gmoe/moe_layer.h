@@ -54,8 +54,11 @@ struct MoEBackward {
   GroupedMLPGrads grads;  ///< the experts' weight and bias gradients (see GroupedMLP::backward)
 };
 
-/// What forward keeps for backward. One per forward in flight.
-class MoELayerContext {
+/// What forward keeps for backward. One per forward in flight. Offloadable (gmoe/offload.h): the
+/// router's ids, probs and counts, the permuted input and counts, the permutation map, the experts'
+/// output (and after backward the experts' output gradient, which a delayed FC2 weight gradient
+/// reads), and the experts' context; never x or logits (the caller's).
+class MoELayerContext : public Offloadable {
  public:
   MoELayerContext();
   ~MoELayerContext();
@@ -69,6 +72,7 @@ class MoELayerContext {
 
  private:
   friend class MoELayer;
+  void collect(OffloadSlots& slots) override;
   struct State;
   std::unique_ptr<State> state_;
 };

@@ -63,6 +63,7 @@ from .routing import (  # noqa: E402
     unpermute,
 )
 from .moe_layer import MoELayer  # noqa: E402
+from .offload import OffloadStats, offload_activations  # noqa: E402
 
 __all__ = [
     "ACTIVATIONS",
@@ -80,6 +81,8 @@ __all__ = [
     "GroupedLinear",
     "GroupedMLP",
     "MoELayer",
+    "OffloadStats",
+    "offload_activations",
     "SCORE_FUNCS",
     "Permuted",
     "RouterOutput",

@@ -119,6 +119,12 @@ void event_record(void* event, Stream stream);
 void stream_wait_event(Stream stream, void* event);
 /// A deliberate sync, for set-up code only (never on the hot path).
 void stream_synchronize(Stream stream);
+/// Pinned host memory (cudaHostAlloc, portable): the offload pool's chunks. Not capturable.
+void* host_alloc_pinned(std::size_t bytes);
+void host_free_pinned(void* ptr);
+/// `bytes` from src to dst, either on the host (pinned) or the device (cudaMemcpyAsync with the
+/// kind inferred from the pointers), stream-ordered: the offload copies.
+void copy_bytes_async(void* dst, const void* src, std::size_t bytes, Stream stream);
 /// Grouped activations (gmoe/activation.h); counts stay on the device.
 void grouped_activation_forward(const TensorView& h, const TensorView& counts, const TensorView& z,
                                 const ActivationOptions& options, const TensorView& probs,

@@ -48,6 +48,9 @@ void event_destroy(void*) {}
 void event_record(void*, Stream) { unavailable(); }
 void stream_wait_event(Stream, void*) { unavailable(); }
 void stream_synchronize(Stream) { unavailable(); }
+void* host_alloc_pinned(std::size_t) { unavailable(); }
+void host_free_pinned(void*) {}
+void copy_bytes_async(void*, const void*, std::size_t, Stream) { unavailable(); }
 void grouped_activation_forward(const TensorView&, const TensorView&, const TensorView&, const ActivationOptions&,
                                 const TensorView&, const TensorView&, Stream, Allocator&) {
   unavailable();

@@ -8,6 +8,7 @@
 #include "gmoe/error.h"
 #include "gmoe/fp8_gemm.h"
 #include "gmoe/grouped_gemm.h"
+#include "layers/offload_slots.h"
 
 namespace gmoe {
 
@@ -47,6 +48,14 @@ GroupedLinearContext::~GroupedLinearContext() = default;
 GroupedLinearContext::GroupedLinearContext(GroupedLinearContext&&) noexcept = default;
 GroupedLinearContext& GroupedLinearContext::operator=(GroupedLinearContext&&) noexcept = default;
 bool GroupedLinearContext::active() const { return state_ && state_->active; }
+
+void GroupedLinearContext::collect(OffloadSlots& slots) {
+  State& st = *state_;
+  slots.tensor(st.x_copy);
+  slots.fp8(st.x_cols);
+  slots.fp8(st.dy_cols);
+  for (TensorView* v : {&st.x, &st.counts, &st.dy}) slots.view(*v);
+}
 
 namespace {
 
@@ -224,6 +233,7 @@ Tensor GroupedLinear::forward_with_activation(const TensorView& x, const TensorV
 Tensor GroupedLinear::forward_impl(const TensorView& x, const TensorView& counts, GroupedLinearContext& ctx,
                                    Stream stream, const TensorView& out, const ActivationOut* act) {
   GroupedLinearContext::State& st = *ctx.state_;
+  ctx.check_resident("forward");
   GMOE_CHECK(!st.active, "ctx: still holds a forward whose weight gradient was not computed (call backward",
              st.wgrad_pending ? "_dw" : "", " first, or use one context per forward in flight)");
   check_rows(x, "x");
@@ -286,6 +296,7 @@ Tensor GroupedLinear::forward_quantized(GroupedLinearFp8Operand xq, const Tensor
                                         GroupedLinearContext& ctx, Stream stream, const TensorView& out,
                                         const ActivationOut* act) {
   GroupedLinearContext::State& st = *ctx.state_;
+  ctx.check_resident("forward");
   GMOE_CHECK(!st.active, "ctx: still holds a forward whose weight gradient was not computed");
   const Device dev = weight_.device();
   const DType dt = weight_.dtype();
@@ -390,6 +401,7 @@ void GroupedLinear::compute_wgrad(GroupedLinearContext& ctx, GroupedLinearGrads&
 
 void GroupedLinear::check_active_for_backward(const GroupedLinearContext& ctx) const {
   const GroupedLinearContext::State& st = *ctx.state_;
+  ctx.check_resident("backward");
   GMOE_CHECK(st.active && !st.wgrad_pending, "ctx: backward needs a context filled by forward (and not yet ",
              "consumed by backward)");
 }
@@ -514,6 +526,7 @@ GroupedLinearBackward GroupedLinear::finish_backward(GroupedLinearContext& ctx, 
 void GroupedLinear::set_saved_input(GroupedLinearContext& ctx, const TensorView& x) const {
   GroupedLinearContext::State& st = *ctx.state_;
   GMOE_CHECK(st.active, "ctx: set_saved_input needs a context filled by forward whose weight gradient is pending");
+  ctx.check_resident("set_saved_input");
   GMOE_CHECK(options_.save_original_input, "set_saved_input: only with options.save_original_input (the layer ",
              "keeps a reference to its input, not a copy)");
   check_rows(x, "x");
@@ -527,6 +540,7 @@ void GroupedLinear::set_saved_input(GroupedLinearContext& ctx, const TensorView&
 GroupedLinearGrads GroupedLinear::backward_dw(GroupedLinearContext& ctx, Stream stream) {
   GroupedLinearContext::State& st = *ctx.state_;
   GMOE_CHECK(st.wgrad_pending, "ctx: backward_dw needs a context after a backward with delay_wgrad");
+  ctx.check_resident("backward_dw");
   st.event.wait(stream);
   GroupedLinearGrads grads = std::move(st.grads);
   st.grads = GroupedLinearGrads();

@@ -16,6 +16,7 @@
 #include "common/activation_internal.h"
 #include "common/checks.h"
 #include "gmoe/error.h"
+#include "layers/offload_slots.h"
 
 namespace gmoe {
 
@@ -47,6 +48,16 @@ GroupedMLPContext::~GroupedMLPContext() = default;
 GroupedMLPContext::GroupedMLPContext(GroupedMLPContext&&) noexcept = default;
 GroupedMLPContext& GroupedMLPContext::operator=(GroupedMLPContext&&) noexcept = default;
 bool GroupedMLPContext::active() const { return state_ && state_->active; }
+
+void GroupedMLPContext::collect(OffloadSlots& slots) {
+  State& st = *state_;
+  slots.child(st.fc1);
+  slots.child(st.fc2);
+  slots.tensor(st.h);
+  slots.tensor(st.z);
+  slots.view(st.counts);
+  slots.view(st.probs);
+}
 
 namespace {
 
@@ -152,6 +163,7 @@ Allocator& GroupedMLP::allocator() const {
 Tensor GroupedMLP::forward(const TensorView& x, const TensorView& counts, const TensorView& probs,
                            GroupedMLPContext& ctx, Stream stream, const TensorView& out) {
   GroupedMLPContext::State& st = *ctx.state_;
+  ctx.check_resident("forward");
   GMOE_CHECK(!st.active, "ctx: still holds a forward whose gradients were not computed (call backward",
              st.backward_done ? "_dw" : "", " first, or use one context per forward in flight)");
   const Device dev = fc1_.weight().device();
@@ -206,6 +218,7 @@ Tensor GroupedMLP::forward(const TensorView& x, const TensorView& counts, const 
 GroupedMLPBackward GroupedMLP::backward(GroupedMLPContext& ctx, const TensorView& dy, Stream stream,
                                         const TensorView& dgrad_out, const TensorView& dprobs_out) {
   GroupedMLPContext::State& st = *ctx.state_;
+  ctx.check_resident("backward");
   GMOE_CHECK(st.active && !st.backward_done, "ctx: backward needs a context filled by forward (and not yet ",
              "consumed by backward)");
   const Device dev = st.device;
@@ -283,6 +296,7 @@ GroupedMLPGrads GroupedMLP::backward_dw(GroupedMLPContext& ctx, Stream stream) {
   GroupedMLPContext::State& st = *ctx.state_;
   GMOE_CHECK(st.backward_done, "ctx: backward_dw needs a context after a backward with a delayed weight gradient ",
              "(options.fc1.delay_wgrad or options.fc2.delay_wgrad)");
+  ctx.check_resident("backward_dw");
   st.event.wait(stream);
   GroupedMLPGrads grads;
   if (st.fc2_pending) {

@@ -4,6 +4,7 @@
 #include "gmoe/moe_layer.h"
 
 #include "gmoe/error.h"
+#include "layers/offload_slots.h"
 
 namespace gmoe {
 
@@ -23,8 +24,22 @@ MoELayerContext::~MoELayerContext() = default;
 MoELayerContext::MoELayerContext(MoELayerContext&&) noexcept = default;
 MoELayerContext& MoELayerContext::operator=(MoELayerContext&&) noexcept = default;
 bool MoELayerContext::active() const { return state_ != nullptr; }
+void MoELayerContext::collect(OffloadSlots& slots) {
+  if (state_ == nullptr) return;
+  State& s = *state_;
+  slots.child(s.experts);
+  for (Tensor* t : {&s.ids, &s.probs, &s.counts, &s.permuted, &s.permuted_counts, &s.row_of, &s.src_token,
+                    &s.expert_out, &s.dexpert_out}) {
+    slots.tensor(*t);
+  }
+  slots.view(s.x);
+  slots.view(s.logits);
+}
+
 GroupedMLPContext& MoELayerContext::experts() {
   GMOE_CHECK(state_ != nullptr, "MoELayerContext: no forward has run with this context");
+  // The experts' tensors are offloaded with this context: reach them only once it is back.
+  check_resident("experts()");
   return state_->experts;
 }
 
@@ -54,6 +69,7 @@ MoEForward MoELayer::forward(const TensorView& x, const TensorView& logits, MoEL
       "logits: expected [", x.size(0), ", ", experts_->num_experts(), "], got ", logits.str());
   const int64_t T = x.size(0), H = x.size(1), E = experts_->num_experts(), k = options_.router.top_k;
   Allocator& a = allocator(x.device);
+  ctx.check_resident("forward");
   ctx.state_ = std::make_unique<MoELayerContext::State>();
   MoELayerContext::State& s = *ctx.state_;
   s.x = x;
@@ -93,6 +109,7 @@ MoEBackward MoELayer::backward(MoELayerContext& ctx, const TensorView& dout, Str
                                const TensorView& d_aux_loss, const TensorView& d_z_loss) {
   GMOE_CHECK(ctx.state_ != nullptr && !ctx.state_->backward_done,
              "ctx: backward needs a forward with this context, and runs once per forward");
+  ctx.check_resident("backward");
   MoELayerContext::State& s = *ctx.state_;
   const int64_t T = s.x.size(0), H = s.x.size(1), E = experts_->num_experts(), k = options_.router.top_k;
   GMOE_CHECK(dout.defined() && dout.ndim == 2 && dout.size(0) == T && dout.size(1) == H, "dout: expected [", T, ", ", H,

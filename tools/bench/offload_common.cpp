@@ -1,0 +1,175 @@
+// tools/bench/offload_common.cpp — the stack and step of offload mode (offload_common.h), and its CPU
+// runner: wall-clock times and a counting allocator's peak, a smoke run of the same code path.
+#include "bench/offload_common.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <map>
+
+#include "bench/check.h"
+#include "bench/mlp_common.h"
+#include "gmoe/copy.h"
+#include "gmoe/error.h"
+
+namespace gmoe::bench {
+
+OffloadStack::OffloadStack(const BenchCase& c, const std::vector<TensorView>& w1, const std::vector<TensorView>& w2,
+                           Allocator* allocator) {
+  for (int l = 0; l < kOffloadLayers; ++l) {
+    GroupedMLPOptions o;
+    o.activation = mlp_activation(c);
+    o.allocator = allocator;
+    layers.push_back(std::make_unique<GroupedMLP>(ExpertWeights::from_stacked(w1[l]),
+                                                  ExpertWeights::from_stacked(w2[l]), ExpertBias(), ExpertBias(), o));
+  }
+}
+
+OffloadSchedulerOptions offload_bench_schedule() {
+  OffloadSchedulerOptions so;
+  so.num_layers = kOffloadLayers;
+  so.reload_ahead = 1;
+  so.keep_last_layer = true;
+  return so;
+}
+
+std::size_t offload_stack_step(OffloadStack& s, const TensorView& x, const TensorView& counts, const TensorView& dy,
+                               OffloadScheduler* sched, Stream stream, const TensorView& dx_out,
+                               const std::function<void()>& after_forward) {
+  const int L = static_cast<int>(s.layers.size());
+  std::vector<GroupedMLPContext> ctx(L);
+  std::vector<Tensor> ys;
+  std::size_t offloaded = 0;
+  TensorView cur = x;
+  for (int l = 0; l < L; ++l) {
+    ys.push_back(s.layers[l]->forward(cur, counts, {}, ctx[l], stream));
+    cur = ys.back().view();
+    if (l > 0) ys[l - 1].release_on(stream);  // FC1 keeps its own copy of its input
+    if (sched == nullptr) continue;
+    if (sched->offloads(l)) offloaded += ctx[l].offloadable_bytes();
+    sched->forward_done(l, ctx[l], stream);
+  }
+  if (sched != nullptr) sched->forward_end(stream);
+  if (after_forward) after_forward();
+  std::vector<GroupedMLPBackward> back(L);
+  TensorView g = dy;
+  for (int l = L - 1; l >= 0; --l) {
+    if (sched != nullptr) sched->backward_begin(l, stream);
+    back[l] = s.layers[l]->backward(ctx[l], g, stream);
+    g = back[l].dx.view();
+  }
+  copy_rows(dx_out, g, stream);
+  return offloaded;
+}
+
+namespace {
+
+// Counts the bytes in use and their peak (the CPU backend's stand-in for the memory pool's).
+class PeakAllocator final : public Allocator {
+ public:
+  void* allocate(std::size_t bytes, Stream stream) override {
+    void* p = host_allocator().allocate(bytes, stream);
+    if (p != nullptr) {
+      live_[p] = bytes;
+      in_use_ += bytes;
+      peak_ = std::max(peak_, in_use_);
+    }
+    return p;
+  }
+  void free(void* ptr, Stream stream) override {
+    auto it = live_.find(ptr);
+    if (it != live_.end()) {
+      in_use_ -= it->second;
+      live_.erase(it);
+    }
+    host_allocator().free(ptr, stream);
+  }
+  Device device() const override { return Device::cpu(); }
+  std::size_t in_use() const { return in_use_; }
+  std::size_t peak() const { return peak_; }
+  void reset_peak() { peak_ = in_use_; }
+
+ private:
+  std::map<void*, std::size_t> live_;
+  std::size_t in_use_ = 0, peak_ = 0;
+};
+
+}  // namespace
+
+std::vector<ResultRow> run_offload_case_cpu(const BenchCase& c, const BenchOptions& o) {
+  const DType dt = o.dtype;
+  const std::size_t es = dtype_size(dt);
+  const int64_t E = c.E, rows = c.rows, H = c.hidden, F = c.ffn, R1 = mlp_fc1_rows(c);
+  const Device cpu = Device::cpu();
+  std::vector<std::vector<uint8_t>> w1(kOffloadLayers), w2(kOffloadLayers);
+  std::vector<TensorView> w1v, w2v;
+  for (int l = 0; l < kOffloadLayers; ++l) {
+    w1[l].resize(E * R1 * H * es);
+    w2[l].resize(E * H * F * es);
+    fill_uniform_host(w1[l].data(), dt, E * R1 * H, o.seed + 10 * l);
+    fill_uniform_host(w2[l].data(), dt, E * H * F, o.seed + 10 * l + 1);
+    w1v.emplace_back(w1[l].data(), dt, cpu, std::initializer_list<int64_t>{E, R1, H});
+    w2v.emplace_back(w2[l].data(), dt, cpu, std::initializer_list<int64_t>{E, H, F});
+  }
+  std::vector<uint8_t> x(rows * H * es), dy(rows * H * es), dx[2];
+  fill_uniform_host(x.data(), dt, rows * H, o.seed + 100);
+  fill_uniform_host(dy.data(), dt, rows * H, o.seed + 101);
+  std::vector<int32_t> counts(c.counts.begin(), c.counts.end());
+  const TensorView xv(x.data(), dt, cpu, {rows, H}), dyv(dy.data(), dt, cpu, {rows, H});
+  const TensorView cv(counts.data(), DType::i32, cpu, {E});
+
+  PeakAllocator alloc;
+  OffloadStack stack(c, w1v, w2v, &alloc);
+  Offloader off(cpu, nullptr, &alloc);
+  OffloadScheduler sched(off, offload_bench_schedule());
+  double ms[2] = {0, 0};
+  std::size_t peak[2] = {0, 0}, held[2] = {0, 0}, offloaded = 0;
+  for (int with = 0; with < 2; ++with) {
+    dx[with].assign(rows * H * es, 0);
+    const TensorView dxv(dx[with].data(), dt, cpu, {rows, H});
+    alloc.reset_peak();
+    const std::size_t base = alloc.in_use();
+    const auto t0 = std::chrono::steady_clock::now();
+    const std::size_t b = offload_stack_step(stack, xv, cv, dyv, with ? &sched : nullptr, nullptr, dxv,
+                                             [&] { held[with] = alloc.in_use() - base; });
+    ms[with] = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    peak[with] = alloc.peak() - base;
+    if (with) offloaded = b;
+  }
+  const bool equal = dx[0] == dx[1];
+  std::vector<ResultRow> r;
+  char note[256];
+  std::snprintf(note, sizeof note, "activations after forward %.2f MiB, step peak %.2f MiB", held[0] / 1048576.0,
+                peak[0] / 1048576.0);
+  r.push_back(timed_row(c.name, "step", "gmoe_stack", dt == DType::bf16 ? "bf16" : "f16", ms[0], 0, equal, note));
+  std::snprintf(note, sizeof note, "activations after forward %.2f MiB (%.0f%% less), step peak %.2f MiB, %.2f MiB "
+                "offloaded", held[1] / 1048576.0, held[0] ? 100.0 * (1.0 - double(held[1]) / held[0]) : 0.0,
+                peak[1] / 1048576.0, offloaded / 1048576.0);
+  r.push_back(timed_row(c.name, "step", "gmoe_stack_offload", dt == DType::bf16 ? "bf16" : "f16", ms[1], 0, equal,
+                        note));
+  if (!equal) r.back().note += "; dx differs from the step without offloading";
+  for (const ResultRow& row : r) {
+    std::printf("  %-24s %-20s %9.3f ms  %s\n", row.case_name.c_str(), row.impl.c_str(), row.ms, row.note.c_str());
+  }
+  return r;
+}
+
+#ifndef GMOE_WITH_CUDA
+std::vector<ResultRow> run_offload_case_cuda(const BenchCase&, const BenchOptions&) {
+  GMOE_FAIL("gmoe-bench was built without CUDA");
+}
+#endif
+
+std::vector<ResultRow> run_offload_mode(const BenchCase& full, const BenchOptions& o, bool use_cuda, double cpu_gflop,
+                                        const std::string& dtype) {
+  try {
+    if (use_cuda) return run_offload_case_cuda(full, o);
+    return run_offload_case_cpu(scale_rows(full, std::min(1.0, cpu_gflop * 1e9 / mlp_flops(full))), o);
+  } catch (const std::exception& e) {
+    std::printf("  SKIPPED %s offload: %s\n", full.name.c_str(), e.what());
+    return {skipped_row(full.name, "step", "gmoe_stack_offload", dtype, e.what())};
+  }
+}
+
+}  // namespace gmoe::bench

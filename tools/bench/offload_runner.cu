@@ -1,0 +1,210 @@
+// tools/bench/offload_runner.cu — offload mode on CUDA (offload_common.h). A compute and a copy
+// stream, both non-blocking. Per case:
+//   step        the stack's step without and with offloading, timed interleaved (CUDA events,
+//               median), each with the default memory pool's peak above what it held before
+//   copy        the offloader's copies of one step's saved tensors alone (no compute beside them),
+//               device to host and back, against one plain cudaMemcpyAsync of the same bytes
+//               between device memory and pinned host memory: the bandwidth ratio
+// The step with offloading should take at most 1.1 × max(step without, copies) and its peak
+// should be well below the step's without (issue 42's targets; docs/benchmarks.md).
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <vector>
+
+#include "bench/cuda_util.h"
+#include "bench/mlp_common.h"
+#include "bench/offload_common.h"
+
+namespace gmoe::bench {
+namespace {
+
+cudaMemPool_t default_pool() {
+  int dev = 0;
+  BENCH_CUDA(cudaGetDevice(&dev));
+  cudaMemPool_t pool = nullptr;
+  BENCH_CUDA(cudaDeviceGetDefaultMemPool(&pool, dev));
+  return pool;
+}
+
+// The pool's peak of used bytes during `work` above what was used before it.
+std::size_t pool_peak_during(const std::function<void()>& work, cudaStream_t stream) {
+  cudaMemPool_t pool = default_pool();
+  BENCH_CUDA(cudaStreamSynchronize(stream));
+  std::uint64_t before = 0, zero = 0, high = 0;
+  BENCH_CUDA(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemCurrent, &before));
+  BENCH_CUDA(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &zero));
+  work();
+  BENCH_CUDA(cudaDeviceSynchronize());
+  BENCH_CUDA(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &high));
+  return static_cast<std::size_t>(high > before ? high - before : 0);
+}
+
+// Milliseconds between two events recorded on `stream` around `work`, after a device sync.
+float stream_ms(cudaStream_t stream, const std::function<void()>& work) {
+  cudaEvent_t a, b;
+  BENCH_CUDA(cudaEventCreate(&a));
+  BENCH_CUDA(cudaEventCreate(&b));
+  BENCH_CUDA(cudaDeviceSynchronize());
+  BENCH_CUDA(cudaEventRecord(a, stream));
+  work();
+  BENCH_CUDA(cudaEventRecord(b, stream));
+  BENCH_CUDA(cudaEventSynchronize(b));
+  float ms = 0;
+  BENCH_CUDA(cudaEventElapsedTime(&ms, a, b));
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  return ms;
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+}  // namespace
+
+std::vector<ResultRow> run_offload_case_cuda(const BenchCase& c, const BenchOptions& o) {
+  const DType dt = o.dtype;
+  const char* dname = dt == DType::bf16 ? "bf16" : "f16";
+  const std::size_t es = dtype_size(dt);
+  const int64_t E = c.E, rows = c.rows, H = c.hidden, F = c.ffn, R1 = mlp_fc1_rows(c);
+  int dev = 0;
+  BENCH_CUDA(cudaGetDevice(&dev));
+  const Device cuda = Device::cuda(dev);
+  std::vector<std::unique_ptr<DeviceBuffer>> w1(kOffloadLayers), w2(kOffloadLayers);
+  std::vector<TensorView> w1v, w2v;
+  for (int l = 0; l < kOffloadLayers; ++l) {
+    w1[l] = std::make_unique<DeviceBuffer>(E * R1 * H * es);
+    w2[l] = std::make_unique<DeviceBuffer>(E * H * F * es);
+    fill_uniform(w1[l]->ptr, dt, E * R1 * H, o.seed + 10 * l);
+    fill_uniform(w2[l]->ptr, dt, E * H * F, o.seed + 10 * l + 1);
+    w1v.emplace_back(w1[l]->ptr, dt, cuda, std::initializer_list<int64_t>{E, R1, H});
+    w2v.emplace_back(w2[l]->ptr, dt, cuda, std::initializer_list<int64_t>{E, H, F});
+  }
+  DeviceBuffer x(rows * H * es), dy(rows * H * es), dx0(rows * H * es), dx1(rows * H * es), cnt(E * 4);
+  fill_uniform(x.ptr, dt, rows * H, o.seed + 100);
+  fill_uniform(dy.ptr, dt, rows * H, o.seed + 101);
+  std::vector<int32_t> counts(c.counts.begin(), c.counts.end());
+  BENCH_CUDA(cudaMemcpy(cnt.ptr, counts.data(), E * 4, cudaMemcpyHostToDevice));
+  BENCH_CUDA(cudaDeviceSynchronize());
+  const TensorView xv(x.ptr, dt, cuda, {rows, H}), dyv(dy.ptr, dt, cuda, {rows, H});
+  const TensorView dx0v(dx0.ptr, dt, cuda, {rows, H}), dx1v(dx1.ptr, dt, cuda, {rows, H});
+  const TensorView cv(cnt.ptr, DType::i32, cuda, {E});
+
+  cudaStream_t compute = nullptr, copy = nullptr;
+  BENCH_CUDA(cudaStreamCreateWithFlags(&compute, cudaStreamNonBlocking));
+  BENCH_CUDA(cudaStreamCreateWithFlags(&copy, cudaStreamNonBlocking));
+  std::vector<ResultRow> r;
+  {
+    OffloadStack stack(c, w1v, w2v, nullptr);
+    Offloader off(cuda, copy);
+    OffloadScheduler sched(off, offload_bench_schedule());
+    // Correctness (and the pinned pool's growth, before anything is timed).
+    offload_stack_step(stack, xv, cv, dyv, nullptr, compute, dx0v);
+    const std::size_t offloaded = offload_stack_step(stack, xv, cv, dyv, &sched, compute, dx1v);
+    BENCH_CUDA(cudaDeviceSynchronize());
+    std::vector<uint8_t> h0(rows * H * es), h1(rows * H * es);
+    BENCH_CUDA(cudaMemcpy(h0.data(), dx0.ptr, h0.size(), cudaMemcpyDeviceToHost));
+    BENCH_CUDA(cudaMemcpy(h1.data(), dx1.ptr, h1.size(), cudaMemcpyDeviceToHost));
+    const bool equal = h0 == h1;
+
+    std::size_t held_plain = 0, held_off = 0;
+    auto held = [&](std::size_t* out) {
+      return [out] {
+        BENCH_CUDA(cudaDeviceSynchronize());
+        std::uint64_t used = 0;
+        BENCH_CUDA(cudaMemPoolGetAttribute(default_pool(), cudaMemPoolAttrUsedMemCurrent, &used));
+        *out = static_cast<std::size_t>(used);
+      };
+    };
+    std::size_t before = 0;
+    held(&before)();
+    const std::size_t peak_plain = pool_peak_during(
+        [&] { offload_stack_step(stack, xv, cv, dyv, nullptr, compute, dx0v, held(&held_plain)); }, compute);
+    const std::size_t peak_off = pool_peak_during(
+        [&] { offload_stack_step(stack, xv, cv, dyv, &sched, compute, dx1v, held(&held_off)); }, compute);
+    held_plain -= std::min(held_plain, before);
+    held_off -= std::min(held_off, before);
+    const std::vector<double> ms = time_interleaved_ms(
+        {[&](int) { offload_stack_step(stack, xv, cv, dyv, nullptr, compute, dx0v); },
+         [&](int) { offload_stack_step(stack, xv, cv, dyv, &sched, compute, dx1v); }},
+        o.warmup, o.iters, compute, o.warm_ms);
+
+    // The offloader's copies alone: the saved tensors of the offloaded layers out, then back.
+    std::vector<double> d2h, h2d;
+    for (int rep = 0; rep < 5; ++rep) {
+      std::vector<GroupedMLPContext> ctx(kOffloadLayers);
+      std::vector<Tensor> ys;
+      TensorView cur = xv;
+      for (int l = 0; l < kOffloadLayers; ++l) {
+        ys.push_back(stack.layers[l]->forward(cur, cv, {}, ctx[l], compute));
+        cur = ys.back().view();
+      }
+      d2h.push_back(stream_ms(copy, [&] {
+        for (int l = 0; l + 1 < kOffloadLayers; ++l) ctx[l].offload(off, compute);
+      }));
+      for (int l = 0; l + 1 < kOffloadLayers; ++l) ctx[l].release(compute);
+      h2d.push_back(stream_ms(copy, [&] {
+        for (int l = kOffloadLayers - 2; l >= 0; --l) ctx[l].prefetch(compute);
+      }));
+      for (int l = 0; l + 1 < kOffloadLayers; ++l) ctx[l].reload(compute);
+      TensorView g = dyv;
+      std::vector<GroupedMLPBackward> back(kOffloadLayers);
+      for (int l = kOffloadLayers - 1; l >= 0; --l) {
+        back[l] = stack.layers[l]->backward(ctx[l], g, compute);
+        g = back[l].dx.view();
+      }
+      BENCH_CUDA(cudaStreamSynchronize(compute));
+    }
+    // One plain copy of the same bytes each way, pinned host memory.
+    void* pinned = nullptr;
+    BENCH_CUDA(cudaMallocHost(&pinned, offloaded));
+    DeviceBuffer dev_buf(offloaded);
+    const double plain_d2h = time_ms(
+        [&](int) { BENCH_CUDA(cudaMemcpyAsync(pinned, dev_buf.ptr, offloaded, cudaMemcpyDeviceToHost, copy)); }, 2,
+        10, copy);
+    const double plain_h2d = time_ms(
+        [&](int) { BENCH_CUDA(cudaMemcpyAsync(dev_buf.ptr, pinned, offloaded, cudaMemcpyHostToDevice, copy)); }, 2,
+        10, copy);
+    BENCH_CUDA(cudaFreeHost(pinned));
+    const double gb = offloaded / 1e9;
+    const double off_d2h = median(d2h), off_h2d = median(h2d);
+    const double copy_ms = off_d2h + off_h2d;
+
+    char note[320];
+    std::snprintf(note, sizeof note, "activations after forward %.1f MiB, step peak %.1f MiB", held_plain / 1048576.0,
+                  peak_plain / 1048576.0);
+    r.push_back(timed_row(c.name, "step", "gmoe_stack", dname, ms[0], 0, equal, note));
+    std::snprintf(note, sizeof note,
+                  "activations after forward %.1f MiB (%.0f%% less), step peak %.1f MiB, %.1f MiB offloaded; %.2fx "
+                  "max(step without %.3f ms, copies %.3f ms)",
+                  held_off / 1048576.0, held_plain ? 100.0 * (1.0 - double(held_off) / held_plain) : 0.0,
+                  peak_off / 1048576.0,
+                  offloaded / 1048576.0, ms[1] / std::max(ms[0], copy_ms), ms[0], copy_ms);
+    r.push_back(timed_row(c.name, "step", "gmoe_stack_offload", dname, ms[1], 0, equal, note));
+    if (!equal) r.back().note += "; dx differs from the step without offloading";
+    std::snprintf(note, sizeof note, "%.1f GB/s, %.0f%% of the plain pinned copy", gb / (off_d2h * 1e-3),
+                  100.0 * plain_d2h / off_d2h);
+    r.push_back(timed_row(c.name, "copy_d2h", "offloader", dname, off_d2h, 0, std::nullopt, note));
+    std::snprintf(note, sizeof note, "%.1f GB/s", gb / (plain_d2h * 1e-3));
+    r.push_back(timed_row(c.name, "copy_d2h", "pinned_memcpy", dname, plain_d2h, 0, std::nullopt, note));
+    std::snprintf(note, sizeof note, "%.1f GB/s, %.0f%% of the plain pinned copy", gb / (off_h2d * 1e-3),
+                  100.0 * plain_h2d / off_h2d);
+    r.push_back(timed_row(c.name, "copy_h2d", "offloader", dname, off_h2d, 0, std::nullopt, note));
+    std::snprintf(note, sizeof note, "%.1f GB/s", gb / (plain_h2d * 1e-3));
+    r.push_back(timed_row(c.name, "copy_h2d", "pinned_memcpy", dname, plain_h2d, 0, std::nullopt, note));
+  }
+  BENCH_CUDA(cudaDeviceSynchronize());
+  cudaStreamDestroy(compute);
+  cudaStreamDestroy(copy);
+  for (const ResultRow& row : r) {
+    std::printf("  %-24s %-9s %-20s %9.3f ms  %s\n", row.case_name.c_str(), row.pass.c_str(), row.impl.c_str(), row.ms,
+                row.note.c_str());
+  }
+  return r;
+}
+
+}  // namespace gmoe::bench
