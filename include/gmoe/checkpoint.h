@@ -474,9 +474,10 @@ struct MoeCheckpointInfo {
 
 /// Finds the MoE blocks of a checkpoint from its key names and shapes alone: the convention,
 /// the layers, the experts (per-expert or stacked), each tensor's orientation (from the shapes
-/// where they decide, else the convention's) and GLU form (separate, or fused with the layout the
-/// convention fixes; `fused_glu` overrides that for conventions whose keys do not fix it: gmoe and
-/// megatron). Never throws for an inconsistent block: `problems` says what is wrong.
+/// where they decide, else the convention's) and GLU form (separate, or fused: interleaved:1 for
+/// gpt-oss, concatenated for the others, as their models compute it; `fused_glu` says otherwise,
+/// for files whose keys do not tell, e.g. a gmoe or Megatron checkpoint written interleaved).
+/// Never throws for an inconsistent block: `problems` says what is wrong.
 MoeCheckpointInfo recognise_moe_checkpoint(const Checkpoint& ckpt,
                                            const GluFormat* fused_glu = nullptr);
 
@@ -488,7 +489,7 @@ struct MoeConvertOptions {
   std::optional<bool> separate_gate_up;        ///< two tensors, or one FC1
   std::optional<GluFormat> glu;                ///< gate/up layout of a fused FC1 written
   std::optional<WeightOrientation> orientation;  ///< of every expert weight written
-  std::optional<GluFormat> glu_from;           ///< gate/up layout of a fused FC1 read (gmoe, megatron)
+  std::optional<GluFormat> glu_from;           ///< gate/up layout of a fused FC1 read (see recognise_moe_checkpoint)
   std::optional<DType> cast;                   ///< cast every f32/bf16/f16 tensor (none: bit-exact)
   bool allow_overwrite_input = false;          ///< see ConvertOptions
   bool dry_run = false;                        ///< plan only, write nothing

@@ -331,9 +331,7 @@ std::string build_block(const Checkpoint& ckpt, const Spec& s, const std::string
     b->gated = rows == 2 * b->ffn && b->ffn > 0;
     for (MoeExpertTensor& t : b->tensors) t.orientation = o;
   }
-  const GluFormat glu = fused_glu && (s.conv == MoeConvention::gmoe || s.conv == MoeConvention::megatron)
-                            ? *fused_glu
-                            : s.glu;
+  const GluFormat glu = fused_glu ? *fused_glu : s.glu;
   const int64_t R1 = b->gated ? 2 * b->ffn : b->ffn;
   for (MoeExpertTensor& t : b->tensors) {
     if (t.role == R::fc1 || t.role == R::fc1_bias) t.glu = glu;
@@ -460,7 +458,9 @@ MoeCheckpointInfo recognise_moe_checkpoint(const Checkpoint& ckpt, const GluForm
     case MoeConvention::gmoe: out.family = "gmoe GroupedMLP state_dict"; break;
     case MoeConvention::mixtral: out.family = "Mixtral"; break;
     case MoeConvention::qwen:
-      if (shared_plural || score) {
+      // The shared experts' module names the family first (DeepSeek: shared_experts, Qwen2:
+      // shared_expert); without shared experts the router's correction bias marks DeepSeek-V3.
+      if (shared_plural || (score && !shared_single)) {
         out.convention = MoeConvention::deepseek;
         out.family = score ? "DeepSeek-V3" : "DeepSeek-V2";
       } else {
