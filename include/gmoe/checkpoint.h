@@ -475,8 +475,9 @@ struct MoeCheckpointInfo {
 /// Finds the MoE blocks of a checkpoint from its key names and shapes alone: the convention,
 /// the layers, the experts (per-expert or stacked), each tensor's orientation (from the shapes
 /// where they decide, else the convention's) and GLU form (separate, or fused: interleaved:1 for
-/// gpt-oss, concatenated for the others, as their models compute it; `fused_glu` says otherwise,
-/// for files whose keys do not tell, e.g. a gmoe or Megatron checkpoint written interleaved).
+/// gpt-oss, concatenated for the others, as their models compute it, or the layout named in the
+/// metadata entry "gmoe.fc1_glu" that convert_moe_checkpoint writes; `fused_glu` overrides both,
+/// for files whose keys do not tell, e.g. a gmoe or Megatron checkpoint saved interleaved).
 /// Never throws for an inconsistent block: `problems` says what is wrong.
 MoeCheckpointInfo recognise_moe_checkpoint(const Checkpoint& ckpt,
                                            const GluFormat* fused_glu = nullptr);
@@ -502,7 +503,9 @@ struct MoeConvertOptions {
 /// their block; shared experts are renamed (and their gate/up fused or split for megatron); every
 /// other tensor is copied byte for byte under its own name. Values are moved, never recomputed:
 /// bit-exact unless `cast`. Streams one expert at a time. Returns the plan (with dry_run, only the
-/// plan). Throws before writing anything when a block has a problem or the target cannot hold
+/// plan). A fused FC1 written in a gate/up layout other than the convention's is named in the
+/// metadata ("gmoe.fc1_glu" = "interleaved:8"). Throws before writing anything when a block has a
+/// problem or the target cannot hold
 /// what the source has (a bias in a convention without bias keys, separate gate/up in gpt-oss
 /// naming, ...).
 std::vector<ConvertPlanEntry> convert_moe_checkpoint(const std::string& in, const std::string& out,

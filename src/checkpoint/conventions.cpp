@@ -190,6 +190,9 @@ struct Group {
   std::vector<std::string> keys;
 };
 
+// The metadata entry naming a fused FC1's gate/up layout where the keys do not tell it.
+constexpr const char* kGluMetadata = "gmoe.fc1_glu";
+
 struct Candidate {
   std::map<MoeTensorRole, Group> roles;
 };
@@ -331,7 +334,18 @@ std::string build_block(const Checkpoint& ckpt, const Spec& s, const std::string
     b->gated = rows == 2 * b->ffn && b->ffn > 0;
     for (MoeExpertTensor& t : b->tensors) t.orientation = o;
   }
-  const GluFormat glu = fused_glu ? *fused_glu : s.glu;
+  GluFormat glu = s.glu;
+  if (fused_glu) {
+    glu = *fused_glu;
+  } else if (s.conv != MoeConvention::gpt_oss && ckpt.metadata().count(kGluMetadata)) {
+    // Written by convert_moe_checkpoint where the keys cannot tell (see there).
+    const std::string& text = ckpt.metadata().at(kGluMetadata);
+    try {
+      glu = glu_format_from_string(text);
+    } catch (const Error&) {
+      return "metadata " + std::string(kGluMetadata) + " = '" + text + "' is not a gate/up layout";
+    }
+  }
   const int64_t R1 = b->gated ? 2 * b->ffn : b->ffn;
   for (MoeExpertTensor& t : b->tensors) {
     if (t.role == R::fc1 || t.role == R::fc1_bias) t.glu = glu;
@@ -613,6 +627,7 @@ std::vector<ConvertPlanEntry> convert_moe_checkpoint(const std::string& in, cons
 
   std::vector<PlanItem> plan;
   std::set<std::string> claimed;
+  std::set<std::string> fused_glus;  // the gate/up layouts of the fused FC1s written
   for (const MoeBlock& b : info.blocks) {
     for (const MoeExpertTensor& t : b.tensors) claimed.insert(t.keys.begin(), t.keys.end());
     const MoeExpertTensor* src[8] = {};
@@ -639,6 +654,7 @@ std::vector<ConvertPlanEntry> convert_moe_checkpoint(const std::string& in, cons
                  (dst_conv == MoeConvention::gmoe || dst_conv == MoeConvention::megatron)),
                where, ": ", tname, " stores expert weights [out, in]; --orientation in-out is not one of its forms");
     const int64_t E = b.num_experts, H = b.hidden, F = b.ffn, R1 = b.gated ? 2 * F : F;
+    if (b.gated && !tg.separate) fused_glus.insert(glu_format_name(tg.glu));
     if (!tg.separate && b.gated && tg.glu.layout == GluLayout::interleaved) {
       GMOE_CHECK(tg.glu.block > 0 && F % tg.glu.block == 0, where, ": gate/up interleave block ",
                  tg.glu.block, " does not divide F = ", F);
@@ -893,6 +909,12 @@ std::vector<ConvertPlanEntry> convert_moe_checkpoint(const std::string& in, cons
   if (o.dry_run) return entries;
   std::map<std::string, std::string> metadata =
       ckpt.files().size() == 1 ? ckpt.files()[0].metadata() : std::map<std::string, std::string>{};
+  // A fused FC1 in a layout its convention does not imply is named in the metadata, so that the
+  // file describes itself to recognise_moe_checkpoint (gpt-oss's layout is in its keys).
+  metadata.erase(kGluMetadata);
+  if (dst_conv != MoeConvention::gpt_oss && fused_glus.size() == 1 && *fused_glus.begin() != glu_format_name(ts.glu)) {
+    metadata[kGluMetadata] = *fused_glus.begin();
+  }
   struct stat st {};
   const int mode = !ckpt.files().empty() && ::stat(ckpt.files()[0].path().c_str(), &st) == 0
                        ? static_cast<int>(st.st_mode & 07777)

@@ -789,6 +789,10 @@ TEST_F(Conventions, ConvertedMixtralRunsInGroupedMlpAsMixtralDoes) {
     o.convention = MoeConvention::gmoe;
     if (block) o.glu = GluFormat{GluLayout::interleaved, block};
     gmoe::convert_moe_checkpoint(dir / "mixtral.safetensors", dir / "g.safetensors", o);
+    // The interleave is not in gmoe's keys: the file names it in its metadata, and reads back so.
+    const Checkpoint g = Checkpoint::open(dir / "g.safetensors");
+    EXPECT_EQ(g.metadata().count("gmoe.fc1_glu"), block ? 1u : 0u);
+    EXPECT_EQ(gmoe::recognise_moe_checkpoint(g).blocks.at(0).tensors.at(0).glu, o.glu.value_or(GluFormat{}));
     gmoe::ActivationOptions act;
     act.kind = gmoe::ActivationKind::swiglu;
     act.glu = o.glu.value_or(GluFormat{});
