@@ -11,6 +11,7 @@
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <climits>
 #include <cstring>
 #include <set>
 
@@ -190,6 +191,9 @@ struct Group {
   std::vector<std::string> keys;
 };
 
+// a == 2b, without overflow for the huge sizes a zero-element tensor may claim.
+bool is_twice(int64_t a, int64_t b) { return b >= 0 && b <= INT64_MAX / 2 && a == 2 * b; }
+
 // The metadata entry naming a fused FC1's gate/up layout where the keys do not tell it.
 constexpr const char* kGluMetadata = "gmoe.fc1_glu";
 
@@ -319,8 +323,8 @@ std::string build_block(const Checkpoint& ckpt, const Spec& s, const std::string
   } else {
     const std::vector<int64_t>& s1 = fc1->info.expert_shape;
     // out_in: fc1 [R, H], fc2 [H, F]; in_out: fc1 [H, R], fc2 [F, H]; R = 2F (gated) or F.
-    const bool fits_oi = s1[1] == s2[0] && (s1[0] == 2 * s2[1] || s1[0] == s2[1]);
-    const bool fits_io = s1[0] == s2[1] && (s1[1] == 2 * s2[0] || s1[1] == s2[0]);
+    const bool fits_oi = s1[1] == s2[0] && (is_twice(s1[0], s2[1]) || s1[0] == s2[1]);
+    const bool fits_io = s1[0] == s2[1] && (is_twice(s1[1], s2[0]) || s1[1] == s2[0]);
     if (!fits_oi && !fits_io) {
       return where + ": FC1 experts " + shape_string(s1) + " and FC2 experts " + shape_string(s2) +
              " fit neither [out, in] (FC1 [2F, H], FC2 [H, F]) nor [in, out] (FC1 [H, 2F], FC2 [F, H])";
@@ -331,7 +335,7 @@ std::string build_block(const Checkpoint& ckpt, const Spec& s, const std::string
     b->hidden = o == WeightOrientation::out_in ? s2[0] : s2[1];
     b->ffn = o == WeightOrientation::out_in ? s2[1] : s2[0];
     const int64_t rows = o == WeightOrientation::out_in ? s1[0] : s1[1];
-    b->gated = rows == 2 * b->ffn && b->ffn > 0;
+    b->gated = is_twice(rows, b->ffn) && b->ffn > 0;
     for (MoeExpertTensor& t : b->tensors) t.orientation = o;
   }
   GluFormat glu = s.glu;
@@ -661,6 +665,13 @@ std::vector<ConvertPlanEntry> convert_moe_checkpoint(const std::string& in, cons
     }
     if (tg.layout == ExpertLayout::per_expert) {
       GMOE_CHECK(E > 0, where, ": 0 experts: the per-expert layout has no key to hold them; keep the stacked layout");
+      // Each per-expert tensor takes more than a few dozen bytes of header: a count no header
+      // can hold (2^40 empty stacked experts) is refused before any per-expert work.
+      constexpr int64_t kMinHeaderEntry = 48;
+      const int64_t key_bytes = static_cast<int64_t>(tg.experts.size()) + 24 + kMinHeaderEntry;
+      GMOE_CHECK(E <= static_cast<int64_t>(kMaxSafetensorsHeaderBytes) / key_bytes, where, ": ", E,
+                 " per-expert tensors cannot fit a safetensors header (at most ", kMaxSafetensorsHeaderBytes,
+                 " bytes); keep the stacked layout");
     }
     // The target tensors: role, and which source roles feed it.
     struct Out {
@@ -727,6 +738,7 @@ std::vector<ConvertPlanEntry> convert_moe_checkpoint(const std::string& in, cons
       const MoeExpertTensor *pg = s_gate, *pu = s_up, *pf = s_fc1, *p2 = s_fc2;
       auto build = [=](int64_t e, std::vector<uint8_t>& buf) {
         buf.resize(out_bytes);
+        if (out_bytes == 0) return;  // no work for empty experts, however many rows they claim
         const Mat d{nullptr, buf.data(), rows, dst_t};
         if (!fc1_like) {
           const Mat s{ptr(p2, e), nullptr, rows, src_t};
