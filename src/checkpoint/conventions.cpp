@@ -8,8 +8,6 @@
 // written, through a map from logical rows to its own stored rows (GLU layout, separate halves)
 // and an orientation ([in, out] stores a logical row as a column). Values are moved, never
 // recomputed, so a conversion is bit-exact unless a cast is asked for.
-#include <sys/stat.h>
-
 #include <algorithm>
 #include <climits>
 #include <cstring>
@@ -919,19 +917,14 @@ std::vector<ConvertPlanEntry> convert_moe_checkpoint(const std::string& in, cons
     }
   }
   if (o.dry_run) return entries;
-  std::map<std::string, std::string> metadata =
-      ckpt.files().size() == 1 ? ckpt.files()[0].metadata() : std::map<std::string, std::string>{};
+  std::map<std::string, std::string> metadata = input_metadata(ckpt);
   // A fused FC1 in a layout its convention does not imply is named in the metadata, so that the
   // file describes itself to recognise_moe_checkpoint (gpt-oss's layout is in its keys).
   metadata.erase(kGluMetadata);
   if (dst_conv != MoeConvention::gpt_oss && fused_glus.size() == 1 && *fused_glus.begin() != glu_format_name(ts.glu)) {
     metadata[kGluMetadata] = *fused_glus.begin();
   }
-  struct stat st {};
-  const int mode = !ckpt.files().empty() && ::stat(ckpt.files()[0].path().c_str(), &st) == 0
-                       ? static_cast<int>(st.st_mode & 07777)
-                       : -1;
-  write_safetensors_raw(out, std::move(raw), metadata, o.progress, mode);
+  write_like_input(ckpt, out, std::move(raw), metadata, o.progress);
   return entries;
 }
 

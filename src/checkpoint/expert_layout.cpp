@@ -523,6 +523,19 @@ std::vector<DetectedExpertParam> detect_expert_params(const Checkpoint& ckpt,
 
 namespace ckpt_detail {
 
+void write_like_input(const Checkpoint& ckpt, const std::string& out, std::vector<RawTensor> tensors,
+                      const std::map<std::string, std::string>& metadata, const ProgressFn& progress) {
+  struct stat st {};
+  const int mode = !ckpt.files().empty() && ::stat(ckpt.files()[0].path().c_str(), &st) == 0
+                       ? static_cast<int>(st.st_mode & 07777)
+                       : -1;
+  write_safetensors_raw(out, std::move(tensors), metadata, progress, mode);
+}
+
+std::map<std::string, std::string> input_metadata(const Checkpoint& ckpt) {
+  return ckpt.files().size() == 1 ? ckpt.files()[0].metadata() : std::map<std::string, std::string>{};
+}
+
 void check_output_not_input(const Checkpoint& ckpt, const std::string& out, bool allow) {
   struct stat o {};
   if (::stat(out.c_str(), &o) != 0) return;  // a new file
@@ -674,14 +687,7 @@ std::vector<ConvertPlanEntry> convert_checkpoint(const std::string& in, const st
                     i < expert_tensors ? "expert parameter" : "(copied)"});
   }
   if (options.dry_run) return plan;
-  std::map<std::string, std::string> metadata =
-      ckpt.files().size() == 1 ? ckpt.files()[0].metadata() : std::map<std::string, std::string>{};
-  // The output is a version of the input: it keeps the input's permissions.
-  struct stat st {};
-  const int mode = !ckpt.files().empty() && ::stat(ckpt.files()[0].path().c_str(), &st) == 0
-                       ? static_cast<int>(st.st_mode & 07777)
-                       : -1;
-  write_safetensors_raw(out, std::move(raw), metadata, options.progress, mode);
+  write_like_input(ckpt, out, std::move(raw), input_metadata(ckpt), options.progress);
   return plan;
 }
 

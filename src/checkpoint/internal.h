@@ -111,6 +111,14 @@ inline int64_t glu_row(const GluFormat& f, int64_t h, int64_t j, int64_t F) {
 /// following links), unless `allow`: a conversion reads its input while writing.
 void check_output_not_input(const Checkpoint& ckpt, const std::string& out, bool allow);
 
+/// Writes a conversion's output (write_safetensors_raw) with the permissions of the input's
+/// first file: the output is a version of the input.
+void write_like_input(const Checkpoint& ckpt, const std::string& out, std::vector<RawTensor> tensors,
+                      const std::map<std::string, std::string>& metadata, const ProgressFn& progress);
+
+/// The metadata a conversion keeps: the single file's "__metadata__" (none from an index).
+std::map<std::string, std::string> input_metadata(const Checkpoint& ckpt);
+
 /// Joins strings with a separator, eliding the middle when there are more than `max_items`.
 std::string join_limited(const std::vector<std::string>& items, size_t max_items = 20);
 

@@ -13,6 +13,7 @@
 #include <cmath>
 #include <map>
 
+#include "checkpoint/internal.h"  // make_view
 #include "ckpt_test_util.h"
 #include "gmoe/checkpoint.h"
 #include "gmoe/error.h"
@@ -122,18 +123,7 @@ struct File {
   void save(const std::string& path, const std::map<std::string, HostTensor>& extra = {}) const {
     std::vector<gmoe::NamedTensor> named;
     for (const auto& kv : t) {
-      std::vector<int64_t> s = kv.second.first;
-      TensorView v;
-      v.data = const_cast<uint16_t*>(kv.second.second.data());
-      v.dtype = DType::bf16;
-      v.ndim = static_cast<int>(s.size());
-      int64_t st = 1;
-      for (int d = v.ndim - 1; d >= 0; --d) {
-        v.shape[d] = s[static_cast<size_t>(d)];
-        v.strides[d] = st;
-        st *= v.shape[d];
-      }
-      named.push_back({kv.first, v});
+      named.push_back({kv.first, gmoe::ckpt_detail::make_view(kv.second.second.data(), DType::bf16, kv.second.first)});
     }
     for (const auto& kv : extra) named.push_back({kv.first, const_cast<HostTensor&>(kv.second).view()});
     gmoe::save_safetensors(path, named);
@@ -683,17 +673,7 @@ std::vector<float> randn(std::mt19937_64& rng, size_t n, float scale) {
 }
 
 TensorView f32_view(std::vector<float>& v, std::vector<int64_t> shape) {
-  TensorView t;
-  t.data = v.data();
-  t.dtype = DType::f32;
-  t.ndim = static_cast<int>(shape.size());
-  int64_t st = 1;
-  for (int d = t.ndim - 1; d >= 0; --d) {
-    t.shape[d] = shape[static_cast<size_t>(d)];
-    t.strides[d] = st;
-    st *= t.shape[d];
-  }
-  return t;
+  return gmoe::ckpt_detail::make_view(v.data(), DType::f32, shape);
 }
 
 // Loads a gmoe-named checkpoint of one layer into a GroupedMLP and runs x through it.
