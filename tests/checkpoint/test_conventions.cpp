@@ -254,7 +254,8 @@ std::vector<Family> families() {
   return {
       {"mixtral", {"mixtral", false, true, 0, false, "model."}, MoeConvention::mixtral, "Mixtral", 8, 64, 224, false},
       {"qwen3", {"qwen", false, true, 0, false, "model."}, MoeConvention::qwen, "Qwen3-MoE / OLMoE", 16, 64, 24, false},
-      {"olmoe-stacked", {"qwen", true, true, 0, false, "model."}, MoeConvention::qwen, "Qwen3-MoE / OLMoE", 8, 64, 32, false},
+      {"olmoe", {"qwen", false, true, 0, false, "model."}, MoeConvention::qwen, "Qwen3-MoE / OLMoE", 8, 64, 32, false},
+      {"qwen-stacked", {"qwen", true, true, 0, false, "model."}, MoeConvention::qwen, "Qwen3-MoE / OLMoE", 8, 64, 32, false},
       {"deepseek", {"deepseek", false, true, 0, false, "model."}, MoeConvention::deepseek, "DeepSeek-V3", 16, 112, 32, false},
       {"gpt-oss", {"gpt-oss", true, false, 1, true, "model."}, MoeConvention::gpt_oss, "gpt-oss", 4, 48, 48, true},
       {"megatron", {"megatron", false, false, 0, false, "module.decoder."}, MoeConvention::megatron,
