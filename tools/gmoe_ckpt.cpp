@@ -315,8 +315,8 @@ int main(int argc, char** argv) {
   ins->add_option("FILE", ins_path, "a .safetensors file or an index .json")->required();
   ins->add_flag("--brief", brief, "per-expert tensors left out of the tensor list");
   ins->add_option("--glu-from", glu_from,
-                  "gate/up layout of fused FC1 weights in FILE where the keys do not say (gmoe, megatron): "
-                  "concat (default) or interleaved:BLOCK");
+                  "gate/up layout of fused FC1 weights in FILE where neither its keys nor its metadata say it "
+                  "(default: concat; or interleaved:BLOCK)");
   add_detect(ins);
 
   CLI::App* conv = app.add_subcommand("convert", "rewrite a checkpoint in another convention, layout, gate/up form, orientation or dtype");
@@ -336,8 +336,10 @@ int main(int argc, char** argv) {
   conv->add_option("--dtype", dtype, "cast every f32/bf16/f16 tensor: f32, bf16, f16, or keep (default: bit-exact)")
       ->check(CLI::IsMember({"f32", "bf16", "f16", "keep"}));
   conv->add_option("--glu-from", glu_from,
-                   "gate/up layout of fused FC1 in IN where the keys do not say (gmoe, megatron): concat or interleaved:BLOCK");
-  conv->add_option("--glu-to", glu_to, "gate/up layout of fused FC1 in OUT: concat or interleaved:BLOCK");
+                   "gate/up layout of fused FC1 in IN where neither its keys nor its metadata say it (default: "
+                   "concat; or interleaved:BLOCK); generic mode: the layout --glu converts from");
+  conv->add_option("--glu-to", glu_to, "gate/up layout of fused FC1 in OUT: concat or interleaved:BLOCK (implies "
+                   "--gate-up fused unless given); generic mode: the layout --glu converts to");
   conv->add_option("--glu", glu_stems,
                    "generic mode: convert gate/up of expert parameters whose key stem contains this (e.g. fc1)");
   conv->add_option("--num-experts", num_experts, "generic mode: expected number of experts (checked)");

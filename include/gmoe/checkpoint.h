@@ -22,6 +22,11 @@
 //     experts, in either layout; save_expert_shards writes a rank's experts so that the files of all
 //     ranks together are byte for byte the file set a single process writes (see there).
 //
+//  4. model conventions: the MoE blocks of Hugging Face (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek,
+//     gpt-oss), Megatron-Core and gmoe checkpoints found from key names and shapes alone
+//     (recognise_moe_checkpoint), and rewritten in another naming, layout, gate/up form,
+//     orientation or dtype (convert_moe_checkpoint); docs/checkpoints.md lists them.
+//
 // Everything here is CPU-side: tensor views passed in or out must be on the CPU.
 #pragma once
 
