@@ -88,4 +88,4 @@ gmoe_fuzz_target(fuzz_safetensors checkpoint_fuzz corpus 1048576
   src/checkpoint/safetensors.cpp src/common/dtype.cpp src/common/tensor.cpp)
 gmoe_fuzz_target(fuzz_expert_layout layout_fuzz corpus_layout 65536
   src/checkpoint/safetensors.cpp src/checkpoint/checkpoint.cpp src/checkpoint/expert_layout.cpp
-  src/common/dtype.cpp src/common/tensor.cpp)
+  src/checkpoint/conventions.cpp src/common/dtype.cpp src/common/tensor.cpp)

@@ -1,17 +1,26 @@
 // tools/gmoe_ckpt.cpp — gmoe-ckpt: look into and convert safetensors checkpoints of expert layers.
 //
-//   gmoe-ckpt inspect FILE                       tensors (dtype, shape, bytes) and, per expert
-//                                                parameter, the layout found and any problem
-//   gmoe-ckpt inspect --brief FILE               expert parameters collapsed to one line each
-//   gmoe-ckpt convert IN OUT --layout per-expert stacked ↔ per-expert (IN may be an index json)
-//   gmoe-ckpt convert IN OUT --glu fc1 --glu-from concat --glu-to interleaved:8
+//   gmoe-ckpt inspect FILE                       the convention found (Mixtral, Qwen2/3-MoE, OLMoE,
+//                                                DeepSeek, gpt-oss, Megatron-Core, gmoe), its MoE
+//                                                layers and experts, each expert tensor's layout,
+//                                                orientation and GLU form; then every tensor
+//   gmoe-ckpt convert IN OUT --to gmoe           into another convention (keys named, experts
+//                                                stacked, gate/up fused, [out, in] as gmoe loads)
+//   gmoe-ckpt convert IN OUT --layout stacked --gate-up fused --glu-to interleaved:8
+//                                                layout and gate/up form within a convention
+//   gmoe-ckpt convert IN OUT --to mixtral --dry-run
+//                                                prints the plan of keys, writes nothing
 //   gmoe-ckpt bench-header --tensors 12500 25000 50000 100000
 //                                                times parsing headers of that many tensors
 //
-// Expert parameters are keys with an `experts` component whose parameter component is `weight`
-// or `bias` (stacked) or `weight<e>` / `bias<e>` (per-expert); --scope and --param change that.
-// Exit status: 0 on success, 1 on a checkpoint problem (the message says which file, key and why),
-// 130 when interrupted (the output is then left as it was: no partial or temporary file).
+// Conventions are recognised from key names and shapes with no flags. For other key names,
+// --scope / --param name the expert parameters explicitly (keys with an `experts` component whose
+// parameter component is `weight<e>` / `bias<e>`, or the stacked `weight` / `bias`), and --glu
+// STEM converts gate/up of those whose stem contains STEM.
+// Exit status: 0 on success, 1 on a checkpoint problem (the message says which file, key and why;
+// --verbose adds where in gmoe's sources it was found), 2 on a usage error, 130 when interrupted
+// (the output is then left as it was: no partial or temporary file). OUT may not be the input
+// (or one of its files) unless --overwrite-input is given.
 //
 // Everything printed that comes from a file (key names, metadata, messages naming them) goes
 // through ckpt_detail::printable, so a hostile checkpoint cannot write terminal escapes.
@@ -24,6 +33,7 @@
 #include <csignal>
 #include <cstdio>
 #include <map>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -60,7 +70,73 @@ std::string shape_str(const std::vector<int64_t>& s) {
   return out + "]";
 }
 
-int inspect(const std::string& path, const gmoe::ExpertDetectOptions& detect, bool brief) {
+std::string user_message(const std::string& what, bool verbose) {
+  // gmoe::Error reads "file:line: check `expr` failed: message"; users get the message.
+  if (verbose) return what;
+  const size_t check = what.find(": check `");
+  const size_t failed = check == std::string::npos ? check : what.find("` failed: ", check);
+  return failed == std::string::npos ? what : what.substr(failed + 10);
+}
+
+std::string glu_column(const gmoe::MoeBlock& b, const gmoe::MoeExpertTensor& t) {
+  using R = gmoe::MoeTensorRole;
+  if (!b.gated) return t.role == R::fc1 || t.role == R::fc1_bias ? "not gated" : "-";
+  switch (t.role) {
+    case R::fc1:
+    case R::fc1_bias: return "gate/up " + gmoe::glu_format_name(t.glu);
+    case R::gate:
+    case R::gate_bias: return "gate (separate)";
+    case R::up:
+    case R::up_bias: return "up (separate)";
+    default: return "-";
+  }
+}
+
+// The convention, its blocks and their tensors; returns the number of problems.
+int print_convention(const gmoe::MoeCheckpointInfo& rec, std::map<std::string, std::string>* column) {
+  for (const std::string& p : rec.problems) std::printf("PROBLEM: %s\n", printable(p).c_str());
+  if (rec.blocks.empty()) return static_cast<int>(rec.problems.size());
+  std::set<int64_t> experts, layers;
+  for (const auto& b : rec.blocks) experts.insert(b.num_experts);
+  std::printf("convention: %s (%s), %zu MoE layer(s)", gmoe::moe_convention_name(rec.convention),
+              rec.family.c_str(), rec.blocks.size());
+  if (experts.size() == 1) std::printf(", %lld experts each", static_cast<long long>(*experts.begin()));
+  std::printf("\n");
+  for (const auto& b : rec.blocks) {
+    std::printf("\nlayer %s  %s  E=%lld H=%lld F=%lld  %s\n",
+                b.layer >= 0 ? std::to_string(b.layer).c_str() : "-", printable(b.module).c_str(),
+                static_cast<long long>(b.num_experts), static_cast<long long>(b.hidden),
+                static_cast<long long>(b.ffn),
+                !b.gated ? "FC1 not gated" : b.separate_gate_up ? "gate/up separate" : "gate/up fused");
+    for (const auto& t : b.tensors) {
+      const std::string name = t.info.layout == gmoe::ExpertLayout::stacked
+                                   ? t.key.stacked_key()
+                                   : t.key.stem + "{0.." + std::to_string(t.info.num_experts - 1) + "}" + t.key.suffix;
+      const bool weight = t.info.expert_shape.size() == 2;
+      std::printf("  %-9s %-10s  %-9s  %-22s  %-5s %s  %s\n", gmoe::moe_tensor_role_name(t.role),
+                  gmoe::expert_layout_name(t.info.layout),
+                  weight ? gmoe::weight_orientation_name(t.orientation) : "", glu_column(b, t).c_str(),
+                  t.info.dtype_code.c_str(), shape_str(t.info.expert_shape).c_str(), printable(name).c_str());
+      for (const std::string& k : t.keys) {
+        (*column)[k] = std::string(gmoe::moe_tensor_role_name(t.role)) + " " +
+                       (t.info.layout == gmoe::ExpertLayout::stacked ? "stacked E=" : "expert of ") +
+                       std::to_string(t.info.num_experts);
+      }
+    }
+    for (const auto& kv : b.router) {
+      std::printf("  %-22s  %s\n", kv.first.c_str(), printable(kv.second).c_str());
+      (*column)[kv.second] = kv.first;
+    }
+    for (const auto& kv : b.shared) {
+      std::printf("  shared %-15s  %s\n", kv.first.c_str(), printable(kv.second).c_str());
+      (*column)[kv.second] = "shared " + kv.first;
+    }
+  }
+  return static_cast<int>(rec.problems.size());
+}
+
+int inspect(const std::string& path, const gmoe::ExpertDetectOptions& detect, bool generic, bool brief,
+            const std::optional<gmoe::GluFormat>& glu_from) {
   const gmoe::Checkpoint ckpt = gmoe::Checkpoint::open(path);
   uint64_t total = 0;
   for (const std::string& k : ckpt.keys()) total += ckpt.entry(k).nbytes();
@@ -70,18 +146,26 @@ int inspect(const std::string& path, const gmoe::ExpertDetectOptions& detect, bo
     std::printf("  metadata %s = %s\n", printable(kv.first).c_str(), printable(kv.second).c_str());
   }
 
-  const std::vector<gmoe::DetectedExpertParam> params = gmoe::detect_expert_params(ckpt, detect);
   std::map<std::string, std::string> layout_of;  // key → its expert-layout column
-  std::set<std::string> grouped;
-  for (const auto& d : params) {
-    for (const std::string& k : d.keys) {
-      grouped.insert(k);
-      if (!d.problem.empty()) {
-        layout_of[k] = "INVALID";
-      } else if (d.info.layout == gmoe::ExpertLayout::stacked) {
-        layout_of[k] = "stacked E=" + std::to_string(d.info.num_experts);
-      } else {
-        layout_of[k] = "per-expert of " + std::to_string(d.info.num_experts);
+  int bad = 0;
+  const gmoe::MoeCheckpointInfo rec =
+      generic ? gmoe::MoeCheckpointInfo{} : gmoe::recognise_moe_checkpoint(ckpt, glu_from ? &*glu_from : nullptr);
+  const bool conventions = !generic && (rec.recognised || !rec.problems.empty());
+  std::vector<gmoe::DetectedExpertParam> params;
+  if (conventions) {
+    std::printf("\n");
+    bad += print_convention(rec, &layout_of);
+  } else {
+    params = gmoe::detect_expert_params(ckpt, detect);
+    for (const auto& d : params) {
+      for (const std::string& k : d.keys) {
+        if (!d.problem.empty()) {
+          layout_of[k] = "INVALID";
+        } else if (d.info.layout == gmoe::ExpertLayout::stacked) {
+          layout_of[k] = "stacked E=" + std::to_string(d.info.num_experts);
+        } else {
+          layout_of[k] = "per-expert of " + std::to_string(d.info.num_experts);
+        }
       }
     }
   }
@@ -92,16 +176,20 @@ int inspect(const std::string& path, const gmoe::ExpertDetectOptions& detect, bo
   std::printf("\n%-*s  %-7s  %-22s  %10s  %s\n", static_cast<int>(width), "key", "dtype", "shape", "bytes",
               "expert layout");
   for (const std::string& k : ckpt.keys()) {
-    if (brief && grouped.count(k) && layout_of[k].rfind("per-expert", 0) == 0) continue;
-    const gmoe::SafetensorsEntry& e = ckpt.entry(k);
     auto it = layout_of.find(k);
+    if (brief && it != layout_of.end() &&
+        (it->second.rfind("per-expert", 0) == 0 || it->second.find("expert of") != std::string::npos)) {
+      continue;
+    }
+    const gmoe::SafetensorsEntry& e = ckpt.entry(k);
     std::printf("%-*s  %-7s  %-22s  %10s  %s\n", static_cast<int>(width), printable(k).c_str(),
                 e.dtype_code.c_str(), shape_str(e.shape).c_str(), human_bytes(e.nbytes()).c_str(),
                 it == layout_of.end() ? "-" : it->second.c_str());
   }
+  if (conventions) return bad ? 1 : 0;
 
-  std::printf("\nexpert parameters: %zu\n", params.size());
-  int bad = 0;
+  std::printf("\nexpert parameters: %zu%s\n", params.size(),
+              generic ? "" : " (no known convention recognised: keys under `experts` named weight<e> / bias<e>)");
   std::set<int64_t> counts;
   for (const auto& d : params) {
     if (!d.problem.empty()) {
@@ -123,6 +211,16 @@ int inspect(const std::string& path, const gmoe::ExpertDetectOptions& detect, bo
     std::printf("  note: expert parameters disagree on the number of experts\n");
   }
   return bad ? 1 : 0;
+}
+
+void print_plan(const std::vector<gmoe::ConvertPlanEntry>& plan) {
+  size_t width = 3;
+  for (const auto& p : plan) width = std::max(width, printable(p.key).size());
+  width = std::min<size_t>(width, 80);
+  for (const auto& p : plan) {
+    std::printf("%-*s  %-7s  %-22s  <- %s\n", static_cast<int>(width), printable(p.key).c_str(),
+                p.dtype_code.c_str(), shape_str(p.shape).c_str(), printable(p.source).c_str());
+  }
 }
 
 // Progress on stderr: at most a few updates a second, only for large outputs or a terminal.
@@ -195,38 +293,58 @@ int bench_header(const std::vector<int64_t>& sizes, int repeat) {
 int main(int argc, char** argv) {
   CLI::App app{"gmoe-ckpt: inspect and convert safetensors checkpoints of MoE expert layers"};
   app.require_subcommand(1);
+  app.fallthrough();
+  bool verbose = false;
+  app.add_flag("--verbose", verbose, "error messages with where in gmoe's sources they come from");
 
   gmoe::ExpertDetectOptions detect;
+  std::vector<std::string> scope, param_names;
   auto add_detect = [&](CLI::App* sub) {
-    sub->add_option("--scope", detect.scope_components,
-                    "key components marking expert parameters (default: experts); '' = every key")
+    sub->add_option("--scope", scope,
+                    "generic mode: key components marking expert parameters (default: experts); '' = every key")
         ->expected(1, -1);
-    sub->add_option("--param", detect.param_names,
-                    "parameter names that take the expert index (default: weight bias)")
+    sub->add_option("--param", param_names,
+                    "generic mode: parameter names that take the expert index (default: weight bias)")
         ->expected(1, -1);
   };
+  std::string glu_from = "", glu_to = "";
 
-  CLI::App* ins = app.add_subcommand("inspect", "list tensors and the expert layout of each parameter");
+  CLI::App* ins = app.add_subcommand("inspect", "the convention, MoE layers and experts, and every tensor");
   std::string ins_path;
   bool brief = false;
   ins->add_option("FILE", ins_path, "a .safetensors file or an index .json")->required();
-  ins->add_flag("--brief", brief, "one line per per-expert parameter instead of one per expert");
+  ins->add_flag("--brief", brief, "per-expert tensors left out of the tensor list");
+  ins->add_option("--glu-from", glu_from,
+                  "gate/up layout of fused FC1 weights in FILE where neither its keys nor its metadata say it "
+                  "(default: concat; or interleaved:BLOCK)");
   add_detect(ins);
 
-  CLI::App* conv = app.add_subcommand("convert", "rewrite a checkpoint in another expert / gate-up layout");
-  std::string in, out, layout = "keep", glu_from = "concat", glu_to = "concat";
+  CLI::App* conv = app.add_subcommand("convert", "rewrite a checkpoint in another convention, layout, gate/up form, orientation or dtype");
+  std::string in, out, to = "keep", layout = "keep", gate_up = "keep", orientation = "keep", dtype = "keep";
   std::vector<std::string> glu_stems;
   int64_t num_experts = -1;
-  bool quiet = false;
+  bool quiet = false, dry_run = false, overwrite = false;
   conv->add_option("IN", in, "a .safetensors file or an index .json")->required();
   conv->add_option("OUT", out, "the .safetensors file to write")->required();
+  conv->add_option("--to", to, "convention to write: gmoe, mixtral, qwen, deepseek, gpt-oss, megatron, or keep (default)");
   conv->add_option("--layout", layout, "stacked, per-expert, or keep (default)")
       ->check(CLI::IsMember({"stacked", "per-expert", "keep"}));
+  conv->add_option("--gate-up", gate_up, "separate (two tensors), fused (one FC1), or keep (default)")
+      ->check(CLI::IsMember({"separate", "fused", "keep"}));
+  conv->add_option("--orientation", orientation, "out-in ([out, in] as nn.Linear), in-out, or keep (default)")
+      ->check(CLI::IsMember({"out-in", "in-out", "keep"}));
+  conv->add_option("--dtype", dtype, "cast every f32/bf16/f16 tensor: f32, bf16, f16, or keep (default: bit-exact)")
+      ->check(CLI::IsMember({"f32", "bf16", "f16", "keep"}));
+  conv->add_option("--glu-from", glu_from,
+                   "gate/up layout of fused FC1 in IN where neither its keys nor its metadata say it (default: "
+                   "concat; or interleaved:BLOCK); generic mode: the layout --glu converts from");
+  conv->add_option("--glu-to", glu_to, "gate/up layout of fused FC1 in OUT: concat or interleaved:BLOCK (implies "
+                   "--gate-up fused unless given); generic mode: the layout --glu converts to");
   conv->add_option("--glu", glu_stems,
-                   "convert gate/up of expert parameters whose key stem contains this (e.g. fc1)");
-  conv->add_option("--glu-from", glu_from, "gate/up layout in IN: concat or interleaved:BLOCK");
-  conv->add_option("--glu-to", glu_to, "gate/up layout in OUT: concat or interleaved:BLOCK");
-  conv->add_option("--num-experts", num_experts, "expected number of experts (checked)");
+                   "generic mode: convert gate/up of expert parameters whose key stem contains this (e.g. fc1)");
+  conv->add_option("--num-experts", num_experts, "generic mode: expected number of experts (checked)");
+  conv->add_flag("--dry-run", dry_run, "print the plan of keys (what each output key comes from), write nothing");
+  conv->add_flag("--overwrite-input", overwrite, "allow OUT to be IN (replaced through a temporary file)");
   conv->add_flag("--quiet", quiet, "no progress output");
   add_detect(conv);
 
@@ -239,35 +357,92 @@ int main(int argc, char** argv) {
 
   CLI11_PARSE(app, argc, argv);
   if (*bench) return bench_header(bench_sizes, bench_repeat);
+  const bool generic = !scope.empty() || !param_names.empty() || !glu_stems.empty() || num_experts >= 0;
+  if (!scope.empty()) detect.scope_components = scope;
+  if (!param_names.empty()) detect.param_names = param_names;
   // --scope '' means every key is in scope.
   if (std::find(detect.scope_components.begin(), detect.scope_components.end(), "") !=
       detect.scope_components.end()) {
     detect.scope_components.clear();
   }
   try {
-    if (*ins) return inspect(ins_path, detect, brief);
-    gmoe::ConvertOptions opt;
-    opt.detect = detect;
-    opt.change_layout = layout != "keep";
-    opt.layout = layout == "stacked" ? gmoe::ExpertLayout::stacked : gmoe::ExpertLayout::per_expert;
-    opt.num_experts = num_experts;
-    opt.glu_stems = glu_stems;
-    opt.glu_from = gmoe::glu_format_from_string(glu_from);
-    opt.glu_to = gmoe::glu_format_from_string(glu_to);
+    std::optional<gmoe::GluFormat> from, into;
+    if (!glu_from.empty()) from = gmoe::glu_format_from_string(glu_from);
+    if (!glu_to.empty()) into = gmoe::glu_format_from_string(glu_to);
+    if (*ins) return inspect(ins_path, detect, generic, brief, from);
     Progress progress;
     for (int sig : {SIGINT, SIGTERM, SIGHUP}) std::signal(sig, on_signal);
-    opt.progress = [&](uint64_t d, uint64_t t, const std::string& k) {
+    const gmoe::ProgressFn on_progress = [&](uint64_t d, uint64_t t, const std::string& k) {
       if (g_interrupted) throw Interrupted();
       if (!quiet) progress(d, t, k);
     };
-    gmoe::convert_checkpoint(in, out, opt);
-    std::printf("wrote %s\n", printable(out).c_str());
+    const gmoe::Checkpoint ckpt = gmoe::Checkpoint::open(in);
+    const gmoe::MoeCheckpointInfo rec =
+        generic ? gmoe::MoeCheckpointInfo{} : gmoe::recognise_moe_checkpoint(ckpt, from ? &*from : nullptr);
+    std::vector<gmoe::ConvertPlanEntry> plan;
+    if (!generic && (rec.recognised || !rec.problems.empty())) {
+      gmoe::MoeConvertOptions opt;
+      if (to != "keep") opt.convention = gmoe::moe_convention_from_string(to);
+      if (layout != "keep") opt.layout = layout == "stacked" ? gmoe::ExpertLayout::stacked : gmoe::ExpertLayout::per_expert;
+      if (gate_up != "keep") opt.separate_gate_up = gate_up == "separate";
+      if (into) {
+        opt.glu = into;
+        if (gate_up == "keep") opt.separate_gate_up = false;
+      }
+      if (orientation != "keep") {
+        opt.orientation = orientation == "out-in" ? gmoe::WeightOrientation::out_in : gmoe::WeightOrientation::in_out;
+      }
+      if (dtype != "keep") opt.cast = dtype == "f32" ? gmoe::DType::f32 : dtype == "bf16" ? gmoe::DType::bf16 : gmoe::DType::f16;
+      opt.glu_from = from;
+      opt.allow_overwrite_input = overwrite;
+      opt.dry_run = dry_run;
+      opt.progress = on_progress;
+      if (!dry_run) {
+        std::printf("%s: %s (%s), %zu MoE layer(s) -> %s\n", printable(in).c_str(),
+                    gmoe::moe_convention_name(rec.convention), rec.family.c_str(), rec.blocks.size(),
+                    to == "keep" ? gmoe::moe_convention_name(rec.convention) : to.c_str());
+      }
+      plan = gmoe::convert_moe_checkpoint(in, out, opt);
+    } else {
+      if (to != "keep" || gate_up != "keep" || orientation != "keep" || dtype != "keep") {
+        std::fprintf(stderr, "gmoe-ckpt: %s: %s\n", printable(in).c_str(),
+                     generic ? "--to, --gate-up, --orientation and --dtype work on recognised conventions, "
+                               "not with --scope/--param/--glu/--num-experts"
+                             : "no known convention recognised (see `gmoe-ckpt inspect`); --to, --gate-up, "
+                               "--orientation and --dtype need one");
+        return 1;
+      }
+      gmoe::ConvertOptions opt;
+      opt.detect = detect;
+      opt.change_layout = layout != "keep";
+      opt.layout = layout == "stacked" ? gmoe::ExpertLayout::stacked : gmoe::ExpertLayout::per_expert;
+      opt.num_experts = num_experts;
+      opt.glu_stems = glu_stems;
+      opt.glu_from = from.value_or(gmoe::GluFormat{});
+      opt.glu_to = into.value_or(gmoe::GluFormat{});
+      opt.allow_overwrite_input = overwrite;
+      opt.dry_run = dry_run;
+      opt.progress = on_progress;
+      if (!generic && gmoe::detect_expert_params(ckpt, detect).empty()) {
+        std::fprintf(stderr, "gmoe-ckpt: %s: found no expert parameters (no known convention, nothing "
+                     "under `experts` named weight<e> / bias<e>): nothing to convert; see `gmoe-ckpt "
+                     "inspect` and --scope/--param\n", printable(in).c_str());
+        return 1;
+      }
+      plan = gmoe::convert_checkpoint(in, out, opt);
+    }
+    if (dry_run) {
+      print_plan(plan);
+      std::printf("dry run: nothing written\n");
+    } else {
+      std::printf("wrote %s\n", printable(out).c_str());
+    }
     return 0;
   } catch (const Interrupted&) {
     std::fprintf(stderr, "\ngmoe-ckpt: interrupted; %s left as it was\n", printable(out).c_str());
     return 130;
   } catch (const gmoe::Error& e) {
-    std::fprintf(stderr, "gmoe-ckpt: %s\n", printable(e.what()).c_str());
+    std::fprintf(stderr, "gmoe-ckpt: %s\n", printable(user_message(e.what(), verbose)).c_str());
     return 1;
   }
 }

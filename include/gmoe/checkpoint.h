@@ -22,6 +22,11 @@
 //     experts, in either layout; save_expert_shards writes a rank's experts so that the files of all
 //     ranks together are byte for byte the file set a single process writes (see there).
 //
+//  4. model conventions: the MoE blocks of Hugging Face (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek,
+//     gpt-oss), Megatron-Core and gmoe checkpoints found from key names and shapes alone
+//     (recognise_moe_checkpoint), and rewritten in another naming, layout, gate/up form,
+//     orientation or dtype (convert_moe_checkpoint); docs/checkpoints.md lists them.
+//
 // Everything here is CPU-side: tensor views passed in or out must be on the CPU.
 #pragma once
 
@@ -29,6 +34,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -193,8 +199,15 @@ struct ExpertParamKey {
   std::string stem;    ///< everything up to and including the parameter name
   std::string suffix;  ///< after the expert index ("" or ".exp_avg", ...)
 
-  /// The key of the stacked tensor.
-  std::string stacked_key() const { return stem + suffix; }
+  /// The key of the stacked tensor. Where the expert index is a key component of its own
+  /// (stem "m.experts.", suffix ".w1.weight": expert key "m.experts.3.w1.weight"), the stacked key
+  /// drops that component and its dot ("m.experts.w1.weight"), never leaving an empty component.
+  std::string stacked_key() const {
+    if (!stem.empty() && stem.back() == '.' && !suffix.empty() && suffix.front() == '.') {
+      return stem + suffix.substr(1);
+    }
+    return stem + suffix;
+  }
   /// The key of expert `e`'s tensor in the per-expert layout.
   std::string expert_key(int64_t e) const { return stem + std::to_string(e) + suffix; }
   /// The key of another state of the same parameter: `prefix` goes before the stem, `suffix` after
@@ -351,14 +364,156 @@ struct ConvertOptions {
   std::vector<std::string> glu_stems;
   GluFormat glu_from;
   GluFormat glu_to;
+  /// The dimension of each expert tensor that holds gate/up; -1: dimension 0, except for an FC1
+  /// weight that recognise_moe_checkpoint finds stored [in, out] (gpt-oss), whose gate/up
+  /// dimension is the last one.
+  int glu_axis = -1;
+  /// Writing onto the input (its path, or one of its files) is refused unless this is set; it is
+  /// then still done through a temporary file renamed over it.
+  bool allow_overwrite_input = false;
+  /// Plan only: return the plan, write nothing.
+  bool dry_run = false;
   ProgressFn progress;
+};
+
+/// One tensor (or per-expert set) a conversion writes, and where it comes from.
+struct ConvertPlanEntry {
+  std::string key;              ///< the key, or "<stem>{0..E-1}<suffix>" for a per-expert set
+  std::string dtype_code;       ///< as written
+  std::vector<int64_t> shape;   ///< of the tensor (of one expert for a per-expert set)
+  std::string source;           ///< in words: the keys read and what is done to them
 };
 
 /// Rewrites checkpoint `in` (file or index) as one safetensors file `out`: expert parameters in the
 /// requested layout and gate/up layout, every other tensor copied byte for byte, metadata kept.
 /// Streams expert by expert, so memory stays at one expert tensor. Throws (before writing anything)
-/// when any expert parameter has a problem.
-void convert_checkpoint(const std::string& in, const std::string& out,
-                        const ConvertOptions& options);
+/// when any expert parameter has a problem. Returns the plan: one entry per tensor written (per
+/// expert parameter in the per-expert layout).
+std::vector<ConvertPlanEntry> convert_checkpoint(const std::string& in, const std::string& out,
+                                                 const ConvertOptions& options);
+
+// ------------------------------------------------------------------------------------------------
+// model conventions: Hugging Face, Megatron-Core, gmoe (gmoe-ckpt's default)
+// ------------------------------------------------------------------------------------------------
+
+/// A family of checkpoint key names and layouts for the expert MLPs of an MoE block. Each names
+/// where a block's experts live (`<layer>.<module>.experts.`), the key of each expert tensor, and
+/// how the tensors are stored by default (see docs/checkpoints.md for the table):
+enum class MoeConvention : uint8_t {
+  gmoe,      ///< gmoe's GroupedMLP state_dict: `fc1.weight` [E, 2F, H] (or `fc1.weight<e>`), `fc2.weight`, biases
+  mixtral,   ///< HF Mixtral: `block_sparse_moe.experts.<e>.w1/w3/w2.weight` [out, in], router `block_sparse_moe.gate`
+  qwen,      ///< HF Qwen2-MoE / Qwen3-MoE / OLMoE: `mlp.experts.<e>.gate_proj/up_proj/down_proj.weight`, router `mlp.gate`, `mlp.shared_expert.*` + `mlp.shared_expert_gate`
+  deepseek,  ///< HF DeepSeek-V2/V3: as qwen, with `mlp.shared_experts.*` and `mlp.gate.e_score_correction_bias`
+  gpt_oss,   ///< HF gpt-oss: stacked `mlp.experts.gate_up_proj` [E, H, 2F] ([in, out], gate/up interleaved by 1 along the last dim), `gate_up_proj_bias`, `down_proj` [E, F, H], `down_proj_bias`, router `mlp.router`
+  megatron,  ///< Megatron-Core with TE grouped linear: `decoder.layers.<L>.mlp.experts.linear_fc1.weight<e>` [2F, H] ([gate; up]), `linear_fc2.weight<e>`; stacked `linear_fc1.weight` [E, 2F, H] is the single grouped weight form; router `mlp.router.weight` / `expert_bias`
+};
+
+/// "gmoe", "mixtral", "qwen", "deepseek", "gpt-oss", "megatron".
+const char* moe_convention_name(MoeConvention c);
+/// Parses a convention name (also "olmoe", "qwen2-moe", "qwen3-moe", "deepseek-v3", "gpt_oss",
+/// "mcore"); throws naming the accepted ones.
+MoeConvention moe_convention_from_string(const std::string& text);
+
+/// How an expert weight matrix is stored: [out, in] as nn.Linear and gmoe, or [in, out] (gpt-oss).
+enum class WeightOrientation : uint8_t {
+  out_in,  ///< [out, in]
+  in_out,  ///< [in, out]: the transpose
+};
+
+/// "[out, in]" or "[in, out]".
+const char* weight_orientation_name(WeightOrientation o);
+
+/// What an expert tensor of an MoE block is.
+enum class MoeTensorRole : uint8_t {
+  fc1,        ///< gate and up in one weight (or the FC1 of a non-gated MLP)
+  gate,       ///< the gate projection alone (w1, gate_proj)
+  up,         ///< the up projection alone (w3, up_proj)
+  fc2,        ///< the down projection (w2, down_proj, linear_fc2)
+  fc1_bias,   ///< fc1's bias, gate/up like fc1
+  gate_bias,  ///< gate's bias
+  up_bias,    ///< up's bias
+  fc2_bias,   ///< fc2's bias
+};
+
+/// "fc1", "gate", "up", "fc2", "fc1_bias", "gate_bias", "up_bias", "fc2_bias".
+const char* moe_tensor_role_name(MoeTensorRole r);
+
+/// One expert tensor of an MoE block as found in a checkpoint.
+struct MoeExpertTensor {
+  MoeTensorRole role = MoeTensorRole::fc1;
+  ExpertParamKey key;                     ///< stacked_key() / expert_key(e)
+  ExpertParamInfo info;                   ///< layout, E, one expert's shape, dtype
+  WeightOrientation orientation = WeightOrientation::out_in;  ///< weights only
+  GluFormat glu;                          ///< fc1 and fc1_bias of a gated MLP: gate/up layout
+  std::vector<std::string> keys;          ///< the checkpoint keys that hold it
+};
+
+/// One MoE block (one layer's experts) as found in a checkpoint.
+struct MoeBlock {
+  std::string module;        ///< key prefix of the block ("model.layers.3.block_sparse_moe.")
+  std::string experts;       ///< key prefix of its experts ("model.layers.3.block_sparse_moe.experts.")
+  std::string layer_prefix;  ///< key prefix up to the layer index ("model.layers.3."), "" if none
+  int64_t layer = -1;        ///< the layer index found in the keys, -1 if none
+  int64_t num_experts = 0;   ///< E
+  int64_t hidden = 0;        ///< H
+  int64_t ffn = 0;           ///< F (per expert)
+  bool gated = true;         ///< FC1 has 2F outputs (gate and up), else F
+  bool separate_gate_up = false;  ///< gate and up stored as two tensors
+  std::vector<MoeExpertTensor> tensors;  ///< the expert tensors, in role order
+  /// Router tensors beside the experts: "router.weight" [E, H], "router.bias" [E],
+  /// "score_correction_bias" [E] → key.
+  std::map<std::string, std::string> router;
+  /// Shared-expert tensors (always computed, not routed): role ("gate", "up", "fc1", "fc2",
+  /// "gate_weight" (the shared expert's sigmoid gate)) → key.
+  std::map<std::string, std::string> shared;
+};
+
+/// What recognise_moe_checkpoint found.
+struct MoeCheckpointInfo {
+  bool recognised = false;            ///< at least one consistent MoE block of one convention
+  MoeConvention convention = MoeConvention::gmoe;
+  std::string family;                 ///< the model family in words ("Qwen2-MoE", "Mixtral", ...)
+  std::vector<MoeBlock> blocks;       ///< in layer order
+  std::vector<std::string> problems;  ///< what stopped a block from being recognised, in words
+};
+
+/// Finds the MoE blocks of a checkpoint from its key names and shapes alone: the convention,
+/// the layers, the experts (per-expert or stacked), each tensor's orientation (from the shapes
+/// where they decide, else the convention's) and GLU form (separate, or fused: interleaved:1 for
+/// gpt-oss, concatenated for the others, as their models compute it, or the layout named in the
+/// metadata entry "gmoe.fc1_glu" that convert_moe_checkpoint writes; `fused_glu` overrides both,
+/// for files whose keys do not tell, e.g. a gmoe or Megatron checkpoint saved interleaved).
+/// Never throws for an inconsistent block: `problems` says what is wrong.
+MoeCheckpointInfo recognise_moe_checkpoint(const Checkpoint& ckpt,
+                                           const GluFormat* fused_glu = nullptr);
+
+/// Options of convert_moe_checkpoint. Every unset field keeps what the source has when the
+/// convention is kept, and takes the target convention's default when it changes.
+struct MoeConvertOptions {
+  std::optional<MoeConvention> convention;     ///< key naming to write
+  std::optional<ExpertLayout> layout;          ///< stacked or per-expert
+  std::optional<bool> separate_gate_up;        ///< two tensors, or one FC1
+  std::optional<GluFormat> glu;                ///< gate/up layout of a fused FC1 written
+  std::optional<WeightOrientation> orientation;  ///< of every expert weight written
+  std::optional<GluFormat> glu_from;           ///< gate/up layout of a fused FC1 read (see recognise_moe_checkpoint)
+  std::optional<DType> cast;                   ///< cast every f32/bf16/f16 tensor (none: bit-exact)
+  bool allow_overwrite_input = false;          ///< see ConvertOptions
+  bool dry_run = false;                        ///< plan only, write nothing
+  ProgressFn progress;                         ///< as for save_safetensors
+};
+
+/// Rewrites checkpoint `in` (file or index) as one safetensors file `out` in another convention,
+/// layout, gate/up form, orientation or dtype (recognise_moe_checkpoint finds the source; an
+/// unrecognised checkpoint is an error naming what was missing). Router tensors are renamed with
+/// their block; shared experts are renamed (and their gate/up fused or split for megatron); every
+/// other tensor is copied byte for byte under its own name. Values are moved, never recomputed:
+/// bit-exact unless `cast`. Streams one expert at a time. Returns the plan (with dry_run, only the
+/// plan). A fused FC1 written in a gate/up layout other than the convention's is named in the
+/// metadata ("gmoe.fc1_glu" = "interleaved:8"). Throws before writing anything when a block has a
+/// problem or the target cannot hold
+/// what the source has (a bias in a convention without bias keys, separate gate/up in gpt-oss
+/// naming, ...).
+std::vector<ConvertPlanEntry> convert_moe_checkpoint(const std::string& in, const std::string& out,
+                                                     const MoeConvertOptions& options);
 
 }  // namespace gmoe

@@ -23,7 +23,7 @@ const char* expert_layout_name(ExpertLayout layout) {
   return layout == ExpertLayout::stacked ? "stacked" : "per-expert";
 }
 
-namespace {
+namespace ckpt_detail {
 
 // The expert index of `key` when it is `stem<e>suffix` with e written canonically (no sign, no
 // leading zeros, at most 18 digits so it fits int64); -1 otherwise.
@@ -67,7 +67,15 @@ std::string missing_keys(const ExpertParamKey& p, const std::map<int64_t, std::s
   return s;
 }
 
+}  // namespace ckpt_detail
+
+namespace {
+
 size_t key_size(const ExpertParamKey& p) { return p.stem.size() + p.suffix.size(); }
+
+}  // namespace
+
+namespace ckpt_detail {
 
 // Checks a found parameter and fills `info`; returns the problem, or "" when consistent.
 std::string check_param(const Checkpoint& ckpt, const ExpertParamKey& p, bool stacked_present,
@@ -134,6 +142,10 @@ std::string check_param(const Checkpoint& ckpt, const ExpertParamKey& p, bool st
   return "";
 }
 
+}  // namespace ckpt_detail
+
+namespace {
+
 // The per-expert views of an ExpertWeights of any rank (ExpertWeights::expert assumes matrices).
 std::vector<TensorView> expert_views(const ExpertWeights& w, const std::string& what) {
   std::vector<TensorView> out;
@@ -165,13 +177,6 @@ std::vector<uint8_t> gather(const TensorView& v) {
     out.insert(out.end(), b, b + n);
   });
   return out;
-}
-
-// Position of row j of half h (0 gate, 1 up) among 2F rows in format f.
-int64_t glu_row(const GluFormat& f, int64_t h, int64_t j, int64_t F) {
-  if (f.layout == GluLayout::concatenated) return h * F + j;
-  const int64_t b = f.block;
-  return (j / b) * 2 * b + h * b + j % b;
 }
 
 void write_file_atomic(const std::string& path, const std::string& text) {
@@ -516,9 +521,52 @@ std::vector<DetectedExpertParam> detect_expert_params(const Checkpoint& ckpt,
   return out;
 }
 
-void convert_checkpoint(const std::string& in, const std::string& out,
-                        const ConvertOptions& options) {
+namespace ckpt_detail {
+
+void write_like_input(const Checkpoint& ckpt, const std::string& out, std::vector<RawTensor> tensors,
+                      const std::map<std::string, std::string>& metadata, const ProgressFn& progress) {
+  struct stat st {};
+  const int mode = !ckpt.files().empty() && ::stat(ckpt.files()[0].path().c_str(), &st) == 0
+                       ? static_cast<int>(st.st_mode & 07777)
+                       : -1;
+  write_safetensors_raw(out, std::move(tensors), metadata, progress, mode);
+}
+
+std::map<std::string, std::string> input_metadata(const Checkpoint& ckpt) {
+  return ckpt.files().size() == 1 ? ckpt.files()[0].metadata() : std::map<std::string, std::string>{};
+}
+
+void check_output_not_input(const Checkpoint& ckpt, const std::string& out, bool allow) {
+  struct stat o {};
+  if (::stat(out.c_str(), &o) != 0) return;  // a new file
+  std::vector<std::string> inputs{ckpt.path()};
+  for (const SafetensorsFile& f : ckpt.files()) inputs.push_back(f.path());
+  for (const std::string& p : inputs) {
+    struct stat i {};
+    if (::stat(p.c_str(), &i) != 0 || i.st_dev != o.st_dev || i.st_ino != o.st_ino) continue;
+    GMOE_CHECK(allow, "the output '", out, "' is the input ", p == ckpt.path() ? "" : "file ", "'", p,
+               "': refusing to overwrite it (give another output path, or --overwrite-input to ",
+               "replace it through a temporary file)");
+  }
+}
+
+}  // namespace ckpt_detail
+
+std::vector<ConvertPlanEntry> convert_checkpoint(const std::string& in, const std::string& out,
+                                                 const ConvertOptions& options) {
   const Checkpoint ckpt = Checkpoint::open(in);
+  if (!options.dry_run) check_output_not_input(ckpt, out, options.allow_overwrite_input);
+  // FC1 weights stored [in, out] (gpt-oss) hold gate/up along their last dimension.
+  std::set<std::string> in_out_fc1;
+  if (!options.glu_stems.empty() && options.glu_from != options.glu_to && options.glu_axis < 0) {
+    for (const MoeBlock& b : recognise_moe_checkpoint(ckpt).blocks) {
+      for (const MoeExpertTensor& t : b.tensors) {
+        if (t.role == MoeTensorRole::fc1 && t.orientation == WeightOrientation::in_out) {
+          in_out_fc1.insert(t.key.stacked_key());
+        }
+      }
+    }
+  }
   const std::vector<DetectedExpertParam> params = detect_expert_params(ckpt, options.detect);
   std::vector<std::string> problems;
   int64_t E = options.num_experts;
@@ -561,11 +609,16 @@ void convert_checkpoint(const std::string& in, const std::string& out,
                  " per-expert tensors cannot fit a safetensors header (at most ",
                  kMaxSafetensorsHeaderBytes, " bytes); keep the stacked layout");
     }
+    const int rank = static_cast<int>(info.expert_shape.size());
+    const int axis = options.glu_axis >= 0 ? options.glu_axis
+                     : in_out_fc1.count(d.key.stacked_key()) ? rank - 1
+                                                             : 0;
     if (glu) {
-      GMOE_CHECK(!info.expert_shape.empty() && info.expert_shape[0] % 2 == 0, in, ": '",
-                 d.key.stacked_key(), "': GLU conversion needs an even first dimension, experts are ",
+      GMOE_CHECK(axis < rank && info.expert_shape[static_cast<size_t>(axis)] % 2 == 0, in, ": '",
+                 d.key.stacked_key(), "': GLU conversion along dimension ", axis,
+                 " needs an even dimension there (gate and up halves), experts are ",
                  shape_string(info.expert_shape));
-      const int64_t F = info.expert_shape[0] / 2;
+      const int64_t F = info.expert_shape[static_cast<size_t>(axis)] / 2;
       for (const GluFormat* f : {&options.glu_from, &options.glu_to}) {
         GMOE_CHECK(f->layout == GluLayout::concatenated || (f->block > 0 && F % f->block == 0), in,
                    ": '", d.key.stacked_key(), "': GLU block ", f->block, " must divide ", F);
@@ -580,15 +633,16 @@ void convert_checkpoint(const std::string& in, const std::string& out,
                  : ckpt.bytes(key.expert_key(e));
     };
     // GLU conversion moves bytes only, so it works for dtypes gmoe has no DType for: use a 1-byte
-    // dtype and fold the element size into the last dimension.
+    // dtype and the element's bytes as one more (last) dimension.
     std::vector<int64_t> byte_shape = info.expert_shape;
-    if (!byte_shape.empty()) {
-      if (byte_shape.size() == 1) byte_shape.push_back(1);
-      byte_shape.back() = checked_mul(byte_shape.back(), es, what.c_str());
+    if (glu) {
+      GMOE_CHECK(rank < TensorView::kMaxDims, what, ": GLU conversion of rank-", rank,
+                 " experts is not supported");
+      byte_shape.push_back(es);
     }
     const GluFormat from = options.glu_from, to = options.glu_to;
-    auto emit_expert = [src_of, glu, from, to, byte_shape, expert_bytes](int64_t e,
-                                                                         const ByteSink& sink) {
+    auto emit_expert = [src_of, glu, from, to, byte_shape, expert_bytes, axis](int64_t e,
+                                                                               const ByteSink& sink) {
       const uint8_t* src = src_of(e);
       if (!glu) {
         sink(src, expert_bytes);
@@ -596,7 +650,7 @@ void convert_checkpoint(const std::string& in, const std::string& out,
       }
       std::vector<uint8_t> buf(expert_bytes);
       convert_glu(make_view(src, DType::e4m3, byte_shape), from,
-                  make_view(buf.data(), DType::e4m3, byte_shape), to, 0);
+                  make_view(buf.data(), DType::e4m3, byte_shape), to, axis);
       sink(buf.data(), buf.size());
     };
     if (layout == ExpertLayout::stacked) {
@@ -614,6 +668,7 @@ void convert_checkpoint(const std::string& in, const std::string& out,
       }
     }
   }
+  const size_t expert_tensors = raw.size();
   for (const std::string& k : ckpt.keys()) {
     if (claimed.count(k)) continue;
     const SafetensorsEntry& e = ckpt.entry(k);
@@ -626,14 +681,14 @@ void convert_checkpoint(const std::string& in, const std::string& out,
                               }
                             }});
   }
-  std::map<std::string, std::string> metadata =
-      ckpt.files().size() == 1 ? ckpt.files()[0].metadata() : std::map<std::string, std::string>{};
-  // The output is a version of the input: it keeps the input's permissions.
-  struct stat st {};
-  const int mode = !ckpt.files().empty() && ::stat(ckpt.files()[0].path().c_str(), &st) == 0
-                       ? static_cast<int>(st.st_mode & 07777)
-                       : -1;
-  write_safetensors_raw(out, std::move(raw), metadata, options.progress, mode);
+  std::vector<ConvertPlanEntry> plan;
+  for (size_t i = 0; i < raw.size(); ++i) {
+    plan.push_back({raw[i].name, raw[i].dtype_code, raw[i].shape,
+                    i < expert_tensors ? "expert parameter" : "(copied)"});
+  }
+  if (options.dry_run) return plan;
+  write_like_input(ckpt, out, std::move(raw), input_metadata(ckpt), options.progress);
+  return plan;
 }
 
 }  // namespace gmoe

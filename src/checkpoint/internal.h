@@ -89,6 +89,36 @@ std::vector<int64_t> view_shape(const TensorView& v);
 /// A contiguous CPU view over `data` with a runtime shape (rank <= TensorView::kMaxDims).
 TensorView make_view(const void* data, DType dtype, const std::vector<int64_t>& shape);
 
+/// The expert index of `key` when it is `p.stem<e>p.suffix` with e written canonically (no sign,
+/// no leading zeros, at most 18 digits); -1 otherwise.
+int64_t per_expert_index(const std::string& key, const ExpertParamKey& p);
+
+/// Checks an expert parameter found in `ckpt` (stacked key present or not, per-expert keys by
+/// index) and fills `info`; returns the problem in words, or "" when consistent. With
+/// num_experts >= 0 the count must be exactly that.
+std::string check_param(const Checkpoint& ckpt, const ExpertParamKey& p, bool stacked_present,
+                        const std::map<int64_t, std::string>& experts, int64_t num_experts,
+                        ExpertParamInfo* info);
+
+/// Position of row j of half h (0 gate, 1 up) among the 2F rows of gate/up layout f.
+inline int64_t glu_row(const GluFormat& f, int64_t h, int64_t j, int64_t F) {
+  if (f.layout == GluLayout::concatenated) return h * F + j;
+  const int64_t b = f.block;
+  return (j / b) * 2 * b + h * b + j % b;
+}
+
+/// Refuses `out` when it is the checkpoint `in` itself or one of its files (same file after
+/// following links), unless `allow`: a conversion reads its input while writing.
+void check_output_not_input(const Checkpoint& ckpt, const std::string& out, bool allow);
+
+/// Writes a conversion's output (write_safetensors_raw) with the permissions of the input's
+/// first file: the output is a version of the input.
+void write_like_input(const Checkpoint& ckpt, const std::string& out, std::vector<RawTensor> tensors,
+                      const std::map<std::string, std::string>& metadata, const ProgressFn& progress);
+
+/// The metadata a conversion keeps: the single file's "__metadata__" (none from an index).
+std::map<std::string, std::string> input_metadata(const Checkpoint& ckpt);
+
 /// Joins strings with a separator, eliding the middle when there are more than `max_items`.
 std::string join_limited(const std::vector<std::string>& items, size_t max_items = 20);
 

@@ -93,6 +93,40 @@ void check_output(const gmoe::Checkpoint& in, const std::vector<gmoe::DetectedEx
 
 }  // namespace
 
+// Model conventions: recognised or not, never anything but gmoe::Error; a conversion that
+// succeeds writes a file recognised as the target convention with the same experts and sizes.
+void check_conventions(const gmoe::Checkpoint& in, const std::string& in_path, uint8_t pick, int64_t block) {
+  const gmoe::MoeCheckpointInfo rec = gmoe::recognise_moe_checkpoint(in);
+  if (!rec.recognised) return;
+  int64_t most_experts = 0;
+  for (const gmoe::MoeBlock& b : rec.blocks) {
+    most_experts = std::max(most_experts, b.num_experts);
+    if (b.hidden == 0 || b.ffn == 0) return;  // empty matrices: the shapes cannot tell H from F
+  }
+  const gmoe::MoeConvention targets[] = {gmoe::MoeConvention::gmoe, gmoe::MoeConvention::megatron,
+                                         gmoe::MoeConvention::gpt_oss, gmoe::MoeConvention::mixtral};
+  gmoe::MoeConvertOptions opt;
+  opt.convention = targets[(pick >> 2) % 4];
+  if (pick & 16) opt.glu = gmoe::GluFormat{gmoe::GluLayout::interleaved, block};
+  if (pick & 32) opt.layout = gmoe::ExpertLayout::stacked;
+  // As above: many per-expert tensors only slow the search.
+  if (most_experts > 4096) opt.layout = gmoe::ExpertLayout::stacked;
+  const std::string out = work_dir() + "/conv.safetensors";
+  try {
+    gmoe::convert_moe_checkpoint(in_path, out, opt);
+  } catch (const gmoe::Error&) {
+    return;
+  }
+  const gmoe::MoeCheckpointInfo got = gmoe::recognise_moe_checkpoint(gmoe::Checkpoint::open(out));
+  check(got.recognised && got.blocks.size() == rec.blocks.size(), "a converted checkpoint is not recognised");
+  for (size_t i = 0; i < got.blocks.size(); ++i) {
+    const gmoe::MoeBlock &a = rec.blocks[i], &b = got.blocks[i];
+    check(a.num_experts == b.num_experts && a.hidden == b.hidden && a.ffn == b.ffn,
+          "a converted checkpoint has other experts or sizes");
+  }
+  unlink(out.c_str());
+}
+
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size < 2) return 0;
   gmoe::ExpertDetectOptions detect;
@@ -142,6 +176,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       check_output(in, params, out, detect, glu);
       unlink(out.c_str());
     }
+    check_conventions(in, in_path, data[0], block);
   } catch (const gmoe::Error&) {
     // Rejected with a message: the expected outcome for malformed input.
   }

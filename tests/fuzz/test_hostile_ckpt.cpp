@@ -96,6 +96,52 @@ TEST_F(HostileCkpt, ShapesWhoseStridesOverflowAreRejected) {
   expect_error([&] { gmoe::parse_safetensors(bytes.data(), bytes.size(), "mem"); }, {"'x'", "overflow"});
 }
 
+TEST_F(HostileCkpt, ModelConventionsBoundTheirWork) {
+  TempDir dir;
+  // gpt-oss names with 2^40 empty experts (H = 0), and one empty expert claiming F = 2^60 rows:
+  // recognised, converted to a stacked layout at once, refused per expert before any per-expert
+  // work; the 2^60 rows of nothing are not visited.
+  const std::string in = dir / "oss.safetensors";
+  write_file(in, craft(R"({"model.layers.0.mlp.experts.gate_up_proj":{"dtype":"BF16","shape":[1099511627776,0,4],"data_offsets":[0,0]},)"
+                       R"("model.layers.0.mlp.experts.down_proj":{"dtype":"BF16","shape":[1099511627776,2,0],"data_offsets":[0,0]},)"
+                       R"("model.layers.1.mlp.experts.gate_up_proj":{"dtype":"BF16","shape":[1,0,1152921504606846976],"data_offsets":[0,0]},)"
+                       R"("model.layers.1.mlp.experts.down_proj":{"dtype":"BF16","shape":[1,1152921504606846976,0],"data_offsets":[0,0]}})",
+                       0));
+  ASSERT_TRUE(finishes_within(10, [&] { gmoe::recognise_moe_checkpoint(Checkpoint::open(in)); }));
+  const gmoe::MoeCheckpointInfo rec = gmoe::recognise_moe_checkpoint(Checkpoint::open(in));
+  ASSERT_TRUE(rec.recognised);
+  EXPECT_EQ(rec.blocks[0].num_experts, int64_t{1} << 40);
+  EXPECT_EQ(rec.blocks[1].ffn, int64_t{1} << 60);
+  gmoe::MoeConvertOptions stacked;
+  stacked.convention = gmoe::MoeConvention::gmoe;
+  ASSERT_TRUE(finishes_within(10, [&] { gmoe::convert_moe_checkpoint(in, dir / "g.safetensors", stacked); }));
+  EXPECT_EQ(Checkpoint::open(dir / "g.safetensors").entry("model.layers.0.mlp.experts.fc1.weight").shape,
+            (std::vector<int64_t>{int64_t{1} << 40, 4, 0}));
+  gmoe::MoeConvertOptions per;
+  per.convention = gmoe::MoeConvention::megatron;
+  per.layout = gmoe::ExpertLayout::per_expert;
+  ASSERT_TRUE(finishes_within(10, [&] { gmoe::convert_moe_checkpoint(in, dir / "m.safetensors", per); }));
+  expect_error([&] { gmoe::convert_moe_checkpoint(in, dir / "m.safetensors", per); }, {"cannot fit a safetensors header"});
+  EXPECT_TRUE(read_file(dir / "m.safetensors").empty()) << "2^40 per-expert tensors were written";
+  const std::string one = dir / "one.safetensors";
+  write_file(one, craft(R"({"model.layers.1.mlp.experts.gate_up_proj":{"dtype":"BF16","shape":[1,0,1152921504606846976],"data_offsets":[0,0]},)"
+                        R"("model.layers.1.mlp.experts.down_proj":{"dtype":"BF16","shape":[1,1152921504606846976,0],"data_offsets":[0,0]}})",
+                        0));
+  bool ok = false;
+  ASSERT_TRUE(finishes_within(10, [&] { gmoe::convert_moe_checkpoint(one, dir / "one_m.safetensors", per); }, &ok));
+  EXPECT_TRUE(ok);
+  EXPECT_TRUE(Checkpoint::open(dir / "one_m.safetensors").contains("decoder.layers.1.mlp.experts.linear_fc1.weight0"));
+  // An 18-digit expert index in Mixtral's names: an incomplete set, named, not a loop to 10^18.
+  const std::string mix = dir / "mix.safetensors";
+  write_file(mix, craft(R"({"model.layers.0.block_sparse_moe.experts.999999999999999999.w1.weight":{"dtype":"BF16","shape":[2,2],"data_offsets":[0,8]},)"
+                        R"("model.layers.0.block_sparse_moe.experts.999999999999999999.w3.weight":{"dtype":"BF16","shape":[2,2],"data_offsets":[8,16]},)"
+                        R"("model.layers.0.block_sparse_moe.experts.999999999999999999.w2.weight":{"dtype":"BF16","shape":[2,2],"data_offsets":[16,24]}})",
+                        24));
+  ASSERT_TRUE(finishes_within(10, [&] { gmoe::convert_moe_checkpoint(mix, dir / "o.safetensors", {}); }));
+  expect_error([&] { gmoe::convert_moe_checkpoint(mix, dir / "o.safetensors", gmoe::MoeConvertOptions{}); },
+               {"incomplete", "experts.0.w1.weight"});
+}
+
 TEST_F(HostileCkpt, HugeExpertIndexInATinyFileIsBounded) {
   TempDir dir;
   const std::string in = dir / "tiny.safetensors";
