@@ -105,6 +105,28 @@ MaskedOffDestinations::MaskedOffDestinations(int64_t E, int64_t N, int64_t K, Rn
   fresh_init = init.to_double();
 }
 
+MaskedOffBuffers::MaskedOffBuffers(const MaskedOffDestinations& d, Layout layout, int64_t E, int64_t N, int64_t K)
+    : main(layout, DType::f32, E, N, K),
+      fresh(layout == Layout::kStacked ? Layout::kList : Layout::kStacked, DType::f32, E, N, K) {
+  main.set_all(d.main_init);
+  fresh.set_all(d.fresh_init);
+}
+
+GroupedLinearOptions main_grad_options(LinearRecipe recipe, const ExpertWeights& main_grad, bool accumulate,
+                                       bool delayed, Allocator* alloc, const TensorView& mask) {
+  GroupedLinearOptions opt;
+  opt.recipe = recipe;
+  opt.main_grad = main_grad;
+  opt.accumulate = accumulate;
+  opt.delay_wgrad = delayed;
+  opt.allocator = alloc;
+  if (mask.defined()) {
+    opt.expert_mask = mask;
+    opt.masked_off = MaskedOffWgrad::fresh;
+  }
+  return opt;
+}
+
 void expect_masked_off_destinations(const MaskedOffDestinations& d, const HostTensor& dy, const HostTensor& x,
                                     const std::vector<int64_t>& counts, bool accumulate,
                                     const std::vector<double>& main, const std::vector<double>& fresh,

@@ -10,6 +10,7 @@
 #include "common/tolerance.h"
 #include "gmoe/grouped.h"
 #include "gmoe/grouped_bias.h"
+#include "gmoe/grouped_linear.h"
 
 namespace gmoe::test {
 
@@ -68,6 +69,19 @@ struct MaskedOffDestinations {
   std::vector<double> fresh_init;  ///< the fresh buffer before the call
   MaskedOffDestinations(int64_t E, int64_t N, int64_t K, Rng& rng);
 };
+
+/// main_grad in `layout` and the fresh buffer in the other one (each destination's layout is its
+/// own), f32 on the host, holding d's main_init and fresh_init.
+struct MaskedOffBuffers {
+  HostExpertTensor main, fresh;
+  MaskedOffBuffers(const MaskedOffDestinations& d, Layout layout, int64_t E, int64_t N, int64_t K);
+};
+
+/// GroupedLinear options writing the weight gradient into `main_grad` (accumulating or not, now or
+/// delayed), scratch from `alloc`; with `mask` given, mask-0 experts get fresh gradients
+/// (MaskedOffWgrad::fresh).
+GroupedLinearOptions main_grad_options(LinearRecipe recipe, const ExpertWeights& main_grad, bool accumulate,
+                                       bool delayed, Allocator* alloc, const TensorView& mask);
 
 /// Checks every expert's destination after the call, `main` and `fresh` expert-major: mask 1 →
 /// main_grad holds init + dW_e (accumulate) or dW_e (exact zeros for an empty expert; an empty

@@ -152,9 +152,9 @@ TEST_P(CpuFp8Gemm, WgradMaskedOffFresh) {
   const ShapeCase c = make(rng);
   const Fp8Problem p(c, recipe(), rng);
   const MaskedOffDestinations d(c.E, c.N, c.K, rng);
-  HostExpertTensor main(Layout::kStacked, DType::f32, c.E, c.N, c.K), fresh(Layout::kList, DType::f32, c.E, c.N, c.K);
-  main.set_all(d.main_init);
-  fresh.set_all(d.fresh_init);
+  MaskedOffBuffers out(d, Layout::kStacked, c.E, c.N, c.K);  // fresh: a list
+  HostExpertTensor& main = out.main;
+  HostExpertTensor& fresh = out.fresh;
   WgradOptions opt;
   opt.accumulate = true;
   opt.expert_mask = d.mask_t.view();

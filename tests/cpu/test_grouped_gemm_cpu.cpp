@@ -138,11 +138,10 @@ TEST_P(CpuGroupedGemm, WgradMaskedOffFresh) {
   const ShapeCase c = make(rng);
   const GemmProblem p(c, dtype(), rng);
   const MaskedOffDestinations d(c.E, c.N, c.K, rng);
-  const Layout fresh_layout = layout() == Layout::kStacked ? Layout::kList : Layout::kStacked;
   for (bool accumulate : {false, true}) {
-    HostExpertTensor main(layout(), DType::f32, c.E, c.N, c.K), fresh(fresh_layout, DType::f32, c.E, c.N, c.K);
-    main.set_all(d.main_init);
-    fresh.set_all(d.fresh_init);
+    MaskedOffBuffers out(d, layout(), c.E, c.N, c.K);
+    HostExpertTensor& main = out.main;
+    HostExpertTensor& fresh = out.fresh;
     WgradOptions opt;
     opt.accumulate = accumulate;
     opt.expert_mask = d.mask_t.view();

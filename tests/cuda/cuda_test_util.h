@@ -115,7 +115,6 @@ class StreamGate {
   std::atomic<bool>* open_;
   bool opened_ = false;
 };
-};
 
 /// What `work` enqueues on `stream`, captured once in global capture mode (which fails on any host
 /// sync inside: bench::capture_graph) and instantiated. Destroyed at scope exit.

@@ -298,16 +298,13 @@ TEST_P(CudaFp8Gemm, WgradMaskedOffFresh) {
   Rng rng;
   const ShapeCase c = make(rng);
   const Layout layout = rng.integer(0, 1) ? Layout::kStacked : Layout::kList;
-  const Layout fresh_layout = layout == Layout::kStacked ? Layout::kList : Layout::kStacked;
   const Fp8Problem p(c, recipe(), rng);
   const MaskedOffDestinations d(c.E, c.N, c.K, rng);
   DeviceGrouped dy(p.dy.q), x(p.x.q);
   DeviceTensor counts(p.base.counts), mask_d(d.mask_t);
   for (bool accumulate : {false, true}) {
-    HostExpertTensor main_h(layout, DType::f32, c.E, c.N, c.K), fresh_h(fresh_layout, DType::f32, c.E, c.N, c.K);
-    main_h.set_all(d.main_init);
-    fresh_h.set_all(d.fresh_init);
-    DeviceExperts main_d(main_h), fresh_d(fresh_h);
+    const MaskedOffBuffers host(d, layout, c.E, c.N, c.K);
+    DeviceExperts main_d(host.main), fresh_d(host.fresh);
     WgradOptions opt;
     opt.accumulate = accumulate;
     opt.expert_mask = mask_d.view();

@@ -201,13 +201,12 @@ void check_wgrad_f32_accumulate_mask(const ShapeCase& c, DType dtype, Layout lay
 void check_wgrad_masked_off_fresh(const ShapeCase& c, DType dtype, Layout layout, Rng& rng) {
   const GemmProblem p(c, dtype, rng);
   const MaskedOffDestinations d(c.E, c.N, c.K, rng);
-  const Layout fresh_layout = layout == Layout::kStacked ? Layout::kList : Layout::kStacked;
   DeviceTensor dy(p.dy), x(p.x), counts(p.counts), mask_d(d.mask_t);
   for (bool accumulate : {false, true}) {
-    HostExpertTensor main_h(layout, DType::f32, c.E, c.N, c.K), fresh_h(fresh_layout, DType::f32, c.E, c.N, c.K);
-    main_h.set_all(d.main_init);
-    fresh_h.set_all(d.fresh_init);
-    DeviceExperts main_d(main_h), fresh_d(fresh_h);
+    MaskedOffBuffers own(d, layout, c.E, c.N, c.K);  // the CPU backend's run
+    DeviceExperts main_d(own.main), fresh_d(own.fresh);
+    HostExpertTensor& main_h = own.main;
+    HostExpertTensor& fresh_h = own.fresh;
     WgradOptions opt;
     opt.accumulate = accumulate;
     opt.masked_off = MaskedOffWgrad::fresh;

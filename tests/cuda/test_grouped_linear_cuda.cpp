@@ -270,16 +270,8 @@ TEST_P(CudaGroupedLinearMaskedOff, EveryExpertsDestination) {
   const cudaStream_t s1 = streams.main(), s2 = streams.side();
   RecordingCudaAllocator alloc;
   const auto run = [&](DeviceExperts& main_grad, bool masked, bool accumulate, bool delayed) {
-    GroupedLinearOptions opt;
-    opt.recipe = recipe;
-    opt.main_grad = main_grad.view();
-    opt.accumulate = accumulate;
-    opt.delay_wgrad = delayed;
-    opt.allocator = &alloc;
-    if (masked) {
-      opt.expert_mask = mask.view();
-      opt.masked_off = MaskedOffWgrad::fresh;
-    }
+    const GroupedLinearOptions opt =
+        main_grad_options(recipe, main_grad.view(), accumulate, delayed, &alloc, masked ? mask.view() : TensorView());
     GroupedLinear layer(w.view(), {}, opt);
     GroupedLinearContext ctx;
     layer.forward(x.view(), counts.view(), ctx, s1);

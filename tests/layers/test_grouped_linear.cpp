@@ -232,16 +232,8 @@ TEST_P(CpuGroupedLinearMaskedOff, EveryExpertsDestination) {
   const MaskedOffDestinations d(c.E, c.N, c.K, rng);
   FillingAllocator alloc;
   const auto run = [&](HostExpertTensor& main_grad, bool masked, bool accumulate, bool delayed) {
-    GroupedLinearOptions opt;
-    opt.recipe = recipe;
-    opt.main_grad = main_grad.view();
-    opt.accumulate = accumulate;
-    opt.delay_wgrad = delayed;
-    opt.allocator = &alloc;
-    if (masked) {
-      opt.expert_mask = d.mask_t.view();
-      opt.masked_off = MaskedOffWgrad::fresh;
-    }
+    const GroupedLinearOptions opt =
+        main_grad_options(recipe, main_grad.view(), accumulate, delayed, &alloc, masked ? d.mask_t.view() : TensorView());
     GroupedLinear layer(p.weights(layout), {}, opt);
     GroupedLinearContext ctx;
     layer.forward(p.x.view(), p.counts.view(), ctx);
