@@ -120,7 +120,8 @@ TEST(CudaHostCounts, LayersTakeHostCounts) {
   for (Layout layout : {Layout::kStacked, Layout::kList}) {
     SCOPED_TRACE(layout_name(layout));
     DeviceExperts w(p.w_stacked, p.w, layout);
-    const auto run = [&](const TensorView& cnt) {
+    using Results = std::vector<std::vector<double>>;
+    const auto run = [&](const TensorView& cnt) -> Results {
       GroupedLinearOptions opt;
       opt.delay_wgrad = true;
       GroupedLinear layer(w.view(), {}, opt);
@@ -128,7 +129,7 @@ TEST(CudaHostCounts, LayersTakeHostCounts) {
       Tensor y = layer.forward(x.view(), cnt, ctx, s1);
       GroupedLinearBackward b = layer.backward(ctx, dy.view(), s1);
       GroupedLinearGrads g = layer.backward_dw(ctx, s2);
-      GMOE_TEST_CUDA(cudaDeviceSynchronize());
+      test_cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
       check_device_errors(s1);
       return std::vector<std::vector<double>>{values(y.view()), values(b.dx.view()), values(g.weight)};
     };
@@ -143,12 +144,12 @@ TEST(CudaHostCounts, LayersTakeHostCounts) {
   HostTensor dyh(DType::bf16, {c.capacity, H});
   fill_random(dyh, rng);
   DeviceTensor dy_mlp(dyh);
-  const auto run_mlp = [&](const TensorView& cnt) {
+  const auto run_mlp = [&](const TensorView& cnt) -> std::vector<std::vector<double>> {
     GroupedMLP mlp(ExpertWeights::from_stacked(w1.view()), ExpertWeights::from_stacked(w2.view()), {}, {}, {});
     GroupedMLPContext ctx;
     Tensor y = mlp.forward(x.view(), cnt, {}, ctx, s1);
     GroupedMLPBackward b = mlp.backward(ctx, dy_mlp.view(), s1);
-    GMOE_TEST_CUDA(cudaDeviceSynchronize());
+    test_cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
     check_device_errors(s1);
     return std::vector<std::vector<double>>{values(y.view()), values(b.dx.view()), values(b.grads.fc1.weight),
                                             values(b.grads.fc2.weight)};
