@@ -3,6 +3,7 @@
 
 #include <cstddef>
 #include <memory>
+#include <vector>
 
 #include "gmoe/stream.h"
 #include "gmoe/tensor.h"
@@ -17,7 +18,10 @@ namespace gmoe {
 class Allocator {
  public:
   virtual ~Allocator() = default;
-  /// Allocates `bytes` (may be 0: returns nullptr) on `stream`. Throws gmoe::Error on failure.
+  /// Allocates `bytes` (may be 0: returns nullptr) on `stream`, aligned to at least 256 bytes
+  /// (cudaMallocAsync's and PyTorch's caching allocator's alignment; views carved at 256-byte
+  /// offsets of one allocation, as the packed gradients are, rely on it). Throws gmoe::Error on
+  /// failure.
   virtual void* allocate(std::size_t bytes, Stream stream) = 0;
   /// Frees a pointer returned by allocate() on `stream` (nullptr is a no-op).
   virtual void free(void* ptr, Stream stream) = 0;
@@ -36,7 +40,10 @@ Allocator& cuda_allocator();
 Allocator& default_allocator(Device device);
 
 /// An owning buffer from an Allocator, released on the stream it was made on (or on the stream
-/// given to reset()). Move-only.
+/// given to reset_on()). Memory used on other streams too is marked with record_stream(): the free
+/// then waits (stream-ordered, through events; no host sync) for the work enqueued on each of them
+/// up to the free, so a stream-ordered allocator cannot hand the memory out again while one of them
+/// may still read or write it. Move-only.
 class Buffer {
  public:
   /// No memory.
@@ -54,14 +61,23 @@ class Buffer {
   /// Frees now (stream-ordered on the stream it was made on).
   void reset();
   /// Frees now, ordered on `stream` instead: for memory last used on another stream than the one
-  /// it was made on (the caller has ordered that stream after every use).
+  /// it was made on (the caller has ordered that stream after every use, except on the streams
+  /// recorded with record_stream(), which the free waits for).
   void reset_on(Stream stream);
+  /// Marks the memory as used by work on `stream` (PyTorch's record_stream): when it is freed, an
+  /// event is recorded on `stream` at that moment and the free is ordered after it. Recording the
+  /// stream that frees, or a stream twice, does nothing more. Capturable in a CUDA graph when
+  /// `stream` is part of the same capture.
+  void record_stream(Stream stream);
+  /// The streams recorded with record_stream() (besides the one the buffer was made on).
+  const std::vector<Stream>& recorded_streams() const { return used_on_; }
 
  private:
   Allocator* alloc_ = nullptr;
   void* ptr_ = nullptr;
   std::size_t bytes_ = 0;
   Stream stream_ = nullptr;
+  std::vector<Stream> used_on_;  // record_stream()'s streams
 };
 
 /// A tensor that may own its memory: either an allocation from an Allocator (Tensor::empty) or a

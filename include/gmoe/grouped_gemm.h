@@ -19,14 +19,35 @@
 
 namespace gmoe {
 
+/// What the weight gradient does for an expert whose WgradOptions::expert_mask entry is 0.
+///
+/// The mask splits the experts between two destinations in ONE grouped call (one launch, the
+/// choice made on the device from the mask; no host sync): experts with mask 1 go to `dw` (the
+/// main_grad, accumulated into with WgradOptions::accumulate), experts with mask 0 either get no
+/// gradient (`skip`) or get their gradient written into a second buffer (`fresh`), which is what
+/// Megatron-LM and Transformer Engine mean by a partial accumulation: "spare" experts whose
+/// gradient must not land in main_grad but is still needed.
+enum class MaskedOffWgrad : uint8_t {
+  skip,   ///< mask 0: no gradient is computed; dW_e in `dw` (and everything else) is left untouched
+  fresh,  ///< mask 0: dW_e is written (overwritten, never accumulated) into WgradOptions::fresh_dw
+};
+
 /// Options of the weight-gradient pass.
 struct WgradOptions {
-  /// D = A·B + D: accumulate into the existing contents of dW (fp32 dW only: a main_grad).
+  /// D = A·B + D: accumulate into the existing contents of dW (fp32 dW only: a main_grad). Applies
+  /// to the experts written into `dw`; `fresh_dw` is always overwritten.
   bool accumulate = false;
-  /// Optional [E] int32 tensor on dW's device. Experts with mask 0 are skipped: their dW is left
-  /// untouched. Experts with a non-zero mask are written (overwritten, or accumulated into when
-  /// `accumulate`). Absent: every expert is written.
+  /// Optional [E] int32 tensor on dW's device. Experts with a non-zero mask are written into `dw`
+  /// (overwritten, or accumulated into when `accumulate`); experts with mask 0 follow `masked_off`.
+  /// Absent: every expert is written into `dw`.
   TensorView expert_mask;
+  /// What experts with mask 0 get (see MaskedOffWgrad). `fresh` needs an expert_mask and fresh_dw.
+  MaskedOffWgrad masked_off = MaskedOffWgrad::skip;
+  /// With masked_off == fresh: E × [N, K] of dw's dtype and device (stacked or a list, either
+  /// layout independently of dw's), disjoint from dw. Expert e of it is written where mask[e] == 0
+  /// (zeros when the expert has no rows) and left untouched where mask[e] != 0. With `skip` it must
+  /// be absent.
+  ExpertWeights fresh_dw;
 };
 
 /// fprop: y[rows of e] = x[rows of e] · W_eᵀ for each expert; rows past the real total are zeroed.
@@ -74,7 +95,8 @@ void grouped_gemm_dgrad_activation_backward(const TensorView& dy, const ExpertWe
 
 /// wgrad: dW_e = dy_eᵀ · x_e for each expert. dy: [capacity, N], x: [capacity, K], same dtype.
 /// dw: [E, N, K] stacked or E × [N, K], dtype of x or f32 (f32 required with accumulate). An expert
-/// with no rows gets an exactly-zero dW_e (left unchanged when accumulating).
+/// with no rows gets an exactly-zero dW_e (left unchanged when accumulating). With an expert_mask,
+/// WgradOptions says where each expert's dW_e goes (dw, options.fresh_dw, or nowhere).
 void grouped_gemm_wgrad(const TensorView& dy, const TensorView& x, const TensorView& counts,
                         const ExpertWeights& dw, const WgradOptions& options = {},
                         Stream stream = nullptr, Allocator* alloc = nullptr);

@@ -21,6 +21,7 @@
 #include "gmoe/fp8_gemm.h"
 #include "gmoe/grouped.h"
 #include "gmoe/grouped_bias.h"
+#include "gmoe/grouped_gemm.h"
 #include "gmoe/offload.h"
 #include "gmoe/stream.h"
 #include "gmoe/tensor.h"
@@ -30,10 +31,21 @@ namespace gmoe {
 /// Weight and bias gradients of one backward. In "fresh" mode (no main_grad) the weight and bias
 /// gradients are views of ONE packed allocation made through the layer's allocator on the backward
 /// stream, kept alive by `storage`; the weight views have the layout of the weights (stacked, or a
-/// list). In main_grad mode `weight` views the caller's main_grad.
+/// list), and every expert's view (weight and bias) starts on a 256-byte boundary in both layouts
+/// (a stacked view's expert stride is padded to that when N·K elements are not a multiple of it).
+/// In main_grad mode `weight` views the caller's main_grad.
+///
+/// Streams: `storage` is freed on the stream that allocated it (the backward's), after waiting for
+/// every stream recorded on it with Buffer::record_stream. The layer records backward_dw's stream;
+/// a caller that uses the gradients on another stream (a reduce-scatter) records that stream before
+/// dropping its reference, so the memory is not reused while that stream still reads it.
 struct GroupedLinearGrads {
   ExpertWeights weight;             ///< dW (absent until computed, e.g. before backward_dw)
   ExpertBias bias;                  ///< db (absent without bias)
+  /// main_grad with an expert_mask and MaskedOffWgrad::fresh: f32 views (in `storage`, the weights'
+  /// layout) where the experts with mask 0 get their dW_e written; the views of the experts with
+  /// mask 1 are not written (undefined contents). Absent otherwise.
+  ExpertWeights masked_off_weight;
   std::shared_ptr<Buffer> storage;  ///< the packed allocation behind fresh gradients
 };
 
@@ -81,9 +93,14 @@ struct GroupedLinearOptions {
   ExpertWeights main_grad;
   /// With main_grad: D = dW + D (true) or D = dW (false).
   bool accumulate = true;
-  /// Optional [E] i32 on the layer's device: experts with 0 are left untouched in main_grad (and
-  /// get no fresh gradient written either: their views are left as zeros).
+  /// Optional [E] i32 on the layer's device: experts with 1 are written into main_grad (accumulated
+  /// with `accumulate`); experts with 0 follow `masked_off`. Without main_grad (fresh gradients) and
+  /// `skip`, the fresh views of experts with 0 are zeros.
   TensorView expert_mask;
+  /// What experts with expert_mask 0 get (gmoe/grouped_gemm.h, MaskedOffWgrad): `skip` leaves them
+  /// untouched in main_grad; `fresh` (needs main_grad and expert_mask) writes their gradient into
+  /// GroupedLinearGrads::masked_off_weight, in the same weight-gradient launch as main_grad's.
+  MaskedOffWgrad masked_off = MaskedOffWgrad::skip;
   /// Called once the weight gradients of a backward are complete (after backward, or after
   /// backward_dw when delayed), with the gradients and the stream they were computed on: where a
   /// data-parallel reduce-scatter is launched. Work enqueued on that stream is ordered after them.
@@ -169,8 +186,11 @@ class GroupedLinear {
   bool fp8() const { return options_.recipe != LinearRecipe::native; }
 
   /// y = x·W_eᵀ + b_e per expert. x: [capacity, K]; counts: [E] i32/i64 on the layer's device
-  /// (kept by reference in ctx: keep it alive and unchanged until backward). `out`, if given, is
-  /// [capacity, N] of x's dtype and receives y.
+  /// (kept by reference in ctx: keep it alive and unchanged until backward), or in host memory for a
+  /// CUDA layer: then uploaded once by upload_counts (gmoe/copy.h: pinned staging, stream-ordered, no
+  /// sync; the host counts may change as soon as forward returns) into memory that ctx keeps until
+  /// the weight gradient, which backward reuses. `out`, if given, is [capacity, N] of x's dtype and
+  /// receives y. (forward_with_activation takes host counts alike; forward_fp8 needs device counts.)
   Tensor forward(const TensorView& x, const TensorView& counts, GroupedLinearContext& ctx,
                  Stream stream = nullptr, const TensorView& out = {});
 

@@ -56,7 +56,8 @@ struct GroupedMLPOptions {
   /// The activation (kind, alpha, limit, GELU form) and FC1's gate/up layout.
   ActivationOptions activation;
   /// Per-FC settings, as for a GroupedLinear: delay_wgrad (each FC separately; backward_dw computes
-  /// the delayed ones), main_grad + accumulate + expert_mask, and one wgrad_hook per FC, called as
+  /// the delayed ones), main_grad + accumulate + expert_mask + masked_off (the experts with mask 0
+  /// skipped, or their gradient in GroupedLinearGrads::masked_off_weight), and one wgrad_hook per FC, called as
   /// soon as that FC's weight gradients are complete — FC2's before FC1's, so a data-parallel
   /// reduce-scatter of FC2's gradients overlaps FC1's backward (with only fc2.delay_wgrad, FC1's
   /// gradients complete first, in backward, and its hook fires there; FC2's in backward_dw).
@@ -153,8 +154,10 @@ class GroupedMLP {
 
   /// y for x: [capacity, H] of the weights' dtype; counts: [E] i32/i64; probs: absent or f32
   /// [capacity]. counts, probs (and x with fc1.save_original_input) are kept by reference until
-  /// backward (backward_dw for a delayed FC1): keep them alive and unchanged. `out`, if given, is
-  /// [capacity, H] of x's dtype and receives y.
+  /// backward (backward_dw for a delayed FC1): keep them alive and unchanged. Counts in host memory
+  /// for a CUDA layer are uploaded once (upload_counts, gmoe/copy.h: pinned, stream-ordered, no
+  /// sync; they may change once forward returns) into memory that ctx keeps for both FCs, the
+  /// activation and their backward. `out`, if given, is [capacity, H] of x's dtype and receives y.
   Tensor forward(const TensorView& x, const TensorView& counts, const TensorView& probs,
                  GroupedMLPContext& ctx, Stream stream = nullptr, const TensorView& out = {});
 
@@ -172,6 +175,9 @@ class GroupedMLP {
 
  private:
   Allocator& allocator() const;
+  /// forward once the arguments are checked and the counts are on the layer's device.
+  Tensor forward_device_counts(const TensorView& x, const TensorView& counts, const TensorView& probs,
+                               GroupedMLPContext& ctx, Stream stream, const TensorView& out);
   /// FP8 under the conditions of fp8_quantize_in_activation: forward quantizes z inside the
   /// activation.
   bool fp8_quantize_z() const {

@@ -4,19 +4,33 @@
 #include <c10/core/CPUAllocator.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace gmoe_torch {
 namespace {
 
 /// gmoe's host scratch through torch's CPU allocator (stream ignored, as for the host allocator).
+/// torch aligns CPU memory to 64 bytes; gmoe's Allocator contract asks 256, so each allocation
+/// takes 256 bytes more and returns the first 256-byte boundary past a slot that keeps torch's
+/// pointer for free().
 class TorchCpuAllocator final : public gmoe::Allocator {
  public:
+  static constexpr std::size_t kAlign = 256;
   void* allocate(std::size_t bytes, gmoe::Stream) override {
-    return bytes == 0 ? nullptr : c10::GetCPUAllocator()->raw_allocate(bytes);
+    if (bytes == 0) return nullptr;
+    char* raw = static_cast<char*>(c10::GetCPUAllocator()->raw_allocate(bytes + kAlign));
+    const std::uintptr_t at = (reinterpret_cast<std::uintptr_t>(raw) + sizeof(void*) + kAlign - 1) / kAlign * kAlign;
+    void* aligned = reinterpret_cast<void*>(at);
+    std::memcpy(static_cast<char*>(aligned) - sizeof(void*), &raw, sizeof(void*));
+    return aligned;
   }
   void free(void* ptr, gmoe::Stream) override {
-    if (ptr != nullptr) c10::GetCPUAllocator()->raw_deallocate(ptr);
+    if (ptr == nullptr) return;
+    void* raw = nullptr;
+    std::memcpy(&raw, static_cast<char*>(ptr) - sizeof(void*), sizeof(void*));
+    c10::GetCPUAllocator()->raw_deallocate(raw);
   }
   gmoe::Device device() const override { return gmoe::Device::cpu(); }
 };

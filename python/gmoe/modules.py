@@ -2,7 +2,10 @@
 
 * ``forward(x, m_splits)``: ``m_splits`` is an int32/int64 tensor [E] of rows per expert on x's
   device (the signature of Transformer Engine's graph-safe GroupedLinear); it is never read on the
-  host, so a step can be captured in a CUDA graph once and replayed under any routing.
+  host, so a step can be captured in a CUDA graph once and replayed under any routing. Counts known
+  on the host (a list of ints, or a CPU tensor) are accepted too: uploaded once per forward,
+  stream-ordered from pinned memory (no sync, no pageable copy; PyTorch's pinned allocator keeps
+  the staging block until the copy has run). In a CUDA graph pass device counts.
 * Megatron's gradient convention: a weight (or bias) that has a float32 ``main_grad`` attribute gets
   its gradient added into it (``accumulate_main_grad=True``, the default) or written over it, its
   ``grad_added_to_main_grad`` attribute is set to True, and ``param.grad`` is not materialised.
@@ -75,6 +78,20 @@ class _Wgrad:
             _ops.grouped_gemm_wgrad_(self.dy, self.x, self.counts, out, accumulate, None)
         else:
             fp8_grouped_gemm_wgrad(self.dy, self.x, self.counts, out=out, accumulate=accumulate)
+
+
+def _device_counts(m_splits, device: torch.device) -> Tensor:
+    """m_splits on `device`: a tensor there as it is; host counts (a list or tuple of ints, or a CPU
+    tensor) copied once, for CUDA from pinned memory with a non-blocking copy on the current stream."""
+    if isinstance(m_splits, Tensor) and m_splits.device == device:
+        return m_splits
+    host = m_splits if isinstance(m_splits, Tensor) else torch.tensor(list(m_splits), dtype=torch.int64)
+    if host.device.type != "cpu":
+        raise ValueError(f"m_splits: expected counts on {device} or on the host, got a tensor on {host.device}")
+    if device.type != "cuda":
+        return host
+    pinned = host if host.is_pinned() else host.pin_memory()
+    return pinned.to(device, non_blocking=True)
 
 
 def _device_of(dy) -> torch.device:
@@ -246,8 +263,10 @@ class GroupedLinear(nn.Module):
             return [self.bias]
         return [getattr(self, f"bias{e}") for e in range(self.num_experts)]
 
-    def forward(self, x: Tensor, m_splits: Tensor) -> Tensor:
-        """y [capacity, out_features] for x [capacity, in_features] split by ``m_splits`` [E]."""
+    def forward(self, x: Tensor, m_splits) -> Tensor:
+        """y [capacity, out_features] for x [capacity, in_features] split by ``m_splits`` [E] (on x's
+        device, or host counts: see the module's docstring)."""
+        m_splits = _device_counts(m_splits, x.device)
         weights, biases = self._weights(), self._biases()
         # The plain path (autograd owns the gradients) passes no Python state, so that
         # torch.compile traces it whole.
@@ -402,9 +421,11 @@ class GroupedMLP(nn.Module):
         self.fc1 = GroupedLinear(num_experts, hidden_size, fc1_out, **common)
         self.fc2 = GroupedLinear(num_experts, ffn_hidden_size, hidden_size, **common)
 
-    def forward(self, x: Tensor, m_splits: Tensor, probs: Optional[Tensor] = None) -> Tensor:
+    def forward(self, x: Tensor, m_splits, probs: Optional[Tensor] = None) -> Tensor:
         """y [capacity, H] for x [capacity, H] split by ``m_splits`` [E]; ``probs`` (optional,
-        float32 [capacity], differentiable) scales each row's activation output."""
+        float32 [capacity], differentiable) scales each row's activation output. Host counts are
+        uploaded once, for both FCs and the activation."""
+        m_splits = _device_counts(m_splits, x.device)
         h = self.fc1(x, m_splits)
         z = _ops.grouped_activation_forward(h, m_splits, self.activation, probs, self.alpha, self.limit,
                                             self.gelu_tanh, self.glu_block)

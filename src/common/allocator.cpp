@@ -14,9 +14,10 @@ class HostAllocator final : public Allocator {
  public:
   void* allocate(std::size_t bytes, Stream) override {
     if (bytes == 0) return nullptr;
-    // 64-byte alignment: cache lines, and more than any vector load needs.
-    std::size_t rounded = (bytes + 63) / 64 * 64;
-    void* p = std::aligned_alloc(64, rounded);
+    // 256-byte alignment, as the Allocator contract asks (what cudaMallocAsync gives): views
+    // carved at 256-byte offsets, such as the packed gradients', stay aligned in absolute terms.
+    std::size_t rounded = (bytes + 255) / 256 * 256;
+    void* p = std::aligned_alloc(256, rounded);
     GMOE_CHECK(p != nullptr, "host allocation of ", bytes, " bytes failed");
     return p;
   }
@@ -47,7 +48,8 @@ Buffer::Buffer(Buffer&& other) noexcept
     : alloc_(std::exchange(other.alloc_, nullptr)),
       ptr_(std::exchange(other.ptr_, nullptr)),
       bytes_(std::exchange(other.bytes_, 0)),
-      stream_(other.stream_) {}
+      stream_(other.stream_),
+      used_on_(std::exchange(other.used_on_, {})) {}
 
 Buffer& Buffer::operator=(Buffer&& other) noexcept {
   if (this != &other) {
@@ -56,6 +58,7 @@ Buffer& Buffer::operator=(Buffer&& other) noexcept {
     ptr_ = std::exchange(other.ptr_, nullptr);
     bytes_ = std::exchange(other.bytes_, 0);
     stream_ = other.stream_;
+    used_on_ = std::exchange(other.used_on_, {});
   }
   return *this;
 }
@@ -65,9 +68,28 @@ Buffer::~Buffer() { reset(); }
 void Buffer::reset() { reset_on(stream_); }
 
 void Buffer::reset_on(Stream stream) {
-  if (alloc_ != nullptr && ptr_ != nullptr) alloc_->free(ptr_, stream);
+  if (alloc_ != nullptr && ptr_ != nullptr) {
+    // The free is stream-ordered on `stream`; the memory may be handed out again to work ordered
+    // after it, so every other stream that used it must be joined into `stream` first.
+    for (Stream used : used_on_) {
+      if (used == stream) continue;
+      Event done(alloc_->device());
+      done.record(used);
+      done.wait(stream);
+    }
+    alloc_->free(ptr_, stream);
+  }
   ptr_ = nullptr;
   bytes_ = 0;
+  used_on_.clear();
+}
+
+void Buffer::record_stream(Stream stream) {
+  if (ptr_ == nullptr || stream == stream_) return;
+  for (Stream used : used_on_) {
+    if (used == stream) return;
+  }
+  used_on_.push_back(stream);
 }
 
 Tensor Tensor::empty(std::initializer_list<int64_t> shape, DType dtype, Allocator& alloc, Stream stream) {

@@ -112,6 +112,12 @@ void grouped_bias_grad(const TensorView& dy, const TensorView& counts, const Exp
 void copy_rows(const TensorView& dst, const TensorView& src, Stream stream);
 /// bytes zeros at ptr (cudaMemsetAsync).
 void zero_bytes(void* ptr, std::size_t bytes, Stream stream);
+/// upload_counts' device side: `bytes` of host memory at `src` copied on the host into a pinned
+/// staging block (an event-guarded pool: gmoe/copy.h), then cudaMemcpyAsync'd to `dst` on `stream`.
+void upload_host_bytes(void* dst, const void* src, std::size_t bytes, Stream stream);
+/// The staging block the last upload_host_bytes of this host thread copied from (tests: pinned, and
+/// never one that another thread's upload still holds).
+const void* last_upload_staging();
 /// Events for ordering work across streams (capturable): an opaque cudaEvent_t.
 void* event_create();
 void event_destroy(void* event);

@@ -129,6 +129,38 @@ void check_expert_mask(const TensorView& mask, int64_t E, Device device) {
   check_same_device(mask.device, device, "options.expert_mask");
 }
 
+void check_wgrad_mask(const WgradOptions& options, const ExpertWeights& dw, Device device) {
+  const int64_t E = dw.num_experts();
+  check_expert_mask(options.expert_mask, E, device);
+  const ExpertWeights& fresh = options.fresh_dw;
+  const bool has_fresh = fresh.is_stacked() || !fresh.list.empty();
+  if (options.masked_off == MaskedOffWgrad::skip) {
+    GMOE_CHECK(!has_fresh, "options.fresh_dw: given, but options.masked_off is skip (fresh_dw is only ",
+               "written with MaskedOffWgrad::fresh)");
+    return;
+  }
+  GMOE_CHECK(options.expert_mask.defined(), "options.masked_off: fresh needs an expert_mask (the experts with ",
+             "mask 0 go to fresh_dw)");
+  GMOE_CHECK(has_fresh, "options.fresh_dw: expected E x [", dw.rows(), ", ", dw.cols(),
+             "] for masked_off = fresh, got none");
+  check_expert_weights(fresh, "options.fresh_dw");
+  GMOE_CHECK(fresh.num_experts() == E && fresh.rows() == dw.rows() && fresh.cols() == dw.cols(),
+             "options.fresh_dw: expected ", E, " experts of [", dw.rows(), ", ", dw.cols(), "] (dw's), got ",
+             fresh.num_experts(), " of [", fresh.rows(), ", ", fresh.cols(), "]");
+  GMOE_CHECK(fresh.dtype() == dw.dtype(), "options.fresh_dw: expected ", dtype_name(dw.dtype()),
+             " (dw's dtype: both destinations are written by one kernel), got ", dtype_name(fresh.dtype()));
+  check_same_device(fresh.device(), device, "options.fresh_dw");
+  // Two destinations of one launch must not overlap: a masked-off expert would overwrite a main_grad.
+  const TensorView fresh_all = fresh.is_stacked() ? fresh.stacked : TensorView();
+  const TensorView dw_all = dw.is_stacked() ? dw.stacked : TensorView();
+  for (int64_t e = 0; e < (fresh.is_stacked() ? 1 : E); ++e) {
+    const TensorView f = fresh.is_stacked() ? fresh_all : fresh.expert(e);
+    for (int64_t d = 0; d < (dw.is_stacked() ? 1 : E); ++d) {
+      check_disjoint(f, "options.fresh_dw", dw.is_stacked() ? dw_all : dw.expert(d), "dw");
+    }
+  }
+}
+
 Allocator& pick_allocator(Allocator* alloc, Device device) {
   if (alloc == nullptr) return default_allocator(device);
   GMOE_CHECK(alloc->device().type == device.type, "alloc: allocator for ", alloc->device().str(),

@@ -5,6 +5,7 @@
 #include "gmoe/allocator.h"
 #include "gmoe/grouped.h"
 #include "gmoe/grouped_bias.h"
+#include "gmoe/grouped_gemm.h"
 #include "gmoe/tensor.h"
 
 namespace gmoe {
@@ -27,6 +28,10 @@ void check_input_dtype(DType t, const char* name);
 void check_output_dtype(DType out, DType in, const char* name);
 /// WgradOptions::expert_mask when given: i32[E], contiguous, with data, on `device`.
 void check_expert_mask(const TensorView& mask, int64_t E, Device device);
+/// WgradOptions' mask and its destinations: the expert_mask (check_expert_mask), and with
+/// MaskedOffWgrad::fresh a mask and a fresh_dw of dw's experts, shape, dtype and device, each of its
+/// experts disjoint from every expert of dw; with skip, no fresh_dw.
+void check_wgrad_mask(const WgradOptions& options, const ExpertWeights& dw, Device device);
 /// Expert biases: E vectors of N, dtype of the rows or f32, contiguous, on `device`.
 void check_expert_bias(const ExpertBias& b, const char* name, int64_t E, int64_t N, DType rows_dtype,
                        Device device);

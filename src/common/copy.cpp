@@ -38,4 +38,20 @@ void fill_zero(const TensorView& t, Stream stream) {
   }
 }
 
+Tensor upload_counts(const TensorView& host_counts, Device device, Stream stream, Allocator* alloc) {
+  check_counts(host_counts, "host_counts", Device::cpu());
+  Allocator& a = pick_allocator(alloc, device);
+  GMOE_CHECK(a.device() == device, "alloc: serves ", a.device().str(), ", the counts go to ", device.str());
+  const int64_t E = host_counts.size(0);
+  Tensor out = Tensor::empty({E}, host_counts.dtype, a, stream);
+  const auto bytes = static_cast<std::size_t>(host_counts.nbytes());
+  if (device.is_cpu()) {
+    std::memcpy(out.view().data, host_counts.data, bytes);
+  } else {
+    check_cuda_compiled("upload_counts");
+    cuda_backend::upload_host_bytes(out.view().data, host_counts.data, bytes, stream);
+  }
+  return out;
+}
+
 }  // namespace gmoe

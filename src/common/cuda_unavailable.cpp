@@ -43,6 +43,8 @@ bool quantize_activation_forward(const TensorView&, const TensorView&, const Act
 }
 void copy_rows(const TensorView&, const TensorView&, Stream) { unavailable(); }
 void zero_bytes(void*, std::size_t, Stream) { unavailable(); }
+void upload_host_bytes(void*, const void*, std::size_t, Stream) { unavailable(); }
+const void* last_upload_staging() { return nullptr; }
 void* event_create() { unavailable(); }
 void event_destroy(void*) {}
 void event_record(void*, Stream) { unavailable(); }

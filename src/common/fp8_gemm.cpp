@@ -121,7 +121,7 @@ void fp8_grouped_gemm_wgrad(const Fp8Grouped& dy, const Fp8Grouped& x, const Ten
              "dw: FP8 weight gradients are f32 or bf16, got ", dtype_name(dw.dtype()));
   GMOE_CHECK(!options.accumulate || dw.dtype() == DType::f32,
              "dw: accumulate needs an f32 main_grad, got ", dtype_name(dw.dtype()));
-  check_expert_mask(options.expert_mask, E, device);
+  check_wgrad_mask(options, dw, device);
   if (device.is_cpu()) {
     cpu_backend::fp8_grouped_gemm_wgrad(dy, x, counts, dw, options);
   } else {

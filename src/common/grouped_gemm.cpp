@@ -178,7 +178,7 @@ void grouped_gemm_wgrad(const TensorView& dy, const TensorView& x, const TensorV
   check_output_dtype(dw.dtype(), dy.dtype, "dw");
   GMOE_CHECK(!options.accumulate || dw.dtype() == DType::f32,
              "dw: accumulate needs an f32 main_grad, got ", dtype_name(dw.dtype()));
-  check_expert_mask(options.expert_mask, counts.size(0), dy.device);
+  check_wgrad_mask(options, dw, dy.device);
   if (dy.device.is_cpu()) {
     cpu_backend::grouped_gemm_wgrad(dy, x, counts, dw, options);
   } else {

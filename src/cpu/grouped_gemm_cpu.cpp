@@ -168,11 +168,14 @@ void wgrad(const TensorView& dy, const TensorView& x, const std::vector<int64_t>
   const int64_t E = dw.num_experts(), N = dy.size(1), K = x.size(1);
   const int32_t* mask = options.expert_mask.defined() ? static_cast<const int32_t*>(options.expert_mask.data) : nullptr;
   for (int64_t e = 0; e < E; ++e) {
-    if (mask != nullptr && mask[e] == 0) continue;  // masked out: left untouched
-    const TensorView dwe = dw.expert(e);
+    const bool masked_off = mask != nullptr && mask[e] == 0;
+    if (masked_off && options.masked_off == MaskedOffWgrad::skip) continue;  // left untouched
+    // Masked-off experts' fresh gradient is written, never accumulated into.
+    const bool accumulate = options.accumulate && !masked_off;
+    const TensorView dwe = masked_off ? options.fresh_dw.expert(e) : dw.expert(e);
     const int64_t rows = off[e + 1] - off[e];
     if (rows == 0) {
-      if (!options.accumulate) zero_rows<O>(dwe, 0, N);  // accumulating nothing leaves it as it is
+      if (!accumulate) zero_rows<O>(dwe, 0, N);  // accumulating nothing leaves it as it is
       continue;
     }
     const std::vector<float> xe = pack_rows<T>(x, off[e], rows);
@@ -185,7 +188,7 @@ void wgrad(const TensorView& dy, const TensorView& x, const std::vector<int64_t>
         std::fill(acc.begin(), acc.end(), 0.f);
         // xe.data(), not &xe[...]: with K = 0 the vector is empty and indexing it is undefined.
         for (int64_t r = 0; r < rows; ++r) axpy(acc.data(), dye[r * N + n], xe.data() + r * K, K);
-        store_row<O>(dwe, n, acc.data(), options.accumulate);
+        store_row<O>(dwe, n, acc.data(), accumulate);
       }
     }
   }

@@ -2,6 +2,8 @@
 // ops (GEMM passes, bias add and gradient), with the context that forward saves for backward.
 #include "gmoe/grouped_linear.h"
 
+#include <cstdint>
+
 #include "common/activation_internal.h"
 #include "common/checks.h"
 #include "gmoe/copy.h"
@@ -18,7 +20,8 @@ struct GroupedLinearContext::State {
   Device device{};
   TensorView x;                 // the saved input (the copy, or the caller's with save_original_input)
   Tensor x_copy;
-  TensorView counts;
+  TensorView counts;             // the caller's, or counts_upload's when given on the host
+  Tensor counts_upload;          // counts given on the host, uploaded by forward
   TensorView dy;                // delayed: the caller's dy, by reference
   GroupedLinearGrads grads;     // delayed: where backward_dw writes, and the bias gradients
   Event event;                  // recorded at the end of a delayed backward, waited for by backward_dw
@@ -34,6 +37,7 @@ struct GroupedLinearContext::State {
   // Releases what forward saved, ordered on the stream of the last work that read it.
   void release_saved(Stream stream) {
     x_copy.release_on(stream);
+    counts_upload.release_on(stream);
     release_fp8(x_cols, stream);
     release_fp8(dy_cols, stream);
     x = TensorView();
@@ -61,6 +65,18 @@ namespace {
 
 constexpr std::size_t kPackAlign = 256;  // every view in the packed gradient buffer is 256-byte aligned
 std::size_t align_up(std::size_t v) { return (v + kPackAlign - 1) / kPackAlign * kPackAlign; }
+
+// E experts of `elems` elements each, back to back with each expert's start 256-byte aligned: the
+// stride between experts (elements) and the bytes of all.
+struct ExpertPack {
+  int64_t stride = 0;
+  std::size_t bytes = 0;
+};
+ExpertPack pack_experts(int64_t E, int64_t elems, DType dt) {
+  const std::size_t size = dtype_size(dt);
+  const std::size_t expert_bytes = align_up(std::size_t(elems) * size);
+  return ExpertPack{static_cast<int64_t>(expert_bytes / size), std::size_t(E) * expert_bytes};
+}
 
 // Points the views `slots` (planned by an fp8 layout, data == nullptr) into one allocation, each
 // 256-byte aligned. The rowwise and columnwise copies of one quantization get separate allocations
@@ -150,6 +166,12 @@ GroupedLinear::GroupedLinear(ExpertWeights weight, ExpertBias bias, GroupedLinea
                "options.expert_mask: expected i32[", weight_.num_experts(), "], got ", m.str());
     check_same_device(m.device, dev, "options.expert_mask");
   }
+  const int mo = static_cast<int>(options_.masked_off);
+  GMOE_CHECK(mo >= 0 && mo <= static_cast<int>(MaskedOffWgrad::fresh), "options.masked_off: unknown value ", mo);
+  GMOE_CHECK(options_.masked_off == MaskedOffWgrad::skip ||
+                 (options_.expert_mask.defined() && (options_.main_grad.is_stacked() || !options_.main_grad.list.empty())),
+             "options.masked_off: fresh needs main_grad and expert_mask (the experts with mask 0 get a fresh ",
+             "gradient instead of main_grad's)");
   if (fp8()) {
     const int r = static_cast<int>(options_.recipe);
     GMOE_CHECK(r >= 0 && r <= static_cast<int>(LinearRecipe::mxfp8), "options.recipe: unknown value ", r);
@@ -230,7 +252,7 @@ Tensor GroupedLinear::forward_with_activation(const TensorView& x, const TensorV
   return forward_impl(x, counts, ctx, stream, out, &act);
 }
 
-Tensor GroupedLinear::forward_impl(const TensorView& x, const TensorView& counts, GroupedLinearContext& ctx,
+Tensor GroupedLinear::forward_impl(const TensorView& x, const TensorView& given_counts, GroupedLinearContext& ctx,
                                    Stream stream, const TensorView& out, const ActivationOut* act) {
   GroupedLinearContext::State& st = *ctx.state_;
   ctx.check_resident("forward");
@@ -241,6 +263,13 @@ Tensor GroupedLinear::forward_impl(const TensorView& x, const TensorView& counts
              dtype_name(x.dtype));
   const int64_t cap = x.size(0), N = out_features();
   Allocator& alloc = allocator();
+  TensorView counts = given_counts;
+  if (counts.defined() && counts.device.is_cpu() && weight_.device().is_cuda()) {
+    // Counts given on the host: uploaded once (pinned, stream-ordered), kept until the weight gradient.
+    check_counts(counts, "counts", Device::cpu());
+    st.counts_upload = upload_counts(counts, weight_.device(), stream, &alloc);
+    counts = st.counts_upload.view();
+  }
   if (fp8()) {
     // One pass: the rowwise copy for fprop, and the columnwise one that the weight gradient reads
     // (unless x itself is kept, or the weight gradient is native).
@@ -331,37 +360,43 @@ void GroupedLinear::save_input(GroupedLinearContext& ctx, const TensorView& x, S
 }
 
 GroupedLinearGrads GroupedLinear::allocate_grads(Stream stream) const {
-  const bool fresh_weight = !options_.main_grad.is_stacked() && options_.main_grad.list.empty();
+  const bool main_grad = options_.main_grad.is_stacked() || !options_.main_grad.list.empty();
+  const bool masked_off_fresh = main_grad && options_.masked_off == MaskedOffWgrad::fresh;
+  const bool fresh_weight = !main_grad || masked_off_fresh;
   const int64_t E = num_experts(), N = out_features(), K = in_features();
   const Device dev = weight_.device();
-  const DType wdt = weight_.dtype();
-  const std::size_t w_bytes = fresh_weight ? align_up(std::size_t(E * N * K) * dtype_size(wdt)) : 0;
+  // Fresh gradients are in the weights' dtype; the masked-off experts' ones share the main_grad's
+  // launch, and so its f32.
+  const DType wdt = masked_off_fresh ? DType::f32 : weight_.dtype();
+  const ExpertPack wpack = pack_experts(E, N * K, wdt);
+  // The biases stay one [E, N] block in either layout (the FP8 path copies db into it at once).
   const std::size_t b_bytes = bias_.defined() ? align_up(std::size_t(E * N) * dtype_size(bias_.dtype())) : 0;
+  const std::size_t w_bytes = fresh_weight ? wpack.bytes : 0;
   GroupedLinearGrads g;
-  if (fresh_weight) {
-    g.storage = std::make_shared<Buffer>(allocator(), w_bytes + b_bytes, stream);
-  } else if (b_bytes != 0) {
-    g.storage = std::make_shared<Buffer>(allocator(), b_bytes, stream);
-  }
+  if (w_bytes + b_bytes != 0) g.storage = std::make_shared<Buffer>(allocator(), w_bytes + b_bytes, stream);
   char* base = g.storage ? static_cast<char*>(g.storage->data()) : nullptr;
+  GMOE_CHECK(reinterpret_cast<std::uintptr_t>(base) % kPackAlign == 0, "options.allocator: returned ", g.storage->bytes(),
+             " bytes at ", static_cast<void*>(base), ", not ", kPackAlign, "-byte aligned (the Allocator contract)");
   if (fresh_weight) {
+    ExpertWeights fresh;
     if (weight_.is_stacked()) {
-      g.weight = ExpertWeights::from_stacked(TensorView(base, wdt, dev, {E, N, K}));
+      fresh = ExpertWeights::from_stacked(TensorView(base, wdt, dev, {E, N, K}, {wpack.stride, K, 1}));
     } else {
       std::vector<TensorView> list;
       for (int64_t e = 0; e < E; ++e) {
-        list.emplace_back(base + std::size_t(e * N * K) * dtype_size(wdt), wdt, dev, std::initializer_list<int64_t>{N, K});
+        list.emplace_back(base + std::size_t(e * wpack.stride) * dtype_size(wdt), wdt, dev,
+                          std::initializer_list<int64_t>{N, K});
       }
-      g.weight = ExpertWeights::from_list(std::move(list));
+      fresh = ExpertWeights::from_list(std::move(list));
     }
-    if (options_.expert_mask.defined()) {
-      // Masked-out experts are skipped by the kernel: give their fresh views a defined value. The
-      // experts lie back to back in either layout.
-      fill_zero(TensorView(base, wdt, dev, {E * N * K}), stream);
+    if (options_.expert_mask.defined() && !main_grad) {
+      // Masked-out experts are skipped by the kernel: give their fresh views a defined value (the
+      // padding between experts included: one pass over the packed weights).
+      fill_zero(TensorView(base, wdt, dev, {static_cast<int64_t>(w_bytes / dtype_size(wdt))}), stream);
     }
-  } else {
-    g.weight = options_.main_grad;
+    (masked_off_fresh ? g.masked_off_weight : g.weight) = std::move(fresh);
   }
+  if (main_grad) g.weight = options_.main_grad;
   if (bias_.defined()) {
     char* bbase = base + w_bytes;
     const DType bdt = bias_.dtype();
@@ -387,6 +422,10 @@ void GroupedLinear::compute_wgrad(GroupedLinearContext& ctx, GroupedLinearGrads&
   const bool main_grad = options_.main_grad.is_stacked() || !options_.main_grad.list.empty();
   opt.accumulate = main_grad && options_.accumulate;
   opt.expert_mask = options_.expert_mask;
+  if (grads.masked_off_weight.is_stacked() || !grads.masked_off_weight.list.empty()) {
+    opt.masked_off = MaskedOffWgrad::fresh;
+    opt.fresh_dw = grads.masked_off_weight;
+  }
   if (native_wgrad) {
     grouped_gemm_wgrad(st.dy, st.x, st.counts, grads.weight, opt, stream, &allocator());
     return;
@@ -544,6 +583,9 @@ GroupedLinearGrads GroupedLinear::backward_dw(GroupedLinearContext& ctx, Stream 
   st.event.wait(stream);
   GroupedLinearGrads grads = std::move(st.grads);
   st.grads = GroupedLinearGrads();
+  // The packed gradients were allocated on backward's stream and are written on this one: their
+  // free (when the last reference goes) waits for this stream's work.
+  if (grads.storage) grads.storage->record_stream(stream);
   compute_wgrad(ctx, grads, stream);
   st.release_saved(stream);
   if (options_.wgrad_hook) options_.wgrad_hook(grads, stream);

@@ -15,6 +15,7 @@
 
 #include "common/activation_internal.h"
 #include "common/checks.h"
+#include "gmoe/copy.h"
 #include "gmoe/error.h"
 #include "layers/offload_slots.h"
 
@@ -24,16 +25,18 @@ struct GroupedMLPContext::State {
   GroupedLinearContext fc1, fc2;
   Tensor h;                    // FC1's output; after backward's activation step, dh (written over it)
   Tensor z;                    // FC2's input (absent between forward and backward with recompute)
-  TensorView counts, probs;    // the caller's, by reference
+  TensorView counts, probs;    // the caller's, by reference (counts: the uploaded ones when given on the host)
+  Tensor counts_upload;        // counts given on the host, uploaded once for both FCs and the activation
   Device device{};
   bool active = false;         // forward ran; some weight gradient is still to come
   bool backward_done = false;  // backward ran; backward_dw still has delayed weight gradients to compute
   bool fc1_pending = false, fc2_pending = false;
   Event event;                 // recorded at the end of a backward that left work to backward_dw
 
-  // Forgets the caller's tensors once every gradient is done (what this layer owns is released by
-  // then, each on the stream of its last use).
-  void finish() {
+  // Forgets the caller's tensors once every gradient is done, on `stream`, the stream of the last
+  // work (what else this layer owns is released by then, each on the stream of its last use).
+  void finish(Stream stream) {
+    counts_upload.release_on(stream);
     counts = TensorView();
     probs = TensorView();
     active = false;
@@ -168,12 +171,12 @@ Tensor GroupedMLP::forward(const TensorView& x, const TensorView& counts, const 
              st.backward_done ? "_dw" : "", " first, or use one context per forward in flight)");
   const Device dev = fc1_.weight().device();
   const DType dt = fc1_.weight().dtype();
-  const int64_t E = num_experts(), H = hidden(), F = ffn();
+  const int64_t E = num_experts(), H = hidden();
   // Everything checked before anything runs, so that a bad argument leaves ctx as it was.
   check_rows(x, "x");
   const int64_t cap = x.size(0);
   check_like_rows(x, "x", cap, H, dt, dev);
-  check_counts(counts, "counts", dev);
+  check_counts(counts, "counts", counts.device.is_cpu() ? Device::cpu() : dev);  // host counts are uploaded
   GMOE_CHECK(counts.size(0) == E, "counts: expected one count per expert (", E, "), got ", counts.size(0));
   if (probs.defined()) {
     GMOE_CHECK(probs.ndim == 1 && probs.size(0) == cap && probs.dtype == DType::f32, "probs: expected f32[", cap,
@@ -184,6 +187,21 @@ Tensor GroupedMLP::forward(const TensorView& x, const TensorView& counts, const 
   }
   if (out.defined()) check_like_rows(out, "out", cap, H, dt, dev);
 
+  Allocator& alloc = allocator();
+  if (counts.device != dev) {
+    // Counts given on the host: uploaded once (pinned, stream-ordered), for both FCs and the activation.
+    st.counts_upload = upload_counts(counts, dev, stream, &alloc);
+    return forward_device_counts(x, st.counts_upload.view(), probs, ctx, stream, out);
+  }
+  return forward_device_counts(x, counts, probs, ctx, stream, out);
+}
+
+Tensor GroupedMLP::forward_device_counts(const TensorView& x, const TensorView& counts, const TensorView& probs,
+                                         GroupedMLPContext& ctx, Stream stream, const TensorView& out) {
+  GroupedMLPContext::State& st = *ctx.state_;
+  const Device dev = fc1_.weight().device();
+  const DType dt = fc1_.weight().dtype();
+  const int64_t cap = x.size(0), F = ffn();
   Allocator& alloc = allocator();
   Tensor h, y, z;
   if (fp8_quantize_z()) {
@@ -287,7 +305,7 @@ GroupedMLPBackward GroupedMLP::backward(GroupedMLPContext& ctx, const TensorView
     if (!st.event.defined() || st.event.device() != dev) st.event = Event(dev);
     st.event.record(stream);
   } else {
-    st.finish();
+    st.finish(stream);
   }
   return result;
 }
@@ -307,7 +325,7 @@ GroupedMLPGrads GroupedMLP::backward_dw(GroupedMLPContext& ctx, Stream stream) {
     grads.fc1 = fc1_.backward_dw(st.fc1, stream);
     st.h.release_on(stream);
   }
-  st.finish();
+  st.finish(stream);
   return grads;
 }
 

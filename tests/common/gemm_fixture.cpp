@@ -1,6 +1,8 @@
 // tests/common/gemm_fixture.cpp — host-side grouped-GEMM problems for the test suites.
 #include "common/gemm_fixture.h"
 
+#include <cmath>
+
 namespace gmoe::test {
 
 GemmProblem::GemmProblem(const ShapeCase& c, DType dt, Rng& rng, DType counts_dtype)
@@ -83,6 +85,118 @@ void HostExpertTensor::set_all(const std::vector<double>& values) {
   for (HostTensor& t : list) {
     for (int64_t i = 0; i < t.numel(); ++i) t.set(i, values[base + i]);
     base += t.numel();
+  }
+}
+
+MaskedOffDestinations::MaskedOffDestinations(int64_t E, int64_t N, int64_t K, Rng& rng)
+    : mask(static_cast<size_t>(E)), mask_t(DType::i32, {E}) {
+  for (int64_t e = 0; e < E; ++e) mask[e] = static_cast<int32_t>(rng.integer(0, 1));
+  if (E >= 2) {  // both destinations in every case, at random places
+    const int64_t one = rng.integer(0, E - 1);
+    const int64_t zero = (one + rng.integer(1, E - 1)) % E;
+    mask[one] = 1;
+    mask[zero] = 0;
+  }
+  for (int64_t e = 0; e < E; ++e) mask_t.set(e, mask[e]);
+  HostTensor init(DType::f32, {E, N, K});
+  fill_random(init, rng, -4.0, 4.0);
+  main_init = init.to_double();
+  fill_random(init, rng, -4.0, 4.0);
+  fresh_init = init.to_double();
+}
+
+MaskedOffBuffers::MaskedOffBuffers(const MaskedOffDestinations& d, Layout layout, int64_t E, int64_t N, int64_t K)
+    : main(layout, DType::f32, E, N, K),
+      fresh(layout == Layout::kStacked ? Layout::kList : Layout::kStacked, DType::f32, E, N, K) {
+  main.set_all(d.main_init);
+  fresh.set_all(d.fresh_init);
+}
+
+GroupedLinearOptions main_grad_options(LinearRecipe recipe, const ExpertWeights& main_grad, bool accumulate,
+                                       bool delayed, Allocator* alloc, const TensorView& mask) {
+  GroupedLinearOptions opt;
+  opt.recipe = recipe;
+  opt.main_grad = main_grad;
+  opt.accumulate = accumulate;
+  opt.delay_wgrad = delayed;
+  opt.allocator = alloc;
+  if (mask.defined()) {
+    opt.expert_mask = mask;
+    opt.masked_off = MaskedOffWgrad::fresh;
+  }
+  return opt;
+}
+
+void expect_masked_off_destinations(const MaskedOffDestinations& d, const HostTensor& dy, const HostTensor& x,
+                                    const std::vector<int64_t>& counts, bool accumulate,
+                                    const std::vector<double>& main, const std::vector<double>& fresh,
+                                    const std::vector<double>* own_main, const std::vector<double>* own_fresh,
+                                    const std::string& what, Fp8Accumulation fp8) {
+  const int64_t E = static_cast<int64_t>(counts.size());
+  const int64_t per = E == 0 ? 0 : static_cast<int64_t>(main.size()) / E;
+  std::vector<int32_t> inverse(d.mask.size());
+  for (size_t e = 0; e < d.mask.size(); ++e) inverse[e] = d.mask[e] == 0 ? 1 : 0;
+  // The exact results of each destination; the experts it must not touch hold their init.
+  ExactResult main_exact = exact_wgrad(dy, x, counts, accumulate ? &d.main_init : nullptr, &d.mask);
+  ExactResult fresh_exact = exact_wgrad(dy, x, counts, nullptr, &inverse);
+  for (int64_t e = 0; e < E; ++e) {
+    const bool to_main = d.mask[e] != 0;
+    const bool empty = counts[e] == 0;
+    for (int64_t i = 0; i < per; ++i) {
+      const int64_t at = e * per + i;
+      if (to_main) {
+        fresh_exact.value[at] = fresh_exact.f32[at] = d.fresh_init[at];
+        ASSERT_EQ(fresh[at], d.fresh_init[at]) << what << ": expert " << e << " (mask 1) wrote the fresh buffer";
+        if (empty && accumulate) {
+          ASSERT_EQ(main[at], d.main_init[at]) << what << ": empty expert " << e << " changed main_grad";
+        } else if (empty) {
+          ASSERT_EQ(main[at], 0.0) << what << ": empty expert " << e << " not exactly zero in main_grad";
+        }
+      } else {
+        main_exact.value[at] = main_exact.f32[at] = d.main_init[at];
+        ASSERT_EQ(main[at], d.main_init[at]) << what << ": expert " << e << " (mask 0) wrote main_grad";
+        if (empty) ASSERT_EQ(fresh[at], 0.0) << what << ": empty expert " << e << " not exactly zero in the fresh buffer";
+      }
+    }
+  }
+  if (own_main != nullptr) {
+    EXPECT_TRUE(within_rule(main, *own_main, main_exact, DType::f32, what + " main_grad", fp8));
+    EXPECT_TRUE(within_rule(fresh, *own_fresh, fresh_exact, DType::f32, what + " fresh", fp8));
+  } else {
+    EXPECT_TRUE(within_rule(main, main_exact, DType::f32, what + " main_grad", fp8));
+    EXPECT_TRUE(within_rule(fresh, fresh_exact, DType::f32, what + " fresh", fp8));
+  }
+}
+
+void expect_layer_masked_off(const std::vector<int32_t>& mask, bool accumulate, const std::vector<double>& main_init,
+                             double untouched, const std::vector<double>& product, const std::vector<double>& main,
+                             const std::vector<double>& fresh, double rel, const std::string& what) {
+  const int64_t E = static_cast<int64_t>(mask.size());
+  ASSERT_EQ(main.size(), product.size()) << what;
+  ASSERT_EQ(fresh.size(), product.size()) << what;
+  const int64_t per = E == 0 ? 0 : static_cast<int64_t>(product.size()) / E;
+  // `scale`: the size of the terms summed into `want` (its error bound's scale under cancellation).
+  const auto computed = [&](double got, double want, double scale, int64_t e, const char* where) {
+    if (rel == 0.0) {
+      ASSERT_EQ(got, want) << what << ": expert " << e << " " << where;
+    } else {
+      ASSERT_NEAR(got, want, rel * scale + 1e-30) << what << ": expert " << e << " " << where;
+    }
+  };
+  for (int64_t e = 0; e < E; ++e) {
+    for (int64_t i = 0; i < per; ++i) {
+      const int64_t at = e * per + i;
+      if (mask[e] != 0) {
+        ASSERT_EQ(fresh[at], untouched) << what << ": expert " << e << " (mask 1) wrote its fresh view";
+        const double want = accumulate ? static_cast<double>(static_cast<float>(main_init[at]) +
+                                                             static_cast<float>(product[at]))
+                                       : product[at];
+        computed(main[at], want, std::abs(main_init[at]) + std::abs(product[at]), e, "(mask 1) in main_grad");
+      } else {
+        ASSERT_EQ(main[at], main_init[at]) << what << ": expert " << e << " (mask 0) wrote main_grad";
+        computed(fresh[at], product[at], std::abs(product[at]), e, "(mask 0) in its fresh view");
+      }
+    }
   }
 }
 

@@ -7,8 +7,10 @@
 #include <vector>
 
 #include "common/harness.h"
+#include "common/tolerance.h"
 #include "gmoe/grouped.h"
 #include "gmoe/grouped_bias.h"
+#include "gmoe/grouped_linear.h"
 
 namespace gmoe::test {
 
@@ -55,5 +57,53 @@ struct HostExpertTensor {
   /// Sets every element from expert-major values.
   void set_all(const std::vector<double>& values);
 };
+
+/// A weight gradient with two destinations (WgradOptions::masked_off == fresh, or a layer's
+/// main_grad with MaskedOffWgrad::fresh): a random 0/1 expert mask (both values present when E >= 2),
+/// and random finite contents for main_grad and the fresh buffer before the call, so that every
+/// element the call must not touch can be checked bitwise.
+struct MaskedOffDestinations {
+  std::vector<int32_t> mask;       ///< [E]
+  HostTensor mask_t;               ///< the same, i32 [E]
+  std::vector<double> main_init;   ///< main_grad before the call, expert-major [E, N, K]
+  std::vector<double> fresh_init;  ///< the fresh buffer before the call
+  MaskedOffDestinations(int64_t E, int64_t N, int64_t K, Rng& rng);
+};
+
+/// main_grad in `layout` and the fresh buffer in the other one (each destination's layout is its
+/// own), f32 on the host, holding d's main_init and fresh_init.
+struct MaskedOffBuffers {
+  HostExpertTensor main, fresh;
+  MaskedOffBuffers(const MaskedOffDestinations& d, Layout layout, int64_t E, int64_t N, int64_t K);
+};
+
+/// GroupedLinear options writing the weight gradient into `main_grad` (accumulating or not, now or
+/// delayed), scratch from `alloc`; with `mask` given, mask-0 experts get fresh gradients
+/// (MaskedOffWgrad::fresh).
+GroupedLinearOptions main_grad_options(LinearRecipe recipe, const ExpertWeights& main_grad, bool accumulate,
+                                       bool delayed, Allocator* alloc, const TensorView& mask);
+
+/// Checks every expert's destination after the call, `main` and `fresh` expert-major: mask 1 →
+/// main_grad holds init + dW_e (accumulate) or dW_e (exact zeros for an empty expert; an empty
+/// expert accumulated into stays bitwise init), fresh untouched (bitwise); mask 0 → main_grad
+/// untouched (bitwise), fresh holds dW_e (exact zeros for an empty expert). dW_e = dyᵀ·x of the
+/// expert's rows of `dy` and `x` (the operands in the precision the GEMM reads), both within the
+/// tolerance rule; `own_main`/`own_fresh` (optional): the CPU backend's results for a CUDA run.
+void expect_masked_off_destinations(const MaskedOffDestinations& d, const HostTensor& dy, const HostTensor& x,
+                                    const std::vector<int64_t>& counts, bool accumulate,
+                                    const std::vector<double>& main, const std::vector<double>& fresh,
+                                    const std::vector<double>* own_main, const std::vector<double>* own_fresh,
+                                    const std::string& what, Fp8Accumulation fp8 = Fp8Accumulation::kNone);
+
+/// A layer's MaskedOffWgrad::fresh (main_grad, an expert mask), checked against `product`: every
+/// expert's dW_e from the same layer run into a main_grad without a mask and without accumulating
+/// (the same GEMMs, so the same values). mask 1 → main_grad = f32(init + dW_e) (accumulate) or dW_e,
+/// and the fresh view untouched (bitwise `untouched`, the value the test's allocator filled memory
+/// with); mask 0 → main_grad bitwise init, and the fresh view dW_e. `rel` = 0: every computed value
+/// bitwise (the CPU backend); else the relative error allowed (a kernel whose epilogue may fuse
+/// the accumulation's addition).
+void expect_layer_masked_off(const std::vector<int32_t>& mask, bool accumulate, const std::vector<double>& main_init,
+                             double untouched, const std::vector<double>& product, const std::vector<double>& main,
+                             const std::vector<double>& fresh, double rel, const std::string& what);
 
 }  // namespace gmoe::test

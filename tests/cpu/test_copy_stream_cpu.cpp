@@ -1,7 +1,8 @@
 // tests/cpu/test_copy_stream_cpu.cpp — the plain data movement and stream/event API that layers use
 // (gmoe/copy.h, gmoe/stream.h) on the CPU backend: copy_rows copies every row between any row
 // strides and touches nothing else; fill_zero zeroes exactly the tensor; events and stream syncs are
-// no-ops for the CPU; every bad argument throws gmoe::Error naming it.
+// no-ops for the CPU; upload_counts to the CPU is an owned copy of the counts; every bad argument
+// throws gmoe::Error naming it.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -76,6 +77,26 @@ TEST(CpuFillZero, ZeroesExactlyTheTensor) {
   fill_zero(TensorView(t.data(), DType::bf16, Device::cpu(), {0, 9}));  // nothing to do
   GMOE_EXPECT_ERROR(fill_zero(TensorView()), "t:", "absent");
   GMOE_EXPECT_ERROR(fill_zero(TensorView(t.data(), DType::bf16, Device::cpu(), {5, 4}, {9, 1})), "t:", "contiguous");
+}
+
+TEST(CpuUploadCounts, CopiesTheCountsAndChecksThem) {
+  Rng rng;
+  for (DType dt : {DType::i32, DType::i64}) {
+    std::vector<int64_t> want(static_cast<size_t>(rng.integer(1, 40)));
+    for (int64_t& c : want) c = rng.integer(0, 1 << 20);
+    HostTensor host = make_counts(want, dt);
+    const Tensor got = upload_counts(host.view(), Device::cpu());
+    ASSERT_TRUE(got.owns_memory());
+    EXPECT_NE(got.view().data, host.view().data);
+    EXPECT_EQ(got.view().dtype, dt);
+    for (int64_t e = 0; e < static_cast<int64_t>(want.size()); ++e) host.set(e, -1.0);  // the copy is independent
+    for (int64_t e = 0; e < static_cast<int64_t>(want.size()); ++e) {
+      const int64_t v = dt == DType::i32 ? got.view().ptr<int32_t>()[e] : got.view().ptr<int64_t>()[e];
+      ASSERT_EQ(v, want[e]) << "count " << e;
+    }
+  }
+  HostTensor f(DType::f32, {4});
+  GMOE_EXPECT_ERROR(upload_counts(f.view(), Device::cpu()), "host_counts", "i32 or i64");
 }
 
 TEST(CpuEvent, RecordAndWaitAreNoOpsOnTheCpuAndAnUndefinedEventThrows) {

@@ -132,6 +132,34 @@ TEST(Errors, StridesAndMask) {
                     "options.expert_mask", "i32[");
 }
 
+// MaskedOffWgrad: fresh needs a mask and a fresh_dw of dw's shape and dtype, disjoint from dw;
+// skip takes no fresh_dw.
+TEST(Errors, MaskedOffFresh) {
+  Small s;
+  HostExpertTensor dw(Layout::kStacked, DType::f32, s.c.E, s.c.N, s.c.K);
+  HostExpertTensor fresh(Layout::kList, DType::f32, s.c.E, s.c.N, s.c.K);
+  HostTensor mask(DType::i32, {s.c.E});
+  const auto wgrad = [&](const WgradOptions& opt) {
+    grouped_gemm_wgrad(s.p.dy.view(), s.p.x.view(), s.p.counts.view(), dw.view(), opt);
+  };
+  WgradOptions opt;
+  opt.fresh_dw = fresh.view();
+  GMOE_EXPECT_ERROR(wgrad(opt), "options.fresh_dw", "skip");
+  opt.masked_off = MaskedOffWgrad::fresh;
+  GMOE_EXPECT_ERROR(wgrad(opt), "options.masked_off", "expert_mask");
+  opt.expert_mask = mask.view();
+  opt.fresh_dw = ExpertWeights();
+  GMOE_EXPECT_ERROR(wgrad(opt), "options.fresh_dw", "got none");
+  HostExpertTensor fresh16(Layout::kList, DType::bf16, s.c.E, s.c.N, s.c.K);
+  opt.fresh_dw = fresh16.view();
+  GMOE_EXPECT_ERROR(wgrad(opt), "options.fresh_dw", "f32");
+  HostExpertTensor wide(Layout::kList, DType::f32, s.c.E, s.c.N, s.c.K + 1);
+  opt.fresh_dw = wide.view();
+  GMOE_EXPECT_ERROR(wgrad(opt), "options.fresh_dw", "experts of");
+  opt.fresh_dw = dw.view();
+  GMOE_EXPECT_ERROR(wgrad(opt), "options.fresh_dw", "dw");
+}
+
 TEST(Errors, CudaTensorsWithoutCuda) {
 #ifdef GMOE_WITH_CUDA
   GTEST_SKIP() << "built with CUDA: the CUDA suites cover CUDA tensors";

@@ -145,6 +145,26 @@ TEST_P(CpuFp8Gemm, WgradAccumulateWithMask) {
   EXPECT_TRUE(within_rule(got, exact, DType::f32, "wgrad accumulate with mask"));
 }
 
+// The FP8 weight gradient with MaskedOffWgrad::fresh: mask-1 experts accumulated into main_grad,
+// mask-0 experts written into the fresh buffer (a list), from the dequantized columnwise copies.
+TEST_P(CpuFp8Gemm, WgradMaskedOffFresh) {
+  Rng rng;
+  const ShapeCase c = make(rng);
+  const Fp8Problem p(c, recipe(), rng);
+  const MaskedOffDestinations d(c.E, c.N, c.K, rng);
+  MaskedOffBuffers out(d, Layout::kStacked, c.E, c.N, c.K);  // fresh: a list
+  HostExpertTensor& main = out.main;
+  HostExpertTensor& fresh = out.fresh;
+  WgradOptions opt;
+  opt.accumulate = true;
+  opt.expert_mask = d.mask_t.view();
+  opt.masked_off = MaskedOffWgrad::fresh;
+  opt.fresh_dw = fresh.view();
+  fp8_grouped_gemm_wgrad(p.dy.q, p.x.q, p.base.counts.view(), main.view(), opt);
+  expect_masked_off_destinations(d, p.dy_cols, p.x_cols, c.counts, true, main.to_double(), fresh.to_double(), nullptr,
+                                 nullptr, "fp8 wgrad accumulate, masked off fresh");
+}
+
 std::string param_name(const ::testing::TestParamInfo<Param>& info) {
   return std::string(fp8_recipe_name(std::get<0>(info.param))) + "_" + std::get<1>(info.param);
 }

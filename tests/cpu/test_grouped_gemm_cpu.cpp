@@ -130,6 +130,29 @@ TEST_P(CpuGroupedGemm, WgradAccumulateWithMask) {
   }
 }
 
+// WgradOptions::masked_off = fresh: mask-1 experts into main_grad (overwritten or accumulated),
+// mask-0 experts written into the fresh buffer, in the other layout than main_grad's (each
+// destination's layout is its own); every element each must not touch is checked bitwise.
+TEST_P(CpuGroupedGemm, WgradMaskedOffFresh) {
+  Rng rng;
+  const ShapeCase c = make(rng);
+  const GemmProblem p(c, dtype(), rng);
+  const MaskedOffDestinations d(c.E, c.N, c.K, rng);
+  for (bool accumulate : {false, true}) {
+    MaskedOffBuffers out(d, layout(), c.E, c.N, c.K);
+    HostExpertTensor& main = out.main;
+    HostExpertTensor& fresh = out.fresh;
+    WgradOptions opt;
+    opt.accumulate = accumulate;
+    opt.expert_mask = d.mask_t.view();
+    opt.masked_off = MaskedOffWgrad::fresh;
+    opt.fresh_dw = fresh.view();
+    grouped_gemm_wgrad(p.dy.view(), p.x.view(), p.counts.view(), main.view(), opt);
+    expect_masked_off_destinations(d, p.dy, p.x, c.counts, accumulate, main.to_double(), fresh.to_double(), nullptr,
+                                   nullptr, accumulate ? "wgrad accumulate, masked off fresh" : "wgrad, masked off fresh");
+  }
+}
+
 std::string param_name(const ::testing::TestParamInfo<Param>& info) {
   return std::string(dtype_name(std::get<0>(info.param))) + "_" + layout_name(std::get<1>(info.param)) +
          "_" + std::get<2>(info.param);

@@ -6,10 +6,12 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <functional>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "bench/graph_capture.h"
@@ -83,6 +85,35 @@ class ForkedStreams {
  private:
   cudaStream_t main_ = nullptr, side_ = nullptr;
   cudaEvent_t joined_ = nullptr;
+};
+
+/// Holds `stream` at this point until open() (or the destructor): a host function that waits, so
+/// that the work enqueued behind it cannot have run while the gate is closed, whatever the GPU's
+/// speed. The flag lives on the heap and the host function frees it, so closing the scope never
+/// waits for the stream (two gates on two streams may share CUDA's callback thread).
+class StreamGate {
+ public:
+  explicit StreamGate(cudaStream_t stream) : open_(new std::atomic<bool>(false)) {
+    test_cuda_check(cudaLaunchHostFunc(stream, &StreamGate::wait, open_), "cudaLaunchHostFunc");
+  }
+  ~StreamGate() { open(); }
+  StreamGate(const StreamGate&) = delete;
+  StreamGate& operator=(const StreamGate&) = delete;
+  /// Lets the stream go on (once: the host function frees the flag as soon as it sees it set).
+  void open() {
+    if (opened_) return;
+    opened_ = true;
+    open_->store(true);
+  }
+
+ private:
+  static void CUDART_CB wait(void* flag) {
+    auto* open = static_cast<std::atomic<bool>*>(flag);
+    while (!open->load()) std::this_thread::yield();
+    delete open;
+  }
+  std::atomic<bool>* open_;
+  bool opened_ = false;
 };
 
 /// What `work` enqueues on `stream`, captured once in global capture mode (which fails on any host

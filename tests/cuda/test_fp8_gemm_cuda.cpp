@@ -7,7 +7,7 @@
 //           recipe's quantization error implies.
 // Operands are quantized on the host by the CPU backend (no dependence on the CUDA quantizer).
 // Outputs are NaN-poisoned before each run; wgrad to f32 and bf16, stacked and list dW, with
-// accumulate and an expert mask; blockwise scale arrays at any 4-byte offset (bitwise the aligned
+// accumulate and an expert mask (mask-0 experts skipped, or written into a fresh buffer); blockwise scale arrays at any 4-byte offset (bitwise the aligned
 // run, all three passes and both wgrad outputs); CUDA-specific bad inputs; one CUDA graph of the
 // three passes replayed under changing counts; inconsistent padded offsets are clamped and reported.
 #include <cuda_runtime.h>
@@ -288,6 +288,36 @@ TEST_P(CudaFp8Gemm, Dgrad) {
 TEST_P(CudaFp8Gemm, Wgrad) {
   Rng rng;
   check_wgrad(make(rng), recipe(), rng.integer(0, 1) ? Layout::kStacked : Layout::kList, rng);
+}
+
+// The FP8 weight gradient with MaskedOffWgrad::fresh (mxfp8 through the bf16 wgrad, the others
+// through the FP8 kernels): mask-1 experts accumulated into main_grad, mask-0 experts written into
+// the fresh buffer, in the other layout than main_grad's, in one launch; every expert's
+// destination checked against the exact result of the dequantized copies, untouched ones bitwise.
+TEST_P(CudaFp8Gemm, WgradMaskedOffFresh) {
+  Rng rng;
+  const ShapeCase c = make(rng);
+  const Layout layout = rng.integer(0, 1) ? Layout::kStacked : Layout::kList;
+  const Fp8Problem p(c, recipe(), rng);
+  const MaskedOffDestinations d(c.E, c.N, c.K, rng);
+  DeviceGrouped dy(p.dy.q), x(p.x.q);
+  DeviceTensor counts(p.base.counts), mask_d(d.mask_t);
+  for (bool accumulate : {false, true}) {
+    const MaskedOffBuffers host(d, layout, c.E, c.N, c.K);
+    DeviceExperts main_d(host.main), fresh_d(host.fresh);
+    WgradOptions opt;
+    opt.accumulate = accumulate;
+    opt.expert_mask = mask_d.view();
+    opt.masked_off = MaskedOffWgrad::fresh;
+    opt.fresh_dw = fresh_d.view();
+    fp8_grouped_gemm_wgrad(dy.q, x.q, counts.view(), main_d.view(), opt);
+    GMOE_TEST_CUDA(cudaDeviceSynchronize());
+    check_device_errors(nullptr);
+    expect_masked_off_destinations(d, p.dy_cols, p.x_cols, c.counts, accumulate, main_d.to_double(),
+                                   fresh_d.to_double(), nullptr, nullptr,
+                                   accumulate ? "fp8 wgrad accumulate, masked off fresh" : "fp8 wgrad, masked off fresh",
+                                   Fp8Accumulation::kPromoted);
+  }
 }
 
 TEST_P(CudaFp8Gemm, WgradAccumulateWithMask) {

@@ -193,6 +193,38 @@ void check_wgrad_f32_accumulate_mask(const ShapeCase& c, DType dtype, Layout lay
   });
 }
 
+// WgradOptions::masked_off = fresh on the device: the mask read by the preparation kernel sends
+// mask-1 experts to main_grad (overwritten or accumulated) and mask-0 experts to the fresh buffer
+// (in the other layout than main_grad's: a stacked fresh buffer is located by the kernel, a list's
+// pointers are written before it), both in one launch; against the CPU backend and the exact
+// result, every untouched element bitwise.
+void check_wgrad_masked_off_fresh(const ShapeCase& c, DType dtype, Layout layout, Rng& rng) {
+  const GemmProblem p(c, dtype, rng);
+  const MaskedOffDestinations d(c.E, c.N, c.K, rng);
+  DeviceTensor dy(p.dy), x(p.x), counts(p.counts), mask_d(d.mask_t);
+  for (bool accumulate : {false, true}) {
+    MaskedOffBuffers own(d, layout, c.E, c.N, c.K);  // the CPU backend's run
+    DeviceExperts main_d(own.main), fresh_d(own.fresh);
+    HostExpertTensor& main_h = own.main;
+    HostExpertTensor& fresh_h = own.fresh;
+    WgradOptions opt;
+    opt.accumulate = accumulate;
+    opt.masked_off = MaskedOffWgrad::fresh;
+    opt.expert_mask = d.mask_t.view();
+    opt.fresh_dw = fresh_h.view();
+    grouped_gemm_wgrad(p.dy.view(), p.x.view(), p.counts.view(), main_h.view(), opt);  // the CPU backend
+    opt.expert_mask = mask_d.view();
+    opt.fresh_dw = fresh_d.view();
+    grouped_gemm_wgrad(dy.view(), x.view(), counts.view(), main_d.view(), opt);
+    GMOE_TEST_CUDA(cudaDeviceSynchronize());
+    check_device_errors(nullptr);
+    const std::vector<double> own_main = main_h.to_double(), own_fresh = fresh_h.to_double();
+    expect_masked_off_destinations(d, p.dy, p.x, c.counts, accumulate, main_d.to_double(), fresh_d.to_double(),
+                                   &own_main, &own_fresh,
+                                   accumulate ? "wgrad accumulate, masked off fresh" : "wgrad, masked off fresh");
+  }
+}
+
 TEST_P(CudaGroupedGemm, Fprop) {
   Rng rng;
   check_fprop(make(rng), dtype(), layout(), rng);
@@ -211,6 +243,11 @@ TEST_P(CudaGroupedGemm, Dgrad) {
 TEST_P(CudaGroupedGemm, Wgrad) {
   Rng rng;
   check_wgrad(make(rng), dtype(), layout(), rng);
+}
+
+TEST_P(CudaGroupedGemm, WgradMaskedOffFresh) {
+  Rng rng;
+  check_wgrad_masked_off_fresh(make(rng), dtype(), layout(), rng);
 }
 
 TEST_P(CudaGroupedGemm, WgradF32AccumulateWithMask) {

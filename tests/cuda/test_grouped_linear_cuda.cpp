@@ -6,11 +6,18 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <thread>
 #include <tuple>
+#include <vector>
 
 #include "common/gemm_fixture.h"
 #include "common/harness.h"
 #include "cuda/cuda_test_util.h"
+#include "gmoe/allocator.h"
 #include "gmoe/grouped_linear.h"
 
 namespace gmoe::test {
@@ -193,6 +200,206 @@ TEST(CudaGroupedLinearGraph, CaptureForwardBackwardDwOnceReplayUnderChangingCoun
       for (int64_t i = 0; i < N * K; ++i) ASSERT_EQ(gdw[e * N * K + i], init_v[e * N * K + i]) << "expert " << e;
     }
     for (double v : gy) ASSERT_FALSE(std::isnan(v)) << "unwritten output row";
+  }
+}
+
+// The device's allocator with statistics: every allocation filled with 0x7F bytes (the finite f32
+// fill_value(): memory nobody wrote reads as that), and every free's position in its stream kept
+// as an event, so that a test can ask whether the memory has really been released yet.
+class RecordingCudaAllocator final : public Allocator {
+ public:
+  static double fill_value() {
+    float f;
+    const unsigned char b[4] = {0x7F, 0x7F, 0x7F, 0x7F};
+    std::memcpy(&f, b, 4);
+    return f;
+  }
+  ~RecordingCudaAllocator() override {
+    for (const Free& f : frees) cudaEventDestroy(f.done);
+  }
+  void* allocate(std::size_t bytes, Stream stream) override {
+    void* p = cuda_allocator().allocate(bytes, stream);
+    if (p != nullptr) test_cuda_check(cudaMemsetAsync(p, 0x7F, bytes, stream), "cudaMemsetAsync");
+    ++allocations;
+    return p;
+  }
+  void free(void* ptr, Stream stream) override {
+    if (ptr == nullptr) return;
+    Free f{ptr, stream, nullptr};
+    test_cuda_check(cudaEventCreateWithFlags(&f.done, cudaEventDisableTiming), "cudaEventCreate");
+    test_cuda_check(cudaEventRecord(f.done, stream), "cudaEventRecord");
+    frees.push_back(f);
+    cuda_allocator().free(ptr, stream);
+  }
+  Device device() const override { return cuda_allocator().device(); }
+
+  struct Free {
+    void* ptr;
+    Stream stream;
+    cudaEvent_t done;  // reached when the free's stream passes the free
+  };
+  int allocations = 0;
+  std::vector<Free> frees;
+  /// The free of `ptr` (the last one), or nullptr.
+  const Free* free_of(const void* ptr) const {
+    for (auto it = frees.rbegin(); it != frees.rend(); ++it) {
+      if (it->ptr == ptr) return &*it;
+    }
+    return nullptr;
+  }
+};
+
+// main_grad with an expert mask and MaskedOffWgrad::fresh on the CUDA backend (native and an FP8
+// recipe, both layouts, the weight gradient immediate or delayed on a second stream): every
+// expert's destination against the same layer's gradient into a zeroed main_grad without a mask
+// (expect_layer_masked_off: untouched memory bitwise; computed values within an f32 rounding of
+// the accumulation); the fresh views 256-byte aligned in the weights' layout.
+using MaskedOffParam = std::tuple<Layout, LinearRecipe>;
+class CudaGroupedLinearMaskedOff : public ::testing::TestWithParam<MaskedOffParam> {};
+
+TEST_P(CudaGroupedLinearMaskedOff, EveryExpertsDestination) {
+  GMOE_SKIP_WITHOUT_GPU();
+  const auto [layout, recipe] = GetParam();
+  Rng rng;
+  const ShapeCase c = make_case("skewed", rng, CaseScale::kLarge);
+  const GemmProblem p(c, DType::bf16, rng);
+  const MaskedOffDestinations d(c.E, c.N, c.K, rng);
+  DeviceTensor x(p.x), dy(p.dy), counts(p.counts), mask(d.mask_t);
+  DeviceExperts w(p.w_stacked, p.w, layout);
+  const ForkedStreams streams;
+  const cudaStream_t s1 = streams.main(), s2 = streams.side();
+  RecordingCudaAllocator alloc;
+  const auto run = [&](DeviceExperts& main_grad, bool masked, bool accumulate, bool delayed) {
+    const GroupedLinearOptions opt =
+        main_grad_options(recipe, main_grad.view(), accumulate, delayed, &alloc, masked ? mask.view() : TensorView());
+    GroupedLinear layer(w.view(), {}, opt);
+    GroupedLinearContext ctx;
+    layer.forward(x.view(), counts.view(), ctx, s1);
+    GroupedLinearBackward b = layer.backward(ctx, dy.view(), s1);
+    GroupedLinearGrads g = delayed ? layer.backward_dw(ctx, s2) : b.grads;
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    check_device_errors(s1);
+    return g;
+  };
+  HostExpertTensor zeros(layout, DType::f32, c.E, c.N, c.K);
+  zeros.set_all(std::vector<double>(d.main_init.size(), 0.0));
+  DeviceExperts plain(zeros);
+  run(plain, false, false, false);
+  const std::vector<double> product = plain.to_double();
+  HostExpertTensor init(layout, DType::f32, c.E, c.N, c.K);
+  init.set_all(d.main_init);
+  for (bool accumulate : {false, true}) {
+    for (bool delayed : {false, true}) {
+      DeviceExperts main_grad(init);
+      const GroupedLinearGrads g = run(main_grad, true, accumulate, delayed);
+      const ExpertWeights& fresh = g.masked_off_weight;
+      ASSERT_EQ(fresh.is_stacked(), layout == Layout::kStacked);
+      ASSERT_EQ(fresh.num_experts(), c.E);
+      for (int64_t e = 0; e < c.E; ++e) {
+        ASSERT_EQ(reinterpret_cast<std::uintptr_t>(fresh.expert(e).data) % 256, 0u) << "fresh view " << e;
+      }
+      expect_layer_masked_off(d.mask, accumulate, d.main_init, RecordingCudaAllocator::fill_value(), product,
+                              main_grad.to_double(), values(fresh), 1e-6,
+                              std::string(accumulate ? "accumulate" : "overwrite") + (delayed ? ", delayed" : ""));
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Recipes, CudaGroupedLinearMaskedOff,
+                         ::testing::Combine(::testing::Values(Layout::kStacked, Layout::kList),
+                                            ::testing::Values(LinearRecipe::native, LinearRecipe::fp8_tensorwise,
+                                                              LinearRecipe::fp8_blockwise, LinearRecipe::mxfp8)),
+                         [](const ::testing::TestParamInfo<MaskedOffParam>& info) {
+                           return std::string(layout_name(std::get<0>(info.param))) + "_" +
+                                  linear_recipe_name(std::get<1>(info.param));
+                         });
+
+// The packed gradients' allocation is not released while another stream may still use it. The
+// layer's backward allocates them on s1; backward_dw writes them on s2, held behind a gate; the
+// caller's reduce-scatter stream s3 records itself. With every reference dropped while s2 and s3 are
+// held, the free (on s1) must not have been reached: the allocator's event for that free stays
+// not ready until the gates open, and an allocation made meanwhile on a fourth stream that gets the
+// same memory is ordered after them too. The control (a buffer used on s2 without record_stream)
+// shows that the check can fail: its free is reached at once.
+TEST(CudaPackedGradients, FreedWhileAnotherStreamUsesThemIsNotReused) {
+  GMOE_SKIP_WITHOUT_GPU();
+  Rng rng;
+  const ShapeCase c = fixed_case("odd_expert_bytes", 24, 40, {50, 0, 170, 30, 90}, 3);
+  const GemmProblem p(c, DType::bf16, rng);
+  DeviceTensor x(p.x), dy(p.dy), counts(p.counts);
+  HostTensor bias_h(DType::bf16, {c.E, c.N});
+  fill_random(bias_h, rng);
+  DeviceTensor bias(bias_h);
+  const ForkedStreams streams, more;
+  const cudaStream_t s1 = streams.main(), s2 = streams.side(), s3 = more.main(), s4 = more.side();
+  for (Layout layout : {Layout::kStacked, Layout::kList}) {
+    SCOPED_TRACE(layout_name(layout));
+    DeviceExperts w(p.w_stacked, p.w, layout);
+    RecordingCudaAllocator alloc;
+    GroupedLinearOptions opt;
+    opt.delay_wgrad = true;
+    opt.save_original_input = true;
+    opt.allocator = &alloc;
+    GroupedLinear layer(w.view(), expert_bias(bias.view(), layout), opt);
+    GroupedLinearContext ctx;
+    layer.forward(x.view(), counts.view(), ctx, s1);
+    DeviceTensor dx(HostTensor(DType::bf16, {c.capacity, c.K}));
+    GroupedLinearBackward b = layer.backward(ctx, dy.view(), s1, dx.view());
+    const void* packed = b.grads.storage->data();
+    const std::size_t packed_bytes = b.grads.storage->bytes();
+    // One allocation: every bias gradient (and below, every weight gradient) lies inside it.
+    const auto inside = [&](const TensorView& v) {
+      const char* at = static_cast<const char*>(v.data);
+      return at >= static_cast<const char*>(packed) && at + v.nbytes() <= static_cast<const char*>(packed) + packed_bytes;
+    };
+    for (int64_t e = 0; e < c.E; ++e) ASSERT_TRUE(inside(b.grads.bias.expert(e))) << "db_" << e;
+    DeviceTensor sink(HostTensor(DType::bf16, {c.N, c.K}));  // (before the gates: its cudaFree syncs)
+    GMOE_TEST_CUDA(cudaStreamSynchronize(s1));
+    {
+      StreamGate gate2(s2), gate3(s3);
+      GroupedLinearGrads g = layer.backward_dw(ctx, s2);  // enqueued behind gate2
+      ASSERT_EQ(g.storage->data(), packed);
+      for (int64_t e = 0; e < c.E; ++e) {
+        ASSERT_EQ(reinterpret_cast<std::uintptr_t>(g.weight.expert(e).data) % 256, 0u) << "dW_" << e;
+        ASSERT_TRUE(inside(g.weight.expert(e))) << "dW_" << e;
+      }
+      // The caller's reduce-scatter: reads the gradients on s3 (behind gate3), recorded.
+      GMOE_TEST_CUDA(cudaMemcpyAsync(sink.view().data, g.weight.expert(0).data, c.N * c.K * 2,
+                                     cudaMemcpyDeviceToDevice, s3));
+      g.storage->record_stream(s3);
+      b = GroupedLinearBackward();
+      g = GroupedLinearGrads();  // the last reference: the packed allocation is freed (on s1)
+      const RecordingCudaAllocator::Free* f = alloc.free_of(packed);
+      ASSERT_NE(f, nullptr) << "the packed gradients were not freed with their last reference";
+      EXPECT_EQ(f->stream, s1) << "freed on another stream than the one that allocated them";
+      // Give s1 every chance to pass the free if nothing held it.
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      EXPECT_EQ(cudaEventQuery(f->done), cudaErrorNotReady) << "the free did not wait for s2 and s3";
+      // Memory handed out meanwhile on s4: if it is the packed allocation, its use is ordered after s2, s3.
+      Buffer again(cuda_allocator(), packed_bytes, s4);
+      GMOE_TEST_CUDA(cudaMemsetAsync(again.data(), 0, 256, s4));
+      if (again.data() == packed) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+        EXPECT_EQ(cudaStreamQuery(s4), cudaErrorNotReady) << "the packed memory was reused while s2/s3 held it";
+      }
+      gate2.open();
+      gate3.open();
+      GMOE_TEST_CUDA(cudaDeviceSynchronize());
+      EXPECT_EQ(cudaEventQuery(f->done), cudaSuccess);
+    }
+  }
+  // Control: without record_stream the free is reached while s2 is still held.
+  RecordingCudaAllocator alloc;
+  {
+    StreamGate gate(s2);
+    Buffer used(alloc, 4096, s1);
+    GMOE_TEST_CUDA(cudaMemsetAsync(used.data(), 0, 4096, s2));
+    const void* ptr = used.data();
+    used.reset();
+    GMOE_TEST_CUDA(cudaStreamSynchronize(s1));
+    EXPECT_EQ(cudaEventQuery(alloc.free_of(ptr)->done), cudaSuccess) << "control: an unrecorded free waits for s2";
+    gate.open();
+    GMOE_TEST_CUDA(cudaDeviceSynchronize());
   }
 }
 

@@ -5,12 +5,15 @@
 // biases, in bf16 and with the FP8 blockwise recipe (the weights quantized inside the captured
 // forward). Every node count (kernels, memsets, memcpys, stream-ordered allocations and frees) must
 // be the same for both E: per-expert work belongs inside the kernels, never in a loop of launches.
-// The counts are fresh Zipf counts with empty experts: nothing reads them on the host.
+// The counts are fresh Zipf counts with empty experts: nothing reads them on the host. The gradient
+// paths (main_grad with a mask and fresh gradients for mask-0 experts, backward_dw, counts given on
+// the host) are counted too.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "bench/graph_capture.h"
 #include "common/gemm_fixture.h"
@@ -122,6 +125,49 @@ INSTANTIATE_TEST_SUITE_P(Layers, CudaLayerLaunchesLinear,
                            return std::string(layout_name(std::get<0>(info.param))) + "_" +
                                   linear_recipe_name(std::get<1>(info.param));
                          });
+
+// The gradient paths that training frameworks drive: main_grad with an expert mask whose mask-0
+// experts get a fresh gradient (MaskedOffWgrad::fresh: one launch whatever the mask), the weight
+// gradient delayed to backward_dw, and counts given on the host (one pinned upload). Their
+// launches must not grow with E either.
+class CudaLayerLaunchesLinearGradients : public ::testing::TestWithParam<Layout> {};
+
+TEST_P(CudaLayerLaunchesLinearGradients, SameForEightAndTwoHundredFiftySixExperts) {
+  GMOE_SKIP_WITHOUT_GPU();
+  const Layout layout = GetParam();
+  Rng rng;
+  const ForkedStreams streams;
+  const cudaStream_t s = streams.main();
+  expect_same_for_both_e([&](int64_t E) {
+    const Rows in(E, rng);
+    const HostTensor host_counts = in.counts.download();
+    const DeviceExperts w = random_weights(E, kHidden, kHidden, layout, rng);
+    HostExpertTensor zeros(layout, DType::f32, E, kHidden, kHidden);
+    zeros.set_all(std::vector<double>(static_cast<size_t>(E * kHidden * kHidden), 0.0));
+    const DeviceExperts main_grad(zeros);
+    HostTensor mask_h(DType::i32, {E});
+    for (int64_t e = 0; e < E; ++e) mask_h.set(e, static_cast<double>(rng.integer(0, 1)));
+    const DeviceTensor mask(mask_h);
+    GroupedLinearOptions opt;
+    opt.main_grad = main_grad.view();
+    opt.expert_mask = mask.view();
+    opt.masked_off = MaskedOffWgrad::fresh;
+    opt.delay_wgrad = true;
+    GroupedLinear layer(w.view(), {}, opt);
+    return capture_calls(s, [&](bool backward) {
+      GroupedLinearContext ctx;
+      layer.forward(in.x.view(), host_counts.view(), ctx, s);
+      if (backward) {
+        layer.backward(ctx, in.dy.view(), s);
+        layer.backward_dw(ctx, s);
+      }
+    });
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Layers, CudaLayerLaunchesLinearGradients,
+                         ::testing::Values(Layout::kStacked, Layout::kList),
+                         [](const ::testing::TestParamInfo<Layout>& info) { return std::string(layout_name(info.param)); });
 
 using MlpParam = std::tuple<Layout, LinearRecipe, bool>;  // layout, recipe, with router probabilities
 class CudaLayerLaunchesMlp : public ::testing::TestWithParam<MlpParam> {};

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <tuple>
 
@@ -192,6 +193,147 @@ INSTANTIATE_TEST_SUITE_P(NamedCases, CpuGroupedLinear,
                                             ::testing::Values(BiasMode::kNone, BiasMode::kList, BiasMode::kGrouped),
                                             ::testing::ValuesIn(named_case_names())),
                          param_name);
+
+// A host allocator that fills every allocation with 0x7F bytes (the finite f32 kFill): memory no
+// one wrote reads as kFill, which no computed gradient equals. Counts its allocations and keeps the
+// last one's range.
+class FillingAllocator final : public Allocator {
+ public:
+  static constexpr unsigned char kByte = 0x7F;
+  static double fill_value() {
+    float f;
+    const unsigned char b[4] = {kByte, kByte, kByte, kByte};
+    std::memcpy(&f, b, 4);
+    return f;
+  }
+  void* allocate(std::size_t bytes, Stream stream) override {
+    void* p = host_allocator().allocate(bytes, stream);
+    if (p != nullptr) std::memset(p, kByte, bytes);
+    ++allocations;
+    return p;
+  }
+  void free(void* ptr, Stream stream) override { host_allocator().free(ptr, stream); }
+  Device device() const override { return Device::cpu(); }
+  int allocations = 0;
+};
+
+// One layer's weight gradient with main_grad, an expert mask and MaskedOffWgrad::fresh (`recipe`:
+// the native and FP8 weight gradients), immediate and delayed, overwriting and accumulating,
+// against the same layer's gradient into a zeroed main_grad without a mask (expect_layer_masked_off:
+// every expert's destination, bitwise on the CPU backend).
+using MaskedOffParam = std::tuple<Layout, LinearRecipe, std::string>;
+class CpuGroupedLinearMaskedOff : public ::testing::TestWithParam<MaskedOffParam> {};
+
+TEST_P(CpuGroupedLinearMaskedOff, EveryExpertsDestination) {
+  const auto [layout, recipe, case_name] = GetParam();
+  Rng rng;
+  const ShapeCase c = make_case(case_name, rng);
+  const GemmProblem p(c, DType::bf16, rng);
+  const MaskedOffDestinations d(c.E, c.N, c.K, rng);
+  FillingAllocator alloc;
+  const auto run = [&](HostExpertTensor& main_grad, bool masked, bool accumulate, bool delayed) {
+    const GroupedLinearOptions opt =
+        main_grad_options(recipe, main_grad.view(), accumulate, delayed, &alloc, masked ? d.mask_t.view() : TensorView());
+    GroupedLinear layer(p.weights(layout), {}, opt);
+    GroupedLinearContext ctx;
+    layer.forward(p.x.view(), p.counts.view(), ctx);
+    GroupedLinearBackward b = layer.backward(ctx, p.dy.view());
+    return delayed ? layer.backward_dw(ctx) : b.grads;
+  };
+  HostExpertTensor plain(layout, DType::f32, c.E, c.N, c.K);
+  plain.set_all(std::vector<double>(d.main_init.size(), 0.0));
+  const GroupedLinearGrads pg = run(plain, false, false, false);
+  EXPECT_FALSE(pg.masked_off_weight.is_stacked() || !pg.masked_off_weight.list.empty())
+      << "a fresh buffer without MaskedOffWgrad::fresh";
+  const std::vector<double> product = plain.to_double();
+  for (bool accumulate : {false, true}) {
+    for (bool delayed : {false, true}) {
+      HostExpertTensor main_grad(layout, DType::f32, c.E, c.N, c.K);
+      main_grad.set_all(d.main_init);
+      const GroupedLinearGrads g = run(main_grad, true, accumulate, delayed);
+      const ExpertWeights& fresh = g.masked_off_weight;
+      ASSERT_EQ(fresh.is_stacked(), layout == Layout::kStacked) << "the fresh views take the weights' layout";
+      ASSERT_EQ(fresh.num_experts(), c.E);
+      EXPECT_EQ(fresh.dtype(), DType::f32) << "the fresh views share main_grad's launch, and its dtype";
+      ASSERT_TRUE(g.storage != nullptr);
+      EXPECT_EQ(g.weight.expert(0).data, main_grad.view().expert(0).data) << "weight views main_grad";
+      expect_layer_masked_off(d.mask, accumulate, d.main_init, FillingAllocator::fill_value(), product,
+                              main_grad.to_double(), expert_values(fresh), 0.0,
+                              std::string(accumulate ? "accumulate" : "overwrite") + (delayed ? ", delayed" : ""));
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Recipes, CpuGroupedLinearMaskedOff,
+                         ::testing::Combine(::testing::Values(Layout::kStacked, Layout::kList),
+                                            ::testing::Values(LinearRecipe::native, LinearRecipe::fp8_tensorwise,
+                                                              LinearRecipe::fp8_blockwise, LinearRecipe::mxfp8),
+                                            ::testing::Values("skewed", "e1")),
+                         [](const ::testing::TestParamInfo<MaskedOffParam>& info) {
+                           return std::string(layout_name(std::get<0>(info.param))) + "_" +
+                                  linear_recipe_name(std::get<1>(info.param)) + "_" + std::get<2>(info.param);
+                         });
+
+TEST(CpuGroupedLinearApi, MaskedOffFreshNeedsMainGradAndMask) {
+  Rng rng;
+  const ShapeCase c = make_case("skewed", rng);
+  const GemmProblem p(c, DType::bf16, rng);
+  HostTensor mask(DType::i32, {c.E});
+  GroupedLinearOptions opt;
+  opt.masked_off = MaskedOffWgrad::fresh;
+  opt.expert_mask = mask.view();
+  GMOE_EXPECT_ERROR(GroupedLinear(p.weights(Layout::kStacked), {}, opt), "options.masked_off", "main_grad");
+  HostExpertTensor main_grad(Layout::kStacked, DType::f32, c.E, c.N, c.K);
+  opt.main_grad = main_grad.view();
+  opt.expert_mask = TensorView();
+  GMOE_EXPECT_ERROR(GroupedLinear(p.weights(Layout::kStacked), {}, opt), "options.masked_off", "expert_mask");
+}
+
+// Fresh weight and bias gradients are views of ONE allocation (the only one backward's gradients
+// make), and every expert's weight view starts on a 256-byte boundary in both layouts, on a shape
+// whose N·K·2 bytes per expert are not a multiple of 256 (so back-to-back experts would not be).
+TEST(CpuGroupedLinearApi, PackedGradientsOneAllocationAligned) {
+  Rng rng;
+  const ShapeCase c = fixed_case("odd_expert_bytes", 24, 40, {5, 0, 17, 3, 9}, 3);  // 1920 B per expert
+  const GemmProblem p(c, DType::bf16, rng);
+  HostTensor bias(DType::bf16, {c.E, c.N});
+  fill_random(bias, rng);
+  for (Layout layout : {Layout::kStacked, Layout::kList}) {
+    FillingAllocator alloc;
+    GroupedLinearOptions opt;
+    opt.allocator = &alloc;
+    opt.save_original_input = true;  // forward allocates nothing: every allocation below is backward's
+    opt.delay_wgrad = true;
+    GroupedLinear layer(p.weights(layout), expert_bias(bias.view(), layout), opt);
+    GroupedLinearContext ctx;
+    Tensor y = layer.forward(p.x.view(), p.counts.view(), ctx);
+    HostTensor dx(DType::bf16, {c.capacity, c.K});
+    const int before = alloc.allocations;
+    GroupedLinearBackward b = layer.backward(ctx, p.dy.view(), nullptr, dx.view());
+    EXPECT_EQ(alloc.allocations - before, 1) << layout_name(layout) << ": backward's gradients take one allocation";
+    const GroupedLinearGrads g = layer.backward_dw(ctx);
+    EXPECT_EQ(alloc.allocations - before, 1) << layout_name(layout) << ": backward_dw allocated";
+    ASSERT_TRUE(g.storage != nullptr);
+    const char* lo = static_cast<const char*>(g.storage->data());
+    const char* hi = lo + g.storage->bytes();
+    const auto inside = [&](const TensorView& v) {
+      const char* at = static_cast<const char*>(v.data);
+      return at >= lo && at + v.nbytes() <= hi;
+    };
+    EXPECT_EQ(g.weight.is_stacked(), layout == Layout::kStacked);
+    for (int64_t e = 0; e < c.E; ++e) {
+      const TensorView w = g.weight.expert(e);
+      EXPECT_TRUE(inside(w)) << layout_name(layout) << ": dW_" << e << " outside the packed allocation";
+      EXPECT_EQ(reinterpret_cast<std::uintptr_t>(w.data) % 256, 0u)
+          << layout_name(layout) << ": dW_" << e << " not 256-byte aligned";
+      EXPECT_TRUE(w.is_contiguous()) << layout_name(layout) << ": dW_" << e;
+      EXPECT_TRUE(inside(g.bias.expert(e))) << layout_name(layout) << ": db_" << e << " outside the packed allocation";
+    }
+    // The padding changes where experts lie, not their values.
+    EXPECT_TRUE(within_rule(expert_values(g.weight), exact_wgrad(p.dy, p.x, c.counts, nullptr, nullptr), DType::bf16,
+                            std::string("padded dW, ") + layout_name(layout)));
+  }
+}
 
 TEST(CpuGroupedLinearApi, CopiedInputIsIndependentOfTheCaller) {
   Rng rng;

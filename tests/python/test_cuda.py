@@ -189,3 +189,22 @@ def test_device_errors_reported():
     with pytest.raises(ValueError, match="count"):
         gmoe.check_device_errors()
     gmoe.check_device_errors()  # read and cleared
+
+
+@pytest.mark.parametrize("as_list", [True, False])
+def test_host_counts_uploaded_once_bitwise(as_list):
+    """m_splits given on the host (a list, or a CPU tensor) for CUDA layers: uploaded from pinned
+    memory without a sync, bitwise the layer with the same counts on the device, values and
+    gradients."""
+    torch.manual_seed(4)
+    counts = cuda_counts("empty_experts")
+    host = ROUTES["empty_experts"] if as_list else counts.cpu()
+    m = gmoe.GroupedMLP(E, H, FFN, bias=True, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(CAP, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(CAP, H, device="cuda", dtype=torch.bfloat16)
+    y_dev = m(x, counts)
+    y_host = m(x, host)
+    torch.testing.assert_close(y_host, y_dev, rtol=0, atol=0)
+    inputs = [x] + list(m.parameters())
+    for g, r in zip(torch.autograd.grad(y_host, inputs, dy), torch.autograd.grad(y_dev, inputs, dy)):
+        torch.testing.assert_close(g, r, rtol=0, atol=0)

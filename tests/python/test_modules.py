@@ -174,3 +174,20 @@ def test_module_bad_input():
         gmoe.GroupedLinear(E, H, FFN, weight_layout="rows")
     with pytest.raises(ValueError, match="activation"):
         gmoe.GroupedMLP(E, H, FFN, activation="relu")
+
+
+@pytest.mark.parametrize("as_list", [True, False])
+def test_host_counts_list_or_tensor(as_list):
+    """m_splits as a Python list (or a CPU int64 tensor) gives bitwise the values and gradients of
+    the int32 tensor of the same counts, for GroupedLinear and GroupedMLP."""
+    torch.manual_seed(3)
+    counts = counts_for("skewed_empty")
+    host = counts.tolist() if as_list else counts.to(torch.int64)
+    for m in (gmoe.GroupedLinear(E, H, H, bias=True), gmoe.GroupedMLP(E, H, FFN, bias=True)):
+        x = torch.randn(CAP, H, requires_grad=True)
+        dy = torch.randn(CAP, H)
+        ys = [m(x, c) for c in (counts, host)]
+        torch.testing.assert_close(ys[1], ys[0], rtol=0, atol=0)
+        inputs = [x] + list(m.parameters())
+        for g, r in zip(torch.autograd.grad(ys[1], inputs, dy), torch.autograd.grad(ys[0], inputs, dy)):
+            torch.testing.assert_close(g, r, rtol=0, atol=0)

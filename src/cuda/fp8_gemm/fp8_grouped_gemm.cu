@@ -293,8 +293,7 @@ void wgrad_pass(const Fp8Grouped& dy, const Fp8Grouped& x, const TensorView& cou
     plan.prep.expert = {dw.stacked.data, dw.stacked.stride(0), dw.stacked.stride(1),
                         static_cast<int32_t>(dtype_size(dw.dtype()))};
   }
-  plan.prep.mask = static_cast<const int32_t*>(options.expert_mask.data);
-  plan.prep.accumulate = options.accumulate;
+  set_wgrad_mask(plan, options);
   if (scaling == Fp8Scaling::blockwise) {
     // Token-block-major scales [padded/128, cols]: a k-tile's scales of A (B) are one contiguous
     // run of the tile's rows (columns), the layout the kernel's MN-major scale loads read.
@@ -554,6 +553,7 @@ void fp8_grouped_gemm_wgrad(const Fp8Grouped& dy, const Fp8Grouped& x, const Ten
   if (options.expert_mask.defined()) {
     check_aligned(options.expert_mask.data, 4, "options.expert_mask");
   }
+  if (options.masked_off == MaskedOffWgrad::fresh) check_dw_cuda(options.fresh_dw, "options.fresh_dw");
   DeviceGuard guard(dy.data_t.device.index);
   if (dy.recipe == Fp8Recipe::mxfp8) {
     mx_wgrad_pass(dy, x, counts, dw, options, stream, alloc);

@@ -261,6 +261,7 @@ void grouped_gemm_wgrad(const TensorView& dy, const TensorView& x, const TensorV
   check_rows_cuda(x, "x");
   check_experts_cuda(dw, "dw");
   if (options.expert_mask.defined()) check_aligned(options.expert_mask.data, "options.expert_mask");
+  if (options.masked_off == MaskedOffWgrad::fresh) check_experts_cuda(options.fresh_dw, "options.fresh_dw");
 
   DeviceGuard guard(dy.device.index);
   const int64_t capacity = dy.size(0);
@@ -274,8 +275,7 @@ void grouped_gemm_wgrad(const TensorView& dy, const TensorView& x, const TensorV
   plan.prep.rows_a = rows_operand(dy);
   plan.prep.rows_b = rows_operand(x);
   set_expert_operand(plan.prep, dw);
-  plan.prep.mask = static_cast<const int32_t*>(options.expert_mask.data);
-  plan.prep.accumulate = options.accumulate;
+  set_wgrad_mask(plan, options);
   plan.experts = &dw;
   plan.run_gemm = capacity > 0 && n > 0 && k > 0;
   plan.beta = options.accumulate ? 1.0f : 0.0f;

@@ -107,12 +107,16 @@ __device__ __forceinline__ void write_wgrad_group(const PrepareParams& p, const 
     b_start = b_col;
     k = static_cast<int32_t>(min(fit_a, fit_b));
   }
-  const bool write = p.mask == nullptr || p.mask[e] != 0;
+  const bool masked = p.mask != nullptr && p.mask[e] == 0;
+  const bool to_fresh = masked && p.masked_off_fresh;
+  const bool write = !masked || to_fresh;
   const bool active = write && k > 0;
   // An inactive expert gets M = 0: CUTLASS schedules no tile for it (a K = 0 group would be
   // scheduled and store uninitialised accumulators).
   out.shapes[e] = active ? GroupShape{p.gemm_m, p.gemm_n, k} : GroupShape{0, p.gemm_n, 0};
-  out.zero_expert[e] = (write && k == 0 && !p.accumulate) ? 1 : 0;
+  // The launch has one beta for every group. When it accumulates (beta = 1, for the main_grad
+  // experts), a fresh expert is zeroed first so that accumulating into it writes its gradient.
+  out.zero_expert[e] = to_fresh ? ((k == 0 || p.accumulate) ? 1 : 0) : ((write && k == 0 && !p.accumulate) ? 1 : 0);
   out.ptr_a[e] = offset_ptr(p.rows_a.base, a_start, p.rows_a.elem_bytes);
   out.stride_a[e] = p.rows_a.ld;
   out.ptr_b[e] = offset_ptr(p.rows_b.base, b_start, p.rows_b.elem_bytes);
@@ -121,12 +125,25 @@ __device__ __forceinline__ void write_wgrad_group(const PrepareParams& p, const 
     out.ptr_sfa[e] = scale_start(p.scale_a, e, a_col);
     out.ptr_sfb[e] = scale_start(p.scale_b, e, b_col);
   }
-  if (p.expert_stacked) {
-    const void* d = offset_ptr(p.expert.base, e * p.expert.expert_stride, p.expert.elem_bytes);
+  // A list dw's pointers are already in ptr_d/ptr_c (written by value before this kernel); a
+  // masked-off expert's fresh destination replaces them.
+  if (to_fresh || p.expert_stacked) {
+    const void* d = nullptr;
+    int64_t ld = 0;
+    if (!to_fresh) {
+      d = offset_ptr(p.expert.base, e * p.expert.expert_stride, p.expert.elem_bytes);
+      ld = p.expert.ld;
+    } else if (p.fresh_stacked) {
+      d = offset_ptr(p.fresh.base, e * p.fresh.expert_stride, p.fresh.elem_bytes);
+      ld = p.fresh.ld;
+    } else {
+      d = out.fresh_ptr[e];
+      ld = out.fresh_ld[e];
+    }
     out.ptr_d[e] = const_cast<void*>(d);
-    out.stride_d[e] = p.expert.ld;
+    out.stride_d[e] = ld;
     out.ptr_c[e] = d;
-    out.stride_c[e] = p.expert.ld;
+    out.stride_c[e] = ld;
   }
 }
 
@@ -373,7 +390,7 @@ PrepareParams plan_groups(const CallPlan& plan) {
 
 // Where each array lies in the one workspace of a call, each part 128-byte aligned; `bytes` in all.
 struct WorkspaceLayout {
-  std::size_t shapes, ptrs, strides, total, zero, bias, scale_ptrs, alpha, alpha_ptrs, cutlass;
+  std::size_t shapes, ptrs, strides, total, zero, bias, fresh, scale_ptrs, alpha, alpha_ptrs, cutlass;
   std::size_t bytes = 0;
 
   WorkspaceLayout(const CallPlan& plan, std::size_t groups, std::size_t experts, std::size_t cutlass_bytes) {
@@ -384,6 +401,7 @@ struct WorkspaceLayout {
     total = take(sizeof(int64_t));
     zero = take(e * sizeof(int32_t));
     bias = take(plan.bias != nullptr ? g * sizeof(void*) : 0);
+    fresh = take(plan.fresh != nullptr ? e * (sizeof(void*) + sizeof(int64_t)) : 0);
     scale_ptrs = take(plan.block_scales ? 2 * g * sizeof(float*) : 0);
     alpha = take(plan.alpha ? e * sizeof(float) : 0);
     alpha_ptrs = take(plan.alpha ? g * sizeof(float*) : 0);
@@ -415,6 +433,10 @@ GroupedGemmArrays bind_arrays(const CallPlan& plan, const WorkspaceLayout& layou
   a.total = reinterpret_cast<int64_t*>(base + layout.total);
   a.zero_expert = reinterpret_cast<int32_t*>(base + layout.zero);
   if (plan.bias != nullptr) a.ptr_bias = reinterpret_cast<const void**>(base + layout.bias);
+  if (plan.fresh != nullptr) {
+    a.fresh_ptr = reinterpret_cast<const void**>(base + layout.fresh);
+    a.fresh_ld = reinterpret_cast<int64_t*>(base + layout.fresh + static_cast<std::size_t>(plan.prep.num_experts) * sizeof(void*));
+  }
   if (plan.block_scales) {
     auto** sf = reinterpret_cast<const float**>(base + layout.scale_ptrs);
     a.ptr_sfa = sf;
@@ -427,29 +449,36 @@ GroupedGemmArrays bind_arrays(const CallPlan& plan, const WorkspaceLayout& layou
   return a;
 }
 
-// Lists of expert tensors or biases: their pointers, by value, after the preparation kernel (which
-// computes stacked and grouped ones itself); one group per expert.
+// Pointers and row strides of a list of expert tensors, by value, into ptr/ld (and ptr2/ld2).
+void write_list(const ExpertWeights& list, const void** ptr, int64_t* ld, const void** ptr2, int64_t* ld2,
+                cudaStream_t stream) {
+  const std::size_t e = list.list.size();
+  std::vector<const void*> host_ptrs(e);
+  std::vector<int64_t> host_lds(e);
+  for (std::size_t i = 0; i < e; ++i) {
+    host_ptrs[i] = list.list[i].data;
+    host_lds[i] = list.list[i].stride(0);
+  }
+  launch_write_expert_pointers(host_ptrs.data(), host_lds.data(), static_cast<int>(e), ptr, ld, ptr2, ld2, stream);
+}
+
+// Lists of expert tensors or biases: their pointers, by value (the preparation kernel computes
+// stacked and grouped ones itself); one group per expert. wgrad writes them BEFORE the preparation
+// kernel, which replaces a masked-off expert's with its fresh destination (the lists' own included).
 void write_list_pointers(const CallPlan& plan, const GroupedGemmArrays& a, cudaStream_t stream) {
   const int E = plan.prep.num_experts;
   const std::size_t e = static_cast<std::size_t>(E);
+  if (plan.fresh != nullptr) write_list(*plan.fresh, a.fresh_ptr, a.fresh_ld, nullptr, nullptr, stream);
   if (plan.bias != nullptr && !plan.bias->is_grouped()) {
     std::vector<const void*> host_ptrs(e);
     for (std::size_t i = 0; i < e; ++i) host_ptrs[i] = plan.bias->list[i].data;
     launch_write_pointers(host_ptrs.data(), E, a.ptr_bias, stream);
   }
   if (plan.experts == nullptr || plan.experts->is_stacked()) return;
-  std::vector<const void*> host_ptrs(e);
-  std::vector<int64_t> host_lds(e);
-  for (std::size_t i = 0; i < e; ++i) {
-    host_ptrs[i] = plan.experts->list[i].data;
-    host_lds[i] = plan.experts->list[i].stride(0);
-  }
   if (plan.prep.pass == GemmPass::wgrad) {
-    launch_write_expert_pointers(host_ptrs.data(), host_lds.data(), E, const_cast<const void**>(a.ptr_d),
-                                 a.stride_d, a.ptr_c, a.stride_c, stream);
+    write_list(*plan.experts, const_cast<const void**>(a.ptr_d), a.stride_d, a.ptr_c, a.stride_c, stream);
   } else {
-    launch_write_expert_pointers(host_ptrs.data(), host_lds.data(), E, a.ptr_b, a.stride_b, nullptr, nullptr,
-                                 stream);
+    write_list(*plan.experts, a.ptr_b, a.stride_b, nullptr, nullptr, stream);
   }
 }
 
@@ -488,6 +517,21 @@ GroupedGemmLaunch launch_arguments(const GroupedGemmArrays& a, int num_groups, i
 
 }  // namespace
 
+void set_wgrad_mask(CallPlan& plan, const WgradOptions& options) {
+  plan.prep.mask = static_cast<const int32_t*>(options.expert_mask.data);
+  plan.prep.accumulate = options.accumulate;
+  if (options.masked_off != MaskedOffWgrad::fresh) return;
+  const ExpertWeights& f = options.fresh_dw;
+  plan.prep.masked_off_fresh = true;
+  plan.prep.fresh_stacked = f.is_stacked();
+  if (f.is_stacked()) {
+    plan.prep.fresh = {f.stacked.data, f.stacked.stride(0), f.stacked.stride(1),
+                       static_cast<int32_t>(dtype_size(f.dtype()))};
+  } else {
+    plan.fresh = &f;
+  }
+}
+
 PreparedCall prepare_call(const CallPlan& plan, std::size_t cutlass_bytes, cudaStream_t stream, Allocator& alloc) {
   // An empty reduction runs no GEMM, so a fused bias would never be added: the dispatchers send
   // such calls to the bias's second pass (y = 0 + bias).
@@ -509,8 +553,13 @@ PreparedCall prepare_call(const CallPlan& plan, std::size_t cutlass_bytes, cudaS
   char* base = static_cast<char*>(call.workspace.data());
   call.arrays = bind_arrays(plan, layout, g, base);
 
-  launch_prepare(prep, call.arrays, stream);
-  write_list_pointers(plan, call.arrays, stream);
+  if (prep.pass == GemmPass::wgrad) {
+    write_list_pointers(plan, call.arrays, stream);  // read (and partly replaced) by the preparation
+    launch_prepare(prep, call.arrays, stream);
+  } else {
+    launch_prepare(prep, call.arrays, stream);
+    write_list_pointers(plan, call.arrays, stream);
+  }
   write_zeros(plan, call.arrays, sms, stream);
   call.launch = launch_arguments(call.arrays, prep.num_groups, device, sms, base + layout.cutlass, cutlass_bytes);
   return call;

@@ -16,6 +16,7 @@
 #include "gmoe/allocator.h"
 #include "gmoe/grouped.h"
 #include "gmoe/grouped_bias.h"
+#include "gmoe/grouped_gemm.h"
 
 namespace gmoe::cuda_backend {
 
@@ -39,6 +40,11 @@ struct GroupedGemmArrays {
   int64_t* total = nullptr;           ///< [1] the clamped real total of rows
   int32_t* zero_expert = nullptr;     ///< [E] wgrad: 1 where dW_e must be written as zeros
   const void** ptr_bias = nullptr;    ///< [E] fprop with a fused bias: expert e's bias vector
+  /// [E] wgrad with a list fresh_dw (WgradOptions::masked_off == fresh): expert e's fresh dW_e and
+  /// its row stride, written by value before the preparation kernel, which picks them for the
+  /// experts whose mask is 0.
+  const void** fresh_ptr = nullptr;
+  int64_t* fresh_ld = nullptr;
   // FP8 only (fp8_grouped_gemm.cu); absent (nullptr) for the 16-bit GEMMs.
   const float** ptr_sfa = nullptr;    ///< [E] blockwise: group e's first scale of A
   const float** ptr_sfb = nullptr;    ///< [E] blockwise: group e's first scale of B
@@ -96,8 +102,13 @@ struct PrepareParams {
   RowsOperand rows_a, rows_b, rows_d;
   bool expert_stacked = true;
   StackedOperand expert;  ///< fprop/dgrad: B; wgrad: D and C
-  const int32_t* mask = nullptr;  ///< wgrad: [E], 0 = leave dW_e untouched; nullptr = all written
-  bool accumulate = false;        ///< wgrad: D += A·B, empty experts left untouched
+  const int32_t* mask = nullptr;  ///< wgrad: [E], 0 = masked off (see masked_off_fresh); nullptr = all written
+  /// wgrad: experts with mask 0 are written into the fresh destination (WgradOptions::fresh_dw)
+  /// instead of being skipped. The choice is made per expert in the preparation kernel.
+  bool masked_off_fresh = false;
+  bool fresh_stacked = true;      ///< wgrad: the fresh destination is stacked (`fresh`), else a list
+  StackedOperand fresh;           ///< wgrad, masked_off_fresh and stacked: the fresh dW
+  bool accumulate = false;        ///< wgrad: D += A·B into dw (never into fresh), empty experts left untouched
   /// fprop with a fused grouped [E, N] bias: expert e's vector at base + e * expert_stride
   /// (elements; ld unused). base == nullptr: no bias, or a list (written by write_expert_pointers).
   StackedOperand bias;
@@ -153,6 +164,8 @@ struct CallPlan {
   /// written by value; nullptr or stacked: the preparation kernel computes them.
   const ExpertWeights* experts = nullptr;
   const ExpertBias* bias = nullptr;  ///< fprop with a bias fused into the epilogue
+  /// wgrad with MaskedOffWgrad::fresh and a list fresh_dw: its pointers, written by value.
+  const ExpertWeights* fresh = nullptr;
   bool block_scales = false;         ///< FP8 blockwise: per-group scale pointers
   bool alpha = false;                ///< FP8 tensorwise: per-group alpha
   bool run_gemm = false;             ///< false: every extent empty, only the zeros are written
@@ -164,6 +177,10 @@ struct CallPlan {
   int32_t dw_elem_bytes = 0;
   int64_t dw_rows = 0, dw_row_bytes = 0;
 };
+
+/// wgrad: the expert mask and where masked-off experts go (WgradOptions), into plan.prep (a
+/// stacked fresh_dw) or plan.fresh (a list).
+void set_wgrad_mask(CallPlan& plan, const WgradOptions& options);
 
 /// What prepare_call leaves: the workspace (released on the call's stream when this goes), the
 /// arrays in it, and the launch arguments of the grouped kernel (shapes, pointers, strides, bias,
