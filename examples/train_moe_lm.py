@@ -44,10 +44,14 @@ stacked, the same keys without the expert index, `model.layers.{L}.mlp.experts.g
 under the same names, prefixed `exp_avg.` / `exp_avg_sq.`, and its step) and `trainer_state.json`
 (step = data position, the loss curve so far, the configuration). --resume reads either expert
 layout into either weight layout. `gmoe-ckpt` converts a checkpoint between the two layouts (both
-files; trainer_state.json is copied as it is), and the converted one resumes the same curve:
+.safetensors files; trainer_state.json is copied as it is), and the converted one resumes the
+same curve (gated experts only: gmoe-ckpt does not read squared_relu's up_proj-only experts yet):
 
-    gmoe-ckpt convert build/ckpt/gmoe/model.safetensors build/ckpt2/gmoe/model.safetensors --layout stacked
-    gmoe-ckpt convert build/ckpt/gmoe/optimizer.safetensors build/ckpt2/gmoe/optimizer.safetensors --layout stacked
+    mkdir -p build/ckpt2/gmoe && cp build/ckpt/gmoe/trainer_state.json build/ckpt2/gmoe/
+    for f in model optimizer; do
+      gmoe-ckpt convert build/ckpt/gmoe/$f.safetensors build/ckpt2/gmoe/$f.safetensors --layout stacked
+    done
+    python examples/train_moe_lm.py --steps 100 --impl gmoe --resume build/ckpt2
 
 Outputs (--out): losses.json, loss.png (both curves), summary.md, and a progress line per
 --log-every steps.
@@ -931,6 +935,13 @@ def summary_markdown(cfg: Config, results: Dict[str, RunResult]) -> str:
             lines.append(f"Speed: gmoe {g.tokens_per_s / t.tokens_per_s:.2f}x the tokens/s of the PyTorch model.")
         if g.peak_memory_bytes and t.peak_memory_bytes:
             lines.append(f"Peak memory: gmoe {g.peak_memory_bytes / t.peak_memory_bytes:.2f}x the PyTorch model's.")
+    if cfg.save_dir:
+        other = "per-expert" if cfg.ckpt_layout == "stacked" else "stacked"
+        lines += ["", f"Checkpoints: {cfg.save_dir}/<model>/ (model and optimizer safetensors, Hugging Face "
+                      f"expert names, {cfg.ckpt_layout}); `--resume {cfg.save_dir}` continues the curve. In the "
+                      f"other layout: `gmoe-ckpt convert {cfg.save_dir}/gmoe/model.safetensors "
+                      f"OUT/gmoe/model.safetensors --layout {other}`, the same for optimizer.safetensors, "
+                      f"trainer_state.json copied."]
     if not cfg.device.startswith("cuda"):
         lines += ["", "CPU run: gmoe's CPU backend is the reference (plain loops), so tokens/s here says nothing "
                       "about speed."]
