@@ -45,7 +45,7 @@ under the same names, prefixed `exp_avg.` / `exp_avg_sq.`, and its step) and `tr
 (step = data position, the loss curve so far, the configuration). --resume reads either expert
 layout into either weight layout. `gmoe-ckpt` converts a checkpoint between the two layouts (both
 .safetensors files; trainer_state.json is copied as it is), and the converted one resumes the
-same curve (gated experts only: gmoe-ckpt does not read squared_relu's up_proj-only experts yet):
+same curve:
 
     mkdir -p build/ckpt2/gmoe && cp build/ckpt/gmoe/trainer_state.json build/ckpt2/gmoe/
     for f in model optimizer; do

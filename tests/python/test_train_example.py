@@ -95,14 +95,17 @@ def ckpt_bin():
                          "GMOE_CKPT_BIN")
 
 
-@pytest.mark.parametrize("saved,converted", [("per_expert", "stacked"), ("stacked", "per_expert")])
-def test_checkpoint_converted_by_gmoe_ckpt_resumes_the_curve_bitwise(tmp_path, saved, converted):
-    """gmoe-ckpt recognises the example's model and optimizer files (Qwen3-MoE's expert names) and
-    rewrites them in the other expert layout bit for bit: the files equal what the example itself
-    writes in that layout, and resuming from them continues the uninterrupted curve exactly."""
-    full = run("--ckpt-layout", saved, steps=6)
-    run("--ckpt-layout", saved, "--save-dir", tmp_path / "saved", "--stop-at", 3, steps=6)
-    run("--ckpt-layout", converted, "--save-dir", tmp_path / "direct", "--stop-at", 3, steps=6)
+@pytest.mark.parametrize("saved,converted,activation", [("per_expert", "stacked", "swiglu"),
+                                                        ("stacked", "per_expert", "squared_relu")])
+def test_checkpoint_converted_by_gmoe_ckpt_resumes_the_curve_bitwise(tmp_path, saved, converted, activation):
+    """gmoe-ckpt recognises the example's model and optimizer files (Qwen3-MoE's expert names; with
+    squared_relu, up_proj alone as Nemotron-H names it) and rewrites them in the other expert layout
+    bit for bit: the files equal what the example itself writes in that layout, and resuming from
+    them continues the uninterrupted curve exactly."""
+    act = ("--activation", activation)
+    full = run(*act, "--ckpt-layout", saved, steps=6)
+    run(*act, "--ckpt-layout", saved, "--save-dir", tmp_path / "saved", "--stop-at", 3, steps=6)
+    run(*act, "--ckpt-layout", converted, "--save-dir", tmp_path / "direct", "--stop-at", 3, steps=6)
     flag = "per-expert" if converted == "per_expert" else "stacked"
     for impl in lm.IMPLS:
         (tmp_path / "conv" / impl).mkdir(parents=True)
@@ -116,7 +119,7 @@ def test_checkpoint_converted_by_gmoe_ckpt_resumes_the_curve_bitwise(tmp_path, s
             assert got.keys() == want.keys(), sorted(set(got) ^ set(want))
             assert all(torch.equal(got[k], want[k]) for k in want), name
         shutil.copy(tmp_path / "saved" / impl / "trainer_state.json", tmp_path / "conv" / impl)
-    resumed = run("--ckpt-layout", converted, "--resume", tmp_path / "conv", steps=6)
+    resumed = run(*act, "--ckpt-layout", converted, "--resume", tmp_path / "conv", steps=6)
     for impl in lm.IMPLS:
         assert resumed[impl].losses == full[impl].losses, impl
 
