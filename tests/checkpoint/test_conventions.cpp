@@ -650,27 +650,23 @@ TEST_F(Conventions, UngatedUpProjectionIsAnFc1OfFRows) {
       EXPECT_EQ(std::memcmp(p, want[e].data(), want[e].size() * 2), 0) << key << " expert " << e;
     }
   };
-  MoeConvertOptions st;
-  st.layout = ExpertLayout::stacked;
-  gmoe::convert_moe_checkpoint(dir / "in.safetensors", dir / "st.safetensors", st);
-  const Checkpoint s = Checkpoint::open(dir / "st.safetensors");
+  auto convert = [&](const std::string& from, const std::string& to, const MoeConvertOptions& o) {
+    gmoe::convert_moe_checkpoint(dir / from, dir / to, o);
+    return Checkpoint::open(dir / to);
+  };
+  MoeConvertOptions stacked, per_expert, to_gmoe, to_qwen;
+  stacked.layout = ExpertLayout::stacked;
+  per_expert.layout = ExpertLayout::per_expert;
+  to_gmoe.convention = MoeConvention::gmoe;
+  to_qwen.convention = MoeConvention::qwen;
+  const Checkpoint s = convert("in.safetensors", "st.safetensors", stacked);
   expect_bits(s, "up_proj.weight", false, up, {F, H});
   expect_bits(s, "down_proj.weight", false, down, {H, F});
   EXPECT_FALSE(s.contains(m + "gate_up_proj.weight"));
-  MoeConvertOptions pe;
-  pe.layout = ExpertLayout::per_expert;
-  gmoe::convert_moe_checkpoint(dir / "st.safetensors", dir / "pe.safetensors", pe);
-  expect_bits(Checkpoint::open(dir / "pe.safetensors"), "up_proj.weight", true, up, {F, H});
-
+  expect_bits(convert("st.safetensors", "pe.safetensors", per_expert), "up_proj.weight", true, up, {F, H});
   // To gmoe's fc1 (F rows, no GLU) and back to Hugging Face names: up_proj again.
-  MoeConvertOptions to_gmoe;
-  to_gmoe.convention = MoeConvention::gmoe;
-  gmoe::convert_moe_checkpoint(dir / "in.safetensors", dir / "g.safetensors", to_gmoe);
-  expect_bits(Checkpoint::open(dir / "g.safetensors"), "fc1.weight", false, up, {F, H});
-  MoeConvertOptions to_qwen;
-  to_qwen.convention = MoeConvention::qwen;
-  gmoe::convert_moe_checkpoint(dir / "g.safetensors", dir / "q.safetensors", to_qwen);
-  const Checkpoint q = Checkpoint::open(dir / "q.safetensors");
+  expect_bits(convert("in.safetensors", "g.safetensors", to_gmoe), "fc1.weight", false, up, {F, H});
+  const Checkpoint q = convert("g.safetensors", "q.safetensors", to_qwen);
   expect_bits(q, "up_proj.weight", true, up, {F, H});
   expect_bits(q, "down_proj.weight", true, down, {H, F});
 

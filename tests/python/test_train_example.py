@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
 import train_moe_lm as lm  # noqa: E402
+from test_checkpoints import ckpt_bin  # noqa: E402  (GMOE_CKPT_BIN, which scripts/test_python.sh sets)
 
 # A model small enough for CI's two cores: every test below runs in a few seconds.
 TINY = ["--device", "cpu", "--layers", "1", "--hidden", "32", "--heads", "2", "--experts", "4", "--top-k", "2",
@@ -81,18 +82,6 @@ def test_checkpoint_uses_hugging_face_expert_names(tmp_path):
         assert f.get_slice("model.layers.0.mlp.experts.gate_proj.weight").get_shape() == [4, 32, 32]
         assert f.get_slice("model.layers.0.mlp.experts.down_proj.weight").get_shape() == [4, 32, 32]
         assert not any(".experts.0." in k for k in f.keys())
-
-
-def ckpt_bin():
-    """gmoe-ckpt: GMOE_CKPT_BIN (scripts/test_python.sh sets it), else a build in build/default or build/cpu."""
-    path = os.environ.get("GMOE_CKPT_BIN")
-    root = os.path.join(os.path.dirname(__file__), "..", "..")
-    candidates = [path] if path else [os.path.join(root, "build", d, "gmoe-ckpt") for d in ("default", "cpu")]
-    for c in candidates:
-        if c and os.access(c, os.X_OK):
-            return c
-    raise AssertionError(f"gmoe-ckpt not found (tried {candidates}); scripts/test_python.sh builds it and sets "
-                         "GMOE_CKPT_BIN")
 
 
 @pytest.mark.parametrize("saved,converted,activation", [("per_expert", "stacked", "swiglu"),
