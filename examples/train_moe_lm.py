@@ -38,12 +38,20 @@ the step reads a device value on the host. On the CPU the same step runs eagerly
 
 Checkpoints (--save-dir): per model, a directory with `model.safetensors` (Hugging Face names:
 `model.layers.{L}.mlp.gate.weight` for the router, the experts either per expert
-`model.layers.{L}.mlp.experts.{e}.{gate_proj,up_proj,down_proj}.weight` (Mixtral / Qwen3-MoE) or
-stacked `model.layers.{L}.mlp.experts.gate_up_proj` [E, 2F, H] (gate rows first) and
-`…experts.down_proj` [E, H, F] (transformers v5's fused experts), per --ckpt-layout; float32
-master weights), `optimizer.safetensors` (AdamW's moments under the same names, prefixed
-`exp_avg.` / `exp_avg_sq.`, and its step) and `trainer_state.json` (step = data position, the loss
-curve so far, the configuration). --resume reads either expert layout into either weight layout.
+`model.layers.{L}.mlp.experts.{e}.{gate_proj,up_proj,down_proj}.weight` (Qwen3-MoE, OLMoE) or
+stacked, the same keys without the expert index, `model.layers.{L}.mlp.experts.gate_proj.weight`
+[E, F, H], per --ckpt-layout; float32 master weights), `optimizer.safetensors` (AdamW's moments
+under the same names, prefixed `exp_avg.` / `exp_avg_sq.`, and its step) and `trainer_state.json`
+(step = data position, the loss curve so far, the configuration). --resume reads either expert
+layout into either weight layout. `gmoe-ckpt` converts a checkpoint between the two layouts (both
+.safetensors files; trainer_state.json is copied as it is), and the converted one resumes the
+same curve:
+
+    mkdir -p build/ckpt2/gmoe && cp build/ckpt/gmoe/trainer_state.json build/ckpt2/gmoe/
+    for f in model optimizer; do
+      gmoe-ckpt convert build/ckpt/gmoe/$f.safetensors build/ckpt2/gmoe/$f.safetensors --layout stacked
+    done
+    python examples/train_moe_lm.py --steps 100 --impl gmoe --resume build/ckpt2
 
 Outputs (--out): losses.json, loss.png (both curves), summary.md, and a progress line per
 --log-every steps.
@@ -446,7 +454,8 @@ def build_model(impl: str, cfg: Config, device, dtype) -> MoELM:
 
 def initial_state(cfg: Config) -> Dict[str, torch.Tensor]:
     """The initial weights (float32, CPU, Hugging Face names with stacked experts), from the seed:
-    normal(0, 0.02), output projections scaled by 1/sqrt(2·layers), norms 1."""
+    normal(0, 0.02), output projections scaled by 1/sqrt(2·layers), norms 1; drawn in the PyTorch
+    model's parameter order."""
     g = torch.Generator().manual_seed(cfg.seed)
     model = build_model("torch", cfg, "cpu", torch.float32)
     out_std = 0.02 / math.sqrt(2 * cfg.layers)
@@ -457,7 +466,7 @@ def initial_state(cfg: Config) -> Dict[str, torch.Tensor]:
         else:
             std = out_std if name.endswith(("o_proj.weight", "down_proj")) else 0.02
             state[name] = torch.randn(p.shape, generator=g) * std
-    return state
+    return to_hf(state, "torch", cfg, "stacked")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -472,7 +481,8 @@ def _fc_names(cfg: Config):
     return ("up_proj",) if cfg.activation == "squared_relu" else ("gate_proj", "up_proj")
 
 
-def _stacked_fc1(cfg: Config) -> str:
+def _torch_fc1(cfg: Config) -> str:
+    """The PyTorch model's stacked FC1 parameter under its block (transformers v5's fused experts)."""
     return "experts.up_proj" if cfg.activation == "squared_relu" else "experts.gate_up_proj"
 
 
@@ -490,22 +500,27 @@ def _split_mlps(state: Dict[str, torch.Tensor]):
 
 def to_hf(state: Dict[str, torch.Tensor], impl: str, cfg: Config, layout: str) -> Dict[str, torch.Tensor]:
     """A model's state (its own names; weights or any per-parameter tensor such as an Adam moment)
-    under Hugging Face names, the experts in `layout` ("stacked" or "per_expert")."""
+    under Hugging Face names, the experts in `layout`: "per_expert" (`experts.{e}.gate_proj.weight`
+    [F, H], …) or "stacked" (the same keys without the expert index, [E, F, H]: the form
+    `gmoe-ckpt convert --layout stacked` writes and reads back, which no other family's keys share)."""
     out, mlps = _split_mlps(state)
     for prefix, sub in mlps.items():
         if impl == "torch":
-            router, fc1, fc2 = sub["gate.weight"], sub[_stacked_fc1(cfg)], sub["experts.down_proj"]
+            router, fc1, fc2 = sub["gate.weight"], sub[_torch_fc1(cfg)], sub["experts.down_proj"]
         else:
             router = sub["router.weight"]
             fc1, fc2 = (_stacked(sub, f"experts.{fc}.weight", cfg.experts) for fc in ("fc1", "fc2"))
         out[prefix + "gate.weight"] = router
+        # FC1's rows are [gate; up] (the concatenated GLU layout): gate_proj and up_proj are its halves.
+        fc1_parts = fc1.chunk(len(_fc_names(cfg)), dim=1)
         if layout == "stacked":
-            out[prefix + _stacked_fc1(cfg)] = fc1
-            out[prefix + "experts.down_proj"] = fc2
+            for name, part in zip(_fc_names(cfg), fc1_parts):
+                out[f"{prefix}experts.{name}.weight"] = part.contiguous()
+            out[prefix + "experts.down_proj.weight"] = fc2
         else:
             for e in range(cfg.experts):
-                for name, part in zip(_fc_names(cfg), fc1[e].chunk(len(_fc_names(cfg)))):
-                    out[f"{prefix}experts.{e}.{name}.weight"] = part.clone()
+                for name, part in zip(_fc_names(cfg), fc1_parts):
+                    out[f"{prefix}experts.{e}.{name}.weight"] = part[e].clone()
                 out[f"{prefix}experts.{e}.down_proj.weight"] = fc2[e].clone()
     return out
 
@@ -518,21 +533,21 @@ def from_hf(hf: Dict[str, torch.Tensor], impl: str, cfg: Config) -> Dict[str, to
     """The inverse of to_hf, from either expert layout, into the model's own names (gmoe: in
     cfg.weight_layout)."""
     out, mlps = _split_mlps(hf)
-    stacked_fc1 = _stacked_fc1(cfg)
     for prefix, sub in mlps.items():
-        if stacked_fc1 in sub:
-            fc1, fc2 = sub[stacked_fc1], sub["experts.down_proj"]
-        else:
-            try:
+        try:
+            if "experts.down_proj.weight" in sub:
+                fc1 = torch.cat([sub[f"experts.{n}.weight"] for n in _fc_names(cfg)], dim=1)
+                fc2 = sub["experts.down_proj.weight"]
+            else:
                 fc1 = torch.stack([torch.cat([sub[f"experts.{e}.{n}.weight"] for n in _fc_names(cfg)])
                                    for e in range(cfg.experts)])
                 fc2 = torch.stack([sub[f"experts.{e}.down_proj.weight"] for e in range(cfg.experts)])
-            except KeyError as missing:
-                raise SystemExit(f"checkpoint: {prefix}experts has neither {stacked_fc1} nor the per-expert "
-                                 f"key {missing} (for {cfg.experts} experts)")
+        except KeyError as missing:
+            raise SystemExit(f"checkpoint: {prefix}experts lacks {missing} (Hugging Face expert names, "
+                             f"stacked or per expert, for {cfg.experts} experts)")
         if impl == "torch":
             out[prefix + "gate.weight"] = sub["gate.weight"]
-            out[prefix + stacked_fc1] = fc1
+            out[prefix + _torch_fc1(cfg)] = fc1
             out[prefix + "experts.down_proj"] = fc2
             continue
         out[prefix + "router.weight"] = sub["gate.weight"]
@@ -665,7 +680,7 @@ def save_checkpoint(directory: str, impl: str, cfg: Config, trainer: Trainer, st
     path = os.path.join(directory, impl)
     os.makedirs(path, exist_ok=True)
     weights, moments, adam_step = trainer.state()
-    meta = {"format": "pt", "step": str(step), "impl": impl, "expert_layout": cfg.ckpt_layout}
+    meta = {"format": "pt", "step": str(step), "impl": impl}  # the keys tell the expert layout
     files = {"model.safetensors": to_hf(weights, impl, cfg, cfg.ckpt_layout)}
     opt = {"step": torch.tensor([adam_step], dtype=torch.float32)}
     for k, per_name in moments.items():
@@ -920,6 +935,13 @@ def summary_markdown(cfg: Config, results: Dict[str, RunResult]) -> str:
             lines.append(f"Speed: gmoe {g.tokens_per_s / t.tokens_per_s:.2f}x the tokens/s of the PyTorch model.")
         if g.peak_memory_bytes and t.peak_memory_bytes:
             lines.append(f"Peak memory: gmoe {g.peak_memory_bytes / t.peak_memory_bytes:.2f}x the PyTorch model's.")
+    if cfg.save_dir:
+        other = "per-expert" if cfg.ckpt_layout == "stacked" else "stacked"
+        lines += ["", f"Checkpoints: {cfg.save_dir}/<model>/ (model and optimizer safetensors, Hugging Face "
+                      f"expert names, {cfg.ckpt_layout}); `--resume {cfg.save_dir}` continues the curve. In the "
+                      f"other layout: `gmoe-ckpt convert {cfg.save_dir}/gmoe/model.safetensors "
+                      f"OUT/gmoe/model.safetensors --layout {other}`, the same for optimizer.safetensors, "
+                      f"trainer_state.json copied."]
     if not cfg.device.startswith("cuda"):
         lines += ["", "CPU run: gmoe's CPU backend is the reference (plain loops), so tokens/s here says nothing "
                       "about speed."]

@@ -425,7 +425,7 @@ const char* weight_orientation_name(WeightOrientation o);
 
 /// What an expert tensor of an MoE block is.
 enum class MoeTensorRole : uint8_t {
-  fc1,        ///< gate and up in one weight (or the FC1 of a non-gated MLP)
+  fc1,        ///< gate and up in one weight (or the FC1 of a non-gated MLP, `up_proj` under Hugging Face names)
   gate,       ///< the gate projection alone (w1, gate_proj)
   up,         ///< the up projection alone (w3, up_proj)
   fc2,        ///< the down projection (w2, down_proj, linear_fc2)

@@ -285,6 +285,15 @@ std::string build_block(const Checkpoint& ckpt, const Spec& s, const std::string
   MoeExpertTensor *fc1 = find(R::fc1), *gate = find(R::gate), *up = find(R::up), *fc2 = find(R::fc2);
   const std::string where = "experts '" + experts + "'";
   if (fc2 == nullptr) return where + ": no FC2 (down projection) weight";
+  // An up projection with no gate anywhere is the FC1 of an ungated MLP (squared-ReLU experts:
+  // `up_proj` and `down_proj`, as Nemotron-H names them); it must then have F rows (checked below).
+  const bool ungated_up = fc1 == nullptr && gate == nullptr && up != nullptr && find(R::gate_bias) == nullptr;
+  if (ungated_up) {
+    up->role = R::fc1;
+    if (MoeExpertTensor* up_bias = find(R::up_bias)) up_bias->role = R::fc1_bias;
+    fc1 = up;
+    up = nullptr;
+  }
   if (fc1 != nullptr && (gate != nullptr || up != nullptr)) {
     return where + ": both a fused gate/up weight and separate gate/up weights";
   }
@@ -334,6 +343,10 @@ std::string build_block(const Checkpoint& ckpt, const Spec& s, const std::string
     b->ffn = o == WeightOrientation::out_in ? s2[1] : s2[0];
     const int64_t rows = o == WeightOrientation::out_in ? s1[0] : s1[1];
     b->gated = is_twice(rows, b->ffn) && b->ffn > 0;
+    if (ungated_up && rows != b->ffn) {
+      return where + ": an up weight without its gate weight, and with " + std::to_string(rows) +
+             " outputs, not F = " + std::to_string(b->ffn) + " (an ungated MLP's up projection)";
+    }
     for (MoeExpertTensor& t : b->tensors) t.orientation = o;
   }
   GluFormat glu = s.glu;
@@ -697,7 +710,9 @@ std::vector<ConvertPlanEntry> convert_moe_checkpoint(const std::string& in, cons
     if (src[static_cast<int>(R::fc2_bias)]) outs.push_back({R::fc2_bias, false, false});
 
     for (const Out& ot : outs) {
-      const char* name = name_of(ts, ot.role);
+      // An ungated FC1 is the up projection where the convention stores gate and up separately.
+      const bool up_named = !b.gated && ts.separate && (ot.role == R::fc1 || ot.role == R::fc1_bias);
+      const char* name = name_of(ts, up_named ? (ot.weight ? R::up : R::up_bias) : ot.role);
       GMOE_CHECK(name != nullptr, where, ": ", tname, " naming has no key for ", moe_tensor_role_name(ot.role),
                  ot.role == R::gate || ot.role == R::up
                      ? " (it stores gate and up fused: leave --gate-up as it is, or pick another --to)"

@@ -606,6 +606,80 @@ TEST_F(Conventions, CastOnlyWhenAskedAndStackedKeysHaveNoEmptyComponent) {
   }
 }
 
+// Squared-ReLU experts under Hugging Face names (Nemotron-H; examples/train_moe_lm.py with
+// --activation squared_relu): up_proj [F, H] and down_proj [H, F], no gate. The up projection is
+// an ungated FC1 of F rows, kept as up_proj through every layout and back from gmoe's fc1.
+TEST_F(Conventions, UngatedUpProjectionIsAnFc1OfFRows) {
+  TempDir dir;
+  const int64_t E = uniform(2, 5), H = 8 * uniform(1, 3), F = 8 * uniform(1, 4);
+  const std::string m = "model.layers.0.mlp.experts.";
+  std::vector<std::vector<uint16_t>> up(E), down(E);
+  File file;
+  for (int64_t e = 0; e < E; ++e) {
+    up[e].resize(F * H);
+    down[e].resize(H * F);
+    for (auto& v : up[e]) v = static_cast<uint16_t>(rng());
+    for (auto& v : down[e]) v = static_cast<uint16_t>(rng());
+    file.put(m + std::to_string(e) + ".up_proj.weight", {F, H}, up[e]);
+    file.put(m + std::to_string(e) + ".down_proj.weight", {H, F}, down[e]);
+  }
+  file.save(dir / "in.safetensors");
+  const gmoe::MoeCheckpointInfo r = gmoe::recognise_moe_checkpoint(Checkpoint::open(dir / "in.safetensors"));
+  ASSERT_TRUE(r.recognised) << (r.problems.empty() ? "" : r.problems[0]);
+  EXPECT_EQ(r.convention, MoeConvention::qwen);
+  ASSERT_EQ(r.blocks.size(), 1u);
+  const gmoe::MoeBlock& b = r.blocks[0];
+  EXPECT_FALSE(b.gated);
+  EXPECT_FALSE(b.separate_gate_up);
+  EXPECT_EQ(b.num_experts, E);
+  EXPECT_EQ(b.hidden, H);
+  EXPECT_EQ(b.ffn, F);
+  ASSERT_EQ(b.tensors.size(), 2u);
+  EXPECT_EQ(b.tensors[0].role, gmoe::MoeTensorRole::fc1);
+
+  // Expert e of `key` (stacked, or per expert when `per_expert`) holds exactly `want`'s bits.
+  auto expect_bits = [&](const Checkpoint& c, const std::string& name, bool per_expert,
+                         const std::vector<std::vector<uint16_t>>& want, std::vector<int64_t> shape) {
+    for (int64_t e = 0; e < E; ++e) {
+      const std::string key = per_expert ? m + std::to_string(e) + "." + name : m + name;
+      ASSERT_TRUE(c.contains(key)) << key;
+      std::vector<int64_t> full = shape;
+      if (!per_expert) full.insert(full.begin(), E);
+      ASSERT_EQ(c.entry(key).shape, full) << key;
+      const uint8_t* p = c.bytes(key) + (per_expert ? 0 : e * F * H * 2);
+      EXPECT_EQ(std::memcmp(p, want[e].data(), want[e].size() * 2), 0) << key << " expert " << e;
+    }
+  };
+  auto convert = [&](const std::string& from, const std::string& to, const MoeConvertOptions& o) {
+    gmoe::convert_moe_checkpoint(dir / from, dir / to, o);
+    return Checkpoint::open(dir / to);
+  };
+  MoeConvertOptions stacked, per_expert, to_gmoe, to_qwen;
+  stacked.layout = ExpertLayout::stacked;
+  per_expert.layout = ExpertLayout::per_expert;
+  to_gmoe.convention = MoeConvention::gmoe;
+  to_qwen.convention = MoeConvention::qwen;
+  const Checkpoint s = convert("in.safetensors", "st.safetensors", stacked);
+  expect_bits(s, "up_proj.weight", false, up, {F, H});
+  expect_bits(s, "down_proj.weight", false, down, {H, F});
+  EXPECT_FALSE(s.contains(m + "gate_up_proj.weight"));
+  expect_bits(convert("st.safetensors", "pe.safetensors", per_expert), "up_proj.weight", true, up, {F, H});
+  // To gmoe's fc1 (F rows, no GLU) and back to Hugging Face names: up_proj again.
+  expect_bits(convert("in.safetensors", "g.safetensors", to_gmoe), "fc1.weight", false, up, {F, H});
+  const Checkpoint q = convert("g.safetensors", "q.safetensors", to_qwen);
+  expect_bits(q, "up_proj.weight", true, up, {F, H});
+  expect_bits(q, "down_proj.weight", true, down, {H, F});
+
+  // An up projection of 2F rows with no gate is neither an ungated FC1 nor half of a GLU.
+  File twice;
+  twice.put(m + "0.up_proj.weight", {2 * F, H}, std::vector<uint16_t>(2 * F * H));
+  twice.put(m + "0.down_proj.weight", {H, F}, std::vector<uint16_t>(H * F));
+  twice.save(dir / "twice.safetensors");
+  const gmoe::MoeCheckpointInfo t = gmoe::recognise_moe_checkpoint(Checkpoint::open(dir / "twice.safetensors"));
+  ASSERT_FALSE(t.problems.empty());
+  EXPECT_NE(t.problems[0].find("an up weight without its gate weight"), std::string::npos) << t.problems[0];
+}
+
 TEST_F(Conventions, SafetyOverwriteDryRunAndMessages) {
   TempDir dir;
   File file;

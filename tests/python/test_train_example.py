@@ -1,16 +1,21 @@
 """examples/train_moe_lm.py on the CPU, at a size that takes seconds: the loss falls, the gmoe model
 and the plain-PyTorch model agree step for step, a run stopped and resumed from its checkpoint
-continues the same loss curve bit for bit, the checkpoint uses Hugging Face's expert names, and what
-gmoe cannot do yet is refused by name."""
+continues the same loss curve bit for bit, the checkpoint uses Hugging Face's expert names and
+resumes the same curve after gmoe-ckpt has converted it to the other expert layout, and what gmoe
+cannot do yet is refused by name."""
 import json
 import os
+import shutil
+import subprocess
 import sys
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
 import train_moe_lm as lm  # noqa: E402
+from test_checkpoints import ckpt_bin  # noqa: E402  (GMOE_CKPT_BIN, which scripts/test_python.sh sets)
 
 # A model small enough for CI's two cores: every test below runs in a few seconds.
 TINY = ["--device", "cpu", "--layers", "1", "--hidden", "32", "--heads", "2", "--experts", "4", "--top-k", "2",
@@ -74,9 +79,38 @@ def test_checkpoint_uses_hugging_face_expert_names(tmp_path):
         assert "exp_avg.model.layers.0.mlp.experts.2.up_proj.weight" in set(f.keys())
     run("--save-dir", tmp_path / "stacked", "--ckpt-layout", "stacked", "--impl", "gmoe", steps=2)
     with safe_open(str(tmp_path / "stacked" / "gmoe" / "model.safetensors"), "pt") as f:
-        assert f.get_slice("model.layers.0.mlp.experts.gate_up_proj").get_shape() == [4, 64, 32]
-        assert f.get_slice("model.layers.0.mlp.experts.down_proj").get_shape() == [4, 32, 32]
+        assert f.get_slice("model.layers.0.mlp.experts.gate_proj.weight").get_shape() == [4, 32, 32]
+        assert f.get_slice("model.layers.0.mlp.experts.down_proj.weight").get_shape() == [4, 32, 32]
         assert not any(".experts.0." in k for k in f.keys())
+
+
+@pytest.mark.parametrize("saved,converted,activation", [("per_expert", "stacked", "swiglu"),
+                                                        ("stacked", "per_expert", "squared_relu")])
+def test_checkpoint_converted_by_gmoe_ckpt_resumes_the_curve_bitwise(tmp_path, saved, converted, activation):
+    """gmoe-ckpt recognises the example's model and optimizer files (Qwen3-MoE's expert names; with
+    squared_relu, up_proj alone as Nemotron-H names it) and rewrites them in the other expert layout
+    bit for bit: the files equal what the example itself writes in that layout, and resuming from
+    them continues the uninterrupted curve exactly."""
+    act = ("--activation", activation)
+    full = run(*act, "--ckpt-layout", saved, steps=6)
+    run(*act, "--ckpt-layout", saved, "--save-dir", tmp_path / "saved", "--stop-at", 3, steps=6)
+    run(*act, "--ckpt-layout", converted, "--save-dir", tmp_path / "direct", "--stop-at", 3, steps=6)
+    flag = "per-expert" if converted == "per_expert" else "stacked"
+    for impl in lm.IMPLS:
+        (tmp_path / "conv" / impl).mkdir(parents=True)
+        for name in ("model.safetensors", "optimizer.safetensors"):
+            src, dst = tmp_path / "saved" / impl / name, tmp_path / "conv" / impl / name
+            r = subprocess.run([ckpt_bin(), "convert", str(src), str(dst), "--layout", flag],
+                               capture_output=True, text=True)
+            assert r.returncode == 0, f"gmoe-ckpt convert {src}: {r.stdout}\n{r.stderr}"
+            assert "qwen" in r.stdout, r.stdout  # recognised as Hugging Face (Qwen3-MoE) expert names
+            got, want = load_file(str(dst)), load_file(str(tmp_path / "direct" / impl / name))
+            assert got.keys() == want.keys(), sorted(set(got) ^ set(want))
+            assert all(torch.equal(got[k], want[k]) for k in want), name
+        shutil.copy(tmp_path / "saved" / impl / "trainer_state.json", tmp_path / "conv" / impl)
+    resumed = run(*act, "--ckpt-layout", converted, "--resume", tmp_path / "conv", steps=6)
+    for impl in lm.IMPLS:
+        assert resumed[impl].losses == full[impl].losses, impl
 
 
 @pytest.mark.parametrize("activation", ["swiglu", "squared_relu"])
