@@ -112,6 +112,15 @@ MaskedOffBuffers::MaskedOffBuffers(const MaskedOffDestinations& d, Layout layout
   fresh.set_all(d.fresh_init);
 }
 
+WgradOptions masked_off_wgrad_options(bool accumulate, const TensorView& mask, const ExpertWeights& fresh) {
+  WgradOptions opt;
+  opt.accumulate = accumulate;
+  opt.expert_mask = mask;
+  opt.masked_off = MaskedOffWgrad::fresh;
+  opt.fresh_dw = fresh;
+  return opt;
+}
+
 GroupedLinearOptions main_grad_options(LinearRecipe recipe, const ExpertWeights& main_grad, bool accumulate,
                                        bool delayed, Allocator* alloc, const TensorView& mask) {
   GroupedLinearOptions opt;

@@ -77,6 +77,10 @@ struct MaskedOffBuffers {
   MaskedOffBuffers(const MaskedOffDestinations& d, Layout layout, int64_t E, int64_t N, int64_t K);
 };
 
+/// The op's options for two destinations: mask-0 experts' dW into `fresh` (MaskedOffWgrad::fresh),
+/// the others into the call's dw, accumulated or not.
+WgradOptions masked_off_wgrad_options(bool accumulate, const TensorView& mask, const ExpertWeights& fresh);
+
 /// GroupedLinear options writing the weight gradient into `main_grad` (accumulating or not, now or
 /// delayed), scratch from `alloc`; with `mask` given, mask-0 experts get fresh gradients
 /// (MaskedOffWgrad::fresh).

@@ -155,11 +155,7 @@ TEST_P(CpuFp8Gemm, WgradMaskedOffFresh) {
   MaskedOffBuffers out(d, Layout::kStacked, c.E, c.N, c.K);  // fresh: a list
   HostExpertTensor& main = out.main;
   HostExpertTensor& fresh = out.fresh;
-  WgradOptions opt;
-  opt.accumulate = true;
-  opt.expert_mask = d.mask_t.view();
-  opt.masked_off = MaskedOffWgrad::fresh;
-  opt.fresh_dw = fresh.view();
+  const WgradOptions opt = masked_off_wgrad_options(true, d.mask_t.view(), fresh.view());
   fp8_grouped_gemm_wgrad(p.dy.q, p.x.q, p.base.counts.view(), main.view(), opt);
   expect_masked_off_destinations(d, p.dy_cols, p.x_cols, c.counts, true, main.to_double(), fresh.to_double(), nullptr,
                                  nullptr, "fp8 wgrad accumulate, masked off fresh");

@@ -142,11 +142,7 @@ TEST_P(CpuGroupedGemm, WgradMaskedOffFresh) {
     MaskedOffBuffers out(d, layout(), c.E, c.N, c.K);
     HostExpertTensor& main = out.main;
     HostExpertTensor& fresh = out.fresh;
-    WgradOptions opt;
-    opt.accumulate = accumulate;
-    opt.expert_mask = d.mask_t.view();
-    opt.masked_off = MaskedOffWgrad::fresh;
-    opt.fresh_dw = fresh.view();
+    const WgradOptions opt = masked_off_wgrad_options(accumulate, d.mask_t.view(), fresh.view());
     grouped_gemm_wgrad(p.dy.view(), p.x.view(), p.counts.view(), main.view(), opt);
     expect_masked_off_destinations(d, p.dy, p.x, c.counts, accumulate, main.to_double(), fresh.to_double(), nullptr,
                                    nullptr, accumulate ? "wgrad accumulate, masked off fresh" : "wgrad, masked off fresh");

@@ -305,12 +305,8 @@ TEST_P(CudaFp8Gemm, WgradMaskedOffFresh) {
   for (bool accumulate : {false, true}) {
     const MaskedOffBuffers host(d, layout, c.E, c.N, c.K);
     DeviceExperts main_d(host.main), fresh_d(host.fresh);
-    WgradOptions opt;
-    opt.accumulate = accumulate;
-    opt.expert_mask = mask_d.view();
-    opt.masked_off = MaskedOffWgrad::fresh;
-    opt.fresh_dw = fresh_d.view();
-    fp8_grouped_gemm_wgrad(dy.q, x.q, counts.view(), main_d.view(), opt);
+    fp8_grouped_gemm_wgrad(dy.q, x.q, counts.view(), main_d.view(),
+                           masked_off_wgrad_options(accumulate, mask_d.view(), fresh_d.view()));
     GMOE_TEST_CUDA(cudaDeviceSynchronize());
     check_device_errors(nullptr);
     expect_masked_off_destinations(d, p.dy_cols, p.x_cols, c.counts, accumulate, main_d.to_double(),

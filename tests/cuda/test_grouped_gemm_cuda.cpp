@@ -207,15 +207,10 @@ void check_wgrad_masked_off_fresh(const ShapeCase& c, DType dtype, Layout layout
     DeviceExperts main_d(own.main), fresh_d(own.fresh);
     HostExpertTensor& main_h = own.main;
     HostExpertTensor& fresh_h = own.fresh;
-    WgradOptions opt;
-    opt.accumulate = accumulate;
-    opt.masked_off = MaskedOffWgrad::fresh;
-    opt.expert_mask = d.mask_t.view();
-    opt.fresh_dw = fresh_h.view();
-    grouped_gemm_wgrad(p.dy.view(), p.x.view(), p.counts.view(), main_h.view(), opt);  // the CPU backend
-    opt.expert_mask = mask_d.view();
-    opt.fresh_dw = fresh_d.view();
-    grouped_gemm_wgrad(dy.view(), x.view(), counts.view(), main_d.view(), opt);
+    grouped_gemm_wgrad(p.dy.view(), p.x.view(), p.counts.view(), main_h.view(),
+                       masked_off_wgrad_options(accumulate, d.mask_t.view(), fresh_h.view()));  // the CPU backend
+    grouped_gemm_wgrad(dy.view(), x.view(), counts.view(), main_d.view(),
+                       masked_off_wgrad_options(accumulate, mask_d.view(), fresh_d.view()));
     GMOE_TEST_CUDA(cudaDeviceSynchronize());
     check_device_errors(nullptr);
     const std::vector<double> own_main = main_h.to_double(), own_fresh = fresh_h.to_double();
