@@ -341,9 +341,18 @@ TEST(CudaPackedGradients, FreedWhileAnotherStreamUsesThemIsNotReused) {
     opt.save_original_input = true;
     opt.allocator = &alloc;
     GroupedLinear layer(w.view(), expert_bias(bias.view(), layout), opt);
+    DeviceTensor dx(HostTensor(DType::bf16, {c.capacity, c.K}));
+    {
+      // One whole step before the gates: the first launch of a kernel loads its module (lazy
+      // loading), which waits for the device, so a first launch behind a closed gate never returns.
+      GroupedLinearContext warm;
+      layer.forward(x.view(), counts.view(), warm, s1);
+      layer.backward(warm, dy.view(), s1, dx.view());
+      layer.backward_dw(warm, s1);
+      GMOE_TEST_CUDA(cudaStreamSynchronize(s1));
+    }
     GroupedLinearContext ctx;
     layer.forward(x.view(), counts.view(), ctx, s1);
-    DeviceTensor dx(HostTensor(DType::bf16, {c.capacity, c.K}));
     GroupedLinearBackward b = layer.backward(ctx, dy.view(), s1, dx.view());
     const void* packed = b.grads.storage->data();
     const std::size_t packed_bytes = b.grads.storage->bytes();

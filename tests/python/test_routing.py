@@ -612,7 +612,9 @@ def _moe_step(m, x, dy):
 @cuda_only
 @pytest.mark.parametrize("case", ["qwen_shared_losses", "deepseek", "capacity_padding"])
 def test_cuda_moe_layer_matches_cpu(case):
-    m_cpu = make_moe(case, E=8, H=256, F=128).to(torch.bfloat16)
+    # The CUDA GEMMs need widths that are multiples of 8 (16-byte rows): the shared expert's too.
+    extra = {"shared_expert_ffn_hidden_size": 64} if MOE_CASES[case].get("shared_expert_ffn_hidden_size") else {}
+    m_cpu = make_moe(case, E=8, H=256, F=128, **extra).to(torch.bfloat16)
     m = copy.deepcopy(m_cpu).cuda()
     x = torch.randn(200, 256, dtype=torch.bfloat16, requires_grad=True)
     xc = x.detach().cuda().requires_grad_()

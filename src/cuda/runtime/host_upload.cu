@@ -35,13 +35,18 @@ struct StagingBlock {
 
 class PinnedStagingPool {
  public:
-  // A block of at least `bytes` held by the caller alone until release().
-  StagingBlock* acquire(std::size_t bytes) {
+  // A block of at least `bytes` held by the caller alone until release(). While `stream` is
+  // capturing, pending blocks are not queried: cudaEventQuery is illegal during a global-mode capture
+  // (it invalidates the capture), so only blocks already known free are taken.
+  StagingBlock* acquire(std::size_t bytes, cudaStream_t stream) {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    GMOE_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
+    const bool capturing = status != cudaStreamCaptureStatusNone;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       for (const std::unique_ptr<StagingBlock>& b : blocks_) {
         if (b->bytes < bytes) continue;
-        if (b->state == StagingBlock::State::pending) {
+        if (b->state == StagingBlock::State::pending && !capturing) {
           const cudaError_t q = cudaEventQuery(b->done);
           if (q == cudaErrorNotReady) continue;
           GMOE_CUDA_CHECK(q);
@@ -96,7 +101,7 @@ thread_local const void* t_last_staging = nullptr;
 
 void upload_host_bytes(void* dst, const void* src, std::size_t bytes, Stream stream) {
   if (bytes == 0) return;
-  StagingBlock* b = staging_pool().acquire(bytes);
+  StagingBlock* b = staging_pool().acquire(bytes, stream);
   std::memcpy(b->host, src, bytes);
   const cudaError_t copy = cudaMemcpyAsync(dst, b->host, bytes, cudaMemcpyHostToDevice, stream);
   if (copy != cudaSuccess) {
