@@ -36,6 +36,14 @@ AdamW on float32 master weights — is captured once in a CUDA graph per model a
 step: the batch is copied into a static input buffer, the routing changes every step, nothing in
 the step reads a device value on the host. On the CPU the same step runs eagerly.
 
+--offload-activations (gmoe model): the forward runs inside `gmoe.offload_activations(model)`,
+which moves what autograd saves inside the MoE layers (routed input, FP8 copies and scales, FC1
+output, probabilities, routing map) to pinned host memory and back when backward needs it; the last
+MoE layer's activations stay on the device (its backward comes first), weights never move. The
+losses are those of the run without it, bit for bit on the CPU (an offload only moves tensors).
+On CUDA the gmoe step then runs eagerly, not in a CUDA graph (OFFLOAD_EAGER_REASON says why);
+summary.md states that offloading was on, the bytes it moved per step and the peak memory with it.
+
 Checkpoints (--save-dir): per model, a directory with `model.safetensors` (Hugging Face names:
 `model.layers.{L}.mlp.gate.weight` for the router, the experts either per expert
 `model.layers.{L}.mlp.experts.{e}.{gate_proj,up_proj,down_proj}.weight` (Qwen3-MoE, OLMoE) or
@@ -165,7 +173,10 @@ def parse_args(argv=None) -> Config:
                     help="FP8 recipe of gmoe's expert GEMMs (the torch model stays in --dtype)")
     ap.add_argument("--delay-wgrad", action="store_true",
                     help="gmoe: expert weight gradients in backward_dw() after backward")
-    ap.add_argument("--offload-activations", action="store_true", help="not available yet (gmoe has no offloading API)")
+    ap.add_argument("--offload-activations", action="store_true",
+                    help="gmoe: the MoE layers' saved activations go to host memory in forward and come back in "
+                         "backward (gmoe.offload_activations; the last layer's stay on the device); on CUDA the "
+                         "gmoe step then runs eagerly, not in a CUDA graph")
     ap.add_argument("--ep-size", type=int, help="expert-parallel size (only 1: not available yet)")
     ap.add_argument("--weight-layout", choices=("stacked", "per_expert"), help="gmoe's expert parameters")
     ap.add_argument("--ckpt-layout", choices=("stacked", "per_expert"), help="expert tensors in checkpoints")
@@ -201,11 +212,9 @@ def parse_args(argv=None) -> Config:
 
 def check_config(cfg: Config) -> None:
     """Refuses what gmoe cannot do yet, by name, rather than silently doing something else."""
-    if cfg.offload_activations:
-        raise SystemExit("--offload-activations: activation offloading is not available yet: the gmoe package has "
-                         "no offloading API (DESIGN.md lists it as future work)")
     if cfg.ep_size != 1:
-        raise SystemExit(f"--ep-size {cfg.ep_size}: expert parallelism is not available yet in gmoe; only 1 runs")
+        raise SystemExit(f"--ep-size {cfg.ep_size}: expert parallelism is not available yet in gmoe (the example "
+                         f"trains on one device); only --ep-size 1 runs")
     if cfg.hidden % cfg.heads or (cfg.hidden // cfg.heads) % 2:
         raise SystemExit(f"--hidden {cfg.hidden} must split into --heads {cfg.heads} heads of even width")
     if not 1 <= cfg.top_k <= cfg.experts:
@@ -564,13 +573,23 @@ def from_hf(hf: Dict[str, torch.Tensor], impl: str, cfg: Config) -> Dict[str, to
 # training step: eager, or captured once in a CUDA graph
 # ---------------------------------------------------------------------------------------------
 
+#: Why --offload-activations runs the gmoe step eagerly on CUDA (printed, and written to summary.md).
+OFFLOAD_EAGER_REASON = (
+    "the example does not capture gmoe.offload_activations in a CUDA graph: during a capture PyTorch's caching "
+    "allocator reuses a block freed after record_stream on another stream (every offloaded activation: the copy "
+    "stream reads it) only once the capture has ended, so inside the graph offloading would free no GPU memory "
+    "while the reloads take more; run eagerly, each block is reused as soon as its copy to the host is done")
+
 
 class Trainer:
     """AdamW on float32 master weights (the model's own parameters when they are float32), gradient
     clipping, one step = forward + backward (+ delayed weight gradients) + update."""
 
-    def __init__(self, model: MoELM, cfg: Config, weights: Dict[str, torch.Tensor], moments=None, step: int = 0):
+    def __init__(self, model: MoELM, cfg: Config, weights: Dict[str, torch.Tensor], moments=None, step: int = 0,
+                 offload: Optional[gmoe.offload_activations] = None):
         self.model, self.cfg = model, cfg
+        self.offload = offload  # the forward runs inside it: the MoE layers' saved activations go to the host
+        self.steps_run = 0
         self.device = torch.device(cfg.device)
         self.names = [n for n, _ in model.named_parameters()]
         self.params = [p for _, p in model.named_parameters()]
@@ -605,7 +624,12 @@ class Trainer:
         self.graph = None
 
     def _step(self, tokens: torch.Tensor) -> torch.Tensor:
-        ce, aux = self.model.loss(tokens)
+        self.steps_run += 1
+        if self.offload is None:
+            ce, aux = self.model.loss(tokens)
+        else:
+            with self.offload:  # backward runs outside: it brings the offloaded tensors back
+                ce, aux = self.model.loss(tokens)
         (ce if aux is None else ce + aux).backward()
         if self.cfg.delay_wgrad:
             for moe in self.moe_layers:
@@ -634,6 +658,8 @@ class Trainer:
         AdamW's capturable kernels are chosen), then one captured step. The warm-up steps change the
         weights and AdamW's state; both are restored in place afterwards, so the first replayed step
         is step `start` of the curve."""
+        if self.offload is not None:
+            raise RuntimeError(OFFLOAD_EAGER_REASON)
         self.static_tokens = sample_tokens.clone()
         saved_masters = [m.detach().clone() for m in self.masters]
         saved_state = [{k: v.clone() for k, v in self.opt.state[m].items()} for m in self.masters]
@@ -732,6 +758,7 @@ class RunResult:
     tokens_per_s: Optional[float]        # over this run's steps after the first few
     peak_memory_bytes: Optional[int]     # CUDA: peak allocated memory of this model's run (weights included)
     note: str = ""
+    offloaded_bytes_per_step: Optional[float] = None  # --offload-activations: bytes moved to the host per step
 
 
 def train_one(impl: str, cfg: Config, init: Dict[str, torch.Tensor], corpus: torch.Tensor, log=print) -> RunResult:
@@ -752,7 +779,8 @@ def train_one(impl: str, cfg: Config, init: Dict[str, torch.Tensor], corpus: tor
     if cfg.resume:
         weights, moments, adam_step, start, losses = load_checkpoint(cfg.resume, impl, cfg)
         losses = losses[:start]
-    trainer = Trainer(model, cfg, weights, moments, adam_step)
+    offload = gmoe.offload_activations(model) if cfg.offload_activations and impl == "gmoe" else None
+    trainer = Trainer(model, cfg, weights, moments, adam_step, offload)
     stop = cfg.stop_at if cfg.stop_at is not None else cfg.steps
     if cuda and cfg.compile:
         model.compile_parts(moe_too=(impl == "torch"))
@@ -764,6 +792,10 @@ def train_one(impl: str, cfg: Config, init: Dict[str, torch.Tensor], corpus: tor
         return data[starts[i - start][:, None] + window].long()
 
     graph = cuda and cfg.cuda_graph
+    if graph and offload is not None:
+        log(f"{impl}: --offload-activations: the step runs eagerly, not in a CUDA graph: {OFFLOAD_EAGER_REASON}",
+            flush=True)
+        graph = False
     if graph:
         trainer.capture(batch(start))
     device_losses = torch.zeros(max(stop - start, 0), dtype=torch.float32, device=device)
@@ -813,7 +845,13 @@ def train_one(impl: str, cfg: Config, init: Dict[str, torch.Tensor], corpus: tor
             note += ", delayed wgrad"
     if graph:
         note += ", CUDA graph"
-    return RunResult(impl, losses, tps, peak, note)
+    offloaded = None
+    if offload is not None:
+        offloaded = offload.stats.bytes_offloaded / max(trainer.steps_run, 1)
+        note += f", activations offloaded ({offloaded / 2**20:.2f} MiB/step)"
+        if cuda and cfg.cuda_graph:
+            note += ", eager step (offloading is not captured)"
+    return RunResult(impl, losses, tps, peak, note, offloaded)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -935,6 +973,17 @@ def summary_markdown(cfg: Config, results: Dict[str, RunResult]) -> str:
             lines.append(f"Speed: gmoe {g.tokens_per_s / t.tokens_per_s:.2f}x the tokens/s of the PyTorch model.")
         if g.peak_memory_bytes and t.peak_memory_bytes:
             lines.append(f"Peak memory: gmoe {g.peak_memory_bytes / t.peak_memory_bytes:.2f}x the PyTorch model's.")
+    if cfg.offload_activations and "gmoe" in results:
+        r, cuda = results["gmoe"], cfg.device.startswith("cuda")
+        mem = (f"{r.peak_memory_bytes / 2**30:.2f} GiB" if r.peak_memory_bytes is not None else
+               "not measured on the CPU (there an offload is a host copy: it runs the logic and saves nothing)")
+        lines += ["", f"Activation offloading: **on** for the gmoe model (`gmoe.offload_activations`: the MoE "
+                      f"layers' saved activations in {'pinned ' if cuda else ''}host memory from forward to backward, "
+                      f"the last layer's kept on the device), {r.offloaded_bytes_per_step / 2**20:.2f} MiB moved per "
+                      f"step; peak memory with it: {mem}."]
+        if cuda and cfg.cuda_graph:
+            lines.append(f"The gmoe step ran eagerly, not in a CUDA graph, so its tokens/s is not comparable with "
+                         f"a captured step: {OFFLOAD_EAGER_REASON}.")
     if cfg.save_dir:
         other = "per-expert" if cfg.ckpt_layout == "stacked" else "stacked"
         lines += ["", f"Checkpoints: {cfg.save_dir}/<model>/ (model and optimizer safetensors, Hugging Face "

@@ -1,8 +1,8 @@
 """examples/train_moe_lm.py on the CPU, at a size that takes seconds: the loss falls, the gmoe model
 and the plain-PyTorch model agree step for step, a run stopped and resumed from its checkpoint
 continues the same loss curve bit for bit, the checkpoint uses Hugging Face's expert names and
-resumes the same curve after gmoe-ckpt has converted it to the other expert layout, and what gmoe
-cannot do yet is refused by name."""
+resumes the same curve after gmoe-ckpt has converted it to the other expert layout, activation
+offloading leaves the curve bit for bit as it is, and what gmoe cannot do yet is refused by name."""
 import json
 import os
 import shutil
@@ -40,6 +40,7 @@ def test_loss_falls_and_the_two_models_agree(tmp_path):
     assert max(abs(a - b) for a, b in zip(g, t)) <= tol_first, (g, t)
     summary = (tmp_path / "summary.md").read_text()
     assert "the curves agree" in summary and lm.CORPUS_NAME in summary
+    assert "offloading" not in summary  # only a run with --offload-activations says it offloaded
     assert (tmp_path / "loss.png").stat().st_size > 10_000
     assert len(json.loads((tmp_path / "losses.json").read_text())["runs"]["gmoe"]["losses"]) == 12
 
@@ -144,11 +145,27 @@ def test_fp8_recipe_trains_close_to_the_native_model():
     assert g != t  # the experts really ran in FP8
 
 
-@pytest.mark.parametrize("flag,words", [(["--ep-size", "2"], "expert parallelism is not available yet"),
-                                        (["--offload-activations"], "not available yet")])
-def test_unavailable_features_are_refused_by_name(flag, words):
-    with pytest.raises(SystemExit, match=words):
-        run(*flag, steps=1)
+@pytest.mark.parametrize("delayed", [False, True], ids=["plain", "delayed_wgrad"])
+def test_offloaded_activations_give_the_same_curve_bitwise(tmp_path, delayed):
+    """--offload-activations moves the MoE layers' saved activations to the host and back: on the
+    CPU an offload is a copy, so the losses are those of the run without it, bit for bit."""
+    # Two layers: the last MoE layer's activations stay on the device, so the first is the one moved.
+    extra = ("--layers", "2", "--impl", "gmoe") + (("--delay-wgrad",) if delayed else ())
+    plain = run(*extra, steps=4)["gmoe"]
+    off = run(*extra, "--offload-activations", "--out", tmp_path, steps=4)["gmoe"]
+    assert off.losses == plain.losses
+    assert plain.offloaded_bytes_per_step is None
+    # The first layer's routed input, FC1 output, probabilities … of 8 x 32 tokens: at least its input.
+    assert off.offloaded_bytes_per_step >= 8 * 32 * 32 * 4, off.offloaded_bytes_per_step
+    summary = (tmp_path / "summary.md").read_text()
+    assert "Activation offloading: **on** for the gmoe model" in summary
+    assert "peak memory with it: not measured on the CPU" in summary
+    assert "activations offloaded" in off.note
+
+
+def test_unavailable_features_are_refused_by_name():
+    with pytest.raises(SystemExit, match="--ep-size 2: expert parallelism is not available yet"):
+        run("--ep-size", "2", steps=1)
 
 
 def test_bfloat16_master_weights_agree_and_resume_bitwise(tmp_path):
@@ -203,6 +220,21 @@ def test_cuda_both_models_agree_compiled_and_captured(recipe):
     for r in results.values():
         assert sum(r.losses[-3:]) / 3 < r.losses[0] - 0.8
         assert r.tokens_per_s and r.peak_memory_bytes
+
+
+@cuda_only
+def test_cuda_offloaded_activations_follow_the_eager_curve(tmp_path):
+    """--offload-activations on CUDA: the gmoe step runs eagerly (offloading is not captured), with
+    the activations in pinned host memory; the curve is the eager one without offloading (atomics
+    in the combine: not bitwise), and the summary states the peak memory with offloading."""
+    eager = run_cuda("--impl", "gmoe", "--no-compile", "--no-cuda-graph", steps=8)["gmoe"]
+    off = run_cuda("--impl", "gmoe", "--no-compile", "--offload-activations", "--out", tmp_path, steps=8)["gmoe"]
+    assert max(abs(a - b) for a, b in zip(off.losses, eager.losses)) <= 2e-2, (off.losses, eager.losses)
+    assert off.offloaded_bytes_per_step > 0 and off.peak_memory_bytes
+    assert "eager step" in off.note and "CUDA graph" not in off.note
+    summary = (tmp_path / "summary.md").read_text()
+    assert "Activation offloading: **on**" in summary and "peak memory with it: " in summary
+    assert "ran eagerly, not in a CUDA graph" in summary
 
 
 @cuda_only
