@@ -451,8 +451,11 @@ class GroupedLinear(nn.Module):
             return
         dw = wg.fresh(weights[0].dtype)
         grads = [dw] if self.weight_layout == "stacked" else list(dw.unbind(0))
-        for w, g in zip(weights, grads):
+        for e, (w, g) in enumerate(zip(weights, grads)):
             if hasattr(w, "main_grad"):
+                if wg.mask is not None and not self.accumulate_main_grad:
+                    # Only some per-expert weights have a main_grad: a masked-off one stays untouched.
+                    g = torch.where(wg.mask[e] != 0, g, w.main_grad)
                 self._to_main_grad(w, g)
             elif w.grad is None:
                 w.grad = g

@@ -238,6 +238,28 @@ def test_linear_param_grad_masked_off_experts_get_zero(name, layout, delay):
             close(got[e], (step + 1) * want[e] if mask[e] else torch.zeros_like(want[e]))
 
 
+@pytest.mark.parametrize("accumulate", [True, False])
+def test_linear_main_grad_on_some_experts_only(accumulate):
+    """Per-expert weights of which only some have a main_grad: masked-off ones stay untouched
+    there, and get a zero .grad elsewhere."""
+    torch.manual_seed(16)
+    counts, mask = case("mixed")  # mask [1, 0, 0, 1]
+    m = gmoe.GroupedLinear(E, FFN, H, bias=False, weight_layout="per_expert", accumulate_main_grad=accumulate)
+    m.expert_mask = mask
+    with_main_grad = [0, 1]  # expert 0 masked on, expert 1 masked off
+    for e in with_main_grad:
+        m._weights()[e].main_grad = torch.randn(H, FFN)
+    before = [m._weights()[e].main_grad.clone() for e in with_main_grad]
+    x, dy = torch.randn(CAP, FFN), torch.randn(CAP, H)
+    want = linear_reference_grads(m, x, counts, dy)
+    m(x, counts).backward(dy)
+    w = m._weights()
+    close(w[0].main_grad, before[0] + want[0] if accumulate else want[0])
+    assert torch.equal(w[1].main_grad, before[1])
+    assert torch.all(w[2].grad == 0)
+    close(w[3].grad, want[3])
+
+
 @pytest.mark.parametrize("recipe", ["fp8_blockwise", "mxfp8"])
 @pytest.mark.parametrize("masked_off", ["skip", "fresh"])
 def test_linear_fp8_recipe_masked(recipe, masked_off):
