@@ -71,7 +71,8 @@ class MoELayer(nn.Module):
                  scaling_factor: float = 1.0, score_correction_bias: bool = False, pad_multiple: int = 1,
                  capacity_factor: float = 0.0, aux_loss_coeff: float = 0.0, z_loss_coeff: float = 0.0,
                  shared_expert_ffn_hidden_size: int = 0, recipe: Optional[str] = None,
-                 weight_layout: str = "stacked", masked_off_wgrad: str = "skip", device: Optional[Union[str, torch.device]] = None,
+                 weight_layout: str = "stacked", masked_off_wgrad: str = "skip",
+                 device: Optional[Union[str, torch.device]] = None,
                  dtype: Optional[torch.dtype] = None):
         super().__init__()
         if num_experts < 1:

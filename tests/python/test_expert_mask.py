@@ -8,6 +8,7 @@ import torch
 
 import gmoe
 import reference as ref
+from test_cuda import _cuda_ready
 
 E, H, FFN, CAP = 4, 16, 8, 30
 
@@ -165,6 +166,17 @@ def linear_reference_grads(m, x, counts, dy):
         torch.autograd.grad(y, weights, dy)[0]
 
 
+def expect_fresh_destinations(fc, want, mask):
+    """A stacked layer with a zeroed main_grad and 'fresh': the experts with mask 1 in main_grad,
+    the others in masked_off_grad, main_grad left zero for them."""
+    for e in range(len(mask)):
+        if mask[e]:
+            close(fc.weight.main_grad[e], want[e])
+        else:
+            assert torch.all(fc.weight.main_grad[e] == 0), f"expert {e}: masked off, main_grad was written"
+            close(fc.weight.masked_off_grad[e], want[e])
+
+
 def weight_grad(m, attr):
     ts = [getattr(w, attr) for w in m._weights()]
     return ts[0] if len(ts) == 1 else torch.stack(ts)
@@ -316,12 +328,7 @@ def test_mlp_fresh_with_delay_and_hooks():
     m.backward_dw()
     assert len(fresh_at_hook) == 1
     for fc, pfc in ((m.fc1, plain.fc1), (m.fc2, plain.fc2)):
-        for e in range(E):
-            if mask[e]:
-                close(fc.weight.main_grad[e], pfc.weight.grad[e])
-            else:
-                assert torch.all(fc.weight.main_grad[e] == 0)
-                close(fc.weight.masked_off_grad[e], pfc.weight.grad[e])
+        expect_fresh_destinations(fc, pfc.weight.grad, mask)
     for e in range(E):
         if not mask[e]:
             close(fresh_at_hook[0][e], plain.fc1.weight.grad[e])
@@ -386,12 +393,7 @@ def test_moe_layer_expert_mask():
     m(x).square().sum().backward()
     plain(x).square().sum().backward()
     for fc, pfc in ((m.experts.fc1, plain.experts.fc1), (m.experts.fc2, plain.experts.fc2)):
-        for e in range(E):
-            if mask[e]:
-                close(fc.weight.main_grad[e], pfc.weight.grad[e])
-            else:
-                assert torch.all(fc.weight.main_grad[e] == 0)
-                close(fc.weight.masked_off_grad[e], pfc.weight.grad[e])
+        expect_fresh_destinations(fc, pfc.weight.grad, mask)
         close(fc.bias.main_grad, pfc.bias.grad)
     close(m.router.weight.grad, plain.router.weight.grad)
     for p, q in zip(m.shared_experts.parameters(), plain.shared_experts.parameters()):
@@ -424,12 +426,6 @@ def test_torch_compile_fullgraph_with_mask(backend):
 
 
 # ---- CUDA (skipped without a Hopper GPU and the extension's CUDA dispatch) ---------------------
-
-def _cuda_ready():
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
-        return False
-    return torch._C._dispatch_has_kernel_for_dispatch_key("gmoe::grouped_gemm_wgrad_", "CUDA")
-
 
 cuda_only = pytest.mark.skipif(not _cuda_ready(), reason="needs a Hopper GPU and gmoe built with CUDA")
 CE, CH, CF, CCAP = 8, 256, 128, 1024
