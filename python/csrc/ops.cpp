@@ -51,6 +51,33 @@ gmoe::ActivationOptions activation_of(const std::string& kind, double alpha, dou
   return o;
 }
 
+gmoe::MaskedOffWgrad masked_off_of(const std::string& name) {
+  if (name == "skip") return gmoe::MaskedOffWgrad::skip;
+  if (name == "fresh") return gmoe::MaskedOffWgrad::fresh;
+  TORCH_CHECK_VALUE(false, "masked_off: expected 'skip' or 'fresh', got '", name, "'");
+}
+
+/// The weight-gradient options of the in-place wgrad ops: accumulate, expert_mask, and what the
+/// experts with mask 0 get (masked_off; with "fresh" their dW_e goes to fresh_dw, the other
+/// experts' views of it are left untouched).
+gmoe::WgradOptions wgrad_options(bool accumulate, const std::optional<at::Tensor>& expert_mask,
+                                 const std::string& masked_off, std::optional<at::TensorList> fresh_dw) {
+  gmoe::WgradOptions o;
+  o.accumulate = accumulate;
+  o.expert_mask = view_of(expert_mask, "expert_mask");
+  o.masked_off = masked_off_of(masked_off);
+  if (fresh_dw.has_value()) o.fresh_dw = weights_of(*fresh_dw, "fresh_dw");
+  return o;
+}
+
+/// The [E, N, K] output of a functional wgrad op. With an expert mask the experts with mask 0 are
+/// skipped by the kernel, so they start as zeros (the fresh gradient of a layer without main_grad).
+at::Tensor new_wgrad(const at::Tensor& counts, int64_t n, int64_t k, const at::TensorOptions& o,
+                     const std::optional<at::Tensor>& expert_mask) {
+  TORCH_CHECK_VALUE(counts.dim() == 1, "counts: expected a 1-D tensor [E], got ", counts.sizes());
+  return expert_mask.has_value() ? at::zeros({counts.size(0), n, k}, o) : at::empty({counts.size(0), n, k}, o);
+}
+
 // ---- grouped GEMM -----------------------------------------------------------------------------
 
 at::Tensor grouped_gemm_fprop(const at::Tensor& x, at::TensorList w, const at::Tensor& counts,
@@ -80,29 +107,27 @@ at::Tensor grouped_gemm_dgrad(const at::Tensor& dy, at::TensorList w, const at::
 }
 
 at::Tensor grouped_gemm_wgrad(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& counts,
-                              std::optional<at::ScalarType> out_dtype) {
+                              std::optional<at::ScalarType> out_dtype, const std::optional<at::Tensor>& expert_mask) {
   return guarded([&] {
     check_rows(dy, "dy");
     check_rows(x, "x");
-    TORCH_CHECK_VALUE(counts.dim() == 1, "counts: expected a 1-D tensor [E], got ", counts.sizes());
     OpScope s(dy);
-    at::Tensor dw = at::empty({counts.size(0), dy.size(1), x.size(1)},
-                              dy.options().dtype(out_dtype.value_or(dy.scalar_type())));
+    at::Tensor dw = new_wgrad(counts, dy.size(1), x.size(1), dy.options().dtype(out_dtype.value_or(dy.scalar_type())),
+                              expert_mask);
     gmoe::grouped_gemm_wgrad(view_of(dy, "dy"), view_of(x, "x"), view_of(counts, "counts"),
-                             gmoe::ExpertWeights::from_stacked(view_of(dw, "dw")), {}, s.stream(), s.alloc());
+                             gmoe::ExpertWeights::from_stacked(view_of(dw, "dw")),
+                             wgrad_options(false, expert_mask, "skip", std::nullopt), s.stream(), s.alloc());
     return dw;
   });
 }
 
 void grouped_gemm_wgrad_(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& counts, at::TensorList dw,
-                         bool accumulate, const std::optional<at::Tensor>& expert_mask) {
+                         bool accumulate, const std::optional<at::Tensor>& expert_mask,
+                         const std::string& masked_off, std::optional<at::TensorList> fresh_dw) {
   guarded([&] {
     OpScope s(dy);
-    gmoe::WgradOptions o;
-    o.accumulate = accumulate;
-    o.expert_mask = view_of(expert_mask, "expert_mask");
     gmoe::grouped_gemm_wgrad(view_of(dy, "dy"), view_of(x, "x"), view_of(counts, "counts"), weights_of(dw, "dw"),
-                             o, s.stream(), s.alloc());
+                             wgrad_options(accumulate, expert_mask, masked_off, fresh_dw), s.stream(), s.alloc());
     return 0;
   });
 }
@@ -363,15 +388,14 @@ void fp8_grouped_gemm_wgrad_(const at::Tensor& dy_data_t, const at::Tensor& dy_s
                              const at::Tensor& x_data_t, const at::Tensor& x_scale_inv_t,
                              const at::Tensor& padded_offsets, const at::Tensor& counts, int64_t capacity,
                              const std::string& recipe, at::TensorList dw, bool accumulate,
-                             const std::optional<at::Tensor>& expert_mask) {
+                             const std::optional<at::Tensor>& expert_mask, const std::string& masked_off,
+                             std::optional<at::TensorList> fresh_dw) {
   guarded([&] {
     OpScope s(dy_data_t);
-    gmoe::WgradOptions o;
-    o.accumulate = accumulate;
-    o.expert_mask = view_of(expert_mask, "expert_mask");
     gmoe::fp8_grouped_gemm_wgrad(fp8_cols(dy_data_t, dy_scale_inv_t, padded_offsets, capacity, recipe, "dy_data_t"),
                                  fp8_cols(x_data_t, x_scale_inv_t, padded_offsets, capacity, recipe, "x_data_t"),
-                                 view_of(counts, "counts"), weights_of(dw, "dw"), o, s.stream(), s.alloc());
+                                 view_of(counts, "counts"), weights_of(dw, "dw"),
+                                 wgrad_options(accumulate, expert_mask, masked_off, fresh_dw), s.stream(), s.alloc());
     return 0;
   });
 }
@@ -379,14 +403,15 @@ void fp8_grouped_gemm_wgrad_(const at::Tensor& dy_data_t, const at::Tensor& dy_s
 at::Tensor fp8_grouped_gemm_wgrad(const at::Tensor& dy_data_t, const at::Tensor& dy_scale_inv_t,
                                   const at::Tensor& x_data_t, const at::Tensor& x_scale_inv_t,
                                   const at::Tensor& padded_offsets, const at::Tensor& counts, int64_t capacity,
-                                  const std::string& recipe, std::optional<at::ScalarType> out_dtype) {
+                                  const std::string& recipe, std::optional<at::ScalarType> out_dtype,
+                                  const std::optional<at::Tensor>& expert_mask) {
   TORCH_CHECK_VALUE(counts.dim() == 1 && dy_data_t.dim() == 2 && x_data_t.dim() == 2,
                     "fp8_grouped_gemm_wgrad: expected counts [E], dy_data_t [N, padded], x_data_t [K, padded], got ",
                     counts.sizes(), ", ", dy_data_t.sizes(), ", ", x_data_t.sizes());
-  at::Tensor dw = at::empty({counts.size(0), dy_data_t.size(0), x_data_t.size(0)},
-                            dy_data_t.options().dtype(out_dtype.value_or(at::kFloat)));
+  at::Tensor dw = new_wgrad(counts, dy_data_t.size(0), x_data_t.size(0),
+                            dy_data_t.options().dtype(out_dtype.value_or(at::kFloat)), expert_mask);
   fp8_grouped_gemm_wgrad_(dy_data_t, dy_scale_inv_t, x_data_t, x_scale_inv_t, padded_offsets, counts, capacity,
-                          recipe, {dw}, false, std::nullopt);
+                          recipe, {dw}, false, expert_mask, "skip", std::nullopt);
   return dw;
 }
 
@@ -463,9 +488,13 @@ TORCH_LIBRARY(gmoe, m) {
   m.set_python_module("gmoe._meta");
   m.def("grouped_gemm_fprop(Tensor x, Tensor[] w, Tensor counts, Tensor[] bias, ScalarType? out_dtype=None) -> Tensor");
   m.def("grouped_gemm_dgrad(Tensor dy, Tensor[] w, Tensor counts, ScalarType? out_dtype=None) -> Tensor");
-  m.def("grouped_gemm_wgrad(Tensor dy, Tensor x, Tensor counts, ScalarType? out_dtype=None) -> Tensor");
+  // The wgrad ops' expert_mask (int32 [E] on the inputs' device): experts with mask 0 are skipped
+  // (zeros in a new output; left untouched in `dw`), or with masked_off="fresh" written into fresh_dw
+  // (E x [N, K] of dw's dtype, disjoint from dw) instead of dw.
+  m.def("grouped_gemm_wgrad(Tensor dy, Tensor x, Tensor counts, ScalarType? out_dtype=None, "
+        "Tensor? expert_mask=None) -> Tensor");
   m.def("grouped_gemm_wgrad_(Tensor dy, Tensor x, Tensor counts, Tensor(a!)[] dw, bool accumulate=False, "
-        "Tensor? expert_mask=None) -> ()");
+        "Tensor? expert_mask=None, str masked_off=\"skip\", Tensor(b!)[]? fresh_dw=None) -> ()");
   m.def("grouped_bias_add(Tensor y, Tensor[] bias, Tensor counts) -> Tensor");
   m.def("grouped_bias_grad(Tensor dy, Tensor counts, ScalarType? out_dtype=None) -> Tensor");
   m.def("grouped_activation_forward(Tensor h, Tensor counts, str kind, Tensor? probs=None, float alpha=1.702, "
@@ -484,10 +513,11 @@ TORCH_LIBRARY(gmoe, m) {
   m.def("fp8_grouped_gemm_dgrad(Tensor dy_data, Tensor dy_scale_inv, Tensor w_data_t, Tensor w_scale_inv_t, "
         "Tensor counts, str recipe, bool fast_accumulation=False, ScalarType? out_dtype=None) -> Tensor");
   m.def("fp8_grouped_gemm_wgrad(Tensor dy_data_t, Tensor dy_scale_inv_t, Tensor x_data_t, Tensor x_scale_inv_t, "
-        "Tensor padded_offsets, Tensor counts, int capacity, str recipe, ScalarType? out_dtype=None) -> Tensor");
+        "Tensor padded_offsets, Tensor counts, int capacity, str recipe, ScalarType? out_dtype=None, "
+        "Tensor? expert_mask=None) -> Tensor");
   m.def("fp8_grouped_gemm_wgrad_(Tensor dy_data_t, Tensor dy_scale_inv_t, Tensor x_data_t, Tensor x_scale_inv_t, "
         "Tensor padded_offsets, Tensor counts, int capacity, str recipe, Tensor(a!)[] dw, bool accumulate=False, "
-        "Tensor? expert_mask=None) -> ()");
+        "Tensor? expert_mask=None, str masked_off=\"skip\", Tensor(b!)[]? fresh_dw=None) -> ()");
   m.def("dequantize_grouped(Tensor data, Tensor scale_inv, Tensor data_t, Tensor scale_inv_t, Tensor padded_offsets, "
         "Tensor counts, int capacity, int cols, str recipe, bool columnwise, ScalarType out_dtype) -> Tensor");
   m.def("dequantize_weights(Tensor data, Tensor scale_inv, bool transposed, str recipe, ScalarType out_dtype) "

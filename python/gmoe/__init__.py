@@ -26,6 +26,7 @@ from . import _meta  # noqa: E402,F401  (fake kernels)
 from . import _autograd  # noqa: E402,F401  (autograd formulas)
 from .ops import (  # noqa: E402
     ACTIVATIONS,
+    MASKED_OFF_WGRAD,
     check_device_errors,
     set_debug_sync,
     fc1_glu_convert,
@@ -68,6 +69,7 @@ from .offload import OffloadStats, offload_activations  # noqa: E402
 __all__ = [
     "ACTIVATIONS",
     "FP8_RECIPES",
+    "MASKED_OFF_WGRAD",
     "fp8_autocast",
     "Fp8Rows",
     "Fp8Weights",

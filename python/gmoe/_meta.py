@@ -32,13 +32,15 @@ def _grouped_gemm_dgrad(dy: Tensor, w: Sequence[Tensor], counts: Tensor,
 
 
 @torch.library.register_fake(_lib + "grouped_gemm_wgrad")
-def _grouped_gemm_wgrad(dy: Tensor, x: Tensor, counts: Tensor, out_dtype: Optional[torch.dtype] = None) -> Tensor:
+def _grouped_gemm_wgrad(dy: Tensor, x: Tensor, counts: Tensor, out_dtype: Optional[torch.dtype] = None,
+                        expert_mask: Optional[Tensor] = None) -> Tensor:
     return dy.new_empty((counts.shape[0], dy.shape[1], x.shape[1]), dtype=out_dtype or dy.dtype)
 
 
 @torch.library.register_fake(_lib + "grouped_gemm_wgrad_")
 def _grouped_gemm_wgrad_(dy: Tensor, x: Tensor, counts: Tensor, dw: Sequence[Tensor], accumulate: bool = False,
-                         expert_mask: Optional[Tensor] = None) -> None:
+                         expert_mask: Optional[Tensor] = None, masked_off: str = "skip",
+                         fresh_dw: Optional[Sequence[Tensor]] = None) -> None:
     return None
 
 
@@ -148,14 +150,14 @@ def _fp8_dgrad(dy_data, dy_scale_inv, w_data_t, w_scale_inv_t, counts, recipe, f
 
 @torch.library.register_fake(_lib + "fp8_grouped_gemm_wgrad")
 def _fp8_wgrad(dy_data_t, dy_scale_inv_t, x_data_t, x_scale_inv_t, padded_offsets, counts, capacity, recipe,
-               out_dtype=None):
+               out_dtype=None, expert_mask=None):
     return dy_data_t.new_empty((counts.shape[0], dy_data_t.shape[0], x_data_t.shape[0]),
                                dtype=out_dtype or torch.float32)
 
 
 @torch.library.register_fake(_lib + "fp8_grouped_gemm_wgrad_")
 def _fp8_wgrad_(dy_data_t, dy_scale_inv_t, x_data_t, x_scale_inv_t, padded_offsets, counts, capacity, recipe, dw,
-                accumulate=False, expert_mask=None):
+                accumulate=False, expert_mask=None, masked_off="skip", fresh_dw=None):
     return None
 
 

@@ -9,7 +9,7 @@ from typing import NamedTuple, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from .ops import Biases, Weights, _list
+from .ops import Biases, Weights, _list, wgrad_mask_args
 
 _ops = torch.ops.gmoe
 
@@ -82,13 +82,18 @@ def fp8_grouped_gemm_dgrad(dy: Fp8Rows, w: Fp8Weights, counts: Tensor, fast_accu
 
 def fp8_grouped_gemm_wgrad(dy: Fp8Rows, x: Fp8Rows, counts: Tensor, out: Union[None, Tensor, Sequence[Tensor]] = None,
                            accumulate: bool = False, expert_mask: Optional[Tensor] = None,
-                           out_dtype: Optional[torch.dtype] = None) -> Optional[Tensor]:
+                           out_dtype: Optional[torch.dtype] = None, masked_off: str = "skip",
+                           fresh_out: Union[None, Tensor, Sequence[Tensor]] = None) -> Optional[Tensor]:
     """wgrad ``dw[e] = dequant(dy_e).T @ dequant(x_e)`` from the columnwise copies; into ``out`` (e.g. an
-    f32 main_grad, ``accumulate``, ``expert_mask``) or a new [E, N, K] tensor (f32 by default)."""
+    f32 main_grad, ``accumulate``, ``expert_mask`` with ``masked_off`` and ``fresh_out`` as for
+    :func:`gmoe.grouped_gemm_wgrad`) or a new [E, N, K] tensor (f32 by default; with an
+    ``expert_mask`` the experts with mask 0 are zeros)."""
     args = (dy.data_t, dy.scale_inv_t, x.data_t, x.scale_inv_t, dy.padded_offsets, counts, dy.capacity, dy.recipe)
     if out is None:
-        if accumulate or expert_mask is not None:
-            raise ValueError("fp8_grouped_gemm_wgrad: accumulate and expert_mask need `out`")
-        return _ops.fp8_grouped_gemm_wgrad(*args, out_dtype)
-    _ops.fp8_grouped_gemm_wgrad_(*args, _list(out), accumulate, expert_mask)
-    return None
+        if accumulate or masked_off != "skip" or fresh_out is not None:
+            raise ValueError("fp8_grouped_gemm_wgrad: accumulate, masked_off='fresh' and fresh_out need `out`")
+        return _ops.fp8_grouped_gemm_wgrad(*args, out_dtype, expert_mask)
+    out = _list(out)
+    fresh_dw, ret = wgrad_mask_args(out, expert_mask, masked_off, fresh_out, "fp8_grouped_gemm_wgrad")
+    _ops.fp8_grouped_gemm_wgrad_(*args, out, accumulate, expert_mask, masked_off, fresh_dw)
+    return ret

@@ -14,6 +14,10 @@
   gradients are computed by ``backward_dw()``, which then calls the hooks registered with
   ``register_wgrad_hook(fn)`` (where a data-parallel reduce-scatter is launched). With main_grad
   weights and no delay the hooks are called at the end of the layer's backward.
+* ``expert_mask`` (a settable attribute: None, or an int32 tensor [E] on the layer's device) with
+  ``masked_off_wgrad`` (``"skip"`` or ``"fresh"``): which experts' weight gradients go to
+  ``main_grad`` (mask 1) and what the others get (Megatron's partial accumulation of "spare"
+  experts; MaskedOffWgrad of gmoe/grouped_gemm.h). See :class:`GroupedLinear`.
 * weights as one stacked parameter ``weight`` [E, out, in] (``weight_layout="stacked"``) or per-expert
   parameters ``weight0`` … ``weight{E-1}`` (``"per_expert"``); biases alike (``bias`` [E, out] or
   ``bias0`` …). ``load_state_dict`` accepts either layout's checkpoint.
@@ -27,7 +31,7 @@ from torch import Tensor, nn
 from .fp8 import Fp8Rows, Fp8Weights, fp8_grouped_gemm, fp8_grouped_gemm_dgrad, fp8_grouped_gemm_wgrad, \
     quantize_grouped, quantize_weights
 from ._autograd import bias_grads, save_bias_layout
-from .ops import ACTIVATIONS, glu_block_of
+from .ops import ACTIVATIONS, MASKED_OFF_WGRAD, glu_block_of
 
 _ops = torch.ops.gmoe
 _LAYOUTS = ("stacked", "per_expert")
@@ -57,27 +61,33 @@ class fp8_autocast:
 
 class _Wgrad:
     """One weight gradient to compute, now or in backward_dw: dy and x (native), or their
-    columnwise FP8 copies."""
+    columnwise FP8 copies; the expert mask and masked_off mode of the forward that made them."""
 
-    def __init__(self, dy: Tensor, x, counts: Tensor):
-        self.dy, self.x, self.counts = dy, x, counts
+    def __init__(self, dy: Tensor, x, counts: Tensor, mask: Optional[Tensor] = None, masked_off: str = "skip"):
+        self.dy, self.x, self.counts, self.mask, self.masked_off = dy, x, counts, mask, masked_off
         self.stream = torch.cuda.current_stream() if _device_of(dy).type == "cuda" else None
 
     def tensors(self) -> List[Tensor]:
+        mask = [] if self.mask is None else [self.mask]
         if isinstance(self.dy, Tensor):
-            return [self.dy, self.x, self.counts]
-        return [t for t in (*self.dy[:5], *self.x[:5], self.counts) if t.numel()]
+            return [self.dy, self.x, self.counts, *mask]
+        return [t for t in (*self.dy[:5], *self.x[:5], self.counts, *mask) if t.numel()]
 
     def fresh(self, dtype: torch.dtype) -> Tensor:
+        """A new [E, N, K] gradient (the experts with mask 0: zeros)."""
         if isinstance(self.dy, Tensor):
-            return _ops.grouped_gemm_wgrad(self.dy, self.x, self.counts, dtype)
-        return fp8_grouped_gemm_wgrad(self.dy, self.x, self.counts).to(dtype)
+            return _ops.grouped_gemm_wgrad(self.dy, self.x, self.counts, dtype, self.mask)
+        return fp8_grouped_gemm_wgrad(self.dy, self.x, self.counts, expert_mask=self.mask).to(dtype)
 
-    def into(self, out: List[Tensor], accumulate: bool) -> None:
+    def into(self, out: List[Tensor], accumulate: bool, fresh_out: Optional[List[Tensor]] = None) -> None:
+        """The experts with mask 1 into `out`; with masked_off "fresh" the others into fresh_out."""
+        masked_off = "fresh" if fresh_out is not None else "skip"
         if isinstance(self.dy, Tensor):
-            _ops.grouped_gemm_wgrad_(self.dy, self.x, self.counts, out, accumulate, None)
+            _ops.grouped_gemm_wgrad_(self.dy, self.x, self.counts, out, accumulate, self.mask, masked_off,
+                                     fresh_out)
         else:
-            fp8_grouped_gemm_wgrad(self.dy, self.x, self.counts, out=out, accumulate=accumulate)
+            fp8_grouped_gemm_wgrad(self.dy, self.x, self.counts, out=out, accumulate=accumulate, expert_mask=self.mask,
+                                   masked_off=masked_off, fresh_out=fresh_out)
 
 
 def _device_counts(m_splits, device: torch.device) -> Tensor:
@@ -98,6 +108,29 @@ def _device_of(dy) -> torch.device:
     return dy.device if isinstance(dy, Tensor) else dy.data_t.device
 
 
+def _check_masked_off(masked_off: str) -> str:
+    if masked_off not in MASKED_OFF_WGRAD:
+        raise ValueError(f"masked_off_wgrad: expected one of {MASKED_OFF_WGRAD}, got {masked_off!r}")
+    return masked_off
+
+
+def _check_expert_mask(mask: Optional[Tensor], num_experts: int) -> Optional[Tensor]:
+    """An expert_mask's metadata (no device read): None, or int32 [E]."""
+    if mask is None:
+        return None
+    if not isinstance(mask, Tensor):
+        raise ValueError(f"expert_mask: expected None or an int32 tensor [{num_experts}], got {type(mask).__name__}")
+    if mask.dtype != torch.int32 or tuple(mask.shape) != (num_experts,):
+        raise ValueError(f"expert_mask: expected an int32 tensor [{num_experts}] (num_experts), got "
+                         f"{mask.dtype} {list(mask.shape)}")
+    return mask
+
+
+#: Every expert's view of a packed per-expert gradient starts on this boundary, the alignment that
+#: gmoe's own packed gradients keep in both layouts (GroupedLinearGrads, gmoe/grouped_linear.h).
+_PACK_ALIGN_BYTES = 256
+
+
 class _WgradState:
     """What a GroupedLinear's autograd function needs beyond tensors: where weight gradients go
     (main_grad or .grad, now or in backward_dw) and the hooks. Only used outside torch.compile's
@@ -109,12 +142,15 @@ class _WgradState:
 
 
 class _GroupedLinearFunction(torch.autograd.Function):
-    """y = grouped_gemm(x, weights, counts, biases); params = weights + biases (a count of each)."""
+    """y = grouped_gemm(x, weights, counts, biases); params = weights + biases (a count of each).
+    mask, masked_off: the weight gradient's expert mask (None: every expert) and its mode."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, counts: Tensor, state: Optional[_WgradState], num_weights: int, *params: Tensor):
+    def forward(ctx, x: Tensor, counts: Tensor, mask: Optional[Tensor], masked_off: str,
+                state: Optional[_WgradState], num_weights: int, *params: Tensor):
         weights, biases = list(params[:num_weights]), list(params[num_weights:])
-        ctx.save_for_backward(x, counts, *weights)
+        ctx.save_for_backward(x, counts, mask, *weights)
+        ctx.masked_off = masked_off
         ctx.state = state
         ctx.num_weights = num_weights
         save_bias_layout(ctx, biases)
@@ -122,19 +158,19 @@ class _GroupedLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy: Tensor):
-        x, counts, *weights = ctx.saved_tensors
+        x, counts, mask, *weights = ctx.saved_tensors
         dy = dy.contiguous()
         dx = _ops.grouped_gemm_dgrad(dy, weights, counts, None) if ctx.needs_input_grad[0] else None
         dbiases = bias_grads(ctx, dy, counts)
         state = ctx.state
         if state is None:
             dweights: List[Optional[Tensor]] = [None] * ctx.num_weights
-            if any(ctx.needs_input_grad[4:4 + ctx.num_weights]):
-                dw = _ops.grouped_gemm_wgrad(dy, x, counts, weights[0].dtype)
+            if any(ctx.needs_input_grad[6:6 + ctx.num_weights]):
+                dw = _ops.grouped_gemm_wgrad(dy, x, counts, weights[0].dtype, mask)
                 dweights = [dw] if ctx.num_weights == 1 and weights[0].dim() == 3 else list(dw.unbind(0))
-            return (dx, None, None, None, *dweights, *dbiases)
-        dbiases = state.module._finish_backward(_Wgrad(dy, x, counts), dbiases)
-        return (dx, None, None, None, *([None] * ctx.num_weights), *dbiases)
+            return (dx, None, None, None, None, None, *dweights, *dbiases)
+        dbiases = state.module._finish_backward(_Wgrad(dy, x, counts, mask, ctx.masked_off), dbiases)
+        return (dx, None, None, None, None, None, *([None] * ctx.num_weights), *dbiases)
 
 
 class _Fp8GroupedLinearFunction(torch.autograd.Function):
@@ -142,14 +178,16 @@ class _Fp8GroupedLinearFunction(torch.autograd.Function):
     columnwise copy the FP8 weight gradient reads), the weights quantized by the caller (cached)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, counts: Tensor, state: Optional[_WgradState], num_weights: int, recipe: str,
-                grad_format: str, wq: Fp8Weights, *params: Tensor):
+    def forward(ctx, x: Tensor, counts: Tensor, mask: Optional[Tensor], masked_off: str,
+                state: Optional[_WgradState], num_weights: int, recipe: str, grad_format: str, wq: Fp8Weights,
+                *params: Tensor):
         biases = list(params[num_weights:])
         xq = quantize_grouped(x, counts, recipe, "e4m3", rowwise=True, columnwise=True)
         y = fp8_grouped_gemm(xq, wq, counts, biases, out_dtype=x.dtype)
         # Only the columnwise copy lives on to backward (the weight gradient's operand).
         x_cols = Fp8Rows(xq.data.new_empty(0), xq.scale_inv.new_empty(0), *xq[2:])
-        ctx.save_for_backward(counts, *x_cols[:5], *wq[:4])
+        ctx.save_for_backward(counts, mask, *x_cols[:5], *wq[:4])
+        ctx.masked_off = masked_off
         ctx.x_meta = (recipe, xq.capacity, xq.cols, x.dtype)
         ctx.grad_format, ctx.state, ctx.num_weights = grad_format, state, num_weights
         ctx.stacked = params[0].dim() == 3
@@ -159,7 +197,7 @@ class _Fp8GroupedLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy: Tensor):
-        counts, *rest = ctx.saved_tensors
+        counts, mask, *rest = ctx.saved_tensors
         recipe, capacity, cols, x_dtype = ctx.x_meta
         xq = Fp8Rows(*rest[:5], recipe, capacity, cols)
         wq = Fp8Weights(*rest[5:9], recipe)
@@ -168,8 +206,8 @@ class _Fp8GroupedLinearFunction(torch.autograd.Function):
         dx = fp8_grouped_gemm_dgrad(dyq, wq, counts, out_dtype=x_dtype) if ctx.needs_input_grad[0] else None
         dbiases = bias_grads(ctx, dy, counts)
         dyq = Fp8Rows(dyq.data.new_empty(0), dyq.scale_inv.new_empty(0), *dyq[2:])
-        wg = _Wgrad(dyq, xq, counts)
-        no_grads = (None,) * 6  # counts, state, num_weights, recipe, grad_format, wq
+        wg = _Wgrad(dyq, xq, counts, mask, ctx.masked_off)
+        no_grads = (None,) * 8  # counts, mask, masked_off, state, num_weights, recipe, grad_format, wq
         if ctx.state is None:
             dw = wg.fresh(ctx.weight_dtype)
             dweights = [dw] if ctx.stacked else list(dw.unbind(0))
@@ -206,14 +244,39 @@ class GroupedLinear(nn.Module):
             inside a CUDA graph capture (so that every replay quantizes the current weights).
             CUDA needs bf16 parameters and in/out features multiples of 16.
         grad_format: FP8 format of the output gradients, ``"e4m3"`` or ``"e5m2"``.
+        masked_off_wgrad: what the experts with ``expert_mask`` 0 get (see below), ``"skip"`` or
+            ``"fresh"``; also a settable attribute.
         device, dtype: of the parameters (CUDA: bfloat16/float16; CPU: float32 too).
+
+    Expert mask (Megatron / Transformer Engine partial accumulation): set ``layer.expert_mask`` to
+    an int32 tensor [E] on the layer's device (None, the default: every expert). A forward uses
+    the mask tensor set then; its contents are read on the device when that forward's weight
+    gradient runs (backward, or :meth:`backward_dw`), never on the host, so a captured CUDA graph
+    follows a mask updated in place before each replay. Only the weight gradients are masked (the
+    biases' and the input's are not).
+
+    * With ``main_grad`` on the weights: the experts with mask 1 are added into (or written over,
+      ``accumulate_main_grad``) their ``main_grad``; the experts with mask 0 follow
+      ``masked_off_wgrad``: ``"skip"`` computes no gradient for them and leaves their ``main_grad``
+      untouched; ``"fresh"`` writes their gradient (never accumulated) into a new float32 tensor,
+      set as each weight's ``masked_off_grad`` attribute (the weight's shape; per-expert weights
+      get views of one allocation), in the same launch as main_grad's. The experts with mask 1 of
+      ``masked_off_grad`` are not written (undefined contents). The wgrad hooks run after both.
+    * Without ``main_grad`` (``param.grad``): the experts with mask 0 get a zero gradient
+      (``"skip"``: their ``.grad`` is unchanged by the backward); ``"fresh"`` needs ``main_grad``
+      and raises ValueError in forward, as gmoe's GroupedLinear does.
+    * With ``delay_wgrad_compute`` and ``"fresh"``, call :meth:`backward_dw` after every backward
+      (each backward's ``masked_off_grad`` is fresh; a second backward while one is pending raises).
     """
 
     def __init__(self, num_experts: int, in_features: int, out_features: int, bias: bool = True,
                  weight_layout: str = "stacked", delay_wgrad_compute: bool = False,
                  accumulate_main_grad: bool = True, recipe: Optional[str] = None, grad_format: str = "e4m3",
-                 device: Optional[Union[str, torch.device]] = None, dtype: Optional[torch.dtype] = None):
+                 masked_off_wgrad: str = "skip", device: Optional[Union[str, torch.device]] = None,
+                 dtype: Optional[torch.dtype] = None):
         super().__init__()
+        self.masked_off_wgrad = masked_off_wgrad
+        self._expert_mask: Optional[Tensor] = None
         if recipe is not None and recipe not in FP8_RECIPES:
             raise ValueError(f"recipe: expected one of {tuple(FP8_RECIPES)} or None, got {recipe!r}")
         if grad_format not in ("e4m3", "e5m2"):
@@ -251,6 +314,25 @@ class GroupedLinear(nn.Module):
         return (f"num_experts={self.num_experts}, in_features={self.in_features}, "
                 f"out_features={self.out_features}, bias={self.use_bias}, weight_layout={self.weight_layout}")
 
+    @property
+    def expert_mask(self) -> Optional[Tensor]:
+        """None (every expert's weight gradient goes to its destination) or an int32 tensor [E] on
+        the layer's device: see the class docstring. Setting it checks its dtype and length."""
+        return self._expert_mask
+
+    @expert_mask.setter
+    def expert_mask(self, mask: Optional[Tensor]) -> None:
+        self._expert_mask = _check_expert_mask(mask, self.num_experts)
+
+    @property
+    def masked_off_wgrad(self) -> str:
+        """``"skip"`` or ``"fresh"``: what the experts with expert_mask 0 get (see the class docstring)."""
+        return self._masked_off_wgrad
+
+    @masked_off_wgrad.setter
+    def masked_off_wgrad(self, mode: str) -> None:
+        self._masked_off_wgrad = _check_masked_off(mode)
+
     def _weights(self) -> List[Tensor]:
         if self.weight_layout == "stacked":
             return [self.weight]
@@ -268,6 +350,7 @@ class GroupedLinear(nn.Module):
         device, or host counts: see the module's docstring)."""
         m_splits = _device_counts(m_splits, x.device)
         weights, biases = self._weights(), self._biases()
+        mask, masked_off = self._mask_for_forward(x, weights)
         # The plain path (autograd owns the gradients) passes no Python state, so that
         # torch.compile traces it whole.
         special = (self.delay_wgrad_compute or bool(self._wgrad_hooks)
@@ -275,10 +358,23 @@ class GroupedLinear(nn.Module):
         state = self._state if special else None
         recipe = self.recipe or _autocast_recipe[0]
         if recipe is None:
-            return _GroupedLinearFunction.apply(x, m_splits, state, len(weights), *weights, *biases)
+            return _GroupedLinearFunction.apply(x, m_splits, mask, masked_off, state, len(weights), *weights, *biases)
         wq = self._fp8_weights(FP8_RECIPES[recipe], weights, x)
-        return _Fp8GroupedLinearFunction.apply(x, m_splits, state, len(weights), FP8_RECIPES[recipe], self.grad_format,
-                                               wq, *weights, *biases)
+        return _Fp8GroupedLinearFunction.apply(x, m_splits, mask, masked_off, state, len(weights), FP8_RECIPES[recipe],
+                                               self.grad_format, wq, *weights, *biases)
+
+    def _mask_for_forward(self, x: Tensor, weights: List[Tensor]):
+        """The expert mask and mode this forward's weight gradient uses, checked (no device read)."""
+        mask = self._expert_mask
+        if mask is None:
+            return None, "skip"
+        if mask.device != x.device:
+            raise ValueError(f"expert_mask: expected a tensor on {x.device} (x's device), got one on {mask.device}")
+        if self._masked_off_wgrad == "fresh" and torch.is_grad_enabled() and \
+                any(w.requires_grad for w in weights) and not all(hasattr(w, "main_grad") for w in weights):
+            raise ValueError("masked_off_wgrad: 'fresh' needs main_grad on the weights (the experts with "
+                             "expert_mask 0 get a fresh gradient instead of main_grad's); use 'skip' without it")
+        return mask, self._masked_off_wgrad
 
     def _fp8_weights(self, recipe: str, weights: List[Tensor], x: Tensor) -> Fp8Weights:
         """The weights' FP8 copies: cached while the weights are unchanged."""
@@ -313,6 +409,9 @@ class GroupedLinear(nn.Module):
     def _finish_backward(self, wg: _Wgrad, dbiases: List[Tensor]) -> List[Optional[Tensor]]:
         """The end of a backward with Python state: bias gradients to main_grad where there is one,
         the weight gradient now (and the hooks) or queued for backward_dw."""
+        if self.delay_wgrad_compute and wg.mask is not None and wg.masked_off == "fresh" and self._state.pending:
+            raise ValueError("masked_off_wgrad: 'fresh' with delay_wgrad_compute needs backward_dw() after "
+                             "every backward (each backward's masked_off_grad is fresh); one is still pending")
         dbiases = [self._to_main_grad(b, g) for b, g in zip(self._biases(), dbiases)]
         if self.delay_wgrad_compute:
             self._state.pending.append(wg)
@@ -321,17 +420,42 @@ class GroupedLinear(nn.Module):
             self._run_wgrad_hooks()
         return dbiases
 
+    def _masked_off_grads(self, dtype: torch.dtype, device: torch.device) -> List[Tensor]:
+        """New fresh destinations of the masked-off experts in the weights' layout (set as each
+        weight's masked_off_grad): one allocation; per-expert views start on 256-byte boundaries."""
+        E, N, K = self.num_experts, self.out_features, self.in_features
+        if self.weight_layout == "stacked":
+            grads = [torch.empty(E, N, K, dtype=dtype, device=device)]
+        else:
+            size = torch.empty(0, dtype=dtype).element_size()
+            per = _PACK_ALIGN_BYTES // size
+            stride = (N * K + per - 1) // per * per
+            # One spare block, so that the first view starts on the boundary whatever the
+            # allocator's own alignment (the CPU allocator's is 64 bytes).
+            pack = torch.empty(E * stride + per, dtype=dtype, device=device)
+            start = (-pack.data_ptr() % _PACK_ALIGN_BYTES) // size
+            grads = [pack[start + e * stride:start + e * stride + N * K].view(N, K) for e in range(E)]
+        for w, g in zip(self._weights(), grads):
+            w.masked_off_grad = g
+        return grads
+
     def _compute_wgrad(self, wg: _Wgrad) -> None:
         weights = self._weights()
         if all(hasattr(w, "main_grad") for w in weights):
-            wg.into([w.main_grad for w in weights], self.accumulate_main_grad)
+            fresh = None
+            if wg.mask is not None and wg.masked_off == "fresh":
+                fresh = self._masked_off_grads(weights[0].main_grad.dtype, weights[0].main_grad.device)
+            wg.into([w.main_grad for w in weights], self.accumulate_main_grad, fresh)
             for w in weights:
                 w.grad_added_to_main_grad = True
             return
         dw = wg.fresh(weights[0].dtype)
         grads = [dw] if self.weight_layout == "stacked" else list(dw.unbind(0))
-        for w, g in zip(weights, grads):
+        for e, (w, g) in enumerate(zip(weights, grads)):
             if hasattr(w, "main_grad"):
+                if wg.mask is not None and not self.accumulate_main_grad:
+                    # Only some per-expert weights have a main_grad: a masked-off one stays untouched.
+                    g = torch.where(wg.mask[e] != 0, g, w.main_grad)
                 self._to_main_grad(w, g)
             elif w.grad is None:
                 w.grad = g
@@ -395,18 +519,19 @@ class GroupedMLP(nn.Module):
         activation: one of ``"swiglu"``, ``"geglu"``, ``"clamped_swiglu"`` (gpt-oss; ``alpha``,
             ``limit``), ``"squared_relu"``; ``gelu_tanh`` selects GeGLU's tanh approximation.
         glu_layout: FC1's gate/up output rows, ``"concatenated"`` ([gate; up]) or ``"interleaved:B"``.
-        bias, weight_layout, delay_wgrad_compute, accumulate_main_grad, recipe, grad_format, device,
-            dtype: as for :class:`GroupedLinear` (both FCs; the activation runs in the parameters'
-            precision between the FP8 GEMMs).
+        bias, weight_layout, delay_wgrad_compute, accumulate_main_grad, recipe, grad_format,
+            masked_off_wgrad, device, dtype: as for :class:`GroupedLinear` (both FCs; the activation
+            runs in the parameters' precision between the FP8 GEMMs).
 
-    Submodules ``fc1`` and ``fc2`` are GroupedLinear layers.
+    Submodules ``fc1`` and ``fc2`` are GroupedLinear layers. ``expert_mask`` and
+    ``masked_off_wgrad`` are settable attributes that set both FCs' (see :class:`GroupedLinear`).
     """
 
     def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, activation: str = "swiglu",
                  glu_layout: Union[str, int] = "concatenated", bias: bool = False, weight_layout: str = "stacked",
                  alpha: float = 1.702, limit: float = 7.0, gelu_tanh: bool = False,
                  delay_wgrad_compute: bool = False, accumulate_main_grad: bool = True,
-                 recipe: Optional[str] = None, grad_format: str = "e4m3",
+                 recipe: Optional[str] = None, grad_format: str = "e4m3", masked_off_wgrad: str = "skip",
                  device: Optional[Union[str, torch.device]] = None, dtype: Optional[torch.dtype] = None):
         super().__init__()
         if activation not in ACTIVATIONS:
@@ -417,7 +542,7 @@ class GroupedMLP(nn.Module):
         fc1_out = ffn_hidden_size if activation == "squared_relu" else 2 * ffn_hidden_size
         common = dict(bias=bias, weight_layout=weight_layout, delay_wgrad_compute=delay_wgrad_compute,
                       accumulate_main_grad=accumulate_main_grad, recipe=recipe, grad_format=grad_format,
-                      device=device, dtype=dtype)
+                      masked_off_wgrad=masked_off_wgrad, device=device, dtype=dtype)
         self.fc1 = GroupedLinear(num_experts, hidden_size, fc1_out, **common)
         self.fc2 = GroupedLinear(num_experts, ffn_hidden_size, hidden_size, **common)
 
@@ -430,6 +555,26 @@ class GroupedMLP(nn.Module):
         z = _ops.grouped_activation_forward(h, m_splits, self.activation, probs, self.alpha, self.limit,
                                             self.gelu_tanh, self.glu_block)
         return self.fc2(z, m_splits)
+
+    @property
+    def expert_mask(self) -> Optional[Tensor]:
+        """Both FCs' expert_mask (see GroupedLinear): None, or an int32 tensor [E] on the layer's device."""
+        return self.fc1.expert_mask
+
+    @expert_mask.setter
+    def expert_mask(self, mask: Optional[Tensor]) -> None:
+        self.fc1.expert_mask = mask
+        self.fc2.expert_mask = mask
+
+    @property
+    def masked_off_wgrad(self) -> str:
+        """Both FCs' masked_off_wgrad (see GroupedLinear): ``"skip"`` or ``"fresh"``."""
+        return self.fc1.masked_off_wgrad
+
+    @masked_off_wgrad.setter
+    def masked_off_wgrad(self, mode: str) -> None:
+        self.fc1.masked_off_wgrad = mode
+        self.fc2.masked_off_wgrad = mode
 
     def invalidate_fp8_weight(self) -> None:
         """Drops both FCs' FP8 weight caches (see GroupedLinear.invalidate_fp8_weight)."""

@@ -10,7 +10,8 @@ Every shape is host-known and the counts never leave the device, so a training s
 layer never synchronises and can be captured in a CUDA graph once and replayed under any routing.
 Autograd gives gradients to x, the router weight (through the probabilities and the losses), the
 experts and the shared experts; the experts keep GroupedLinear's Megatron conventions (``main_grad``,
-``delay_wgrad_compute`` with :meth:`MoELayer.backward_dw`, wgrad hooks).
+``delay_wgrad_compute`` with :meth:`MoELayer.backward_dw`, wgrad hooks, ``expert_mask`` with
+``masked_off_wgrad``).
 """
 from typing import Callable, List, Optional, Union
 
@@ -46,6 +47,12 @@ class MoELayer(nn.Module):
             z-loss (0: not computed).
         shared_expert_ffn_hidden_size: > 0 adds a dense MLP of this width, run on every token,
             whose output is added (DeepSeek, Qwen).
+        masked_off_wgrad: the routed experts' (``"skip"`` or ``"fresh"``, with :attr:`expert_mask`;
+            see :class:`GroupedLinear`).
+
+    ``expert_mask`` (settable; None or an int32 tensor [E] on the layer's device) selects which
+    routed experts' weight gradients go to ``main_grad`` (see :class:`GroupedLinear`); the router
+    and the shared experts are not masked.
 
     Submodules: ``router`` (``nn.Linear(H, E, bias=False)``; its logits are computed in float32),
     ``experts`` (:class:`GroupedMLP`), ``shared_experts`` (None, or a one-expert
@@ -64,7 +71,8 @@ class MoELayer(nn.Module):
                  scaling_factor: float = 1.0, score_correction_bias: bool = False, pad_multiple: int = 1,
                  capacity_factor: float = 0.0, aux_loss_coeff: float = 0.0, z_loss_coeff: float = 0.0,
                  shared_expert_ffn_hidden_size: int = 0, recipe: Optional[str] = None,
-                 weight_layout: str = "stacked", device: Optional[Union[str, torch.device]] = None,
+                 weight_layout: str = "stacked", masked_off_wgrad: str = "skip",
+                 device: Optional[Union[str, torch.device]] = None,
                  dtype: Optional[torch.dtype] = None):
         super().__init__()
         if num_experts < 1:
@@ -95,7 +103,7 @@ class MoELayer(nn.Module):
         self.router = nn.Linear(hidden_size, num_experts, bias=False, device=device, dtype=dtype)
         mlp = dict(activation=activation, glu_layout=glu_layout, bias=bias, weight_layout=weight_layout,
                    recipe=recipe, device=device, dtype=dtype)
-        self.experts = GroupedMLP(num_experts, hidden_size, ffn_hidden_size, **mlp)
+        self.experts = GroupedMLP(num_experts, hidden_size, ffn_hidden_size, masked_off_wgrad=masked_off_wgrad, **mlp)
         self.shared_experts = GroupedMLP(1, hidden_size, shared_expert_ffn_hidden_size, **mlp) \
             if shared_expert_ffn_hidden_size > 0 else None
         bias_buffer = torch.zeros(num_experts, dtype=torch.float32, device=device) if score_correction_bias else None
@@ -165,6 +173,24 @@ class MoELayer(nn.Module):
     def delay_wgrad_compute(self, value: bool) -> None:
         for fc in self._grouped_linears():
             fc.delay_wgrad_compute = bool(value)
+
+    @property
+    def expert_mask(self) -> Optional[Tensor]:
+        """The routed experts' expert_mask (GroupedMLP.expert_mask): None, or an int32 tensor [E]."""
+        return self.experts.expert_mask
+
+    @expert_mask.setter
+    def expert_mask(self, mask: Optional[Tensor]) -> None:
+        self.experts.expert_mask = mask
+
+    @property
+    def masked_off_wgrad(self) -> str:
+        """The routed experts' masked_off_wgrad: ``"skip"`` or ``"fresh"`` (see GroupedLinear)."""
+        return self.experts.masked_off_wgrad
+
+    @masked_off_wgrad.setter
+    def masked_off_wgrad(self, mode: str) -> None:
+        self.experts.masked_off_wgrad = mode
 
     def backward_dw(self) -> None:
         """The delayed weight gradients of the experts, then of the shared experts (see

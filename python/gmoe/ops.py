@@ -59,21 +59,56 @@ def grouped_gemm_dgrad(dy: Tensor, w: Weights, counts: Tensor, out_dtype: Option
     return torch.ops.gmoe.grouped_gemm_dgrad(dy, _list(w), counts, out_dtype)
 
 
+#: What ``expert_mask`` 0 means for a weight gradient (MaskedOffWgrad of gmoe/grouped_gemm.h).
+MASKED_OFF_WGRAD = ("skip", "fresh")
+
+
+def wgrad_mask_args(out: List[Tensor], expert_mask: Optional[Tensor], masked_off: str,
+                    fresh_out: Optional[Weights], op: str) -> Tuple[Optional[List[Tensor]], Optional[Tensor]]:
+    """The checked ``masked_off`` arguments of an in-place wgrad op: (fresh_dw list, the tensor to
+    return). With ``"fresh"`` and no ``fresh_out``, a new stacked [E, N, K] tensor of out's dtype
+    (its experts with mask 1 are not written: undefined contents)."""
+    if masked_off not in MASKED_OFF_WGRAD:
+        raise ValueError(f"masked_off: expected one of {MASKED_OFF_WGRAD}, got {masked_off!r}")
+    if masked_off == "skip":
+        if fresh_out is not None:
+            raise ValueError(f"{op}: fresh_out is only written with masked_off='fresh'")
+        return None, None
+    if expert_mask is None:
+        raise ValueError(f"{op}: masked_off='fresh' needs an expert_mask (the experts with mask 0 get fresh_out)")
+    if fresh_out is not None:
+        return _list(fresh_out), None
+    E, (N, K) = (out[0].shape[0], out[0].shape[1:]) if len(out) == 1 and out[0].dim() == 3 else (len(out), out[0].shape)
+    fresh = out[0].new_empty((E, N, K))
+    return [fresh], fresh
+
+
 def grouped_gemm_wgrad(dy: Tensor, x: Tensor, counts: Tensor, out: Optional[Weights] = None,
                        accumulate: bool = False, expert_mask: Optional[Tensor] = None,
-                       out_dtype: Optional[torch.dtype] = None) -> Optional[Tensor]:
+                       out_dtype: Optional[torch.dtype] = None, masked_off: str = "skip",
+                       fresh_out: Optional[Weights] = None) -> Optional[Tensor]:
     """Weight gradient: ``dw[e] = dy[rows of e].T @ x[rows of e]`` (exactly 0 for an expert without rows).
 
-    Without ``out``: returns a new [E, N, K] tensor (``out_dtype``, default dy's). With ``out`` (one
-    stacked [E, N, K] tensor or E tensors [N, K], e.g. Megatron's float32 ``main_grad``): writes into
-    it, adding to its contents when ``accumulate`` (float32 only), and leaves the experts whose
-    ``expert_mask`` (int32 [E]) entry is 0 untouched; returns None."""
+    Without ``out``: returns a new [E, N, K] tensor (``out_dtype``, default dy's); with an
+    ``expert_mask`` (int32 [E] on the inputs' device) the experts whose entry is 0 are zeros.
+
+    With ``out`` (one stacked [E, N, K] tensor or E tensors [N, K], e.g. Megatron's float32
+    ``main_grad``): writes the experts with mask 1 (every expert without a mask) into it, adding to
+    its contents when ``accumulate`` (float32 only). The experts with mask 0 follow ``masked_off``:
+
+    * ``"skip"``: no gradient is computed for them; ``out`` keeps their contents. Returns None.
+    * ``"fresh"``: their gradient is written (never accumulated) into ``fresh_out`` (E x [N, K] of
+      out's dtype, stacked or a list, disjoint from ``out``) in the same launch; the other experts of
+      ``fresh_out`` are left untouched. Without ``fresh_out`` a new stacked tensor is returned
+      (its experts with mask 1 are not written: undefined contents); else None."""
     if out is None:
-        if accumulate or expert_mask is not None:
-            raise ValueError("grouped_gemm_wgrad: accumulate and expert_mask need `out`")
-        return torch.ops.gmoe.grouped_gemm_wgrad(dy, x, counts, out_dtype)
-    torch.ops.gmoe.grouped_gemm_wgrad_(dy, x, counts, _list(out), accumulate, expert_mask)
-    return None
+        if accumulate or masked_off != "skip" or fresh_out is not None:
+            raise ValueError("grouped_gemm_wgrad: accumulate, masked_off='fresh' and fresh_out need `out`")
+        return torch.ops.gmoe.grouped_gemm_wgrad(dy, x, counts, out_dtype, expert_mask)
+    out = _list(out)
+    fresh_dw, ret = wgrad_mask_args(out, expert_mask, masked_off, fresh_out, "grouped_gemm_wgrad")
+    torch.ops.gmoe.grouped_gemm_wgrad_(dy, x, counts, out, accumulate, expert_mask, masked_off, fresh_dw)
+    return ret
 
 
 def grouped_bias_add(y: Tensor, bias: Biases, counts: Tensor) -> Tensor:

@@ -87,6 +87,7 @@ def _opcheck_cases():
     counts = counts_for()
     x, w = torch.randn(CAP, K), torch.randn(E, N, K)
     ops = torch.ops.gmoe
+    mask = torch.tensor([1, 0, 0, 1], dtype=torch.int32)
     cases = []
     for recipe in RECIPES:
         xq = gmoe.quantize_grouped(x, counts, recipe, rowwise=True, columnwise=True)
@@ -103,6 +104,11 @@ def _opcheck_cases():
             (ops.fp8_grouped_gemm_wgrad_, (dyq.data_t, dyq.scale_inv_t, xq.data_t, xq.scale_inv_t,
                                            xq.padded_offsets, counts, CAP, recipe, [torch.zeros(E, N, K)]),
              {"accumulate": True}),
+            (ops.fp8_grouped_gemm_wgrad, (dyq.data_t, dyq.scale_inv_t, xq.data_t, xq.scale_inv_t, xq.padded_offsets,
+                                          counts, CAP, recipe), {"expert_mask": mask}),
+            (ops.fp8_grouped_gemm_wgrad_, (dyq.data_t, dyq.scale_inv_t, xq.data_t, xq.scale_inv_t,
+                                           xq.padded_offsets, counts, CAP, recipe, [torch.zeros(E, N, K)]),
+             {"accumulate": True, "expert_mask": mask, "masked_off": "fresh", "fresh_dw": [torch.zeros(E, N, K)]}),
             (ops.dequantize_grouped, (*xq[:5], counts, CAP, K, recipe, True, torch.float32), {}),
             (ops.dequantize_weights, (wq.data_t, wq.scale_inv_t, True, recipe, torch.bfloat16), {}),
         ]
@@ -115,7 +121,7 @@ def _opcheck_cases():
 FP8_OPCHECKS = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
 
 
-@pytest.mark.parametrize("case", range(27))
+@pytest.mark.parametrize("case", range(33))
 def test_opcheck_fp8(case):
     op, args, kwargs = _opcheck_cases()[case]
     torch.library.opcheck(op, args, kwargs, test_utils=FP8_OPCHECKS)

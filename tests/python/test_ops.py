@@ -191,6 +191,14 @@ def _opcheck_cases():
          {"need_dprobs": True}),
         (ops.fc1_glu_convert, (torch.randn(E, 16, K), 0, 4), {}),
         (ops.check_device_errors, (x,), {}),
+        # the expert mask: masked-off experts zeros in a new output, or fresh into fresh_dw (either layout)
+        (ops.grouped_gemm_wgrad, (dy, x, counts), {"expert_mask": torch.tensor([1, 0, 0, 1], dtype=torch.int32)}),
+        (ops.grouped_gemm_wgrad_, (dy, x, counts, [torch.zeros(E, N, K)]),
+         {"accumulate": True, "expert_mask": torch.tensor([0, 1, 0, 1], dtype=torch.int32), "masked_off": "fresh",
+          "fresh_dw": [torch.zeros(E, N, K)]}),
+        (ops.grouped_gemm_wgrad_, (dy, x, counts, list(torch.zeros(E, N, K).unbind(0))),
+         {"expert_mask": torch.tensor([1, 1, 0, 0], dtype=torch.int32), "masked_off": "fresh",
+          "fresh_dw": list(torch.zeros(E, N, K).unbind(0))}),
     ]
 
 
