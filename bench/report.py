@@ -575,14 +575,14 @@ def main():
                         "compiled, in ms; compiled/gmoe is the speed-up (targets: >= 1.5x, >= 1.8x fine-grained). "
                         "Bytes kept for backward per token (target: gmoe <= 0.6x the compiled composition's) and "
                         "peak memory of one forward + backward beyond inputs and weights (docs/benchmarks.md).\n\n")
-                write_markdown_table(f, moe)
+                write_markdown_table(f, moe, labels=1)
             if moe_passes:
                 f.write("\nMoE block per pass, TFLOP/s of the expert GEMMs.\n\n")
                 write_markdown_table(f, moe_passes)
             if moe_copy:
                 f.write("\nPermute and combine alone: bytes read + written per second against a plain device copy in "
                         "the same run (target: >= 80%).\n\n")
-                write_markdown_table(f, moe_copy)
+                write_markdown_table(f, moe_copy, labels=3)
             if offload_step or offload_copy:
                 f.write("\n## Activation offloading\n\ngmoe-bench --mode offload: one training step of a stack of "
                         "GroupedMLPs on an mlp case (forward of every layer, backward in reverse) without and with "
@@ -595,7 +595,7 @@ def main():
             if offload_copy:
                 f.write("\nThe offloader's copies alone against one plain cudaMemcpyAsync of the same bytes between "
                         "device memory and pinned host memory, same run (target: at least 85%).\n\n")
-                write_markdown_table(f, offload_copy)
+                write_markdown_table(f, offload_copy, labels=2)
             if module_times or module_ops:
                 f.write("\n## PyTorch package\n\nbench/torch_module_bench.py, one session: gmoe.GroupedMLP "
                         "(gmoe_torch, through torch.ops.gmoe) against the C++ GroupedMLP on the same case (gmoe; "
