@@ -24,6 +24,13 @@
 #           main job's GPU run: gmoe against the torch.compile'd PyTorch model, CUDA graphs);
 #           $OUT/train_moe_lm/{summary.md,loss.png,losses.json}
 #
+# A carried build: build elsewhere (x86-64, CUDA 13.0), copy gmoe_tests_cuda, gmoe-bench and gmoe-ckpt
+# into one folder and the package's extension to python/gmoe/_ops.so, carry both here and set
+# GMOE_BUILD_DIR to the folder. Without a CMakeCache.txt there the test stage runs the CUDA suite
+# alone, and, where python/gmoe/_ops.so is there, the train and moe stages use the carried extension
+# instead of building it: train runs `pytest tests/python` (GMOE_CKPT_BIN=$GMOE_BUILD_DIR/gmoe-ckpt,
+# PYTHONPATH=python, from inside tests/python as scripts/test_python.sh does) and then the example.
+#
 # Options (environment): GMOE_BUILD_DIR (a build made elsewhere and carried here), GMOE_BUILD_TARGETS,
 # GMOE_TEST_PARTS ("suite forced"), GMOE_TEST_SHARDS (4), GMOE_GPU_CPU_SUITES=1, GMOE_SANITIZE_*,
 # GMOE_BENCH_*, GMOE_TORCH_KIND, GMOE_MOE_*, GMOE_TILES, GMOE_PROFILE_SPECS, GMOE_TIMELINE, GMOE_COMMIT (the
@@ -38,6 +45,12 @@ mkdir -p "$OUT"
 # GMOE_BUILD_DIR: a build made elsewhere (x86-64, CUDA 13.0) whose binaries were carried here; the
 # test stage then runs the CUDA suite alone when the CTest tree is not there.
 BUILD="${GMOE_BUILD_DIR:-build/gpu}"
+# A carried build with the extension carried beside it (header): there is no CMake tree to add the
+# extension to, and it needs none.
+carried_ext=0
+if [ -n "${GMOE_BUILD_DIR:-}" ] && [ ! -f "$BUILD/CMakeCache.txt" ] && [ -f python/gmoe/_ops.so ]; then
+  carried_ext=1
+fi
 stages=("$@")
 [ ${#stages[@]} -eq 0 ] && stages=(build test sanitize bench moe)
 commit="${GMOE_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
@@ -187,7 +200,9 @@ for stage in "${stages[@]}"; do
       grep -E "INCORRECT|SKIPPED|correctness" "$OUT/moe.log" | tee -a "$OUT/summary.txt"
       moe_inputs=("$OUT/moe_gmoe.json")
       if [ "${GMOE_MOE_TORCH:-1}" = 1 ]; then
-        if [ "${GMOE_MOE_PACKAGE:-1}" = 1 ]; then
+        if [ "${GMOE_MOE_PACKAGE:-1}" = 1 ] && [ "$carried_ext" = 1 ]; then
+          summary "moe: the PyTorch package's extension carried (python/gmoe/_ops.so), not built"
+        elif [ "${GMOE_MOE_PACKAGE:-1}" = 1 ]; then
           # The package's extension, added to this build (scripts/test_python.sh --build-dir does the same).
           if cmake -S . -B "$BUILD" -DGMOE_BUILD_PYTHON=ON -DPython_EXECUTABLE="$(command -v python3)" >>"$OUT/moe.log" 2>&1 &&
              cmake --build "$BUILD" -j "$(nproc)" --target gmoe_torch_ops >>"$OUT/moe.log" 2>&1; then
@@ -311,7 +326,18 @@ PY
       cat "$OUT/timeline.txt" | tail -150
       summary "timeline: done ($(( $(date +%s) - t0 )) s)" ;;
     train)
-      if scripts/test_python.sh --build-dir "$BUILD" >"$OUT/train.log" 2>&1 &&
+      if [ "$carried_ext" = 1 ]; then
+        # The carried extension and gmoe-ckpt: the package's tests as scripts/test_python.sh runs
+        # them (from inside tests/python), without its build.
+        ckpt_bin="$(cd "$BUILD" && pwd)/gmoe-ckpt"
+        python_tests() {
+          (cd tests/python && PYTHONPATH="$root/python${PYTHONPATH:+:$PYTHONPATH}" GMOE_CKPT_BIN="$ckpt_bin" \
+            OMP_WAIT_POLICY=PASSIVE python3 -m pytest -q .)
+        }
+      else
+        python_tests() { scripts/test_python.sh --build-dir "$BUILD"; }
+      fi
+      if python_tests >"$OUT/train.log" 2>&1 &&
          PYTHONPATH=python python3 examples/train_moe_lm.py --out "$OUT/train_moe_lm" >>"$OUT/train.log" 2>&1; then
         summary "train: ok ($(( $(date +%s) - t0 )) s)"
         grep -E "^\| (gmoe|torch) |^Agreement|^Speed|^Peak" "$OUT/train_moe_lm/summary.md" | tee -a "$OUT/summary.txt"
