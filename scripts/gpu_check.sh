@@ -39,7 +39,7 @@
 # several calls while the machine stays warm (the build folder is kept).
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cd "$root"
+cd "$root" || exit 2
 OUT="${OUT:-/tmp/gmoe_out}"
 mkdir -p "$OUT"
 # GMOE_BUILD_DIR: a build made elsewhere (x86-64, CUDA 13.0) whose binaries were carried here; the
@@ -57,11 +57,12 @@ commit="${GMOE_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
 export GMOE_COMMIT="$commit"
 # The baseline's name: the GPU model in lower case (NVIDIA H100 80GB HBM3 -> h100).
 gpu_model="$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)"
-gpu="$(echo "$gpu_model" | grep -oiE 'h[0-9]{3}' | head -1 | tr 'A-Z' 'a-z')"
+gpu="$(echo "$gpu_model" | grep -oiE 'h[0-9]{3}' | head -1 | tr '[:upper:]' '[:lower:]')"
 gpu="${gpu:-gpu}"
 status=0
 summary() { echo "$*" | tee -a "$OUT/summary.txt"; }
 # The device tool brings back at most 8 files: the logs travel as one archive.
+# shellcheck disable=SC2317  # called by the trap
 pack_logs() { (cd "$OUT" && ls ./*.log >/dev/null 2>&1 && tar czf logs.tgz ./*.log && rm -f ./*.log); }
 trap pack_logs EXIT
 
@@ -71,6 +72,7 @@ for stage in "${stages[@]}"; do
     build)
       nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$OUT/summary.txt"
       scripts/setup_deps.sh >"$OUT/build.log" 2>&1
+      # shellcheck disable=SC2086  # GMOE_BUILD_TARGETS is a list of targets
       if cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGMOE_WITH_CUDA=ON >>"$OUT/build.log" 2>&1 &&
          cmake --build "$BUILD" -j "$(nproc)" --target ${GMOE_BUILD_TARGETS:-gmoe_tests_cuda gmoe-bench} \
            >>"$OUT/build.log" 2>&1; then
@@ -323,7 +325,7 @@ for r in body:
 print(f"{total:10.1f} us  total of {len(body)} kernels")
 PY
       done
-      cat "$OUT/timeline.txt" | tail -150
+      tail -150 "$OUT/timeline.txt"
       summary "timeline: done ($(( $(date +%s) - t0 )) s)" ;;
     train)
       if [ "$carried_ext" = 1 ]; then
