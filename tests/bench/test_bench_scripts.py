@@ -110,6 +110,12 @@ def gemm_row(case, pass_name, impl, tflops, **extra):
     return r
 
 
+def ms_row(case, pass_name, impl, ms, tflops=0.0, **extra):
+    r = {"case": case, "pass": pass_name, "impl": impl, "dtype": "bf16", "ms": ms, "tflops": tflops, "correct": None}
+    r.update(extra)
+    return r
+
+
 class Report(unittest.TestCase):
     def setUp(self):
         self.dir = tempfile.TemporaryDirectory()
@@ -251,12 +257,7 @@ class Report(unittest.TestCase):
         self.assertIn("1.25x", mlp)
 
     def test_offload_tables(self):
-        def row(case, pass_name, impl, ms, **extra):
-            r = {"case": case, "pass": pass_name, "impl": impl, "dtype": "bf16", "ms": ms, "tflops": 0.0,
-                 "correct": None}
-            r.update(extra)
-            return r
-
+        row = ms_row
         # A file written before the rows had their kind and numeric fields: the numbers are in the notes.
         old = [row("o/uniform", "step", "gmoe_stack", 10.0, correct=True,
                    note="activations after forward 1000.0 MiB, step peak 3000.0 MiB"),
@@ -298,11 +299,8 @@ class Report(unittest.TestCase):
         self.assertIn("Activation offloading", stdout)
 
     def test_module_tables(self):
-        def row(case, pass_name, impl, ms, **extra):
-            r = {"case": case, "pass": pass_name, "impl": impl, "dtype": "bf16", "ms": ms, "tflops": 50.0,
-                 "correct": None}
-            r.update(extra)
-            return r
+        def row(*args, **extra):
+            return ms_row(*args, tflops=50.0, **extra)
 
         mlp = [gemm_row("m/uniform", "forward_backward", "gmoe", 500.0),
                gemm_row("m/uniform", "forward_backward", "torch_compile", 400.0, correct=None)]

@@ -22,21 +22,32 @@ SUITE = os.path.join(ROOT, "tests", "bench", "skips_suite.json")
 BENCH = None  # set from argv
 
 
-class BenchSkips(unittest.TestCase):
+class BenchRun(unittest.TestCase):
+    """gmoe-bench run once on the suite (CPU backend) with ARGS, into a JSON and a markdown file."""
+    ARGS = ()
+
     @classmethod
     def setUpClass(cls):
         cls.tmp = tempfile.TemporaryDirectory()
         cls.json_path = os.path.join(cls.tmp.name, "out.json")
         cls.md_path = os.path.join(cls.tmp.name, "out.md")
-        cls.proc = subprocess.run([BENCH, "--suite", SUITE, "--backend", "cpu", "--fp8", "blockwise,mxfp8",
+        cls.proc = subprocess.run([BENCH, "--suite", SUITE, "--backend", "cpu", *cls.ARGS,
                                    "--json", cls.json_path, "--markdown", cls.md_path],
                                   capture_output=True, text=True, timeout=600)
-        with open(SUITE) as f:
-            cls.cases = json.load(f)["cases"]
 
     @classmethod
     def tearDownClass(cls):
         cls.tmp.cleanup()
+
+
+class BenchSkips(BenchRun):
+    ARGS = ("--fp8", "blockwise,mxfp8")
+
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        with open(SUITE) as f:
+            cls.cases = json.load(f)["cases"]
 
     def rows(self):
         with open(self.json_path) as f:
@@ -96,19 +107,8 @@ class BenchSkips(unittest.TestCase):
         self.assertIn("k24/skewed gmoe_mxfp8:", p.stdout)
 
 
-class BenchOffload(unittest.TestCase):
-    @classmethod
-    def setUpClass(cls):
-        cls.tmp = tempfile.TemporaryDirectory()
-        cls.json_path = os.path.join(cls.tmp.name, "offload.json")
-        cls.md_path = os.path.join(cls.tmp.name, "offload.md")
-        cls.proc = subprocess.run([BENCH, "--suite", SUITE, "--backend", "cpu", "--mode", "offload",
-                                   "--json", cls.json_path, "--markdown", cls.md_path],
-                                  capture_output=True, text=True, timeout=600)
-
-    @classmethod
-    def tearDownClass(cls):
-        cls.tmp.cleanup()
+class BenchOffload(BenchRun):
+    ARGS = ("--mode", "offload")
 
     def test_rows_carry_their_kind_and_numbers(self):
         self.assertEqual(self.proc.returncode, 0, self.proc.stdout + self.proc.stderr)
