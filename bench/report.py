@@ -6,13 +6,19 @@ and the geometric means. Layer rows (impl gmoe_linear, from gmoe-bench's layer m
 table: the layer's time beside its bare GEMMs measured in the same run, the overhead, and the kernel
 launches per call. Rows of moe cases (kind "moe") get tables of their own: the MoE block forward +
 backward, gmoe against the PyTorch composition eager and compiled, with the bytes kept for backward
-per token and the peak memory of each; and permute / combine against a device copy.
+per token and the peak memory of each; and permute / combine against a device copy. Rows of
+gmoe-bench --mode offload (kind "offload") get the activation offloading tables: the step with and
+without offloading, the activations' memory, and the offloader's copies against a plain pinned copy.
+Rows of bench/torch_module_bench.py (kind "module") get the PyTorch package's tables: its module
+against the C++ layer and the torch composition timed in that session, and the per-call overhead of
+its ops.
 
     report.py gmoe.json torch.json --out results.json --markdown results.md
 """
 import argparse
 import json
 import math
+import re
 
 
 LAYER_IMPL = "gmoe_linear"
@@ -207,11 +213,12 @@ def print_table(lines):
             print("-" * (sum(widths) + 2 * len(widths)))
 
 
-def write_markdown_table(f, lines):
+def write_markdown_table(f, lines, labels=2):
+    """A markdown table: its first `labels` columns left-aligned, the numbers right-aligned."""
     for n, l in enumerate(lines):
         f.write("| " + " | ".join(l) + " |\n")
         if n == 0:
-            f.write("|" + "---|" * 2 + "---:|" * (len(l) - 2) + "\n")
+            f.write("|" + "---|" * labels + "---:|" * (len(l) - labels) + "\n")
 
 
 def is_moe(r):
@@ -280,6 +287,154 @@ def moe_copy_table(rows):
     return lines if len(lines) > 1 else []
 
 
+# gmoe-bench --mode offload's impls: the stack's step without and with offloading, and the
+# offloader's copies alone beside a plain pinned copy of the same bytes.
+OFFLOAD_IMPLS = ("gmoe_stack", "gmoe_stack_offload", "offloader", "pinned_memcpy")
+
+
+def is_offload(r):
+    return r.get("kind") == "offload"
+
+
+def is_module(r):
+    return r.get("kind") == "module"
+
+
+def mark_kinds(rows):
+    """Files written before offload and module rows carried their kind: offload rows are known by their
+    impls; the module bench's rows are those from its first gmoe_torch row (outside the moe cases) to
+    its op-overhead rows, the last it writes (its gmoe, torch and torch_compile rows would otherwise
+    be taken for the mlp mode's and torch_baseline.py's of the same case and pass)."""
+    for r in rows:
+        if not r.get("kind") and r["impl"] in OFFLOAD_IMPLS:
+            r["kind"] = "offload"
+    if any(is_module(r) for r in rows):
+        return
+    overhead = [i for i, r in enumerate(rows) if "us_per_call" in r]
+    first = next((i for i, r in enumerate(rows) if r["impl"] == "gmoe_torch" and not r.get("kind")), None)
+    if overhead and first is not None and first < overhead[-1]:
+        for r in rows[first:overhead[-1] + 1]:
+            r.setdefault("kind", "module")
+    for i in overhead:
+        rows[i]["kind"] = "module"
+
+
+# Offload rows of files written before their numeric fields: the same numbers in the note.
+OFFLOAD_NOTE_FIELDS = {"activations_mib": r"activations after forward ([0-9.]+) MiB",
+                       "peak_mib": r"step peak ([0-9.]+) MiB", "offloaded_mib": r"([0-9.]+) MiB offloaded",
+                       "gbps": r"([0-9.]+) GB/s"}
+
+
+def offload_field(r, key):
+    """An offload row's numeric field, or the same number parsed from its note (None when neither)."""
+    if r is None or r.get("skipped"):
+        return None
+    if r.get(key) is not None:
+        return r[key]
+    m = re.search(OFFLOAD_NOTE_FIELDS[key], r.get("note") or "")
+    return float(m.group(1)) if m else None
+
+
+def fmt(v, prec, suffix=""):
+    return "-" if v is None else f"{v:.{prec}f}{suffix}"
+
+
+def ratio_of(a, b):
+    return None if a is None or b is None or b <= 0 else a / b
+
+
+def geomean_cell(logs):
+    return f"{math.exp(sum(logs) / len(logs)):.2f}x" if logs else "-"
+
+
+def offload_tables(rows):
+    """Per case: the step without and with offloading (ms), the copies' time (the offloader's d2h +
+    h2d alone), the step with over max(step without, copies) (issue 42's target: <= 1.1x), the
+    activations after forward without and with and the reduction (target: >= 70%), the steps' peaks
+    and the bytes offloaded; then per case and direction the offloader's bandwidth against the plain
+    pinned copy's (target: >= 85%). Returns (step table, copy table), each [] when empty."""
+    cells = {}
+    for r in rows:
+        if is_offload(r):
+            cells.setdefault(r["case"], {})[(r["pass"], r["impl"])] = r
+    ms = lambda r: None if r is None or r.get("skipped") else r.get("ms")  # noqa: E731
+    step = [["case", "step ms without", "step ms with", "copies ms", "with/max(without, copies)",
+             "activations MiB without", "activations MiB with", "activations less", "peak MiB without",
+             "peak MiB with", "offloaded MiB", "correct"]]
+    logs = []
+    for case, c in cells.items():
+        plain, off = c.get(("step", "gmoe_stack")), c.get(("step", "gmoe_stack_offload"))
+        if plain is None and off is None:
+            continue
+        if off is not None and off.get("skipped"):
+            step.append([case, fmt(ms(plain), 3), "skipped"] + ["-"] * 9)
+            continue
+        d2h, h2d = ms(c.get(("copy_d2h", "offloader"))), ms(c.get(("copy_h2d", "offloader")))
+        copies = None if d2h is None or h2d is None else d2h + h2d
+        slow = ratio_of(ms(off), None if ms(plain) is None or copies is None else max(ms(plain), copies))
+        if slow:
+            logs.append(math.log(slow))
+        held = [offload_field(plain, "activations_mib"), offload_field(off, "activations_mib")]
+        less = ratio_of(None if None in held else held[0] - held[1], held[0])
+        checked = [r["correct"] for r in (plain, off) if r is not None and r.get("correct") is not None]
+        step.append([case, fmt(ms(plain), 3), fmt(ms(off), 3), fmt(copies, 3), fmt(slow, 2, "x"),
+                     fmt(held[0], 1), fmt(held[1], 1), fmt(None if less is None else 100 * less, 1, "%"),
+                     fmt(offload_field(plain, "peak_mib"), 1), fmt(offload_field(off, "peak_mib"), 1),
+                     fmt(offload_field(off, "offloaded_mib"), 1),
+                     "-" if not checked else ("yes" if all(checked) else "NO")])
+    step.append(["geomean", "", "", "", geomean_cell(logs)] + [""] * 7)
+    copy = [["case", "direction", "offloader ms", "offloader GB/s", "pinned copy ms", "pinned copy GB/s",
+             "of pinned copy"]]
+    for case, c in cells.items():
+        for direction in ("copy_d2h", "copy_h2d"):
+            off, plain = c.get((direction, "offloader")), c.get((direction, "pinned_memcpy"))
+            if off is None or off.get("skipped"):
+                continue
+            share = ratio_of(ms(plain), ms(off))  # the same bytes: the time ratio is the bandwidth ratio
+            copy.append([case, direction, fmt(ms(off), 3), fmt(offload_field(off, "gbps"), 1), fmt(ms(plain), 3),
+                         fmt(offload_field(plain, "gbps"), 1), fmt(None if share is None else 100 * share, 1, "%")])
+    return (step if len(step) > 2 else []), (copy if len(copy) > 1 else [])
+
+
+def module_tables(rows):
+    """The PyTorch package (bench/torch_module_bench.py, one session): per mlp case and pass the module
+    (gmoe_torch) against the C++ GroupedMLP (gmoe; issue 38's target: within 3%, a time ratio
+    <= 1.03) and against the torch composition eager and compiled (their time over the module's);
+    then the per-call host overhead of a tiny gmoe op against a torch op of the same size. Returns
+    (time table, overhead table), each [] when empty."""
+    cells, overhead = {}, {}
+    for r in rows:
+        if not is_module(r):
+            continue
+        if "us_per_call" in r:
+            overhead[r["impl"]] = r["us_per_call"]
+        else:
+            cells.setdefault((r["case"], r["pass"]), {})[r["impl"]] = r
+    ms = lambda c, i: None if i not in c or c[i].get("skipped") else c[i].get("ms")  # noqa: E731
+    cols = ["gmoe_torch/gmoe", "torch/gmoe_torch", "torch_compile/gmoe_torch"]
+    times = [["case", "pass", "gmoe_torch ms", "gmoe ms", "torch ms", "torch_compile ms"] + cols + ["correct"]]
+    logs = {k: [] for k in cols}
+    for (case, p), c in cells.items():
+        if "gmoe_torch" not in c:
+            continue
+        ratios = [ratio_of(ms(c, "gmoe_torch"), ms(c, "gmoe")), ratio_of(ms(c, "torch"), ms(c, "gmoe_torch")),
+                  ratio_of(ms(c, "torch_compile"), ms(c, "gmoe_torch"))]
+        for k, v in zip(cols, ratios):
+            if v:
+                logs[k].append(math.log(v))
+        correct = c["gmoe_torch"].get("correct")
+        times.append([case, p] + [fmt(ms(c, i), 3) for i in ("gmoe_torch", "gmoe", "torch", "torch_compile")]
+                     + [fmt(ratios[0], 3), fmt(ratios[1], 2, "x"), fmt(ratios[2], 2, "x")]
+                     + ["-" if correct is None else ("yes" if correct else "NO")])
+    times.append(["geomean", "", "", "", "", "", f"{math.exp(sum(logs[cols[0]]) / len(logs[cols[0]])):.3f}"
+                  if logs[cols[0]] else "-", geomean_cell(logs[cols[1]]), geomean_cell(logs[cols[2]]), ""])
+    ours, theirs = overhead.get("gmoe_op_overhead"), overhead.get("torch_op_overhead")
+    ops = [["gmoe op us/call", "torch op us/call", "gmoe/torch", "gmoe - torch us"],
+           [fmt(ours, 1), fmt(theirs, 1), fmt(ratio_of(ours, theirs), 2, "x"),
+            fmt(None if ours is None or theirs is None else ours - theirs, 1)]]
+    return (times if len(times) > 2 else []), (ops if overhead else [])
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("inputs", nargs="+")
@@ -301,6 +456,7 @@ def main():
         for n in d.get("notes", []):
             if n not in merged.setdefault("notes", []):
                 merged["notes"].append(n)
+        mark_kinds(d["rows"])
         merged["rows"] += d["rows"]
         for e in d.get("errors", []):
             # An error of one (case, pass, impl) is that row not run: a skipped row (docs/benchmarks.md).
@@ -311,7 +467,8 @@ def main():
     if merged is None:
         raise SystemExit("report: no readable input")
     json.dump(merged, open(args.out, "w"), indent=1)
-    rows = [r for r in merged["rows"] if not is_moe(r)]  # the moe cases' rows have tables of their own
+    # The moe cases', offload and module rows have tables of their own.
+    rows = [r for r in merged["rows"] if not (is_moe(r) or is_offload(r) or is_module(r))]
     tables = sections(rows)
     layer = layer_table(rows)
     fp8_layer = fp8_layer_table(rows)
@@ -324,6 +481,8 @@ def main():
     moe_passes = table([r for r in merged["rows"] if is_moe(r)], ["gmoe", "gmoe_graph", "gmoe_torch"],
                        ["torch", "torch_compile"], passes={"forward", "backward", "forward_backward"})
     moe_copy = moe_copy_table(merged["rows"])
+    offload_step, offload_copy = offload_tables(merged["rows"])
+    module_times, module_ops = module_tables(merged["rows"])
     notes = merged.get("notes") or []
     for title, lines in tables:
         print(f"\n{title}:")
@@ -352,6 +511,18 @@ def main():
     if moe_copy:
         print("\nPermute and combine alone against a device copy:")
         print_table(moe_copy)
+    if offload_step:
+        print("\nActivation offloading: one step of the stack without and with (ms, MiB):")
+        print_table(offload_step)
+    if offload_copy:
+        print("\nThe offloader's copies alone against a plain pinned copy:")
+        print_table(offload_copy)
+    if module_times:
+        print("\nPyTorch package: gmoe.GroupedMLP (gmoe_torch) against the C++ layer and the torch composition (ms):")
+        print_table(module_times)
+    if module_ops:
+        print("\nPer-call host overhead of an op, gmoe's against torch's:")
+        print_table(module_ops)
     for n in notes:
         print(f"note: {n}")
     skipped = skipped_lines(merged["rows"])
@@ -365,7 +536,8 @@ def main():
         with open(args.markdown, "w") as f:
             f.write(f"# gmoe benchmark: suite {merged.get('suite')} on {merged.get('gpu')}\n\n")
             f.write(f"commit {merged.get('commit')}, {merged.get('date')}, torch {merged.get('torch')}. "
-                    "TFLOP/s (median of CUDA-event timings); every baseline measured in the same run.\n\n")
+                    "TFLOP/s unless a table says otherwise (median of CUDA-event timings); every baseline measured "
+                    "in the same run.\n\n")
             for title, lines in tables:
                 f.write(f"\n## {title}\n\n")
                 write_markdown_table(f, lines)
@@ -403,14 +575,38 @@ def main():
                         "compiled, in ms; compiled/gmoe is the speed-up (targets: >= 1.5x, >= 1.8x fine-grained). "
                         "Bytes kept for backward per token (target: gmoe <= 0.6x the compiled composition's) and "
                         "peak memory of one forward + backward beyond inputs and weights (docs/benchmarks.md).\n\n")
-                write_markdown_table(f, moe)
+                write_markdown_table(f, moe, labels=1)
             if moe_passes:
                 f.write("\nMoE block per pass, TFLOP/s of the expert GEMMs.\n\n")
                 write_markdown_table(f, moe_passes)
             if moe_copy:
                 f.write("\nPermute and combine alone: bytes read + written per second against a plain device copy in "
                         "the same run (target: >= 80%).\n\n")
-                write_markdown_table(f, moe_copy)
+                write_markdown_table(f, moe_copy, labels=3)
+            if offload_step or offload_copy:
+                f.write("\n## Activation offloading\n\ngmoe-bench --mode offload: one training step of a stack of "
+                        "GroupedMLPs on an mlp case (forward of every layer, backward in reverse) without and with "
+                        "activation offloading (OffloadScheduler: the last layer kept, one layer reloaded ahead), "
+                        "in ms; copies: the offloader's copies of one step's saved tensors alone, out and back. "
+                        "Targets (issue 42): the step with offloading at most 1.1x max(step without, copies); "
+                        "the activations held after forward at least 70% less; peaks beyond inputs and weights; "
+                        "correct: dx of the two steps bitwise equal.\n\n")
+                write_markdown_table(f, offload_step, labels=1)
+            if offload_copy:
+                f.write("\nThe offloader's copies alone against one plain cudaMemcpyAsync of the same bytes between "
+                        "device memory and pinned host memory, same run (target: at least 85%).\n\n")
+                write_markdown_table(f, offload_copy, labels=2)
+            if module_times or module_ops:
+                f.write("\n## PyTorch package\n\nbench/torch_module_bench.py, one session: gmoe.GroupedMLP "
+                        "(gmoe_torch, through torch.ops.gmoe) against the C++ GroupedMLP on the same case (gmoe; "
+                        "target, issue 38: gmoe_torch/gmoe at most 1.03) and against the torch composition "
+                        "_grouped_mm -> activation -> _grouped_mm eager and compiled (their time over the "
+                        "module's), in ms; correct: the module against the composition.\n\n")
+                write_markdown_table(f, module_times)
+            if module_ops:
+                f.write("\nHost time per call of a tiny op called back to back: gmoe's grouped_bias_grad of "
+                        "[64, 64] over 8 experts against torch's sum over dim 0 of the same tensor.\n\n")
+                write_markdown_table(f, module_ops, labels=0)
             for n in notes:
                 f.write(f"\nNote: {n}\n")
             if skipped:

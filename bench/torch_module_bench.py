@@ -20,8 +20,9 @@ It also measures the op layer's per-call host overhead: a tiny gmoe op (grouped_
 [64, 64], 8 experts) called back to back, against a torch op of the same size (torch.sum over
 dim 0), in µs per call (impl "gmoe_op_overhead" / "torch_op_overhead", field "us_per_call").
 
-Writes rows in the docs/benchmarks.md results format (--json). Needs the gmoe package importable
-(pip install ., or PYTHONPATH=python after scripts/test_python.sh --inplace --cuda).
+Writes rows in the docs/benchmarks.md results format (--json), each marked "kind": "module". Needs
+the gmoe package importable (pip install ., or PYTHONPATH=python after scripts/test_python.sh
+--inplace --cuda).
 """
 import argparse
 import json
@@ -185,6 +186,8 @@ def main():
         rows += module_rows(case, args, errors)
         rows += cpp_layer_rows(case, args, errors)
     rows += op_overhead_rows()
+    for r in rows:  # bench/report.py tables them apart from the mlp mode's and torch_baseline.py's rows
+        r["kind"] = "module"
     import gmoe  # noqa: F401
     result = {"gpu": torch.cuda.get_device_name(), "suite": os.path.basename(args.suite).split(".")[0],
               "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "cuda": torch.version.cuda,

@@ -6,9 +6,9 @@ machine, where a mistake costs a device call. Here: torch_baseline.py's --dry-ru
 (no torch needed: it lists the cases and what it would time) and its argument checks; the same for
 torch_moe_baseline.py on the moe cases; report.py on synthetic result files of every kind of row it
 tables (bf16 and FP8 GEMMs, the layer against its bare GEMMs, the FP8 layer against the bf16 one,
-the layer against torch's layer composition, the MLP, the MoE block and its routing ops), the
-ratios and geometric means it prints, torch's per-row errors as skipped rows, and its refusal of
-unreadable input.
+the layer against torch's layer composition, the MLP, the MoE block and its routing ops, activation
+offloading, the PyTorch package's module bench), the ratios and geometric means it prints, torch's
+per-row errors as skipped rows, and its refusal of unreadable input.
 
     python3 tests/bench/test_bench_scripts.py        (ctest: bench_scripts)
 """
@@ -106,6 +106,12 @@ class TorchMoeBaselineDryRun(unittest.TestCase):
 def gemm_row(case, pass_name, impl, tflops, **extra):
     r = {"case": case, "pass": pass_name, "impl": impl, "dtype": "bf16", "ms": 100.0 / tflops, "tflops": tflops,
          "correct": True}
+    r.update(extra)
+    return r
+
+
+def ms_row(case, pass_name, impl, ms, tflops=0.0, **extra):
+    r = {"case": case, "pass": pass_name, "impl": impl, "dtype": "bf16", "ms": ms, "tflops": tflops, "correct": None}
     r.update(extra)
     return r
 
@@ -249,6 +255,83 @@ class Report(unittest.TestCase):
         self.assertIn("q/uniform", mlp)
         self.assertNotIn("moe_q", mlp)
         self.assertIn("1.25x", mlp)
+
+    def test_offload_tables(self):
+        row = ms_row
+        # A file written before the rows had their kind and numeric fields: the numbers are in the notes.
+        old = [row("o/uniform", "step", "gmoe_stack", 10.0, correct=True,
+                   note="activations after forward 1000.0 MiB, step peak 3000.0 MiB"),
+               row("o/uniform", "step", "gmoe_stack_offload", 22.0, correct=True,
+                   note="activations after forward 250.0 MiB (75% less), step peak 2500.0 MiB, 750.0 MiB offloaded; "
+                        "1.10x max(step without 10.000 ms, copies 20.000 ms)"),
+               row("o/uniform", "copy_d2h", "offloader", 9.0, note="50.0 GB/s, 100% of the plain pinned copy"),
+               row("o/uniform", "copy_d2h", "pinned_memcpy", 9.0, note="50.0 GB/s"),
+               row("o/uniform", "copy_h2d", "offloader", 11.0, note="45.0 GB/s, 90% of the plain pinned copy"),
+               row("o/uniform", "copy_h2d", "pinned_memcpy", 9.9, note="50.0 GB/s"),
+               gemm_row("m/uniform", "forward_backward", "gmoe", 500.0)]
+        new = [row("o/skewed", "step", "gmoe_stack", 10.0, kind="offload", correct=True, activations_mib=800.0,
+                   peak_mib=2000.0),
+               row("o/skewed", "step", "gmoe_stack_offload", 12.0, kind="offload", correct=True,
+                   activations_mib=200.0, peak_mib=1900.0, offloaded_mib=600.0),
+               row("o/skewed", "copy_d2h", "offloader", 5.0, kind="offload", gbps=120.0, copy_gbps=125.0),
+               row("o/skewed", "copy_d2h", "pinned_memcpy", 4.8, kind="offload", gbps=125.0),
+               row("o/skewed", "copy_h2d", "offloader", 5.0, kind="offload", gbps=120.0, copy_gbps=120.0),
+               row("o/skewed", "copy_h2d", "pinned_memcpy", 5.0, kind="offload", gbps=120.0)]
+        stdout, merged, md = self.report(
+            self.write("old.json", old, gpu="H100", commit="abc", date="today", suite="public"),
+            self.write("new.json", new))
+        self.assertEqual({r.get("kind") for r in merged["rows"] if r["case"].startswith("o/")}, {"offload"})
+        block = md.split("## Activation offloading")[1]
+        # old: copies 9 + 11 = 20 ms, 22 / max(10, 20) = 1.10x; activations 1000 -> 250 MiB, 75% less.
+        self.assertIn("| o/uniform | 10.000 | 22.000 | 20.000 | 1.10x | 1000.0 | 250.0 | 75.0% | 3000.0 | 2500.0 | "
+                      "750.0 | yes |", block)
+        # new: copies 5 + 5 = 10 ms, 12 / max(10, 10) = 1.20x; 800 -> 200 MiB; geomean sqrt(1.1 * 1.2).
+        self.assertIn("| o/skewed | 10.000 | 12.000 | 10.000 | 1.20x | 800.0 | 200.0 | 75.0% | 2000.0 | 1900.0 | "
+                      "600.0 | yes |", block)
+        self.assertIn(f"| geomean |  |  |  | {math.sqrt(1.1 * 1.2):.2f}x |", block)
+        # the copies: the pinned copy's time over the offloader's (same bytes), GB/s from the note or the field
+        self.assertIn("| o/uniform | copy_h2d | 11.000 | 45.0 | 9.900 | 50.0 | 90.0% |", block)
+        self.assertIn("| o/skewed | copy_d2h | 5.000 | 120.0 | 4.800 | 125.0 | 96.0% |", block)
+        # no TFLOP/s table takes them (their tflops are 0)
+        before = md.split("## Activation offloading")[0]
+        self.assertNotIn("o/uniform", before)
+        self.assertNotIn("gmoe_stack", before)
+        self.assertIn("Activation offloading", stdout)
+
+    def test_module_tables(self):
+        def row(*args, **extra):
+            return ms_row(*args, tflops=50.0, **extra)
+
+        mlp = [gemm_row("m/uniform", "forward_backward", "gmoe", 500.0),
+               gemm_row("m/uniform", "forward_backward", "torch_compile", 400.0, correct=None)]
+        module = [row("m/uniform", "forward_backward", "gmoe_torch", 10.2, correct=True),
+                  row("m/uniform", "forward_backward", "torch", 15.3),
+                  row("m/uniform", "forward_backward", "torch_compile", 11.22),
+                  row("m/uniform", "forward_backward", "gmoe", 10.0, correct=True)]
+        overhead = [{"case": "op_overhead", "pass": "call", "impl": "gmoe_op_overhead", "dtype": "bf16",
+                     "us_per_call": 25.0, "correct": None},
+                    {"case": "op_overhead", "pass": "call", "impl": "torch_op_overhead", "dtype": "bf16",
+                     "us_per_call": 12.5, "correct": None}]
+        # torch_module_bench.py marks its rows; a merged file written before it did holds the module bench's
+        # rows after the mlp mode's of the same case, pass and impl.
+        marked = [dict(r, kind="module") for r in module + overhead]
+        for inputs in ((self.write("mlp.json", mlp, gpu="H100", commit="abc", date="today", suite="public"),
+                        self.write("module.json", marked, torch="2.11")),
+                       (self.write("merged.json", mlp + module + overhead, gpu="H100", commit="abc", date="today",
+                                   suite="public"),)):
+            with self.subTest(inputs=[os.path.basename(i) for i in inputs]):
+                stdout, merged, md = self.report(*inputs)
+                self.assertEqual(sum(r.get("kind") == "module" for r in merged["rows"]), len(marked))
+                # the expert MLP table has the mlp mode's rows only: 500 / 400 = 1.25x
+                mlp_md = md.split("## expert MLP")[1].split("## PyTorch package")[0]
+                self.assertIn("1.25x", mlp_md)
+                self.assertNotIn("50.0", mlp_md)
+                # the module: 10.2 / 10.0 = 1.020 of the C++ layer; torch 15.3 / 10.2 = 1.50x, compiled 1.10x
+                block = md.split("## PyTorch package")[1]
+                self.assertIn("| m/uniform | forward_backward | 10.200 | 10.000 | 15.300 | 11.220 | 1.020 | 1.50x | "
+                              "1.10x | yes |", block)
+                self.assertIn("| 25.0 | 12.5 | 2.00x | 12.5 |", block)
+                self.assertIn("PyTorch package", stdout)
 
     def test_unreadable_inputs(self):
         good = self.write("gmoe.json", [gemm_row("a/uniform", "fprop", "gmoe", 800.0)])

@@ -5,7 +5,8 @@ Runs gmoe-bench (the CPU backend here) on tests/bench/skips_suite.json with FP8 
 the FP8 rows of every case (one of them with K = 24, not a multiple of 16) and an mlp case whose
 activation does not exist cannot run. They must come back as rows marked `skipped` with the
 reason, while every other case runs, is checked and lands in the JSON and markdown files, and
-bench/report.py must table such a file.
+bench/report.py must table such a file. The same for the offload mode on the suite's mlp cases,
+whose rows are tabled in ms and MiB (they count no FLOPs), not in TFLOP/s.
 
     python3 tests/bench/test_bench_skips.py PATH/TO/gmoe-bench        (ctest: bench_skips)
 """
@@ -21,21 +22,32 @@ SUITE = os.path.join(ROOT, "tests", "bench", "skips_suite.json")
 BENCH = None  # set from argv
 
 
-class BenchSkips(unittest.TestCase):
+class BenchRun(unittest.TestCase):
+    """gmoe-bench run once on the suite (CPU backend) with ARGS, into a JSON and a markdown file."""
+    ARGS = ()
+
     @classmethod
     def setUpClass(cls):
         cls.tmp = tempfile.TemporaryDirectory()
         cls.json_path = os.path.join(cls.tmp.name, "out.json")
         cls.md_path = os.path.join(cls.tmp.name, "out.md")
-        cls.proc = subprocess.run([BENCH, "--suite", SUITE, "--backend", "cpu", "--fp8", "blockwise,mxfp8",
+        cls.proc = subprocess.run([BENCH, "--suite", SUITE, "--backend", "cpu", *cls.ARGS,
                                    "--json", cls.json_path, "--markdown", cls.md_path],
                                   capture_output=True, text=True, timeout=600)
-        with open(SUITE) as f:
-            cls.cases = json.load(f)["cases"]
 
     @classmethod
     def tearDownClass(cls):
         cls.tmp.cleanup()
+
+
+class BenchSkips(BenchRun):
+    ARGS = ("--fp8", "blockwise,mxfp8")
+
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        with open(SUITE) as f:
+            cls.cases = json.load(f)["cases"]
 
     def rows(self):
         with open(self.json_path) as f:
@@ -93,6 +105,46 @@ class BenchSkips(unittest.TestCase):
         self.assertEqual(p.returncode, 0, p.stderr)
         self.assertIn("Skipped (not run)", p.stdout)
         self.assertIn("k24/skewed gmoe_mxfp8:", p.stdout)
+
+
+class BenchOffload(BenchRun):
+    ARGS = ("--mode", "offload")
+
+    def test_rows_carry_their_kind_and_numbers(self):
+        self.assertEqual(self.proc.returncode, 0, self.proc.stdout + self.proc.stderr)
+        with open(self.json_path) as f:
+            rows = json.load(f)["rows"]
+        self.assertEqual({r.get("kind") for r in rows}, {"offload"})
+        run = {r["impl"]: r for r in rows if r["case"] == "mlp/uniform"}
+        self.assertEqual(set(run), {"gmoe_stack", "gmoe_stack_offload"})
+        for r in run.values():
+            self.assertIs(r["correct"], True, r)
+            self.assertGreater(r["activations_mib"], 0, r)
+            self.assertGreaterEqual(r["peak_mib"], r["activations_mib"], r)
+        self.assertLess(run["gmoe_stack_offload"]["activations_mib"], run["gmoe_stack"]["activations_mib"])
+        self.assertGreater(run["gmoe_stack_offload"]["offloaded_mib"], 0)
+        self.assertNotIn("offloaded_mib", run["gmoe_stack"])
+        bad = [r for r in rows if r["case"] == "bad_activation/uniform"]
+        self.assertEqual([(r["impl"], r["pass"]) for r in bad], [("gmoe_stack_offload", "step")])
+        self.assertIn("no_such_activation", bad[0]["skipped"])
+
+    def test_the_tables_are_in_ms_and_mib(self):
+        with open(self.md_path) as f:
+            markdown = f.read()
+        for text in (self.proc.stdout, markdown):
+            self.assertIn("activations MiB", text)
+            self.assertNotIn("TFLOP/s 0", text.replace("|", ""))
+            self.assertNotIn("gmoe_stack TFLOP/s", text)
+        out = os.path.join(self.tmp.name, "report.json")
+        md = os.path.join(self.tmp.name, "report.md")
+        p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "report.py"), self.json_path, "--out", out,
+                            "--markdown", md], capture_output=True, text=True)
+        self.assertEqual(p.returncode, 0, p.stderr)
+        with open(md) as f:
+            report = f.read()
+        self.assertIn("## Activation offloading", report)
+        self.assertIn("| mlp/uniform |", report.split("## Activation offloading")[1])
+        self.assertIn("| bad_activation/uniform | - | skipped |", report)
 
 
 if __name__ == "__main__":

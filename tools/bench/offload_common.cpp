@@ -143,11 +143,16 @@ std::vector<ResultRow> run_offload_case_cpu(const BenchCase& c, const BenchOptio
   std::snprintf(note, sizeof note, "activations after forward %.2f MiB, step peak %.2f MiB", held[0] / 1048576.0,
                 peak[0] / 1048576.0);
   r.push_back(timed_row(c.name, "step", "gmoe_stack", dt == DType::bf16 ? "bf16" : "f16", ms[0], 0, equal, note));
+  r.back().activations_mib = held[0] / 1048576.0;
+  r.back().peak_mib = peak[0] / 1048576.0;
   std::snprintf(note, sizeof note, "activations after forward %.2f MiB (%.0f%% less), step peak %.2f MiB, %.2f MiB "
                 "offloaded", held[1] / 1048576.0, held[0] ? 100.0 * (1.0 - double(held[1]) / held[0]) : 0.0,
                 peak[1] / 1048576.0, offloaded / 1048576.0);
   r.push_back(timed_row(c.name, "step", "gmoe_stack_offload", dt == DType::bf16 ? "bf16" : "f16", ms[1], 0, equal,
                         note));
+  r.back().activations_mib = held[1] / 1048576.0;
+  r.back().peak_mib = peak[1] / 1048576.0;
+  r.back().offloaded_mib = offloaded / 1048576.0;
   if (!equal) r.back().note += "; dx differs from the step without offloading";
   for (const ResultRow& row : r) {
     std::printf("  %-24s %-20s %9.3f ms  %s\n", row.case_name.c_str(), row.impl.c_str(), row.ms, row.note.c_str());
@@ -163,13 +168,16 @@ std::vector<ResultRow> run_offload_case_cuda(const BenchCase&, const BenchOption
 
 std::vector<ResultRow> run_offload_mode(const BenchCase& full, const BenchOptions& o, bool use_cuda, double cpu_gflop,
                                         const std::string& dtype) {
+  std::vector<ResultRow> rows;
   try {
-    if (use_cuda) return run_offload_case_cuda(full, o);
-    return run_offload_case_cpu(scale_rows(full, std::min(1.0, cpu_gflop * 1e9 / mlp_flops(full))), o);
+    rows = use_cuda ? run_offload_case_cuda(full, o)
+                    : run_offload_case_cpu(scale_rows(full, std::min(1.0, cpu_gflop * 1e9 / mlp_flops(full))), o);
   } catch (const std::exception& e) {
     std::printf("  SKIPPED %s offload: %s\n", full.name.c_str(), e.what());
-    return {skipped_row(full.name, "step", "gmoe_stack_offload", dtype, e.what())};
+    rows = {skipped_row(full.name, "step", "gmoe_stack_offload", dtype, e.what())};
   }
+  for (ResultRow& r : rows) r.kind = "offload";  // their tables are their own (ms, memory), not TFLOP/s
+  return rows;
 }
 
 }  // namespace gmoe::bench

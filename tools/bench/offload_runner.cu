@@ -171,6 +171,7 @@ std::vector<ResultRow> run_offload_case_cuda(const BenchCase& c, const BenchOpti
         10, copy);
     BENCH_CUDA(cudaFreeHost(pinned));
     const double gb = offloaded / 1e9;
+    const auto gbps = [gb](double ms) { return gb / (ms * 1e-3); };
     const double off_d2h = median(d2h), off_h2d = median(h2d);
     const double copy_ms = off_d2h + off_h2d;
 
@@ -178,6 +179,8 @@ std::vector<ResultRow> run_offload_case_cuda(const BenchCase& c, const BenchOpti
     std::snprintf(note, sizeof note, "activations after forward %.1f MiB, step peak %.1f MiB", held_plain / 1048576.0,
                   peak_plain / 1048576.0);
     r.push_back(timed_row(c.name, "step", "gmoe_stack", dname, ms[0], 0, equal, note));
+    r.back().activations_mib = held_plain / 1048576.0;
+    r.back().peak_mib = peak_plain / 1048576.0;
     std::snprintf(note, sizeof note,
                   "activations after forward %.1f MiB (%.0f%% less), step peak %.1f MiB, %.1f MiB offloaded; %.2fx "
                   "max(step without %.3f ms, copies %.3f ms)",
@@ -185,17 +188,26 @@ std::vector<ResultRow> run_offload_case_cuda(const BenchCase& c, const BenchOpti
                   peak_off / 1048576.0,
                   offloaded / 1048576.0, ms[1] / std::max(ms[0], copy_ms), ms[0], copy_ms);
     r.push_back(timed_row(c.name, "step", "gmoe_stack_offload", dname, ms[1], 0, equal, note));
+    r.back().activations_mib = held_off / 1048576.0;
+    r.back().peak_mib = peak_off / 1048576.0;
+    r.back().offloaded_mib = offloaded / 1048576.0;
     if (!equal) r.back().note += "; dx differs from the step without offloading";
-    std::snprintf(note, sizeof note, "%.1f GB/s, %.0f%% of the plain pinned copy", gb / (off_d2h * 1e-3),
+    std::snprintf(note, sizeof note, "%.1f GB/s, %.0f%% of the plain pinned copy", gbps(off_d2h),
                   100.0 * plain_d2h / off_d2h);
     r.push_back(timed_row(c.name, "copy_d2h", "offloader", dname, off_d2h, 0, std::nullopt, note));
-    std::snprintf(note, sizeof note, "%.1f GB/s", gb / (plain_d2h * 1e-3));
+    r.back().gbps = gbps(off_d2h);
+    r.back().copy_gbps = gbps(plain_d2h);
+    std::snprintf(note, sizeof note, "%.1f GB/s", gbps(plain_d2h));
     r.push_back(timed_row(c.name, "copy_d2h", "pinned_memcpy", dname, plain_d2h, 0, std::nullopt, note));
-    std::snprintf(note, sizeof note, "%.1f GB/s, %.0f%% of the plain pinned copy", gb / (off_h2d * 1e-3),
+    r.back().gbps = gbps(plain_d2h);
+    std::snprintf(note, sizeof note, "%.1f GB/s, %.0f%% of the plain pinned copy", gbps(off_h2d),
                   100.0 * plain_h2d / off_h2d);
     r.push_back(timed_row(c.name, "copy_h2d", "offloader", dname, off_h2d, 0, std::nullopt, note));
-    std::snprintf(note, sizeof note, "%.1f GB/s", gb / (plain_h2d * 1e-3));
+    r.back().gbps = gbps(off_h2d);
+    r.back().copy_gbps = gbps(plain_h2d);
+    std::snprintf(note, sizeof note, "%.1f GB/s", gbps(plain_h2d));
     r.push_back(timed_row(c.name, "copy_h2d", "pinned_memcpy", dname, plain_h2d, 0, std::nullopt, note));
+    r.back().gbps = gbps(plain_h2d);
   }
   BENCH_CUDA(cudaDeviceSynchronize());
   cudaStreamDestroy(compute);

@@ -65,6 +65,7 @@ std::string fmt(double v, int prec = 1) {
 
 bool is_layer_row(const ResultRow& r) { return r.impl == "gmoe_linear"; }
 bool is_moe_row(const ResultRow& r) { return r.kind == "moe"; }
+bool is_offload_row(const ResultRow& r) { return r.kind == "offload"; }
 // mlp cases: GroupedMLP (gmoe) and its unfused composition (gmoe_unfused), passes forward and
 // forward_backward (the gemm cases' gmoe rows are fprop, dgrad, wgrad).
 bool is_mlp_row(const ResultRow& r) {
@@ -79,7 +80,9 @@ std::vector<std::vector<std::string>> table(const std::vector<ResultRow>& all_ro
   for (const ResultRow& r : all_rows) {
     // FP8 layer rows and the activation-alone rows are bench/report.py's (they compare with other
     // rows of their own kind, not with gmoe's).
-    if (r.impl.rfind("gmoe_linear_", 0) == 0 || r.impl == "gmoe_activation" || is_moe_row(r)) continue;
+    if (r.impl.rfind("gmoe_linear_", 0) == 0 || r.impl == "gmoe_activation" || is_moe_row(r) || is_offload_row(r)) {
+      continue;
+    }
     if (!is_layer_row(r) && is_mlp_row(r) == mlp) rows.push_back(r);
   }
   if (rows.empty()) return {};
@@ -212,6 +215,26 @@ std::vector<std::vector<std::string>> moe_copy_table(const std::vector<ResultRow
   return out.size() > 1 ? out : std::vector<std::vector<std::string>>{};
 }
 
+// Offload mode: times in ms (its rows count no FLOPs), the copies' bandwidth against the plain
+// pinned copy's, and the memory of the steps with and without offloading.
+std::vector<std::vector<std::string>> offload_table(const std::vector<ResultRow>& all_rows) {
+  std::vector<std::vector<std::string>> out;
+  out.push_back({"case", "pass", "impl", "ms", "GB/s", "of pinned copy", "activations MiB", "peak MiB",
+                 "offloaded MiB", "correct"});
+  for (const ResultRow& r : all_rows) {
+    if (!is_offload_row(r)) continue;
+    if (r.skipped) {
+      out.push_back({r.case_name, r.pass, r.impl, "skipped", "-", "-", "-", "-", "-", "-"});
+      continue;
+    }
+    const bool ratio = r.gbps && r.copy_gbps && *r.copy_gbps > 0;
+    out.push_back({r.case_name, r.pass, r.impl, fmt(r.ms, 3), opt(r.gbps, 1),
+                   ratio ? fmt(100 * *r.gbps / *r.copy_gbps, 1) + "%" : "-", opt(r.activations_mib, 1),
+                   opt(r.peak_mib, 1), opt(r.offloaded_mib, 1), !r.correct ? "-" : (*r.correct ? "yes" : "NO")});
+  }
+  return out.size() > 1 ? out : std::vector<std::vector<std::string>>{};
+}
+
 void print_text(const std::vector<std::vector<std::string>>& t) {
   if (t.empty()) return;
   std::vector<size_t> width(t[0].size(), 0);
@@ -279,6 +302,12 @@ void print_table(const std::vector<ResultRow>& rows) {
     std::printf("\nPermute and combine alone against a device copy, same run:\n");
     print_text(moe_copy);
   }
+  const auto offload = offload_table(rows);
+  if (!offload.empty()) {
+    std::printf("\nActivation offloading (a stack of GroupedMLPs, one step with and without; the offloader's "
+                "copies against a plain pinned copy):\n");
+    print_text(offload);
+  }
   const std::vector<std::string> skipped = skipped_lines(rows);
   if (!skipped.empty()) std::printf("\nSkipped (not run):\n");
   for (const std::string& s : skipped) std::printf("  %s\n", s.c_str());
@@ -308,6 +337,8 @@ void write_json(const std::string& path, const RunInfo& info, const std::vector<
     if (r.kept_bytes_per_token) jr["kept_bytes_per_token"] = *r.kept_bytes_per_token;
     if (r.gbps) jr["gbps"] = *r.gbps;
     if (r.copy_gbps) jr["copy_gbps"] = *r.copy_gbps;
+    if (r.activations_mib) jr["activations_mib"] = *r.activations_mib;
+    if (r.offloaded_mib) jr["offloaded_mib"] = *r.offloaded_mib;
     if (r.launches) {
       jr["launches"] = r.launches->kernels;
       jr["graph_nodes"] = {{"kernel", r.launches->kernels}, {"memset", r.launches->memsets},
@@ -354,6 +385,14 @@ void write_markdown(const std::string& path, const RunInfo& info, const std::vec
     out << "\nPermute and combine alone: bytes read and written per second against a plain device copy in the "
         << "same run.\n\n";
     write_markdown_table(out, moe_copy);
+  }
+  const auto offload = offload_table(rows);
+  if (!offload.empty()) {
+    out << "\nActivation offloading: one training step of a stack of GroupedMLPs without (gmoe_stack) and with "
+        << "offloading (gmoe_stack_offload), in ms, with the memory the activations hold after forward, the "
+        << "step's peak and the bytes offloaded; the offloader's copies alone against a plain pinned copy of the "
+        << "same bytes.\n\n";
+    write_markdown_table(out, offload);
   }
   const std::vector<std::string> skipped = skipped_lines(rows);
   if (!skipped.empty()) out << "\nSkipped (not run):\n\n";

@@ -30,12 +30,14 @@ struct ResultRow {
   /// Set when the row was not run: the reason (an unsupported combination, or the error that
   /// ended the case). Such a row has no time and no correctness result.
   std::optional<std::string> skipped;
-  // moe cases (kind "moe"; docs/benchmarks.md):
-  std::string kind;                           ///< the case's kind where the rows need it ("moe"), else empty
-  std::optional<double> peak_mib;             ///< peak memory of one pass beyond its inputs and weights
+  // moe cases (kind "moe") and offload mode (kind "offload"; docs/benchmarks.md):
+  std::string kind;                           ///< where the rows need it: "moe", "offload"; else empty
+  std::optional<double> peak_mib;             ///< peak memory of one pass (or step) beyond inputs and weights
   std::optional<double> kept_bytes_per_token; ///< what forward keeps for backward, per token
   std::optional<double> gbps;                 ///< bytes moved (read + written) per second, GB/s
-  std::optional<double> copy_gbps;            ///< a plain device copy's GB/s in the same run
+  std::optional<double> copy_gbps;            ///< a plain device (offload: pinned) copy's GB/s in the same run
+  std::optional<double> activations_mib;      ///< offload: memory the activations hold after forward
+  std::optional<double> offloaded_mib;        ///< offload: bytes the scheduler offloads per step
 };
 
 /// A row of `flops` done in `ms` (TFLOP/s derived; 0 for a zero time).
@@ -58,8 +60,9 @@ struct RunInfo {
 /// mlp cases (passes forward and forward_backward of impls gmoe, gmoe_unfused) get a table of their
 /// own, with their own geometric means; layer rows (impl gmoe_linear) another: time, bare GEMM
 /// time, overhead, launches; moe rows (kind "moe") two: the MoE layer's passes with peak memory
-/// and bytes kept for backward, and permute / combine against a device copy. Skipped rows show as
-/// "skipped" and are listed with their reasons.
+/// and bytes kept for backward, and permute / combine against a device copy; offload rows (kind
+/// "offload") one: time, copy bandwidth and memory. Skipped rows show as "skipped" and are listed
+/// with their reasons.
 void print_table(const std::vector<ResultRow>& rows);
 void write_json(const std::string& path, const RunInfo& info, const std::vector<ResultRow>& rows);
 void write_markdown(const std::string& path, const RunInfo& info, const std::vector<ResultRow>& rows);
