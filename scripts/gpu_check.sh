@@ -164,7 +164,12 @@ for stage in "${stages[@]}"; do
       # GMOE_BENCH_MODE (a list of gemm, layer, mlp, moe, all; default "gemm layer mlp": the moe
       # cases are the moe stage's, which runs their PyTorch baselines beside them) and the FP8 recipes of the
       # gemm and layer modes (GMOE_BENCH_FP8, GMOE_BENCH_LAYER_FP8; "none" for none) narrow a run to
-      # what a session still needs; torch always runs beside it (GMOE_TORCH_KIND: gemm, mlp or all).
+      # what a session still needs; torch runs beside it, once per kind in GMOE_TORCH_KIND (default
+      # "all layer": torch_baseline.py's all is gemm and mlp; layer compiles each shape anew, so
+      # a narrowed run names only what it needs, or "none"). GMOE_BENCH_EXTRA (default "offload
+      # module"): gmoe-bench --mode offload, and bench/torch_module_bench.py (the PyTorch package
+      # against the C++ layer). The whole stage takes longer than one device call: split it over
+      # calls with these variables and merge the $gpu.json files with bench/report.py.
       # GMOE_BENCH_WARM_MS (default 1000): the sustained work before each layer and mlp timing, in
       # both gmoe-bench and torch (0: a second less per timing, those timed at boost clocks instead).
       warm="${GMOE_BENCH_WARM_MS:-1000}"
@@ -180,12 +185,27 @@ for stage in "${stages[@]}"; do
       done
       grep -E "^  E = |the same for E = 8 and E = 256" "$OUT/bench.log" | tee -a "$OUT/summary.txt"
       tail -5 "$OUT/bench.log" | tee -a "$OUT/summary.txt"
-      PYTHONUNBUFFERED=1 python3 bench/torch_baseline.py --suite bench/suites/public.json --iters 20 \
-        --warm-ms "$warm" --kind "${GMOE_TORCH_KIND:-all}" --json "$OUT/torch.json" >>"$OUT/bench.log" 2>&1 || summary "torch baseline: FAILED"
+      for extra in ${GMOE_BENCH_EXTRA:-offload module}; do
+        case "$extra" in
+          offload) "$BUILD/gmoe-bench" --suite bench/suites/public.json --mode offload --iters 20 --warm-ms "$warm" \
+                     --json "$OUT/gmoe_offload.json" >>"$OUT/bench.log" 2>&1 || status=1 ;;
+          module) PYTHONPATH="$root/python${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 python3 bench/torch_module_bench.py \
+                    --gmoe-bench "$BUILD/gmoe-bench" --warm-ms "$warm" --json "$OUT/torch_module.json" \
+                    >>"$OUT/bench.log" 2>&1 || summary "torch_module_bench: FAILED (is the package built?)" ;;
+          none) ;;
+          *) summary "GMOE_BENCH_EXTRA: unknown '$extra'"; status=1 ;;
+        esac
+      done
+      for kind in ${GMOE_TORCH_KIND:-all layer}; do
+        [ "$kind" = none ] && continue
+        PYTHONUNBUFFERED=1 python3 bench/torch_baseline.py --suite bench/suites/public.json --iters 20 \
+          --warm-ms "$warm" --kind "$kind" --json "$OUT/torch_$kind.json" >>"$OUT/bench.log" 2>&1 ||
+          summary "torch baseline ($kind): FAILED"
+      done
       # The whole baseline of this GPU, to be copied over bench/results/$gpu.{json,md}.
-      python3 bench/report.py "$OUT"/gmoe_*.json "$OUT/torch.json" --out "$OUT/$gpu.json" \
+      python3 bench/report.py "$OUT"/gmoe_*.json "$OUT"/torch_*.json --out "$OUT/$gpu.json" \
         --markdown "$OUT/$gpu.md" | tee -a "$OUT/bench.log"
-      rm -f "$OUT"/gmoe_*.json "$OUT/torch.json"
+      rm -f "$OUT"/gmoe_*.json "$OUT"/torch_*.json
       summary "bench: done, $OUT/$gpu.json and $gpu.md ($(( $(date +%s) - t0 )) s)" ;;
     moe)
       # GMOE_MOE_SUITE: the suite (default bench/suites/public.json); GMOE_MOE_CASE: only the moe
