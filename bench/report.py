@@ -300,6 +300,41 @@ def is_module(r):
     return r.get("kind") == "module"
 
 
+def is_train(r):
+    return r.get("kind") == "train"
+
+
+TRAIN_PARTS = ("step", "moe", "optimizer", "rest")
+
+
+def train_table(rows):
+    """The training step of examples/train_moe_lm.py split by bench/train_step_breakdown.py: per
+    configuration and model the step and its parts in ms, the MoE blocks' share of the step, torch's
+    time over gmoe's per part, and the Amdahl bound on the step's speed-up (everything but the MoE
+    blocks equal). [] when there are no train rows."""
+    cells = {}
+    for r in rows:
+        if is_train(r) and not r.get("skipped"):
+            cells.setdefault(r["case"], {}).setdefault(r["impl"], {})[r["pass"]] = r
+    out = [["configuration", "model"] + [f"{p} ms" for p in TRAIN_PARTS] + ["MoE share of the step", "tokens/s",
+                                                                              "torch/gmoe step", "torch/gmoe MoE",
+                                                                              "Amdahl bound"]]
+    for case, impls in cells.items():
+        ms = {i: {p: impls[i][p]["ms"] for p in TRAIN_PARTS if p in impls[i]} for i in impls}
+        g, t = ms.get("gmoe", {}), ms.get("torch", {})
+        for impl in sorted(impls):
+            m = ms[impl]
+            ours = impl == "gmoe" and g and t
+            bound = (t["step"] / (t["step"] - t["moe"] + g["moe"])) if ours else None
+            out.append([case, impl] + [fmt(m.get(p), 2) for p in TRAIN_PARTS]
+                       + [fmt(ratio_of(m.get("moe"), m.get("step")) and 100 * m["moe"] / m["step"], 0, "%"),
+                          fmt(impls[impl].get("step", {}).get("tokens_per_s"), 0),
+                          fmt(ratio_of(t.get("step"), g.get("step")) if ours else None, 2, "x"),
+                          fmt(ratio_of(t.get("moe"), g.get("moe")) if ours else None, 2, "x"),
+                          fmt(bound, 2, "x")])
+    return out if len(out) > 1 else []
+
+
 def mark_kinds(rows):
     """Files written before offload and module rows carried their kind: offload rows are known by their
     impls; the module bench's rows are those from its first gmoe_torch row (outside the moe cases) to
@@ -468,7 +503,7 @@ def main():
         raise SystemExit("report: no readable input")
     json.dump(merged, open(args.out, "w"), indent=1)
     # The moe cases', offload and module rows have tables of their own.
-    rows = [r for r in merged["rows"] if not (is_moe(r) or is_offload(r) or is_module(r))]
+    rows = [r for r in merged["rows"] if not (is_moe(r) or is_offload(r) or is_module(r) or is_train(r))]
     tables = sections(rows)
     layer = layer_table(rows)
     fp8_layer = fp8_layer_table(rows)
@@ -483,6 +518,7 @@ def main():
     moe_copy = moe_copy_table(merged["rows"])
     offload_step, offload_copy = offload_tables(merged["rows"])
     module_times, module_ops = module_tables(merged["rows"])
+    train = train_table(merged["rows"])
     notes = merged.get("notes") or []
     for title, lines in tables:
         print(f"\n{title}:")
@@ -523,6 +559,9 @@ def main():
     if module_ops:
         print("\nPer-call host overhead of an op, gmoe's against torch's:")
         print_table(module_ops)
+    if train:
+        print("\nTraining step of examples/train_moe_lm.py, split (ms):")
+        print_table(train)
     for n in notes:
         print(f"note: {n}")
     skipped = skipped_lines(merged["rows"])
@@ -607,6 +646,14 @@ def main():
                 f.write("\nHost time per call of a tiny op called back to back: gmoe's grouped_bias_grad of "
                         "[64, 64] over 8 experts against torch's sum over dim 0 of the same tensor.\n\n")
                 write_markdown_table(f, module_ops, labels=0)
+            if train:
+                f.write("\n## Training step\n\nbench/train_step_breakdown.py: the training step of "
+                        "examples/train_moe_lm.py (both models, the example's CUDA graph and torch.compile) and its "
+                        "parts timed alone: the MoE blocks' forward + backward on the hidden states of a step, "
+                        "the optimizer (gradients to the float32 masters, clipping, AdamW, masters back), and the "
+                        "rest (step - MoE - optimizer: attention, norms, head). Amdahl bound: the step's speed-up "
+                        "if everything but the MoE blocks took torch's time (issue 44's target: >= 1.2x).\n\n")
+                write_markdown_table(f, train)
             for n in notes:
                 f.write(f"\nNote: {n}\n")
             if skipped:

@@ -150,6 +150,24 @@ def summary(cfg, rows) -> str:
     return "\n".join(lines)
 
 
+def results_file(cfg, rows) -> dict:
+    """The rows in the results format (docs/benchmarks.md): kind "train", one row per model and part
+    (pass step, moe, optimizer, rest), merged into bench/results/<gpu>.json by bench/report.py."""
+    case = (f"train_moe_lm/{cfg.layers}x{cfg.hidden}_e{cfg.experts}_top{cfg.top_k}_ffn{cfg.ffn}"
+            f"_b{cfg.batch}x{cfg.seq_len}")
+    out = []
+    for r in rows:
+        for part in ("step", "moe", "optimizer", "rest"):
+            row = {"case": case, "kind": "train", "pass": part, "impl": r["impl"], "dtype": cfg.dtype,
+                   "ms": r[f"{part}_ms"], "tflops": None, "correct": None, "moe_flop_share": ex.moe_flop_share(cfg)}
+            if part == "step":
+                row["tokens_per_s"] = r["tokens_per_s"]
+            out.append(row)
+    cuda = cfg.device.startswith("cuda")
+    return dict(gpu=torch.cuda.get_device_name() if cuda else "cpu", commit=os.environ.get("GMOE_COMMIT", ""),
+                date=time.strftime("%Y-%m-%d"), suite="train_moe_lm", torch=torch.__version__, rows=out)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(add_help=False)
     ap.add_argument("--iters", type=int, default=10)
@@ -166,8 +184,7 @@ def main(argv=None):
     print(text)
     if own.json:
         with open(own.json, "w") as f:
-            json.dump(dict(config={k: v for k, v in vars(cfg).items() if isinstance(v, (int, float, str, bool))},
-                           rows=rows), f, indent=1)
+            json.dump(results_file(cfg, rows), f, indent=1)
     if own.markdown:
         with open(own.markdown, "w") as f:
             f.write(text + "\n")

@@ -333,6 +333,29 @@ class Report(unittest.TestCase):
                 self.assertIn("| 25.0 | 12.5 | 2.00x | 12.5 |", block)
                 self.assertIn("PyTorch package", stdout)
 
+    def test_train_table(self):
+        def part(impl, p, ms, **extra):
+            return dict({"case": "train_moe_lm/cfg", "kind": "train", "pass": p, "impl": impl, "dtype": "bfloat16",
+                         "ms": ms, "tflops": None, "correct": None}, **extra)
+
+        gemm = [gemm_row("a/uniform", "fprop", "gmoe", 800.0)]
+        train = [part("gmoe", "step", 30.0, tokens_per_s=500000.0), part("gmoe", "moe", 10.0),
+                 part("gmoe", "optimizer", 8.0), part("gmoe", "rest", 12.0),
+                 part("torch", "step", 36.0, tokens_per_s=416667.0), part("torch", "moe", 15.0),
+                 part("torch", "optimizer", 8.0), part("torch", "rest", 13.0)]
+        stdout, merged, md = self.report(self.write("gmoe.json", gemm, gpu="H100", commit="abc", date="today"),
+                                         self.write("train.json", train))
+        self.assertEqual(sum(r.get("kind") == "train" for r in merged["rows"]), len(train))
+        block = md.split("## Training step")[1]
+        # gmoe: MoE 10 of 30 ms (33%); torch/gmoe step 36 / 30 = 1.20x, MoE 15 / 10 = 1.50x; Amdahl bound
+        # 36 / (36 - 15 + 10) = 1.16x
+        self.assertIn("| train_moe_lm/cfg | gmoe | 30.00 | 10.00 | 8.00 | 12.00 | 33% | 500000 | 1.20x | 1.50x | "
+                      "1.16x |", block)
+        self.assertIn("| train_moe_lm/cfg | torch | 36.00 | 15.00 | 8.00 | 13.00 | 42% | 416667 | - | - | - |", block)
+        # the train rows stay out of the TFLOP/s tables
+        self.assertNotIn("train_moe_lm", md.split("## Training step")[0])
+        self.assertIn("Training step", stdout)
+
     def test_unreadable_inputs(self):
         good = self.write("gmoe.json", [gemm_row("a/uniform", "fprop", "gmoe", 800.0)])
         stdout, merged, _ = self.report(os.path.join(self.dir.name, "missing.json"), good)
