@@ -9,6 +9,9 @@
 * Megatron's gradient convention: a weight (or bias) that has a float32 ``main_grad`` attribute gets
   its gradient added into it (``accumulate_main_grad=True``, the default) or written over it, its
   ``grad_added_to_main_grad`` attribute is set to True, and ``param.grad`` is not materialised.
+  A parameter that had ``grad_added_to_main_grad`` set beforehand (Megatron's DDP marks its
+  parameters so) gets a placeholder gradient instead, so that hooks on its AccumulateGrad node (where
+  Megatron launches the gradient reduction) still run, as with Transformer Engine's modules.
   Otherwise ``param.grad`` is set as autograd does.
 * ``delay_wgrad_compute=True``: backward computes the data (and bias) gradients only; the weight
   gradients are computed by ``backward_dw()``, which then calls the hooks registered with
@@ -23,7 +26,7 @@
   ``bias0`` …). ``load_state_dict`` accepts either layout's checkpoint.
 """
 import math
-from typing import Callable, List, Optional, Union
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -131,6 +134,28 @@ def _check_expert_mask(mask: Optional[Tensor], num_experts: int) -> Optional[Ten
 _PACK_ALIGN_BYTES = 256
 
 
+_placeholders: Dict[Tuple[Tuple[int, ...], torch.dtype, torch.device, bool], Tensor] = {}
+
+
+def _main_grad_placeholder(p: Tensor) -> Optional[Tensor]:
+    """What autograd gets for parameter p once its gradient went into p.main_grad (and sets
+    p.grad_added_to_main_grad). Megatron's DDP marks the parameters it manages by setting that
+    attribute (False) beforehand, and launches its gradient reduction from hooks on their
+    AccumulateGrad nodes: those run only when autograd has a gradient to accumulate, so such a
+    parameter gets a placeholder of its shape (its values unused: the hook sees
+    grad_added_to_main_grad and does not add it; zeros where the parameter asks for them with
+    zero_out_wgrad), as Transformer Engine's modules do. Others get None: no .grad is made."""
+    protocol = hasattr(p, "grad_added_to_main_grad")
+    p.grad_added_to_main_grad = True
+    if not protocol:
+        return None
+    zero = bool(getattr(p, "zero_out_wgrad", False))
+    key = (tuple(p.shape), p.dtype, p.device, zero)
+    if key not in _placeholders:
+        _placeholders[key] = (torch.zeros if zero else torch.empty)(p.shape, dtype=p.dtype, device=p.device)
+    return _placeholders[key]
+
+
 class _WgradState:
     """What a GroupedLinear's autograd function needs beyond tensors: where weight gradients go
     (main_grad or .grad, now or in backward_dw) and the hooks. Only used outside torch.compile's
@@ -169,8 +194,8 @@ class _GroupedLinearFunction(torch.autograd.Function):
                 dw = _ops.grouped_gemm_wgrad(dy, x, counts, weights[0].dtype, mask)
                 dweights = [dw] if ctx.num_weights == 1 and weights[0].dim() == 3 else list(dw.unbind(0))
             return (dx, None, None, None, None, None, *dweights, *dbiases)
-        dbiases = state.module._finish_backward(_Wgrad(dy, x, counts, mask, ctx.masked_off), dbiases)
-        return (dx, None, None, None, None, None, *([None] * ctx.num_weights), *dbiases)
+        dweights, dbiases = state.module._finish_backward(_Wgrad(dy, x, counts, mask, ctx.masked_off), dbiases)
+        return (dx, None, None, None, None, None, *dweights, *dbiases)
 
 
 class _Fp8GroupedLinearFunction(torch.autograd.Function):
@@ -212,8 +237,8 @@ class _Fp8GroupedLinearFunction(torch.autograd.Function):
             dw = wg.fresh(ctx.weight_dtype)
             dweights = [dw] if ctx.stacked else list(dw.unbind(0))
             return (dx, *no_grads, *dweights, *dbiases)
-        dbiases = ctx.state.module._finish_backward(wg, dbiases)
-        return (dx, *no_grads, *([None] * ctx.num_weights), *dbiases)
+        dweights, dbiases = ctx.state.module._finish_backward(wg, dbiases)
+        return (dx, *no_grads, *dweights, *dbiases)
 
 
 def _kaiming_like_linear(w: Tensor, b: Optional[Tensor], in_features: int) -> None:
@@ -395,30 +420,31 @@ class GroupedLinear(nn.Module):
     # ---- weight gradients -------------------------------------------------------------------
 
     def _to_main_grad(self, p: Tensor, g: Tensor) -> Optional[Tensor]:
-        """Puts gradient g of parameter p into p.main_grad when it has one (returns None for
-        autograd), else returns g."""
+        """Puts gradient g of parameter p into p.main_grad when it has one (returns what autograd
+        gets then: _main_grad_placeholder's), else returns g."""
         if not hasattr(p, "main_grad"):
             return g
         if self.accumulate_main_grad:
             p.main_grad.add_(g)
         else:
             p.main_grad.copy_(g)
-        p.grad_added_to_main_grad = True
-        return None
+        return _main_grad_placeholder(p)
 
-    def _finish_backward(self, wg: _Wgrad, dbiases: List[Tensor]) -> List[Optional[Tensor]]:
+    def _finish_backward(self, wg: _Wgrad, dbiases: List[Tensor]) -> Tuple[List[Optional[Tensor]],
+                                                                            List[Optional[Tensor]]]:
         """The end of a backward with Python state: bias gradients to main_grad where there is one,
-        the weight gradient now (and the hooks) or queued for backward_dw."""
+        the weight gradient now (and the hooks) or queued for backward_dw. Returns what autograd
+        gets for the weights and the biases (placeholders or None where main_grad took them)."""
         if self.delay_wgrad_compute and wg.mask is not None and wg.masked_off == "fresh" and self._state.pending:
             raise ValueError("masked_off_wgrad: 'fresh' with delay_wgrad_compute needs backward_dw() after "
                              "every backward (each backward's masked_off_grad is fresh); one is still pending")
         dbiases = [self._to_main_grad(b, g) for b, g in zip(self._biases(), dbiases)]
         if self.delay_wgrad_compute:
             self._state.pending.append(wg)
-        else:
-            self._compute_wgrad(wg)
-            self._run_wgrad_hooks()
-        return dbiases
+            return [None] * len(self._weights()), dbiases
+        dweights = self._compute_wgrad(wg)
+        self._run_wgrad_hooks()
+        return dweights, dbiases
 
     def _masked_off_grads(self, dtype: torch.dtype, device: torch.device) -> List[Tensor]:
         """New fresh destinations of the masked-off experts in the weights' layout (set as each
@@ -439,28 +465,30 @@ class GroupedLinear(nn.Module):
             w.masked_off_grad = g
         return grads
 
-    def _compute_wgrad(self, wg: _Wgrad) -> None:
+    def _compute_wgrad(self, wg: _Wgrad) -> List[Optional[Tensor]]:
+        """The weight gradients of one backward into main_grad or .grad; returns what autograd
+        gets for each weight when this runs inside backward (_main_grad_placeholder's, or None)."""
         weights = self._weights()
         if all(hasattr(w, "main_grad") for w in weights):
             fresh = None
             if wg.mask is not None and wg.masked_off == "fresh":
                 fresh = self._masked_off_grads(weights[0].main_grad.dtype, weights[0].main_grad.device)
             wg.into([w.main_grad for w in weights], self.accumulate_main_grad, fresh)
-            for w in weights:
-                w.grad_added_to_main_grad = True
-            return
+            return [_main_grad_placeholder(w) for w in weights]
         dw = wg.fresh(weights[0].dtype)
         grads = [dw] if self.weight_layout == "stacked" else list(dw.unbind(0))
+        out: List[Optional[Tensor]] = [None] * len(weights)
         for e, (w, g) in enumerate(zip(weights, grads)):
             if hasattr(w, "main_grad"):
                 if wg.mask is not None and not self.accumulate_main_grad:
                     # Only some per-expert weights have a main_grad: a masked-off one stays untouched.
                     g = torch.where(wg.mask[e] != 0, g, w.main_grad)
-                self._to_main_grad(w, g)
+                out[e] = self._to_main_grad(w, g)
             elif w.grad is None:
                 w.grad = g
             else:
                 w.grad += g
+        return out
 
     def _run_wgrad_hooks(self) -> None:
         for fn in self._wgrad_hooks:

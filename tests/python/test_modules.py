@@ -93,6 +93,50 @@ def test_main_grad(layout, accumulate):
         torch.testing.assert_close(p.main_grad, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("layout", ["stacked", "per_expert"])
+@pytest.mark.parametrize("recipe", [None, "fp8_blockwise"])
+def test_megatron_ddp_hooks_fire_with_main_grad(layout, recipe):
+    """Megatron's DDP marks its parameters (grad_added_to_main_grad = False) and reduces gradients
+    from hooks on their AccumulateGrad nodes: with main_grad those must still run, once per
+    parameter and backward, and see grad_added_to_main_grad set (so they do not add the placeholder)."""
+    torch.manual_seed(4)
+    m = gmoe.GroupedLinear(E, 32, 48, bias=True, weight_layout=layout, recipe=recipe)
+    plain = gmoe.GroupedLinear(E, 32, 48, bias=True, weight_layout=layout, recipe=recipe)
+    plain.load_state_dict(m.state_dict())
+    fired = []
+
+    def hook(p):
+        fired.append((id(p), p.grad_added_to_main_grad, None if p.grad is None else tuple(p.grad.shape)))
+        if not p.grad_added_to_main_grad:  # what Megatron's hook does with a real gradient
+            p.main_grad.add_(p.grad)
+        p.grad = None
+
+    for p in m.parameters():
+        p.main_grad = torch.zeros(p.shape)
+        p.grad_added_to_main_grad = False
+        p.register_post_accumulate_grad_hook(hook)
+    counts = counts_for("skewed_empty")
+    x = torch.randn(CAP, 32)
+    dy = torch.randn(CAP, 48)
+    for step in range(2):
+        for p in m.parameters():
+            p.grad_added_to_main_grad = False
+        m(x, counts).backward(dy)
+    params = list(m.parameters())
+    assert sorted(f[0] for f in fired) == sorted(id(p) for p in params for _ in range(2))
+    assert all(added and shape is not None for _, added, shape in fired)
+    plain(x, counts).backward(dy)
+    for p, q in zip(params, plain.parameters()):
+        assert p.grad is None
+        torch.testing.assert_close(p.main_grad, 2 * q.grad, rtol=1e-4, atol=1e-4)
+    # Without Megatron's mark no placeholder is made (nothing for autograd to accumulate).
+    other = gmoe.GroupedLinear(E, 32, 48, bias=True, weight_layout=layout, recipe=recipe)
+    for p in other.parameters():
+        p.main_grad = torch.zeros(p.shape)
+    other(x, counts).backward(dy)
+    assert all(p.grad is None for p in other.parameters())
+
+
 def test_delayed_wgrad_and_hooks():
     torch.manual_seed(3)
     m = gmoe.GroupedMLP(E, H, FFN, bias=True, delay_wgrad_compute=True)
