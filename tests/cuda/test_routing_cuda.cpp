@@ -160,7 +160,14 @@ std::vector<PermuteCase> permute_cases() {
           {"e1", 300, 1, 1, 64, popts(1, 0)},
           {"topk_equals_e", 257, 5, 5, 32, popts(1, 0)},
           {"all_but_few_dropped", 512, 4, 2, 16, popts(1, 0.05)},
-          {"zero_tokens", 0, 8, 2, 64, popts(16, 1.0)}};
+          {"zero_tokens", 0, 8, 2, 64, popts(16, 1.0)},
+          // bf16 rows of 200 bytes: the one-element path of the row kernels, with padding and drops.
+          {"odd_h_bf16_scalar_path_pad16_capacity", 333, 16, 4, 101, popts(16, 1.0)},
+          // 129 and 896 packs a row: steps of the row kernels that end inside a warp's packs.
+          {"ragged_packs_h1032_pad16_capacity", 1000, 64, 6, 1032, popts(16, 0.8)},
+          {"dsv3_e256_k8_h7168", 300, 256, 8, 7168, popts(1, 0)},
+          // more than 32 slots a token: the row kernels take the slots 32 at a time.
+          {"k40_e64", 200, 64, 40, 24, popts(1, 0)}};
 }
 
 class PermuteCuda : public ::testing::TestWithParam<PermuteCase> {};
@@ -234,10 +241,20 @@ TEST_P(PermuteCuda, MatchesCpu) {
                           oracle_combine_dprobs(dout.to_double(), y.to_double(), c.H, rows_of, c.T, c.k), DType::f32,
                           "combine dprobs"));
   // Run to run.
-  const HostTensor first = doutd.download();
+  const HostTensor first = doutd.download(), first_dy = ddy.download(), first_dpc = ddpc.download();
   combine(dyd.view(), map, dprobs.view(), doutd.view());
+  poison(dy);
+  DeviceTensor ddy2(dy);  // starts poisoned: every row, padding and past the total too, is written
+  combine_backward(dgo.view(), map, dprobs.view(), dyd.view(), ddy2.view(), ddpc.view());
   sync_and_check();
   EXPECT_TRUE(bitwise_equal(doutd.download(), first, "combine, second run"));
+  EXPECT_TRUE(bitwise_equal(ddy2.download(), first_dy, "dexpert_out, second run"));
+  EXPECT_TRUE(bitwise_equal(ddpc.download(), first_dpc, "combine dprobs, second run"));
+  // Without dprobs, expert_out is not needed and dexpert_out is the same.
+  DeviceTensor ddy3(dy);
+  combine_backward(dgo.view(), map, dprobs.view(), {}, ddy3.view(), {});
+  sync_and_check();
+  EXPECT_TRUE(bitwise_equal(ddy3.download(), first_dy, "dexpert_out without dprobs"));
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, PermuteCuda, ::testing::ValuesIn(permute_cases()),

@@ -14,11 +14,14 @@
 //      __match_any_sync groups the lanes holding one expert, a lane's rank among them plus the
 //      warp's running count gives the pair's position in the expert. Stable, so deterministic.
 //      Writes row_of, src_token (memset to -1 before) and the permuted probabilities.
-//   4. gather_rows: one warp per permuted row copies x[src_token[row]] in 16-byte packs, or zeros
-//      for padding and rows past the total: every row of the output written once, in one pass.
+//   4. scatter_rows: one warp per token reads x[t] once and writes it to each of its kept rows,
+//      then the rows no (token, slot) owns (padding, past the total) are written as zeros: every
+//      row of the output written once, x read from memory once (a row-major gather re-reads each
+//      token's row k times, from memory whenever x does not fit in L2).
 // Combine (and permute's backward, a combine with weights 1) is one warp per token summing its k
-// rows in slot order in f32; its backward writes every expert row once (the (token, slot) of a row
-// found through src_token) and forms dprobs as warp-reduced dot products.
+// rows in slot order in f32. Its backward is one pass over the tokens too: for each slot, the
+// gradient row it owns and its dprobs as a warp-reduced dot product, dout read once per token;
+// then zeros on the rows no slot owns.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -195,63 +198,245 @@ __global__ void __launch_bounds__(kPlaceWarps * 32) place_kernel(PlaceArgs a) {
   }
 }
 
-// permuted[r] = x[src_token[r]], or zeros (padding, past the total, a token out of range).
+// ---- the row kernels: token-major, so a token's row is read (or written) once from memory ----
+//
+// Every row kernel gives a warp one token at a time. Its lanes move a row in 16-byte packs (V
+// elements), U packs each per step, all U loads issued before the first use, so a warp has 32·U
+// packs in flight instead of one per lane. The slots of a token are taken 32 at a time: lane l
+// holds slot j0 + l's row (and weight), and the warp walks them in slot order through shuffles.
+
+constexpr int kCopyPacks = 8;     // packs per lane per step in permute's scatter (a plain copy)
+constexpr int kCombinePacks = 4;  // in combine (two rows and U·V f32 sums per lane) and its backward
+                                  // (two rows): 8 would pass 128 registers and spill
+
+template <typename P, int U>
+__device__ __forceinline__ void load_packs(P (&p)[U], const P* __restrict__ row, int64_t c0, int64_t packs) {
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    if (c0 + 32 * u < packs) p[u] = row[c0 + 32 * u];
+  }
+}
+
+template <typename P, int U>
+__device__ __forceinline__ void store_packs(P* __restrict__ row, const P (&p)[U], int64_t c0, int64_t packs) {
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    if (c0 + 32 * u < packs) row[c0 + 32 * u] = p[u];
+  }
+}
+
+// Slot j0 + lane of token t: the row it writes, or -1. A row is written by the one (token, slot)
+// that owns it: the row is in [0, rows) and, with `check_owner`, src_token[row] is t and no
+// earlier slot of t names the row (the (t, slot) that the row's src_token leads to). permute's own
+// map always satisfies that, so permute skips the check.
+__device__ __forceinline__ int32_t owned_row(const int32_t* __restrict__ row_of, const int32_t* __restrict__ src_token,
+                                             int64_t t, int k, int j0, int64_t rows, bool check_owner) {
+  const int lane = threadIdx.x & 31;
+  const int j = j0 + lane;
+  const int32_t r = j < k ? row_of[t * k + j] : -1;
+  bool own = r >= 0 && r < rows;
+  if (check_owner) {
+    own = own && src_token[r] == t;
+    const unsigned peers = __match_any_sync(0xffffffffu, r);
+    own = own && (peers & ((1u << lane) - 1u)) == 0u;
+    for (int e = 0; e < j0 && own; ++e) own = row_of[t * k + e] != r;
+  }
+  return own ? r : -1;
+}
+
+// The second phase of the kernels that write expert rows: every row that no (token, slot) owns
+// (padding, rows past the total, a src_token out of range) is written as zeros. A thread checks a
+// row; the warp then zeros the rows its lanes found, one at a time. A src_token >= T is recorded.
+template <typename T, int V>
+__device__ void zero_unowned_rows(T* out, int64_t ld_out, int64_t rows, int64_t H, const int32_t* __restrict__ row_of,
+                                  const int32_t* __restrict__ src_token, int k, int64_t T_, bool check_owner,
+                                  uint32_t* error_word) {
+  using P = Pack<T, V>;
+  const int lane = threadIdx.x & 31;
+  const int64_t packs = H / V;
+  const int64_t step = int64_t(gridDim.x) * kRowWarps * 32;
+  for (int64_t base = (int64_t(blockIdx.x) * kRowWarps + threadIdx.x / 32) * 32; base < rows; base += step) {
+    const int64_t r = base + lane;
+    bool owned = true;
+    if (r < rows) {
+      const int32_t t = src_token[r];
+      owned = t >= 0 && t < T_;
+      if (t >= T_) atomicOr(error_word, kDeviceErrorRoutingIndexOutOfRange);
+      if (owned && check_owner) {
+        bool found = false;
+        for (int j = 0; j < k; ++j) found = found || row_of[int64_t(t) * k + j] == r;
+        owned = found;
+      }
+    }
+    P zero;
+#pragma unroll
+    for (int v = 0; v < V; ++v) zero.v[v] = from_f<T>(0.f);
+    for (unsigned m = __ballot_sync(0xffffffffu, !owned); m != 0u; m &= m - 1u) {
+      P* dst = reinterpret_cast<P*>(out + (base + __ffs(m) - 1) * ld_out);
+      for (int64_t c = lane; c < packs; c += 32) dst[c] = zero;
+    }
+  }
+}
+
+// permuted[row_of[t, j]] = x[t] for every kept (t, j): x[t] is read once and written k times; then
+// zeros on every other row (padding, past the total).
 template <typename T, int V>
 __global__ void __launch_bounds__(kRowWarps * 32)
-    gather_rows_kernel(const T* x, int64_t ld_x, int64_t T_, T* out, int64_t ld_out, int64_t rows, int64_t H,
-                       const int32_t* src_token, uint32_t* error_word) {
+    scatter_rows_kernel(const T* __restrict__ x, int64_t ld_x, int64_t T_, const int32_t* __restrict__ row_of,
+                        const int32_t* __restrict__ src_token, int k, T* __restrict__ out, int64_t ld_out,
+                        int64_t rows, int64_t H, uint32_t* error_word) {
   using P = Pack<T, V>;
+  constexpr int U = kCopyPacks;
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
   const int64_t packs = H / V;
-  for (int64_t r = blockIdx.x * int64_t(kRowWarps) + warp; r < rows; r += int64_t(gridDim.x) * kRowWarps) {
-    const int32_t t = src_token[r];
-    P* dst = reinterpret_cast<P*>(out + r * ld_out);
-    if (t < 0 || t >= T_) {
-      if (t >= T_ && lane == 0) atomicOr(error_word, kDeviceErrorRoutingIndexOutOfRange);
-      P zero;
-#pragma unroll
-      for (int v = 0; v < V; ++v) zero.v[v] = from_f<T>(0.f);
-      for (int64_t c = lane; c < packs; c += 32) dst[c] = zero;
-      continue;
-    }
+  for (int64_t t = blockIdx.x * int64_t(kRowWarps) + warp; t < T_; t += int64_t(gridDim.x) * kRowWarps) {
     const P* src = reinterpret_cast<const P*>(x + t * ld_x);
-    for (int64_t c = lane; c < packs; c += 32) dst[c] = src[c];
+    for (int j0 = 0; j0 < k; j0 += 32) {
+      const int32_t mine = owned_row(row_of, src_token, t, k, j0, rows, false);
+      const unsigned live = __ballot_sync(0xffffffffu, mine >= 0);
+      if (live == 0u) continue;
+      for (int64_t base = 0; base < packs; base += 32 * U) {
+        P p[U];
+        load_packs(p, src, base + lane, packs);
+        for (unsigned m = live; m != 0u; m &= m - 1u) {
+          const int32_t r = __shfl_sync(0xffffffffu, mine, __ffs(m) - 1);
+          store_packs(reinterpret_cast<P*>(out + r * ld_out), p, base + lane, packs);
+        }
+      }
+    }
   }
+  zero_unowned_rows<T, V>(out, ld_out, rows, H, row_of, src_token, k, T_, false, error_word);
 }
 
 // out[t] = Σ_j w[t, j] · y[row_of[t, j]] over the kept slots, in slot order, f32, rounded once
 // (w: probs, or 1 when nullptr). A row outside [-1, rows) counts as dropped and is recorded.
 template <typename T, int V>
-__global__ void __launch_bounds__(kRowWarps * 32)
-    combine_kernel(const T* y, int64_t ld_y, int64_t rows, const int32_t* row_of, const float* w, int k, T* out,
-                   int64_t ld_out, int64_t T_, int64_t H, uint32_t* error_word) {
+__global__ void __launch_bounds__(kRowWarps * 32, 2)  // <= 128 registers: two blocks (16 warps) per SM
+    combine_kernel(const T* __restrict__ y, int64_t ld_y, int64_t rows, const int32_t* __restrict__ row_of,
+                   const float* __restrict__ w, int k, T* __restrict__ out, int64_t ld_out, int64_t T_, int64_t H,
+                   uint32_t* error_word) {
   using P = Pack<T, V>;
+  constexpr int U = kCombinePacks;
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
   const int64_t packs = H / V;
   for (int64_t t = blockIdx.x * int64_t(kRowWarps) + warp; t < T_; t += int64_t(gridDim.x) * kRowWarps) {
     bool bad = false;
-    for (int64_t c = lane; c < packs; c += 32) {
-      float acc[V];
+    for (int64_t base = 0; base < packs; base += 32 * U) {
+      float acc[U][V];
 #pragma unroll
-      for (int v = 0; v < V; ++v) acc[v] = 0.f;
-      for (int j = 0; j < k; ++j) {
-        const int32_t r = row_of[t * k + j];
-        if (r < 0 || r >= rows) {
-          bad = bad || r >= rows || r < -1;
-          continue;
-        }
-        const float p = w != nullptr ? w[t * k + j] : 1.f;
-        const P in = reinterpret_cast<const P*>(y + r * ld_y)[c];
+      for (int u = 0; u < U; ++u) {
 #pragma unroll
-        for (int v = 0; v < V; ++v) acc[v] += p * to_f(in.v[v]);
+        for (int v = 0; v < V; ++v) acc[u][v] = 0.f;
       }
-      P o;
+      for (int j0 = 0; j0 < k; j0 += 32) {
+        const int j = j0 + lane;
+        const int32_t r = j < k ? row_of[t * k + j] : -1;
+        const float p = (j < k && w != nullptr) ? w[t * k + j] : 1.f;
+        bad = bad || r >= rows || r < -1;
+        // Two kept slots at a time: both rows' loads are issued before either is summed.
+        unsigned m = __ballot_sync(0xffffffffu, r >= 0 && r < rows);
+        while (m != 0u) {
+          const int la = __ffs(m) - 1;
+          m &= m - 1u;
+          const bool two = m != 0u;
+          const int lb = two ? __ffs(m) - 1 : la;
+          if (two) m &= m - 1u;
+          const int32_t ra = __shfl_sync(0xffffffffu, r, la), rb = __shfl_sync(0xffffffffu, r, lb);
+          const float pa = __shfl_sync(0xffffffffu, p, la), pb = __shfl_sync(0xffffffffu, p, lb);
+          P ia[U], ib[U];
+          load_packs(ia, reinterpret_cast<const P*>(y + ra * ld_y), base + lane, packs);
+          if (two) load_packs(ib, reinterpret_cast<const P*>(y + rb * ld_y), base + lane, packs);
 #pragma unroll
-      for (int v = 0; v < V; ++v) o.v[v] = from_f<T>(acc[v]);
-      reinterpret_cast<P*>(out + t * ld_out)[c] = o;
+          for (int u = 0; u < U; ++u) {
+#pragma unroll
+            for (int v = 0; v < V; ++v) acc[u][v] += pa * to_f(ia[u].v[v]);
+          }
+          if (two) {
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+#pragma unroll
+              for (int v = 0; v < V; ++v) acc[u][v] += pb * to_f(ib[u].v[v]);
+            }
+          }
+        }
+      }
+      P o[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+#pragma unroll
+        for (int v = 0; v < V; ++v) o[u].v[v] = from_f<T>(acc[u][v]);
+      }
+      store_packs(reinterpret_cast<P*>(out + t * ld_out), o, base + lane, packs);
     }
     if (bad) atomicOr(error_word, kDeviceErrorRoutingIndexOutOfRange);
   }
+}
+
+// combine's backward in one pass over the tokens. For each slot (t, j), in slot order:
+//   dy[r] = w[t, j] · dout[t] when (t, j) owns its row r (see owned_row);
+//   dprobs[t, j] = Σ_h dout[t, h] · y[r, h] in f32 when r is in [0, rows), else 0: lanes over the
+//   packs in order, then the warp butterfly.
+// dout[t] is read from memory once (its re-reads, one per slot, hit the caches), each expert row
+// once, each gradient row written once. Then zeros on every row no slot owns.
+template <typename T, int V>
+__global__ void __launch_bounds__(kRowWarps * 32, 2)  // <= 128 registers: two blocks (16 warps) per SM
+    combine_backward_kernel(const T* __restrict__ dout, int64_t ld_dout, int64_t T_, const int32_t* __restrict__ row_of,
+                            const int32_t* __restrict__ src_token, const float* __restrict__ w, int k,
+                            const T* __restrict__ y, int64_t ld_y, T* __restrict__ dy, int64_t ld_dy, int64_t rows,
+                            int64_t H, float* __restrict__ dprobs, uint32_t* error_word) {
+  using P = Pack<T, V>;
+  constexpr int U = kCombinePacks;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+  const int64_t packs = H / V;
+  for (int64_t t = blockIdx.x * int64_t(kRowWarps) + warp; t < T_; t += int64_t(gridDim.x) * kRowWarps) {
+    const P* g = reinterpret_cast<const P*>(dout + t * ld_dout);
+    for (int j0 = 0; j0 < k; j0 += 32) {
+      const int j = j0 + lane;
+      const int32_t mine = owned_row(row_of, src_token, t, k, j0, rows, true);
+      const int32_t r = j < k ? row_of[t * k + j] : -1;
+      const float p = (j < k && w != nullptr) ? w[t * k + j] : 1.f;
+      const int n = min(32, k - j0);
+      for (int s = 0; s < n; ++s) {
+        const int32_t own = __shfl_sync(0xffffffffu, mine, s);
+        const int32_t rs = __shfl_sync(0xffffffffu, r, s);
+        const float ps = __shfl_sync(0xffffffffu, p, s);
+        const bool dot_row = dprobs != nullptr && rs >= 0 && rs < rows;
+        float dot = 0.f;
+        if (own >= 0 || dot_row) {
+          const P* yr = reinterpret_cast<const P*>(y + (dot_row ? rs : 0) * ld_y);
+          P* dst = reinterpret_cast<P*>(dy + (own >= 0 ? own : 0) * ld_dy);
+          for (int64_t base = 0; base < packs; base += 32 * U) {
+            P a[U], b[U];
+            load_packs(a, g, base + lane, packs);
+            if (dot_row) {
+              load_packs(b, yr, base + lane, packs);
+#pragma unroll
+              for (int u = 0; u < U; ++u) {
+                if (base + lane + 32 * u < packs) {
+#pragma unroll
+                  for (int v = 0; v < V; ++v) dot += to_f(a[u].v[v]) * to_f(b[u].v[v]);
+                }
+              }
+            }
+            if (own >= 0) {
+              P o[U];
+#pragma unroll
+              for (int u = 0; u < U; ++u) {
+#pragma unroll
+                for (int v = 0; v < V; ++v) o[u].v[v] = from_f<T>(ps * to_f(a[u].v[v]));
+              }
+              store_packs(dst, o, base + lane, packs);
+            }
+          }
+        }
+        if (dprobs != nullptr) {
+          dot = warp_sum(dot);
+          if (lane == 0) dprobs[t * k + j0 + s] = dot;
+        }
+      }
+    }
+  }
+  zero_unowned_rows<T, V>(dy, ld_dy, rows, H, row_of, src_token, k, T_, true, error_word);
 }
 
 // dprobs[t, j] = dpermuted_probs[row_of[t, j]], 0 where dropped.
@@ -259,70 +444,6 @@ __global__ void gather_probs_kernel(const float* dpp, int64_t rows, const int32_
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     const int32_t r = row_of[i];
     dprobs[i] = (r >= 0 && r < rows) ? dpp[r] : 0.f;
-  }
-}
-
-// dy[r] = w[t, j] · dout[t] for the (t, j) whose row is r, zeros on every other row.
-template <typename T, int V>
-__global__ void __launch_bounds__(kRowWarps * 32)
-    combine_backward_rows_kernel(const T* dout, int64_t ld_dout, int64_t T_, const int32_t* row_of,
-                                 const int32_t* src_token, const float* w, int k, T* dy, int64_t ld_dy, int64_t rows,
-                                 int64_t H, uint32_t* error_word) {
-  using P = Pack<T, V>;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
-  const int64_t packs = H / V;
-  for (int64_t r = blockIdx.x * int64_t(kRowWarps) + warp; r < rows; r += int64_t(gridDim.x) * kRowWarps) {
-    const int32_t t = src_token[r];
-    int slot = -1;
-    if (t >= 0 && t < T_) {
-      for (int j = 0; j < k; ++j) slot = (slot < 0 && row_of[int64_t(t) * k + j] == r) ? j : slot;
-    }
-    if (t >= T_ && lane == 0) atomicOr(error_word, kDeviceErrorRoutingIndexOutOfRange);
-    P* dst = reinterpret_cast<P*>(dy + r * ld_dy);
-    if (slot < 0) {
-      P zero;
-#pragma unroll
-      for (int v = 0; v < V; ++v) zero.v[v] = from_f<T>(0.f);
-      for (int64_t c = lane; c < packs; c += 32) dst[c] = zero;
-      continue;
-    }
-    const float p = w != nullptr ? w[int64_t(t) * k + slot] : 1.f;
-    const P* src = reinterpret_cast<const P*>(dout + int64_t(t) * ld_dout);
-    for (int64_t c = lane; c < packs; c += 32) {
-      const P in = src[c];
-      P o;
-#pragma unroll
-      for (int v = 0; v < V; ++v) o.v[v] = from_f<T>(p * to_f(in.v[v]));
-      dst[c] = o;
-    }
-  }
-}
-
-// dprobs[t, j] = Σ_h dout[t, h] · y[row_of[t, j], h] in f32: lanes over packs in order, then the
-// warp butterfly. 0 where dropped.
-template <typename T, int V>
-__global__ void __launch_bounds__(kRowWarps * 32)
-    combine_dprobs_kernel(const T* dout, int64_t ld_dout, const T* y, int64_t ld_y, int64_t rows, const int32_t* row_of,
-                          int k, int64_t T_, int64_t H, float* dprobs) {
-  using P = Pack<T, V>;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
-  const int64_t packs = H / V;
-  for (int64_t t = blockIdx.x * int64_t(kRowWarps) + warp; t < T_; t += int64_t(gridDim.x) * kRowWarps) {
-    const P* g = reinterpret_cast<const P*>(dout + t * ld_dout);
-    for (int j = 0; j < k; ++j) {
-      const int32_t r = row_of[t * k + j];
-      float dot = 0.f;
-      if (r >= 0 && r < rows) {
-        const P* yr = reinterpret_cast<const P*>(y + r * ld_y);
-        for (int64_t c = lane; c < packs; c += 32) {
-          const P a = g[c], b = yr[c];
-#pragma unroll
-          for (int v = 0; v < V; ++v) dot += to_f(a.v[v]) * to_f(b.v[v]);
-        }
-      }
-      dot = warp_sum(dot);
-      if (lane == 0) dprobs[t * k + j] = dot;
-    }
   }
 }
 
@@ -396,9 +517,11 @@ void permute(const TensorView& x, const TensorView& ids, const PermuteOptions& o
   routing::with_row_type(x.dtype, H, {x, permuted}, [&](auto t, auto v) {
     using T_ = decltype(t);
     constexpr int V = decltype(v)::value;
-    gather_rows_kernel<T_, V><<<routing::grid_for(rows, kRowWarps), kRowWarps * 32, 0, stream>>>(
-        static_cast<const T_*>(x.data), x.stride(0), T, static_cast<T_*>(permuted.data), permuted.stride(0), rows, H,
-        static_cast<const int32_t*>(map.src_token.data), device_error_word());
+    scatter_rows_kernel<T_, V><<<routing::grid_for(std::max(T, (rows + 31) / 32), kRowWarps), kRowWarps * 32, 0,
+                                 stream>>>(
+        static_cast<const T_*>(x.data), x.stride(0), T, static_cast<const int32_t*>(map.row_of.data),
+        static_cast<const int32_t*>(map.src_token.data), int(k), static_cast<T_*>(permuted.data), permuted.stride(0), rows,
+        H, device_error_word());
   });
   GMOE_CUDA_CHECK(cudaGetLastError());
 }
@@ -428,24 +551,22 @@ void combine_backward(const TensorView& dout, const RoutingMap& map, const Tenso
   const int64_t T = dout.size(0), H = dout.size(1), rows = dexpert_out.size(0), k = map.row_of.size(1);
   const float* w = probs.defined() ? static_cast<const float*>(probs.data) : nullptr;
   const int32_t* row_of = static_cast<const int32_t*>(map.row_of.data);
-  if (rows > 0 && H > 0) {
-    routing::with_row_type(dout.dtype, H, {dout, dexpert_out}, [&](auto t, auto v) {
-      using T_ = decltype(t);
-      constexpr int V = decltype(v)::value;
-      combine_backward_rows_kernel<T_, V><<<routing::grid_for(rows, kRowWarps), kRowWarps * 32, 0, stream>>>(
-          static_cast<const T_*>(dout.data), dout.stride(0), T, row_of, static_cast<const int32_t*>(map.src_token.data),
-          w, int(k), static_cast<T_*>(dexpert_out.data), dexpert_out.stride(0), rows, H, device_error_word());
-    });
-    GMOE_CUDA_CHECK(cudaGetLastError());
-  }
-  if (!dprobs.defined() || T == 0) return;
-  routing::with_row_type(dout.dtype, H, {dout, expert_out}, [&](auto t, auto v) {
-    using T_ = decltype(t);
-    constexpr int V = decltype(v)::value;
-    combine_dprobs_kernel<T_, V><<<routing::grid_for(T, kRowWarps), kRowWarps * 32, 0, stream>>>(
-        static_cast<const T_*>(dout.data), dout.stride(0), static_cast<const T_*>(expert_out.data),
-        expert_out.stride(0), rows, row_of, int(k), T, H, static_cast<float*>(dprobs.data));
-  });
+  float* dp = dprobs.defined() ? static_cast<float*>(dprobs.data) : nullptr;
+  // One launch writes every row of dexpert_out (rows > 0) and every dprobs (T > 0); the dtype and
+  // pack width are chosen over all three row tensors.
+  if (!((rows > 0 && H > 0) || (dp != nullptr && T > 0))) return;
+  routing::with_row_type(dout.dtype, H, {dout, dexpert_out, dp != nullptr ? expert_out : TensorView{}},
+                         [&](auto t, auto v) {
+                           using T_ = decltype(t);
+                           constexpr int V = decltype(v)::value;
+                           combine_backward_kernel<T_, V>
+                               <<<routing::grid_for(std::max(T, (rows + 31) / 32), kRowWarps), kRowWarps * 32, 0,
+                                  stream>>>(static_cast<const T_*>(dout.data), dout.stride(0), T, row_of,
+                                            static_cast<const int32_t*>(map.src_token.data), w, int(k),
+                                            static_cast<const T_*>(expert_out.data),
+                                            dp != nullptr ? expert_out.stride(0) : 0, static_cast<T_*>(dexpert_out.data),
+                                            dexpert_out.stride(0), rows, H, dp, device_error_word());
+                         });
   GMOE_CUDA_CHECK(cudaGetLastError());
 }
 
