@@ -2,12 +2,22 @@
 // logits to the combined output, built from the public ops of gmoe/routing.h and a GroupedMLP.
 //
 //   forward   ids, probs, counts = router_topk(logits)                 (gmoe/routing.h)
-//             xp, counts_p, map  = permute(x, ids)                      rows grouped by expert
-//             yp                 = experts.forward(xp, counts_p)        (gmoe/grouped_mlp.h)
-//             out[t]             = Σ_j probs[t, j] · yp[row(t, j)]       combine
+//             xp, counts_p, map, pp = permute(x, ids, probs)            rows grouped by expert, pp: each
+//                                                                      row's probability (0 for padding)
+//             yp                 = experts.forward(xp, counts_p, pp)   (gmoe/grouped_mlp.h): z = act(h)·pp
+//             out[t]             = Σ_j yp[row(t, j)]                    combine with weights 1
 //             aux_loss, z_loss   (when their coefficients are not 0)
-//   backward  dyp, dprobs = combine_backward(dout);  dxp = experts.backward(dyp)
-//             dx = permute_backward(dxp);  dlogits = router_topk_backward(dprobs) (+ the losses')
+//   backward  dyp = combine_backward(dout)  (a gather of dout: needs no yp)
+//             dxp, dpp = experts.backward(dyp);  dx, dprobs = permute_backward(dxp, dpp)
+//             dlogits = router_topk_backward(dprobs) (+ the losses')
+//
+// The probabilities are applied inside the experts' activation (as Megatron and Transformer Engine
+// do) rather than in the combine, so that yp need not be kept for the combine's d(probs) =
+// <dout[t], yp[row]>: GroupedMLP forms d(pp) from the values its backward has anyway. Exact
+// because FC2 is linear: FC2(p·z) = p·FC2(z). With an FC2 bias it is not (FC2(p·z) = p·W2·z + b2,
+// but the block is p·(W2·z + b2)), so experts whose FC2 has a bias (gpt-oss) take the weighted
+// combine: yp = experts.forward(xp, counts_p), out[t] = Σ_j probs[t, j]·yp[row(t, j)], and yp is
+// kept for dprobs (probs_in_experts() says which path a layer takes).
 //
 // The logits are the caller's (the gate projection x·W_rᵀ is a dense GEMM of the framework's), and
 // so is the gradient of that projection: backward returns dlogits beside dx. Nothing reads the
@@ -55,9 +65,11 @@ struct MoEBackward {
 };
 
 /// What forward keeps for backward. One per forward in flight. Offloadable (gmoe/offload.h): the
-/// router's ids, probs and counts, the permuted input and counts, the permutation map, the experts'
-/// output (and after backward the experts' output gradient, which a delayed FC2 weight gradient
-/// reads), and the experts' context; never x or logits (the caller's).
+/// router's ids, probs and counts, the permuted input and counts, the permutation map, the
+/// experts' context, and either the per-row probabilities (probs_in_experts: the experts keep
+/// them by reference) or the experts' output (the weighted combine's dprobs reads it); after
+/// backward the experts' output gradient, which a delayed FC2 weight gradient reads. Never x or
+/// logits (the caller's).
 class MoELayerContext : public Offloadable {
  public:
   MoELayerContext();
@@ -87,6 +99,10 @@ class MoELayer {
 
   const MoELayerOptions& options() const { return options_; }
   GroupedMLP& experts() const { return *experts_; }
+  /// True when the router probabilities are applied inside the experts' activation and the
+  /// combine has weights 1 (the experts' FC2 has no bias; see the top of this file), false when
+  /// the combine weights the experts' output.
+  bool probs_in_experts() const { return !experts_->fc2().bias().defined(); }
 
   /// x: [T, H] of the experts' dtype; logits: [T, E] f32/bf16/f16 on x's device. x, logits (and
   /// the options' score_bias) are kept by reference until backward: keep them alive and unchanged.

@@ -2,9 +2,18 @@
 
     logits             = x · W_routerᵀ in float32                        (self.router)
     ids, probs, counts = router_topk(logits)                             (gmoe.router_topk)
-    rows, m_splits     = permute(x, ids)                                 rows grouped by expert
-    y_rows             = experts(rows, m_splits)                         (self.experts, a GroupedMLP)
-    out[t]             = Σ_j probs[t, j] · y_rows[row(t, j)]  (+ shared_experts(x))
+    rows, m_splits, p  = permute(x, ids, probs)                          rows grouped by expert, p
+                                                                         each row's probability
+    y_rows             = experts(rows, m_splits, p)                      (self.experts, a GroupedMLP:
+                                                                         z = act(h)·p)
+    out[t]             = Σ_j y_rows[row(t, j)]  (+ shared_experts(x))    combine with weights 1
+
+The probabilities scale the experts' activation, as in Megatron and Transformer Engine, rather
+than the combine: a weighted combine keeps y_rows for the probabilities' gradient
+<dout[t], y_rows[row]>, while inside the experts that gradient comes from what their backward has
+anyway, and y_rows is not kept. Exact because FC2 is linear (FC2(p·z) = p·FC2(z)); with
+``bias=True`` FC2 adds b2, and FC2(p·z) = p·W2·z + b2 is not the block's p·(W2·z + b2), so those
+experts take the weighted combine (``out[t] = Σ_j probs[t, j] · y_rows[row(t, j)]``).
 
 Every shape is host-known and the counts never leave the device, so a training step with the
 layer never synchronises and can be captured in a CUDA graph once and replayed under any routing.
@@ -138,9 +147,14 @@ class MoELayer(nn.Module):
         route = router_topk(logits, self.top_k, score_func=self.score_func, normalize=self.normalize_topk,
                             n_group=self.n_group, topk_group=self.topk_group, scaling_factor=self.scaling_factor,
                             score_bias=bias)
-        perm = permute(tokens, route.ids, self.num_experts, pad_multiple=self.pad_multiple,
-                       capacity_factor=self.capacity_factor)
-        out = combine(self.experts(perm.rows, perm.counts), perm.map, route.probs)
+        if self.probs_in_experts:
+            perm = permute(tokens, route.ids, self.num_experts, route.probs, pad_multiple=self.pad_multiple,
+                           capacity_factor=self.capacity_factor)
+            out = combine(self.experts(perm.rows, perm.counts, perm.probs), perm.map)
+        else:  # FC2's bias: see the module's docstring
+            perm = permute(tokens, route.ids, self.num_experts, pad_multiple=self.pad_multiple,
+                           capacity_factor=self.capacity_factor)
+            out = combine(self.experts(perm.rows, perm.counts), perm.map, route.probs)
         if self.shared_experts is not None:
             every_token = torch.full((1,), tokens.shape[0], dtype=torch.int32, device=tokens.device)
             out = out + self.shared_experts(tokens, every_token)
@@ -156,6 +170,12 @@ class MoELayer(nn.Module):
         self.last_counts = route.counts
         self.last_dropped = perm.dropped
         return out.view(shape)
+
+    @property
+    def probs_in_experts(self) -> bool:
+        """True when the router probabilities scale the experts' activation and the combine has
+        weights 1 (the experts' FC2 has no bias), False when the combine weights their output."""
+        return not self.experts.fc2.use_bias
 
     # ---- the experts' Megatron conventions, for the whole layer --------------------------------
 

@@ -13,7 +13,8 @@ struct MoELayerContext::State {
   TensorView x, logits;
   Tensor ids, probs, counts;  // the router's
   Tensor permuted, permuted_counts, row_of, src_token;
-  Tensor expert_out;   // for dprobs, released by backward
+  Tensor permuted_probs;  // probs_in_experts: each row's probability, which the experts keep by reference
+  Tensor expert_out;      // weighted combine only: for dprobs, released by backward
   Tensor dexpert_out;  // kept: a delayed FC2 weight gradient reads it in backward_dw
   bool backward_done = false;
   RoutingMap map() const { return {row_of.view(), src_token.view()}; }
@@ -29,7 +30,7 @@ void MoELayerContext::collect(OffloadSlots& slots) {
   State& s = *state_;
   slots.child(s.experts);
   for (Tensor* t : {&s.ids, &s.probs, &s.counts, &s.permuted, &s.permuted_counts, &s.row_of, &s.src_token,
-                    &s.expert_out, &s.dexpert_out}) {
+                    &s.permuted_probs, &s.expert_out, &s.dexpert_out}) {
     slots.tensor(*t);
   }
   slots.view(s.x);
@@ -84,13 +85,24 @@ MoEForward MoELayer::forward(const TensorView& x, const TensorView& logits, MoEL
   s.permuted_counts = Tensor::empty({E}, DType::i32, a, stream);
   s.row_of = Tensor::empty({T, k}, DType::i32, a, stream);
   s.src_token = Tensor::empty({rows}, DType::i32, a, stream);
-  permute(x, s.ids, options_.permute, s.permuted, s.permuted_counts, s.map(), {}, {}, {}, stream, &a);
-
-  s.expert_out = experts_->forward(s.permuted, s.permuted_counts, {}, s.experts, stream);
-
   MoEForward f;
   f.out = Tensor::empty({T, H}, x.dtype, a, stream);
-  combine(s.expert_out, s.map(), s.probs, f.out, stream, &a);
+  if (probs_in_experts()) {
+    // The probabilities scale z inside the experts (0 on padding rows), the combine sums with
+    // weights 1, and yp is dropped here: nothing in backward reads it (see moe_layer.h).
+    s.permuted_probs = Tensor::empty({rows}, DType::f32, a, stream);
+    permute(x, s.ids, options_.permute, s.permuted, s.permuted_counts, s.map(), s.probs, s.permuted_probs, {},
+            stream, &a);
+    Tensor yp = experts_->forward(s.permuted, s.permuted_counts, s.permuted_probs, s.experts, stream);
+    combine(yp, s.map(), {}, f.out, stream, &a);
+    yp.release_on(stream);
+  } else {
+    // FC2 has a bias, so FC2(p·z) = p·W2·z + b2 is not the block's p·(W2·z + b2): the combine
+    // weights yp and keeps it for dprobs.
+    permute(x, s.ids, options_.permute, s.permuted, s.permuted_counts, s.map(), {}, {}, {}, stream, &a);
+    s.expert_out = experts_->forward(s.permuted, s.permuted_counts, {}, s.experts, stream);
+    combine(s.expert_out, s.map(), s.probs, f.out, stream, &a);
+  }
   if (options_.aux_loss_coeff != 0.0f) {
     f.aux_loss = Tensor::empty({1}, DType::f32, a, stream);
     router_aux_loss(logits, s.counts, options_.router, options_.aux_loss_coeff, f.aux_loss, stream, &a);
@@ -116,16 +128,22 @@ MoEBackward MoELayer::backward(MoELayerContext& ctx, const TensorView& dout, Str
              "], got ", dout.str());
   Allocator& a = allocator(s.x.device);
 
-  const TensorView expert_out = s.expert_out;
-  s.dexpert_out = Tensor::empty(expert_out.shape.data(), 2, expert_out.dtype, a, stream);
+  const int64_t rows = s.permuted.view().size(0);
+  s.dexpert_out = Tensor::empty({rows, H}, s.x.dtype, a, stream);
   Tensor dprobs = Tensor::empty({T, k}, DType::f32, a, stream);
-  combine_backward(dout, s.map(), s.probs, expert_out, s.dexpert_out, dprobs, stream, &a);
-  s.expert_out.release_on(stream);
-
-  GroupedMLPBackward eb = experts_->backward(s.experts, s.dexpert_out, stream);
   MoEBackward b;
   b.dx = Tensor::empty({T, H}, s.x.dtype, a, stream);
-  permute_backward(eb.dx, s.map(), b.dx, {}, {}, stream, &a);
+  const bool probs_in_experts = s.permuted_probs.view().defined();
+  if (probs_in_experts) {
+    // Weights 1: dyp is dout gathered into rows; dprobs comes from the experts per row and is
+    // gathered back to [T, k] by permute_backward (padding and dropped slots never reach it).
+    combine_backward(dout, s.map(), {}, {}, s.dexpert_out, {}, stream, &a);
+  } else {
+    combine_backward(dout, s.map(), s.probs, s.expert_out, s.dexpert_out, dprobs, stream, &a);
+    s.expert_out.release_on(stream);
+  }
+  GroupedMLPBackward eb = experts_->backward(s.experts, s.dexpert_out, stream);
+  permute_backward(eb.dx, s.map(), b.dx, eb.dprobs, probs_in_experts ? dprobs.view() : TensorView{}, stream, &a);
   b.grads = std::move(eb.grads);
 
   b.dlogits = Tensor::empty({T, E}, DType::f32, a, stream);

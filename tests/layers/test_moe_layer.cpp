@@ -1,9 +1,12 @@
 // tests/layers/test_moe_layer.cpp — MoELayer on the CPU backend (f32) against an fp64 oracle of the
 // whole block written from the definitions: each token's output Σ_j p_j · MLP_{e_j}(x_t) over its
 // kept slots (SwiGLU experts), dx by finite differences of that oracle with the routing held fixed,
-// dlogits as the router oracle's gradient for the oracle's dprobs plus the losses' gradients. Cases:
-// softmax top-2, DeepSeek-style sigmoid groups with a bias, padding with a capacity that drops
-// tokens (one token losing every slot), and zero tokens.
+// dlogits as the router oracle's gradient for the oracle's dprobs plus the losses' gradients, the
+// experts' weight and bias gradients from the chain rule of that oracle. Cases: softmax top-2,
+// DeepSeek-style sigmoid groups with a bias, padding with a capacity that drops tokens (one token
+// losing every slot), zero tokens, experts with recomputed activations, and experts with biases
+// (an FC2 bias takes the weighted combine: the probabilities cannot go inside the experts). Then
+// the bytes each path keeps for backward.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -11,6 +14,7 @@
 #include <vector>
 
 #include "common/expect_error.h"
+#include "common/offload_fixture.h"
 #include "common/harness.h"
 #include "common/routing_oracle.h"
 #include "gmoe/grouped_mlp.h"
@@ -24,7 +28,9 @@ struct LayerCase {
   int64_t T, E, H, F;
   RouterOptions router;
   PermuteOptions permute;
-  bool bias = false;
+  bool bias = false;         // the router's selection bias
+  bool expert_bias = false;  // FC1 and FC2 biases (the weighted-combine path)
+  bool recompute = false;    // the experts' recompute_activation
 };
 
 std::vector<LayerCase> layer_cases() {
@@ -44,25 +50,73 @@ std::vector<LayerCase> layer_cases() {
   return {{"softmax_top2", 13, 4, 12, 6, softmax2, plain},
           {"sigmoid_groups_bias", 11, 8, 8, 4, groups, plain, true},
           {"padded_capacity_drops", 16, 4, 8, 4, softmax2, padded_capacity},
-          {"zero_tokens", 0, 4, 8, 4, softmax2, padded_capacity}};
+          {"zero_tokens", 0, 4, 8, 4, softmax2, padded_capacity},
+          {"recompute_padded_capacity", 16, 4, 8, 4, softmax2, padded_capacity, false, false, true},
+          {"expert_bias_weighted_combine", 13, 4, 12, 6, softmax2, padded_capacity, false, true}};
 }
 
-// The experts' output for token row x (H) through expert e: W2_e · (silu(g) · u), [g; u] = W1_e · x.
-std::vector<double> expert_mlp(const std::vector<double>& w1, const std::vector<double>& w2, int64_t e, int64_t H,
-                               int64_t F, const double* x) {
-  std::vector<double> z(F), y(H, 0.0);
+// Expert e's MLP for token row x (H): y = W2_e · z + b2_e, z = silu(g) · u, [g; u] = W1_e · x + b1_e
+// (b1, b2 empty: no biases). With dy (H) given, also accumulates p-scaled weight and bias
+// gradients of p·y for the upstream gradient dy into dw1, db1, dw2, db2.
+struct ExpertGrads {
+  std::vector<double> w1, b1, w2, b2;
+};
+std::vector<double> expert_mlp(const std::vector<double>& w1, const std::vector<double>& w2,
+                               const std::vector<double>& b1, const std::vector<double>& b2, int64_t e, int64_t H,
+                               int64_t F, const double* x, const double* dy = nullptr, double p = 0,
+                               ExpertGrads* grads = nullptr) {
+  std::vector<double> g(F), u(F), z(F), y(H, 0.0);
   for (int64_t f = 0; f < F; ++f) {
-    double g = 0, u = 0;
+    g[f] = b1.empty() ? 0.0 : b1[e * 2 * F + f];
+    u[f] = b1.empty() ? 0.0 : b1[e * 2 * F + F + f];
     for (int64_t h = 0; h < H; ++h) {
-      g += w1[(e * 2 * F + f) * H + h] * x[h];
-      u += w1[(e * 2 * F + F + f) * H + h] * x[h];
+      g[f] += w1[(e * 2 * F + f) * H + h] * x[h];
+      u[f] += w1[(e * 2 * F + F + f) * H + h] * x[h];
     }
-    z[f] = g / (1 + std::exp(-g)) * u;
+    z[f] = g[f] / (1 + std::exp(-g[f])) * u[f];
   }
   for (int64_t h = 0; h < H; ++h) {
+    y[h] = b2.empty() ? 0.0 : b2[e * H + h];
     for (int64_t f = 0; f < F; ++f) y[h] += w2[(e * H + h) * F + f] * z[f];
   }
+  if (grads == nullptr) return y;
+  for (int64_t f = 0; f < F; ++f) {
+    double dz = 0;
+    for (int64_t h = 0; h < H; ++h) {
+      grads->w2[(e * H + h) * F + f] += p * dy[h] * z[f];
+      dz += p * dy[h] * w2[(e * H + h) * F + f];
+    }
+    const double sg = 1 / (1 + std::exp(-g[f])), silu = g[f] * sg;
+    const double dg = dz * u[f] * (sg + silu * (1 - sg)), du = dz * silu;
+    grads->b1[e * 2 * F + f] += dg;
+    grads->b1[e * 2 * F + F + f] += du;
+    for (int64_t h = 0; h < H; ++h) {
+      grads->w1[(e * 2 * F + f) * H + h] += dg * x[h];
+      grads->w1[(e * 2 * F + F + f) * H + h] += du * x[h];
+    }
+  }
+  for (int64_t h = 0; h < H; ++h) grads->b2[e * H + h] += p * dy[h];
   return y;
+}
+
+// The values of a stacked [E, N, K] gradient view (its expert stride may be padded).
+std::vector<double> stacked_values(const TensorView& v) {
+  const int64_t E = v.size(0), N = v.size(1), K = v.size(2);
+  std::vector<double> out(E * N * K);
+  for (int64_t e = 0; e < E; ++e) {
+    for (int64_t i = 0; i < N * K; ++i) out[e * N * K + i] = static_cast<const float*>(v.data)[e * v.stride(0) + i];
+  }
+  return out;
+}
+
+// The values of a grouped [E, N] gradient view.
+std::vector<double> grouped_values(const TensorView& v) {
+  const int64_t E = v.size(0), N = v.size(1);
+  std::vector<double> out(E * N);
+  for (int64_t e = 0; e < E; ++e) {
+    for (int64_t i = 0; i < N; ++i) out[e * N + i] = static_cast<const float*>(v.data)[e * v.stride(0) + i];
+  }
+  return out;
 }
 
 class MoELayerCpu : public ::testing::TestWithParam<LayerCase> {};
@@ -72,14 +126,21 @@ TEST_P(MoELayerCpu, ForwardAndBackwardMatchOracle) {
   const int64_t k = c.router.top_k;
   Rng rng;
   HostTensor w1(DType::f32, {c.E, 2 * c.F, c.H}), w2(DType::f32, {c.E, c.H, c.F}), x(DType::f32, {c.T, c.H}),
-      logits(DType::f32, {c.T, c.E}), bias(DType::f32, {c.E}), dout(DType::f32, {c.T, c.H});
+      logits(DType::f32, {c.T, c.E}), bias(DType::f32, {c.E}), dout(DType::f32, {c.T, c.H}),
+      b1(DType::f32, {c.E, 2 * c.F}), b2(DType::f32, {c.E, c.H});
   fill_random(w1, rng, -0.5, 0.5);
   fill_random(w2, rng, -0.5, 0.5);
   fill_random(x, rng);
   fill_random(logits, rng, -2.0, 2.0);
   fill_random(bias, rng, -0.1, 0.1);
   fill_random(dout, rng);
-  GroupedMLP experts(ExpertWeights::from_stacked(w1.view()), ExpertWeights::from_stacked(w2.view()));
+  fill_random(b1, rng, -0.5, 0.5);
+  fill_random(b2, rng, -0.5, 0.5);
+  GroupedMLPOptions mo;
+  mo.recompute_activation = c.recompute;
+  GroupedMLP experts(ExpertWeights::from_stacked(w1.view()), ExpertWeights::from_stacked(w2.view()),
+                     c.expert_bias ? ExpertBias::from_grouped(b1.view()) : ExpertBias{},
+                     c.expert_bias ? ExpertBias::from_grouped(b2.view()) : ExpertBias{}, mo);
   MoELayerOptions o;
   o.router = c.router;
   o.permute = c.permute;
@@ -87,6 +148,8 @@ TEST_P(MoELayerCpu, ForwardAndBackwardMatchOracle) {
   o.z_loss_coeff = 0.001f;
   if (c.bias) o.score_bias = bias.view();
   MoELayer layer(experts, o);
+  EXPECT_EQ(layer.probs_in_experts(), !c.expert_bias)
+      << "the probabilities go inside the experts unless FC2 has a bias";
   MoELayerContext ctx;
   MoEForward f = layer.forward(x.view(), logits.view(), ctx);
   MoEBackward b = layer.backward(ctx, dout.view());
@@ -111,6 +174,10 @@ TEST_P(MoELayerCpu, ForwardAndBackwardMatchOracle) {
   const OraclePermutation perm = oracle_permutation(id, c.T, k, c.E, permuted_rows(c.T, k, c.E, c.permute), c.permute);
 
   const std::vector<double> W1 = w1.to_double(), W2 = w2.to_double(), X = x.to_double(), G = dout.to_double();
+  const std::vector<double> B1 = c.expert_bias ? b1.to_double() : std::vector<double>{},
+                            B2 = c.expert_bias ? b2.to_double() : std::vector<double>{};
+  ExpertGrads wg{std::vector<double>(W1.size()), std::vector<double>(c.E * 2 * c.F), std::vector<double>(W2.size()),
+                 std::vector<double>(c.E * c.H)};
   auto block = [&](const std::vector<double>& xs, std::vector<double>* dprobs) {
     std::vector<double> out(c.T * c.H, 0.0);
     for (int64_t t = 0; t < c.T; ++t) {
@@ -119,7 +186,8 @@ TEST_P(MoELayerCpu, ForwardAndBackwardMatchOracle) {
           if (dprobs) (*dprobs)[t * k + j] = 0;
           continue;
         }
-        const std::vector<double> y = expert_mlp(W1, W2, id[t * k + j], c.H, c.F, &xs[t * c.H]);
+        const std::vector<double> y = expert_mlp(W1, W2, B1, B2, id[t * k + j], c.H, c.F, &xs[t * c.H],
+                                                 &G[t * c.H], p[t * k + j], dprobs ? &wg : nullptr);
         double dot = 0;
         for (int64_t h = 0; h < c.H; ++h) {
           out[t * c.H + h] += p[t * k + j] * y[h];
@@ -164,6 +232,13 @@ TEST_P(MoELayerCpu, ForwardAndBackwardMatchOracle) {
   std::vector<double> got_dl(c.T * c.E);
   for (int64_t i = 0; i < c.T * c.E; ++i) got_dl[i] = static_cast<const float*>(b.dlogits.view().data)[i];
   EXPECT_TRUE(all_close(got_dl, want_dl, 1e-6, 1e-3, "dlogits"));
+  // The experts' weight and bias gradients (db2 = Σ p·dout over the kept slots in either path).
+  EXPECT_TRUE(all_close(stacked_values(b.grads.fc1.weight.stacked), wg.w1, 1e-5, 1e-4, "dW1"));
+  EXPECT_TRUE(all_close(stacked_values(b.grads.fc2.weight.stacked), wg.w2, 1e-5, 1e-4, "dW2"));
+  if (c.expert_bias) {
+    EXPECT_TRUE(all_close(grouped_values(b.grads.fc1.bias.grouped), wg.b1, 1e-5, 1e-4, "db1"));
+    EXPECT_TRUE(all_close(grouped_values(b.grads.fc2.bias.grouped), wg.b2, 1e-5, 1e-4, "db2"));
+  }
   EXPECT_TRUE(all_close({static_cast<const float*>(f.aux_loss.view().data)[0]},
                         {oracle_aux_loss(lg, c.T, c.E, counts, c.router, 0.01)}, 1e-9, 1e-5, "aux loss"));
   if (c.permute.capacity_factor > 0 && c.T > 0) EXPECT_GT(perm.dropped, 0) << "the case is meant to drop slots";
@@ -171,6 +246,57 @@ TEST_P(MoELayerCpu, ForwardAndBackwardMatchOracle) {
 
 INSTANTIATE_TEST_SUITE_P(Cases, MoELayerCpu, ::testing::ValuesIn(layer_cases()),
                          [](const auto& info) { return info.param.name; });
+
+// The bytes forward leaves for backward (what gmoe-bench --mode moe reports as kept per token):
+// everything forward allocated that is still live, but its output. The experts keep x by reference
+// (fc1.save_original_input, the permuted rows the layer keeps anyway), as the benchmark's do.
+struct Kept {
+  size_t bytes;
+  bool probs_in_experts;
+};
+Kept kept_for_backward(int64_t T, int64_t E, int64_t k, int64_t H, int64_t F, bool fc2_bias, bool recompute) {
+  Rng rng;
+  HostTensor w1(DType::f32, {E, 2 * F, H}), w2(DType::f32, {E, H, F}), b2(DType::f32, {E, H}),
+      x(DType::f32, {T, H}), logits(DType::f32, {T, E}), dout(DType::f32, {T, H});
+  for (HostTensor* t : {&w1, &w2, &b2, &x, &logits, &dout}) fill_random(*t, rng);
+  CountingAllocator alloc(host_allocator());
+  GroupedMLPOptions mo;
+  mo.fc1.save_original_input = true;
+  mo.recompute_activation = recompute;
+  mo.allocator = &alloc;
+  GroupedMLP experts(ExpertWeights::from_stacked(w1.view()), ExpertWeights::from_stacked(w2.view()), {},
+                     fc2_bias ? ExpertBias::from_grouped(b2.view()) : ExpertBias{}, mo);
+  MoELayerOptions o;
+  o.router.top_k = k;
+  o.allocator = &alloc;
+  MoELayer layer(experts, o);
+  MoELayerContext ctx;
+  const size_t before = alloc.in_use();
+  MoEForward f = layer.forward(x.view(), logits.view(), ctx);
+  const size_t kept = alloc.in_use() - before - size_t(T * H) * sizeof(float);
+  layer.backward(ctx, dout.view());  // the context is complete: backward runs on it
+  return {kept, layer.probs_in_experts()};
+}
+
+TEST(MoELayerCpuMemory, ProbsInExpertsKeepNoExpertOutput) {
+  const int64_t T = 64, E = 8, k = 2, H = 32, F = 16, rows = T * k;
+  const size_t f32 = sizeof(float), i32 = sizeof(int32_t);
+  const Kept weighted = kept_for_backward(T, E, k, H, F, true, false);
+  const Kept inside = kept_for_backward(T, E, k, H, F, false, false);
+  const Kept recomputed = kept_for_backward(T, E, k, H, F, false, true);
+  ASSERT_FALSE(weighted.probs_in_experts);
+  ASSERT_TRUE(inside.probs_in_experts);
+  // Both: the router's ids, probs, counts; the permuted rows, counts, row_of, src_token; FC1's
+  // output h. Then z (unless recomputed), and the experts' output [rows, H] (weighted combine) or
+  // each row's probability [rows] (inside the experts).
+  const size_t common = size_t(T * k) * (i32 + f32 + i32) + size_t(E) * 2 * i32 + size_t(rows) * (H * f32 + i32) +
+                        size_t(rows * 2 * F) * f32;
+  EXPECT_EQ(weighted.bytes, common + size_t(rows * F) * f32 + size_t(rows * H) * f32);
+  EXPECT_EQ(inside.bytes, common + size_t(rows * F) * f32 + size_t(rows) * f32);
+  EXPECT_EQ(recomputed.bytes, common + size_t(rows) * f32);
+  EXPECT_LT(recomputed.bytes, inside.bytes);
+  EXPECT_LT(inside.bytes, weighted.bytes);
+}
 
 TEST(MoELayerCpuErrors, Arguments) {
   HostTensor w1(DType::f32, {4, 8, 6}), w2(DType::f32, {4, 6, 4});

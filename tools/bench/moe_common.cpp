@@ -55,6 +55,10 @@ GroupedMLP make_bench_moe_experts(const BenchCase& c, const TensorView& w1, cons
   o.activation = mlp_activation(c);
   o.fc1.save_original_input = true;  // the permuted rows, which the MoE layer's context keeps anyway
   o.fc2.save_original_input = true;
+  // z = act(h)·p is rebuilt in backward from h, which is kept anyway: with the probabilities
+  // inside the experts (MoELayer: no FC2 bias) the block then keeps the permuted rows and h, and
+  // neither z nor the experts' output.
+  o.recompute_activation = true;
   o.allocator = &alloc;
   return GroupedMLP(ExpertWeights::from_stacked(w1), ExpertWeights::from_stacked(w2), {}, {}, o);
 }

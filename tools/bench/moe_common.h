@@ -7,8 +7,9 @@
 // = logit_std · N(0, 1) + logit_bias[e], drawn once per case), the router softmax → top-k →
 // renormalised over the k (Mixtral, Qwen3, gpt-oss), no padding, no capacity, no auxiliary
 // losses; the experts a GroupedMLP of the case's activation with stacked bf16 weights FC1 [E, 2·ffn,
-// hidden] and FC2 [E, hidden, ffn], no bias, FC1's input (the permuted rows, which the layer keeps)
-// by reference, fresh bf16 weight gradients (as torch's autograd returns them). Passes: forward,
+// hidden] and FC2 [E, hidden, ffn], no bias (so the layer applies the router probabilities inside
+// the activation), FC1's input (the permuted rows, which the layer keeps) by reference, the
+// activation recomputed in backward, fresh bf16 weight gradients (as torch's autograd returns them). Passes: forward,
 // backward (after an untimed forward), forward_backward. FLOPs are the expert GEMMs' (mlp_flops on
 // rows = tokens · top_k; backward 2×, forward_backward 3×).
 //
