@@ -441,7 +441,7 @@ def test_cuda_op_every_expert_destination(out_layout, fresh_layout, accumulate):
     mask = torch.tensor(CUDA_MASK, dtype=torch.int32, device="cuda")
     dy = torch.randn(CCAP, CH, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(CCAP, CF, device="cuda", dtype=torch.bfloat16)
-    want = dw_reference(dy, x, counts)
+    want = dw_reference(dy, x, counts).cuda()  # beside main_grad (before + want)
     main_grad = torch.randn(CE, CH, CF, device="cuda")
     before = main_grad.clone()
     fresh = torch.full((CE, CH, CF), 7.0, device="cuda")
