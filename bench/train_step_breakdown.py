@@ -84,6 +84,13 @@ def breakdown(impl: str, cfg, init, corpus, iters: int, warmup: int) -> dict:
     starts = ex.batch_starts(corpus.numel(), cfg, 0, warmup + iters + 1).to(device)
     tokens = data[starts[0][:, None] + window].long()
 
+    # The step as the example runs it, captured first: an eager step on the default stream before
+    # the capture would leave AccumulateGrad nodes on that stream, which the capture cannot join.
+    if cuda and cfg.cuda_graph:
+        trainer.capture(tokens)
+    step_ms = median_ms(lambda: trainer.step(tokens), iters, warmup, cuda)
+    trainer.graph = None
+
     # The MoE blocks' inputs in a step: recorded by a pre-hook during one eager step.
     inputs = {}
     hooks = [layer.mlp.register_forward_pre_hook(lambda m, a, i=i: inputs.__setitem__(i, a[0].detach().clone()))
@@ -91,10 +98,6 @@ def breakdown(impl: str, cfg, init, corpus, iters: int, warmup: int) -> dict:
     trainer.step(tokens)
     for h in hooks:
         h.remove()
-    if cuda and cfg.cuda_graph:
-        trainer.capture(tokens)
-    step_ms = median_ms(lambda: trainer.step(tokens), iters, warmup, cuda)
-    trainer.graph = None
 
     mlps = [layer.mlp for layer in model.model.layers]
     xs = [inputs[i].requires_grad_() for i in range(len(mlps))]
