@@ -166,55 +166,104 @@ class _WgradState:
         self.pending: List[_Wgrad] = []
 
 
+def _activation(h: Tensor, counts: Tensor, probs: Optional[Tensor], act: tuple) -> Tensor:
+    """z = act(h)·probs by the activation op; act: (kind, alpha, limit, gelu_tanh, glu_block)."""
+    kind, alpha, limit, gelu_tanh, glu_block = act
+    return _ops.grouped_activation_forward(h, counts, kind, probs, alpha, limit, gelu_tanh, glu_block)
+
+
+def _gemm_input(ctx, x: Tensor, probs: Optional[Tensor], counts: Tensor) -> Tensor:
+    """The GEMM's input for the weight gradient: x as saved, or under recompute z = act(x)·probs
+    made again by the forward's own op from the same operands, so bitwise the forward's."""
+    return x if ctx.recompute is None else _activation(x, counts, probs, ctx.recompute)
+
+
+def _input_grads(ctx, x: Tensor, probs: Optional[Tensor], counts: Tensor,
+                 dgrad: Callable[[], Tensor]) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+    """The gradients of the inputs x and probs: dgrad() for x; under recompute (x is h) dz = dgrad()
+    through the activation's backward, which gives dh and d(probs) as its autograd formula does."""
+    if ctx.recompute is None:
+        return (dgrad() if ctx.needs_input_grad[0] else None), None
+    need_dprobs = probs is not None and ctx.needs_input_grad[6]
+    if not (ctx.needs_input_grad[0] or need_dprobs):
+        return None, None
+    kind, alpha, limit, gelu_tanh, glu_block = ctx.recompute
+    dh, dprobs = _ops.grouped_activation_backward(x, dgrad().contiguous(), counts, kind, probs, need_dprobs, alpha,
+                                                  limit, gelu_tanh, glu_block)
+    return dh, (dprobs if need_dprobs else None)
+
+
+def _columnwise_only(q: Fp8Rows) -> Fp8Rows:
+    """q without its rowwise copy (what the FP8 weight gradient reads)."""
+    return Fp8Rows(q.data.new_empty(0), q.scale_inv.new_empty(0), *q[2:])
+
+
 class _GroupedLinearFunction(torch.autograd.Function):
     """y = grouped_gemm(x, weights, counts, biases); params = weights + biases (a count of each).
-    mask, masked_off: the weight gradient's expert mask (None: every expert) and its mode."""
+    mask, masked_off: the weight gradient's expert mask (None: every expert) and its mode.
+    recompute: None, or (GroupedMLP's FC2 with recompute_activation) the activation's arguments
+    (kind, alpha, limit, gelu_tanh, glu_block): then x is FC1's output h, the GEMM's input is
+    z = act(h)·probs, and only h and probs are kept; backward makes z again for the weight
+    gradient and runs the activation's backward for dh and d(probs). One function for both, so
+    that h is saved once (an offload moves it once)."""
 
     @staticmethod
     def forward(ctx, x: Tensor, counts: Tensor, mask: Optional[Tensor], masked_off: str,
-                state: Optional[_WgradState], num_weights: int, *params: Tensor):
+                state: Optional[_WgradState], recompute: Optional[tuple], probs: Optional[Tensor], num_weights: int,
+                *params: Tensor):
         weights, biases = list(params[:num_weights]), list(params[num_weights:])
-        ctx.save_for_backward(x, counts, mask, *weights)
+        ctx.save_for_backward(x, probs, counts, mask, *weights)
         ctx.masked_off = masked_off
         ctx.state = state
+        ctx.recompute = recompute
         ctx.num_weights = num_weights
         save_bias_layout(ctx, biases)
-        return _ops.grouped_gemm_fprop(x, weights, counts, biases, None)
+        z = x if recompute is None else _activation(x, counts, probs, recompute)
+        return _ops.grouped_gemm_fprop(z, weights, counts, biases, None)
 
     @staticmethod
     def backward(ctx, dy: Tensor):
-        x, counts, mask, *weights = ctx.saved_tensors
+        x, probs, counts, mask, *weights = ctx.saved_tensors
         dy = dy.contiguous()
-        dx = _ops.grouped_gemm_dgrad(dy, weights, counts, None) if ctx.needs_input_grad[0] else None
+        dx, dprobs = _input_grads(ctx, x, probs, counts, lambda: _ops.grouped_gemm_dgrad(dy, weights, counts, None))
         dbiases = bias_grads(ctx, dy, counts)
+        no_grads = (None,) * 5  # counts, mask, masked_off, state, recompute
         state = ctx.state
         if state is None:
             dweights: List[Optional[Tensor]] = [None] * ctx.num_weights
-            if any(ctx.needs_input_grad[6:6 + ctx.num_weights]):
-                dw = _ops.grouped_gemm_wgrad(dy, x, counts, weights[0].dtype, mask)
+            if any(ctx.needs_input_grad[8:8 + ctx.num_weights]):
+                dw = _ops.grouped_gemm_wgrad(dy, _gemm_input(ctx, x, probs, counts), counts, weights[0].dtype, mask)
                 dweights = [dw] if ctx.num_weights == 1 and weights[0].dim() == 3 else list(dw.unbind(0))
-            return (dx, None, None, None, None, None, *dweights, *dbiases)
-        dweights, dbiases = state.module._finish_backward(_Wgrad(dy, x, counts, mask, ctx.masked_off), dbiases)
-        return (dx, None, None, None, None, None, *dweights, *dbiases)
+            return (dx, *no_grads, dprobs, None, *dweights, *dbiases)
+        wg = _Wgrad(dy, _gemm_input(ctx, x, probs, counts), counts, mask, ctx.masked_off)
+        dweights, dbiases = state.module._finish_backward(wg, dbiases)
+        return (dx, *no_grads, dprobs, None, *dweights, *dbiases)
 
 
 class _Fp8GroupedLinearFunction(torch.autograd.Function):
     """The FP8 GroupedLinear: x and dy quantized in one pass each (rowwise for fprop/dgrad, and the
-    columnwise copy the FP8 weight gradient reads), the weights quantized by the caller (cached)."""
+    columnwise copy the FP8 weight gradient reads), the weights quantized by the caller (cached).
+    recompute, probs: as for _GroupedLinearFunction; then z is quantized rowwise in forward and
+    columnwise in backward from the z made again (the two copies' scales are independent, so this
+    is bitwise the copy forward would have kept)."""
 
     @staticmethod
     def forward(ctx, x: Tensor, counts: Tensor, mask: Optional[Tensor], masked_off: str,
-                state: Optional[_WgradState], num_weights: int, recipe: str, grad_format: str, wq: Fp8Weights,
-                *params: Tensor):
+                state: Optional[_WgradState], recompute: Optional[tuple], probs: Optional[Tensor], num_weights: int,
+                recipe: str, grad_format: str, wq: Fp8Weights, *params: Tensor):
         biases = list(params[num_weights:])
-        xq = quantize_grouped(x, counts, recipe, "e4m3", rowwise=True, columnwise=True)
-        y = fp8_grouped_gemm(xq, wq, counts, biases, out_dtype=x.dtype)
-        # Only the columnwise copy lives on to backward (the weight gradient's operand).
-        x_cols = Fp8Rows(xq.data.new_empty(0), xq.scale_inv.new_empty(0), *xq[2:])
-        ctx.save_for_backward(counts, mask, *x_cols[:5], *wq[:4])
+        z = x if recompute is None else _activation(x, counts, probs, recompute)
+        xq = quantize_grouped(z, counts, recipe, "e4m3", rowwise=True, columnwise=recompute is None)
+        y = fp8_grouped_gemm(xq, wq, counts, biases, out_dtype=z.dtype)
+        # Only the columnwise copy lives on to backward (the weight gradient's operand), or h and
+        # probs that make it again.
+        if recompute is None:
+            ctx.save_for_backward(counts, mask, None, None, *_columnwise_only(xq)[:5], *wq[:4])
+        else:
+            ctx.save_for_backward(counts, mask, x, probs, *(None,) * 5, *wq[:4])
         ctx.masked_off = masked_off
-        ctx.x_meta = (recipe, xq.capacity, xq.cols, x.dtype)
-        ctx.grad_format, ctx.state, ctx.num_weights = grad_format, state, num_weights
+        ctx.x_meta = (recipe, xq.capacity, xq.cols, z.dtype)
+        ctx.grad_format, ctx.state, ctx.num_weights, ctx.recompute = grad_format, state, num_weights, recompute
         ctx.stacked = params[0].dim() == 3
         save_bias_layout(ctx, biases)
         ctx.weight_dtype = params[0].dtype
@@ -222,23 +271,28 @@ class _Fp8GroupedLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy: Tensor):
-        counts, mask, *rest = ctx.saved_tensors
-        recipe, capacity, cols, x_dtype = ctx.x_meta
-        xq = Fp8Rows(*rest[:5], recipe, capacity, cols)
+        counts, mask, h, probs, *rest = ctx.saved_tensors
+        recipe, capacity, cols, z_dtype = ctx.x_meta
         wq = Fp8Weights(*rest[5:9], recipe)
         dy = dy.contiguous()
         dyq = quantize_grouped(dy, counts, recipe, ctx.grad_format, rowwise=True, columnwise=True)
-        dx = fp8_grouped_gemm_dgrad(dyq, wq, counts, out_dtype=x_dtype) if ctx.needs_input_grad[0] else None
+        dx, dprobs = _input_grads(ctx, h, probs, counts, lambda: fp8_grouped_gemm_dgrad(dyq, wq, counts,
+                                                                                         out_dtype=z_dtype))
         dbiases = bias_grads(ctx, dy, counts)
-        dyq = Fp8Rows(dyq.data.new_empty(0), dyq.scale_inv.new_empty(0), *dyq[2:])
-        wg = _Wgrad(dyq, xq, counts, mask, ctx.masked_off)
-        no_grads = (None,) * 8  # counts, mask, masked_off, state, num_weights, recipe, grad_format, wq
+        if ctx.recompute is None:
+            xq = Fp8Rows(*rest[:5], recipe, capacity, cols)
+        else:
+            xq = _columnwise_only(quantize_grouped(_gemm_input(ctx, h, probs, counts), counts, recipe, "e4m3",
+                                                   rowwise=False, columnwise=True))
+        wg = _Wgrad(_columnwise_only(dyq), xq, counts, mask, ctx.masked_off)
+        no_grads = (None,) * 5  # counts, mask, masked_off, state, recompute
+        no_grads_after = (None,) * 4  # num_weights, recipe, grad_format, wq
         if ctx.state is None:
             dw = wg.fresh(ctx.weight_dtype)
             dweights = [dw] if ctx.stacked else list(dw.unbind(0))
-            return (dx, *no_grads, *dweights, *dbiases)
+            return (dx, *no_grads, dprobs, *no_grads_after, *dweights, *dbiases)
         dweights, dbiases = ctx.state.module._finish_backward(wg, dbiases)
-        return (dx, *no_grads, *dweights, *dbiases)
+        return (dx, *no_grads, dprobs, *no_grads_after, *dweights, *dbiases)
 
 
 def _kaiming_like_linear(w: Tensor, b: Optional[Tensor], in_features: int) -> None:
@@ -370,10 +424,14 @@ class GroupedLinear(nn.Module):
             return [self.bias]
         return [getattr(self, f"bias{e}") for e in range(self.num_experts)]
 
-    def forward(self, x: Tensor, m_splits) -> Tensor:
+    def forward(self, x: Tensor, m_splits, *, _recompute: Optional[tuple] = None,
+                _probs: Optional[Tensor] = None) -> Tensor:
         """y [capacity, out_features] for x [capacity, in_features] split by ``m_splits`` [E] (on x's
-        device, or host counts: see the module's docstring)."""
+        device, or host counts: see the module's docstring). ``_recompute``, ``_probs``: GroupedMLP's
+        FC2 with recompute_activation (x is then h, the layer's input act(h)·probs, made again in
+        backward instead of kept: see _GroupedLinearFunction)."""
         m_splits = _device_counts(m_splits, x.device)
+        recompute, probs = _recompute, _probs
         weights, biases = self._weights(), self._biases()
         mask, masked_off = self._mask_for_forward(x, weights)
         # The plain path (autograd owns the gradients) passes no Python state, so that
@@ -383,10 +441,11 @@ class GroupedLinear(nn.Module):
         state = self._state if special else None
         recipe = self.recipe or _autocast_recipe[0]
         if recipe is None:
-            return _GroupedLinearFunction.apply(x, m_splits, mask, masked_off, state, len(weights), *weights, *biases)
+            return _GroupedLinearFunction.apply(x, m_splits, mask, masked_off, state, recompute, probs, len(weights),
+                                                *weights, *biases)
         wq = self._fp8_weights(FP8_RECIPES[recipe], weights, x)
-        return _Fp8GroupedLinearFunction.apply(x, m_splits, mask, masked_off, state, len(weights), FP8_RECIPES[recipe],
-                                               self.grad_format, wq, *weights, *biases)
+        return _Fp8GroupedLinearFunction.apply(x, m_splits, mask, masked_off, state, recompute, probs, len(weights),
+                                               FP8_RECIPES[recipe], self.grad_format, wq, *weights, *biases)
 
     def _mask_for_forward(self, x: Tensor, weights: List[Tensor]):
         """The expert mask and mode this forward's weight gradient uses, checked (no device read)."""
@@ -550,6 +609,12 @@ class GroupedMLP(nn.Module):
         bias, weight_layout, delay_wgrad_compute, accumulate_main_grad, recipe, grad_format,
             masked_off_wgrad, device, dtype: as for :class:`GroupedLinear` (both FCs; the activation
             runs in the parameters' precision between the FP8 GEMMs).
+        recompute_activation: do not keep z = act(h)·probs (FC2's input) for backward: the
+            activation runs inside FC2's autograd function, which keeps h (the activation's backward
+            needs it anyway) and probs, makes z again in backward for FC2's weight gradient (with
+            ``delay_wgrad_compute`` it is held until :meth:`backward_dw`) and runs the activation's
+            backward. Results bitwise those without it; saves capacity·F elements per layer (FP8
+            recipes: FC2's columnwise FP8 copy of z) for one more activation pass. A settable attribute.
 
     Submodules ``fc1`` and ``fc2`` are GroupedLinear layers. ``expert_mask`` and
     ``masked_off_wgrad`` are settable attributes that set both FCs' (see :class:`GroupedLinear`).
@@ -560,13 +625,15 @@ class GroupedMLP(nn.Module):
                  alpha: float = 1.702, limit: float = 7.0, gelu_tanh: bool = False,
                  delay_wgrad_compute: bool = False, accumulate_main_grad: bool = True,
                  recipe: Optional[str] = None, grad_format: str = "e4m3", masked_off_wgrad: str = "skip",
-                 device: Optional[Union[str, torch.device]] = None, dtype: Optional[torch.dtype] = None):
+                 recompute_activation: bool = False, device: Optional[Union[str, torch.device]] = None,
+                 dtype: Optional[torch.dtype] = None):
         super().__init__()
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
         self.activation = activation
         self.glu_block = glu_block_of(glu_layout)
         self.alpha, self.limit, self.gelu_tanh = float(alpha), float(limit), bool(gelu_tanh)
+        self.recompute_activation = bool(recompute_activation)
         fc1_out = ffn_hidden_size if activation == "squared_relu" else 2 * ffn_hidden_size
         common = dict(bias=bias, weight_layout=weight_layout, delay_wgrad_compute=delay_wgrad_compute,
                       accumulate_main_grad=accumulate_main_grad, recipe=recipe, grad_format=grad_format,
@@ -580,9 +647,10 @@ class GroupedMLP(nn.Module):
         uploaded once, for both FCs and the activation."""
         m_splits = _device_counts(m_splits, x.device)
         h = self.fc1(x, m_splits)
-        z = _ops.grouped_activation_forward(h, m_splits, self.activation, probs, self.alpha, self.limit,
-                                            self.gelu_tanh, self.glu_block)
-        return self.fc2(z, m_splits)
+        act = (self.activation, self.alpha, self.limit, self.gelu_tanh, self.glu_block)
+        if self.recompute_activation:  # the activation runs inside FC2's function, z is not kept
+            return self.fc2(h, m_splits, _recompute=act, _probs=probs)
+        return self.fc2(_activation(h, m_splits, probs, act), m_splits)
 
     @property
     def expert_mask(self) -> Optional[Tensor]:

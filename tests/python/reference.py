@@ -185,3 +185,19 @@ def mlp(x, counts, w1, b1, w2, b2, kind, glu_block=0, **kw):
     h = grouped_linear(x, w1, counts, b1)
     z = grouped_activation(h, counts, kind, glu_block=glu_block, **kw)
     return grouped_linear(z, w2, counts, b2)
+
+
+def saved_bytes(m, *args):
+    """m(*args), and the bytes autograd saves for its backward (deduplicated by storage, parameters
+    excluded)."""
+    params = {p.untyped_storage().data_ptr() for p in m.parameters()}
+    saved = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = m(*args)
+    return y, sum(saved.values())

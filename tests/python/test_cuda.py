@@ -46,6 +46,26 @@ def test_mlp_matches_cpu_backend(route, activation):
     assert torch.all(y[sum(ROUTES[route]):] == 0)
 
 
+@pytest.mark.parametrize("recipe", [None, "fp8_blockwise", "fp8_tensorwise", "mxfp8"])
+def test_mlp_recompute_activation_bitwise_cuda(recipe):
+    """recompute_activation (z made again in backward, on the backward's stream) against the kept z."""
+    torch.manual_seed(2)
+    m = gmoe.GroupedMLP(E, H, FFN, activation="swiglu", bias=True, recipe=recipe, device="cuda",
+                        dtype=torch.bfloat16)
+    r = copy.deepcopy(m)
+    r.recompute_activation = True
+    counts = cuda_counts("empty_experts")
+    x = torch.randn(CAP, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    probs = torch.rand(CAP, device="cuda", requires_grad=True)
+    dy = torch.randn(CAP, H, device="cuda", dtype=torch.bfloat16)
+    results = []
+    for mlp in (m, r):
+        y = mlp(x, counts, probs)
+        results.append([y, *torch.autograd.grad(y, [x, probs] + list(mlp.parameters()), dy)])
+    for i, (g, w) in enumerate(zip(results[1], results[0])):
+        assert torch.equal(g, w), i
+
+
 def test_opcheck_cuda():
     counts = cuda_counts("empty_experts")
     x = torch.randn(CAP, H, device="cuda", dtype=torch.bfloat16)

@@ -1,6 +1,8 @@
 """gmoe.GroupedLinear and gmoe.GroupedMLP on CPU: values and gradients against plain torch, the
 Megatron conventions (main_grad, delayed weight gradients, hooks), checkpoints across the two
 weight layouts, torch.compile(fullgraph=True)."""
+import copy
+
 import pytest
 import torch
 
@@ -180,19 +182,21 @@ def test_state_dict_across_layouts():
 
 
 class _Block(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, recompute_activation=False):
         super().__init__()
         self.norm = torch.nn.LayerNorm(H)
-        self.experts = gmoe.GroupedMLP(E, H, FFN, activation="swiglu", bias=True)
+        self.experts = gmoe.GroupedMLP(E, H, FFN, activation="swiglu", bias=True,
+                                       recompute_activation=recompute_activation)
 
     def forward(self, x, counts, probs):
         return x + self.experts(self.norm(x), counts, probs)
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_torch_compile_fullgraph(backend):
+@pytest.mark.parametrize("recompute", [False, True])
+def test_torch_compile_fullgraph(backend, recompute):
     torch.manual_seed(5)
-    model = _Block()
+    model = _Block(recompute)
     compiled = torch.compile(model, fullgraph=True, backend=backend)
     counts = counts_for("skewed_empty")
     x = torch.randn(CAP, H, requires_grad=True)
@@ -235,3 +239,112 @@ def test_host_counts_list_or_tensor(as_list):
         inputs = [x] + list(m.parameters())
         for g, r in zip(torch.autograd.grad(ys[1], inputs, dy), torch.autograd.grad(ys[0], inputs, dy)):
             torch.testing.assert_close(g, r, rtol=0, atol=0)
+
+
+# ---- recompute_activation: FC2's input rebuilt in backward, bitwise the kept path -----------------
+
+def _with_recompute(m):
+    """A copy of GroupedMLP m that recomputes its activation (same parameters and main_grads)."""
+    r = copy.deepcopy(m)
+    r.recompute_activation = True
+    for p, q in zip(m.parameters(), r.parameters()):
+        if hasattr(p, "main_grad"):
+            q.main_grad = p.main_grad.clone()
+    return r
+
+
+def _run(m, x, counts, probs, dy):
+    """y, the bytes autograd keeps, and the gradients of x, probs and the parameters (None where
+    main_grad took them, whose main_grads are read by the caller)."""
+    y, kept = ref.saved_bytes(m, x, counts, probs)
+    inputs = [x] + ([probs] if probs is not None else []) + list(m.parameters())
+    return y, kept, torch.autograd.grad(y, inputs, dy, allow_unused=True)
+
+
+def _assert_bitwise(got, want):
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert (g is None) == (w is None), i
+        assert g is None or torch.equal(g, w), i
+
+
+@pytest.mark.parametrize("activation,glu,gelu_tanh", [("swiglu", "concatenated", False),
+                                                      ("swiglu", "interleaved:4", False),
+                                                      ("geglu", "concatenated", False), ("geglu", "interleaved:2", True),
+                                                      ("clamped_swiglu", "interleaved:8", False),
+                                                      ("squared_relu", "concatenated", False)])
+@pytest.mark.parametrize("with_probs", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("layout", ["stacked", "per_expert"])
+def test_grouped_mlp_recompute_activation_bitwise_and_keeps_less(activation, glu, gelu_tanh, with_probs, bias, layout):
+    torch.manual_seed(11)
+    m = gmoe.GroupedMLP(E, H, FFN, activation=activation, glu_layout=glu, gelu_tanh=gelu_tanh, bias=bias,
+                        weight_layout=layout, limit=1.5)
+    assert m.recompute_activation is False
+    r = gmoe.GroupedMLP(E, H, FFN, activation=activation, glu_layout=glu, gelu_tanh=gelu_tanh, bias=bias,
+                        weight_layout=layout, limit=1.5, recompute_activation=True)
+    assert r.recompute_activation is True
+    r.load_state_dict(m.state_dict())
+    counts = counts_for("skewed_empty")
+    x = torch.randn(CAP, H)
+    x[-3:] = 40.0  # past the clamp limit and in GELU's tails
+    x.requires_grad_()
+    probs = torch.rand(CAP, requires_grad=True) if with_probs else None
+    dy = torch.randn(CAP, H)
+    y, kept, grads = _run(m, x, counts, probs, dy)
+    y_r, kept_r, grads_r = _run(r, x, counts, probs, dy)
+    assert torch.equal(y_r, y)
+    _assert_bitwise(grads_r, grads)
+    assert kept - kept_r == CAP * FFN * 4  # z [capacity, F] float32 is not kept
+
+
+FP8_F = 32  # the FP8 recipes' blocks
+
+
+@pytest.mark.parametrize("recipe", list(gmoe.modules.FP8_RECIPES))
+@pytest.mark.parametrize("with_probs", [False, True])
+@pytest.mark.parametrize("layout", ["stacked", "per_expert"])
+def test_grouped_mlp_recompute_activation_fp8_bitwise_and_keeps_less(recipe, with_probs, layout):
+    torch.manual_seed(12)
+    m = gmoe.GroupedMLP(E, FP8_F, FP8_F, activation="clamped_swiglu", bias=True, weight_layout=layout, recipe=recipe)
+    r = _with_recompute(m)
+    counts = ref.counts_tensor([13, 0, 40, 9])
+    x = torch.randn(70, FP8_F, requires_grad=True)
+    probs = torch.rand(70, requires_grad=True) if with_probs else None
+    dy = torch.randn(70, FP8_F)
+    y, kept, grads = _run(m, x, counts, probs, dy)
+    y_r, kept_r, grads_r = _run(r, x, counts, probs, dy)
+    assert torch.equal(y_r, y)
+    _assert_bitwise(grads_r, grads)
+    # FC2's columnwise FP8 copy of z is not kept (its rowwise copy never was)
+    q = gmoe.fp8.quantize_grouped(torch.randn(70, FP8_F), counts, gmoe.modules.FP8_RECIPES[recipe], "e4m3",
+                                  rowwise=True, columnwise=True)
+    assert kept - kept_r == sum(t.untyped_storage().nbytes() for t in q[2:5])
+
+
+@pytest.mark.parametrize("recipe", [None, "fp8_blockwise"])
+@pytest.mark.parametrize("layout", ["stacked", "per_expert"])
+@pytest.mark.parametrize("accumulate", [True, False])
+def test_grouped_mlp_recompute_activation_delayed_wgrad_main_grad(recipe, layout, accumulate):
+    """The rebuilt z waits for backward_dw: main_grads (and hooks) bitwise the kept path's."""
+    torch.manual_seed(13)
+    m = gmoe.GroupedMLP(E, FP8_F, FP8_F, bias=True, weight_layout=layout, recipe=recipe, delay_wgrad_compute=True,
+                        accumulate_main_grad=accumulate)
+    for p in m.parameters():
+        p.main_grad = torch.randn(p.shape)
+    r = _with_recompute(m)
+    counts = ref.counts_tensor([0, 25, 17, 3])
+    x = torch.randn(50, FP8_F, requires_grad=True)
+    probs = torch.rand(50, requires_grad=True)
+    dy = torch.randn(50, FP8_F)
+    results = []
+    for mlp in (m, r):
+        calls = []
+        mlp.register_wgrad_hook(lambda: calls.append(1))
+        y = mlp(x, counts, probs)
+        dx, dprobs = torch.autograd.grad(y, [x, probs], dy)
+        assert not calls
+        mlp.backward_dw()
+        assert calls == [1]
+        results.append([y, dx, dprobs] + [p.main_grad for p in mlp.parameters()])
+    _assert_bitwise(results[1], results[0])
+    assert all(p.grad is None for p in r.parameters())

@@ -81,8 +81,9 @@ def _pair(device="cpu", dtype=torch.float32, **kw):
     return model, twin, x, dy, probs
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(bias=True), dict(delay_wgrad_compute=True)],
-                         ids=["plain", "bias", "delayed"])
+@pytest.mark.parametrize("kw", [dict(), dict(bias=True), dict(delay_wgrad_compute=True),
+                                dict(recompute_activation=True, delay_wgrad_compute=True)],
+                         ids=["plain", "bias", "delayed", "recompute_delayed"])
 def test_stack_bitwise_equal_and_counts(kw):
     model, twin, x, dy, probs = _pair(**kw)
     delayed = kw.get("delay_wgrad_compute", False)
@@ -94,6 +95,19 @@ def test_stack_bitwise_equal_and_counts(kw):
     assert s.tensors_offloaded > 0 and s.bytes_offloaded > 0
     assert s.tensors_reloaded == s.tensors_offloaded, "every offloaded tensor comes back in backward"
     assert s.tensors_kept > 0, "the parameters (and the last layer) stay"
+
+
+def test_recompute_activation_offloads_less():
+    """With recompute_activation, z is not saved, so not offloaded, and h is saved (and moved) once."""
+    model, twin, x, dy, probs = _pair()
+    for m in twin.layers:
+        m.recompute_activation = True
+    off, off_r = gmoe.offload_activations(model), gmoe.offload_activations(twin)
+    base = _step(model, x, _counts(), dy, probs, offload=off)
+    _assert_bitwise(_step(twin, x, _counts(), dy, probs, offload=off_r), base)
+    # every layer but the last (kept on the device) offloads z [CAP, FFN] float32 without recompute,
+    # and the counts [E] int64 once more (the activation's own save)
+    assert off.stats.bytes_offloaded - off_r.stats.bytes_offloaded == (len(model.layers) - 1) * (CAP * FFN * 4 + E * 8)
 
 
 def test_parameters_never_offloaded_and_last_kept():

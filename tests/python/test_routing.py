@@ -437,33 +437,18 @@ def test_moe_layer_zero_tokens_and_attributes():
     assert isinstance(plain.experts, gmoe.GroupedMLP)
 
 
-def saved_bytes(m, x):
-    """m(x), and the bytes autograd saves for its backward (deduplicated by storage, parameters excluded)."""
-    params = {p.untyped_storage().data_ptr() for p in m.parameters()}
-    saved = {}
-
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in params:
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        y = m(x)
-    return y, sum(saved.values())
-
-
 def test_moe_layer_probs_in_experts_same_block_without_the_experts_output(monkeypatch):
     assert not make_moe("gptoss_bias_interleaved").probs_in_experts  # FC2's bias: the weighted combine
     m = make_moe("capacity_padding", H=64, F=16)
     assert m.probs_in_experts
     T, k, H = 40, 2, 64
     x = torch.randn(T, H, requires_grad=True)
-    y, kept = saved_bytes(m, x)
+    y, kept = ref.saved_bytes(m, x)
     dy = torch.randn_like(y)
     grads = torch.autograd.grad((y * dy).sum() + m.aux_loss, [x] + list(m.parameters()))
     # The same layer through the weighted combine: the same block, the experts' output kept.
     monkeypatch.setattr(gmoe.MoELayer, "probs_in_experts", property(lambda self: False))
-    y_w, kept_w = saved_bytes(m, x)
+    y_w, kept_w = ref.saved_bytes(m, x)
     grads_w = torch.autograd.grad((y_w * dy).sum() + m.aux_loss, [x] + list(m.parameters()))
     torch.testing.assert_close(y, y_w, rtol=1e-5, atol=1e-6)
     for name, g, w in zip(["x"] + [n for n, _ in m.named_parameters()], grads, grads_w):
