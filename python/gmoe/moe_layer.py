@@ -58,6 +58,9 @@ class MoELayer(nn.Module):
             whose output is added (DeepSeek, Qwen).
         masked_off_wgrad: the routed experts' (``"skip"`` or ``"fresh"``, with :attr:`expert_mask`;
             see :class:`GroupedLinear`).
+        recompute_activation: the experts' and the shared experts' (:class:`GroupedMLP`): their
+            activation output z = act(h)·p is not kept for backward but made again from h there,
+            bitwise the same; saves k·F elements per token (and F per token for the shared experts).
 
     ``expert_mask`` (settable; None or an int32 tensor [E] on the layer's device) selects which
     routed experts' weight gradients go to ``main_grad`` (see :class:`GroupedLinear`); the router
@@ -80,7 +83,7 @@ class MoELayer(nn.Module):
                  scaling_factor: float = 1.0, score_correction_bias: bool = False, pad_multiple: int = 1,
                  capacity_factor: float = 0.0, aux_loss_coeff: float = 0.0, z_loss_coeff: float = 0.0,
                  shared_expert_ffn_hidden_size: int = 0, recipe: Optional[str] = None,
-                 weight_layout: str = "stacked", masked_off_wgrad: str = "skip",
+                 weight_layout: str = "stacked", masked_off_wgrad: str = "skip", recompute_activation: bool = False,
                  device: Optional[Union[str, torch.device]] = None,
                  dtype: Optional[torch.dtype] = None):
         super().__init__()
@@ -111,7 +114,7 @@ class MoELayer(nn.Module):
 
         self.router = nn.Linear(hidden_size, num_experts, bias=False, device=device, dtype=dtype)
         mlp = dict(activation=activation, glu_layout=glu_layout, bias=bias, weight_layout=weight_layout,
-                   recipe=recipe, device=device, dtype=dtype)
+                   recipe=recipe, recompute_activation=recompute_activation, device=device, dtype=dtype)
         self.experts = GroupedMLP(num_experts, hidden_size, ffn_hidden_size, masked_off_wgrad=masked_off_wgrad, **mlp)
         self.shared_experts = GroupedMLP(1, hidden_size, shared_expert_ffn_hidden_size, **mlp) \
             if shared_expert_ffn_hidden_size > 0 else None

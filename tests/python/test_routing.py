@@ -459,6 +459,30 @@ def test_moe_layer_probs_in_experts_same_block_without_the_experts_output(monkey
     assert kept_w - kept == rows * H * 4 + T * k * 4 - rows * 4
 
 
+@pytest.mark.parametrize("case", ["qwen_shared_losses", "capacity_padding", "gptoss_bias_interleaved"])
+def test_moe_layer_recompute_activation_keeps_less_same_bits(case):
+    m = make_moe(case)
+    r = make_moe(case, recompute_activation=True)
+    assert r.experts.recompute_activation and not m.experts.recompute_activation
+    assert r.shared_experts is None or r.shared_experts.recompute_activation
+    T, F = 40, 8
+    x = torch.randn(T, 16, requires_grad=True)
+    dy = torch.randn(T, 16)
+    results = []
+    for layer in (m, r):
+        y, kept = ref.saved_bytes(layer, x)
+        loss = (y * dy).sum() + (layer.aux_loss if layer.aux_loss is not None else 0)
+        results.append((y, kept, torch.autograd.grad(loss, [x] + list(layer.parameters()))))
+    (y, kept, grads), (y_r, kept_r, grads_r) = results
+    assert torch.equal(y_r, y)
+    for g, g_r in zip(grads, grads_r):
+        assert torch.equal(g_r, g)
+    # neither the experts' z [rows, F] nor the shared experts' [T, F_shared] (float32) is kept
+    rows = gmoe.permuted_rows(T, m.top_k, m.num_experts, m.pad_multiple, m.capacity_factor)
+    shared = m.shared_experts.fc2.in_features if m.shared_experts is not None else 0
+    assert kept - kept_r == (rows * F + T * shared) * 4
+
+
 def test_moe_layer_bad_input_names_the_argument():
     for kw, name in ((dict(top_k=5), "top_k"), (dict(top_k=0), "top_k"), (dict(score_func="tanh"), "score_func"),
                      (dict(n_group=3), "n_group"), (dict(n_group=2, topk_group=3), "topk_group"),
