@@ -15,7 +15,8 @@ impls:
   torch          the block, eager
   torch_compile  the same under torch.compile (compiled before timing; a compile failure is recorded
                  under "errors" and the run goes on)
-  gmoe_torch     gmoe.MoELayer(E, H, F, top_k, activation=..., normalize_topk=True) with the same
+  gmoe_torch     gmoe.MoELayer(E, H, F, top_k, activation=..., normalize_topk=True,
+                 recompute_activation=True, as gmoe-bench's C++ MoELayer) with the same
                  weights (its parameters of shapes [E, H], [E, 2F, H], [E, H, F] share the block's
                  storage) when the gmoe package is importable and has MoELayer; else the summary says
                  it is absent. Its output is checked against the eager block's with a float32 router,
@@ -191,7 +192,9 @@ def gmoe_module(case, w_r, w1, w2, dev):
         return None, "the gmoe package has no MoELayer"
     E, H, F, k = case["E"], case["hidden"], case["ffn"], case["top_k"]
     want = {"activation": case.get("activation", "swiglu"), "device": dev, "dtype": torch.bfloat16,
-            "score_func": "softmax", "normalize_topk": True, "bias": False}
+            "score_func": "softmax", "normalize_topk": True, "bias": False,
+            # as gmoe-bench's MoELayer (tools/bench/moe_common.cpp): the experts recompute their activation
+            "recompute_activation": True}
     try:
         accepted = inspect.signature(gmoe.MoELayer).parameters
         kwargs = {n: v for n, v in want.items() if n in accepted or any(
