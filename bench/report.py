@@ -326,8 +326,9 @@ def train_table(rows):
             m = ms[impl]
             ours = impl == "gmoe" and g and t
             bound = (t["step"] / (t["step"] - t["moe"] + g["moe"])) if ours else None
+            share = ratio_of(m.get("moe"), m.get("step"))
             out.append([case, impl] + [fmt(m.get(p), 2) for p in TRAIN_PARTS]
-                       + [fmt(ratio_of(m.get("moe"), m.get("step")) and 100 * m["moe"] / m["step"], 0, "%"),
+                       + [fmt(None if share is None else 100 * share, 0, "%"),
                           fmt(impls[impl].get("step", {}).get("tokens_per_s"), 0),
                           fmt(ratio_of(t.get("step"), g.get("step")) if ours else None, 2, "x"),
                           fmt(ratio_of(t.get("moe"), g.get("moe")) if ours else None, 2, "x"),
@@ -630,7 +631,8 @@ def main():
                         "Targets (issue 42): the step with offloading at most 1.1x max(step without, copies); "
                         "the activations held after forward at least 70% less; peaks beyond inputs and weights; "
                         "correct: dx of the two steps bitwise equal.\n\n")
-                write_markdown_table(f, offload_step, labels=1)
+                if offload_step:
+                    write_markdown_table(f, offload_step, labels=1)
             if offload_copy:
                 f.write("\nThe offloader's copies alone against one plain cudaMemcpyAsync of the same bytes between "
                         "device memory and pinned host memory, same run (target: at least 85%).\n\n")
