@@ -35,13 +35,10 @@ struct StagingBlock {
 
 class PinnedStagingPool {
  public:
-  // A block of at least `bytes` held by the caller alone until release(). While `stream` is
-  // capturing, pending blocks are not queried: cudaEventQuery is illegal during a global-mode capture
-  // (it invalidates the capture), so only blocks already known free are taken.
-  StagingBlock* acquire(std::size_t bytes, cudaStream_t stream) {
-    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-    GMOE_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
-    const bool capturing = status != cudaStreamCaptureStatusNone;
+  // A block of at least `bytes` held by the caller alone until release(). While the caller's
+  // stream is capturing, pending blocks are not queried: cudaEventQuery is illegal during a
+  // global-mode capture (it invalidates the capture), so only blocks already known free are taken.
+  StagingBlock* acquire(std::size_t bytes, bool capturing) {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       for (const std::unique_ptr<StagingBlock>& b : blocks_) {
@@ -77,12 +74,10 @@ class PinnedStagingPool {
 
   // After the copy from `b` was enqueued on `stream`: pending until the event behind it completes,
   // or retired when `stream` is capturing (the graph's replays read the block).
-  void release(StagingBlock* b, cudaStream_t stream) {
-    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-    GMOE_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
-    if (status == cudaStreamCaptureStatusNone) GMOE_CUDA_CHECK(cudaEventRecord(b->done, stream));
+  void release(StagingBlock* b, cudaStream_t stream, bool capturing) {
+    if (!capturing) GMOE_CUDA_CHECK(cudaEventRecord(b->done, stream));
     std::lock_guard<std::mutex> lock(mutex_);
-    b->state = status == cudaStreamCaptureStatusNone ? StagingBlock::State::pending : StagingBlock::State::retired;
+    b->state = capturing ? StagingBlock::State::retired : StagingBlock::State::pending;
   }
 
  private:
@@ -101,14 +96,14 @@ thread_local const void* t_last_staging = nullptr;
 
 void upload_host_bytes(void* dst, const void* src, std::size_t bytes, Stream stream) {
   if (bytes == 0) return;
-  StagingBlock* b = staging_pool().acquire(bytes, stream);
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  GMOE_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
+  const bool capturing = status != cudaStreamCaptureStatusNone;
+  StagingBlock* b = staging_pool().acquire(bytes, capturing);
   std::memcpy(b->host, src, bytes);
   const cudaError_t copy = cudaMemcpyAsync(dst, b->host, bytes, cudaMemcpyHostToDevice, stream);
-  if (copy != cudaSuccess) {
-    staging_pool().release(b, stream);
-    GMOE_CUDA_CHECK(copy);
-  }
-  staging_pool().release(b, stream);
+  staging_pool().release(b, stream, capturing);
+  GMOE_CUDA_CHECK(copy);
   t_last_staging = b->host;
 }
 
