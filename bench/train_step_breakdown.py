@@ -120,15 +120,7 @@ def breakdown(impl: str, cfg, init, corpus, iters: int, warmup: int) -> dict:
     ce, aux = model.loss(tokens)
     (ce if aux is None else ce + aux).backward()
 
-    def update():
-        if trainer.mixed:
-            torch._foreach_copy_([m.grad for m in trainer.masters], [p.grad for p in trainer.params])
-        torch.nn.utils.clip_grad_norm_(trainer.masters, cfg.clip, foreach=True)
-        trainer.opt.step()
-        if trainer.mixed:
-            with torch.no_grad():
-                torch._foreach_copy_(trainer.params, trainer.masters)
-    opt_ms = median_ms(update, iters, warmup, cuda)
+    opt_ms = median_ms(trainer.update, iters, warmup, cuda)
     rest = step_ms - moe_ms - opt_ms
     return dict(impl=impl, step_ms=step_ms, moe_ms=moe_ms, optimizer_ms=opt_ms, rest_ms=rest,
                 tokens_per_s=cfg.batch * cfg.seq_len / (step_ms / 1e3))

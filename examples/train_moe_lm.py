@@ -32,7 +32,7 @@ Batches are random windows whose start positions depend only on (seed, step), so
 of a run is its step.
 
 On a CUDA GPU the training step — forward, backward, (delayed weight gradients,) gradient clipping,
-AdamW on float32 master weights — is captured once in a CUDA graph per model and replayed for every
+AdamW on float32 master weights (the fused kernel) — is captured once in a CUDA graph per model and replayed for every
 step: the batch is copied into a static input buffer, the routing changes every step, nothing in
 the step reads a device value on the host. On the CPU the same step runs eagerly.
 
@@ -605,15 +605,23 @@ class Trainer:
                 p.copy_(weights[n])
         decay = [m for m, p in zip(self.masters, self.params) if p.dim() >= 2]
         no_decay = [m for m, p in zip(self.masters, self.params) if p.dim() < 2]
-        self.capturable = self.device.type == "cuda"
+        # CUDA: the fused AdamW kernel, what large trainers run (Megatron's and Transformer Engine's
+        # fused Adam): one pass over the masters, gradients and moments per launch, where foreach
+        # makes a pass per elementwise op. capturable lets the CUDA graph capture it; the fused
+        # kernel keeps the step counter on the device (float32) and reads it there, so the captured
+        # step advances it on every replay with no host value baked in. The CPU keeps foreach,
+        # whose curves the CPU tests compare bit for bit.
+        self.fused = self.device.type == "cuda"
+        impl = dict(fused=True, capturable=True) if self.fused else dict(foreach=True)
         self.opt = torch.optim.AdamW([dict(params=decay, weight_decay=cfg.weight_decay),
                                       dict(params=no_decay, weight_decay=0.0)],
-                                     lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, foreach=True, capturable=self.capturable)
+                                     lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, **impl)
         # AdamW's state made here (it would be made lazily in the first step), so that a checkpoint
-        # and the graph's warm-up can write it in place.
+        # and the graph's warm-up can write it in place: the step where AdamW makes it (on the
+        # parameter's device, float32, for the fused kernel; on the CPU otherwise).
         for n, m in zip(self.names, self.masters):
             st = self.opt.state[m]
-            step_dev = self.device if self.capturable else torch.device("cpu")
+            step_dev = m.device if self.fused else torch.device("cpu")
             st["step"] = torch.tensor(float(step), dtype=torch.float32, device=step_dev)
             st["exp_avg"] = torch.zeros_like(m)
             st["exp_avg_sq"] = torch.zeros_like(m)
@@ -634,6 +642,12 @@ class Trainer:
         if self.cfg.delay_wgrad:
             for moe in self.moe_layers:
                 moe.backward_dw()
+        self.update()
+        return ce.detach()
+
+    def update(self) -> None:
+        """The update after backward: the gradients into the float32 masters, clipping, AdamW, the
+        masters back into the parameters."""
         if self.mixed:
             torch._foreach_copy_([m.grad for m in self.masters], [p.grad for p in self.params])
         torch.nn.utils.clip_grad_norm_(self.masters, self.cfg.clip, foreach=True)
@@ -641,7 +655,6 @@ class Trainer:
         if self.mixed:
             with torch.no_grad():
                 torch._foreach_copy_(self.params, self.masters)
-        return ce.detach()
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """One training step on tokens [B, S + 1]; returns the cross-entropy (a 0-dim tensor on the
@@ -953,7 +966,7 @@ def summary_markdown(cfg: Config, results: Dict[str, RunResult]) -> str:
              f"top-{cfg.top_k}, expert FFN {cfg.ffn}, {cfg.activation}; "
              f"MoE blocks {100 * moe_flop_share(cfg):.0f}% of the matmul FLOPs",
              f"- data: {CORPUS_NAME}; batch {cfg.batch} x {cfg.seq_len} bytes, {cfg.steps} steps, seed {cfg.seed}",
-             f"- AdamW lr {cfg.lr}, betas (0.9, 0.95), weight decay {cfg.weight_decay}, clip {cfg.clip}; "
+             f"- AdamW{' (fused)' if cfg.device.startswith('cuda') else ''} lr {cfg.lr}, betas (0.9, 0.95), weight decay {cfg.weight_decay}, clip {cfg.clip}; "
              f"aux loss {cfg.aux_loss_coeff}, z-loss {cfg.z_loss_coeff}", "",
              "| model | final loss | mean of last 20 | tokens/s | peak memory | how |", "|---|---|---|---|---|---|"]
     for impl, r in results.items():
