@@ -14,12 +14,13 @@ Per model, timed with CUDA events (median of --iters, after warm-up), in ms:
 The summary gives each part's share of the step and gmoe's speed-up per part: the step's speed-up
 is bounded by the MoE blocks' share of it (Amdahl), which this measures.
 
-    python3 bench/train_step_breakdown.py [--iters N] [example flags, e.g. --batch 32] --json out.json
+    python3 bench/train_step_breakdown.py [--iters N] [example flags, e.g. --preset gpu-moe --batch 32] --json out.json
 
 On the CPU it runs (eagerly, the tiny preset) so that the script is tested in CI; its times mean
 nothing there.
 """
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -72,8 +73,13 @@ def breakdown(impl: str, cfg, init, corpus, iters: int, warmup: int) -> dict:
     device = torch.device(cfg.device)
     cuda = device.type == "cuda"
     if cuda:
+        # The previous model (its trainer, compiled code and graph pool) goes first: at the gpu-moe
+        # preset each model's weights, masters and moments alone are 12 GiB or more.
         torch._dynamo.reset()
+        gc.collect()
         torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        base_memory = torch.cuda.memory_allocated(device)
     torch.manual_seed(cfg.seed)
     model = ex.build_model(impl, cfg, device, cfg.torch_dtype)
     trainer = ex.Trainer(model, cfg, ex.from_hf(init, impl, cfg))
@@ -89,6 +95,7 @@ def breakdown(impl: str, cfg, init, corpus, iters: int, warmup: int) -> dict:
     if cuda and cfg.cuda_graph:
         trainer.capture(tokens)
     step_ms = median_ms(lambda: trainer.step(tokens), iters, warmup, cuda)
+    peak_mib = (torch.cuda.max_memory_allocated(device) - base_memory) / 2**20 if cuda else None
     trainer.graph = None
 
     # The MoE blocks' inputs in a step: recorded by a pre-hook during one eager step.
@@ -123,19 +130,23 @@ def breakdown(impl: str, cfg, init, corpus, iters: int, warmup: int) -> dict:
     opt_ms = median_ms(trainer.update, iters, warmup, cuda)
     rest = step_ms - moe_ms - opt_ms
     return dict(impl=impl, step_ms=step_ms, moe_ms=moe_ms, optimizer_ms=opt_ms, rest_ms=rest,
-                tokens_per_s=cfg.batch * cfg.seq_len / (step_ms / 1e3))
+                tokens_per_s=cfg.batch * cfg.seq_len / (step_ms / 1e3), peak_mib=peak_mib,
+                optimizer="AdamW fused" if trainer.fused else "AdamW foreach")
 
 
 def summary(cfg, rows) -> str:
     by = {r["impl"]: r for r in rows}
     lines = [f"# Training-step breakdown ({cfg.device}, {cfg.dtype}; {cfg.layers} layers, hidden {cfg.hidden}, "
              f"{cfg.experts} experts top-{cfg.top_k}, ffn {cfg.ffn}, batch {cfg.batch} x {cfg.seq_len}; "
-             f"MoE blocks {100 * ex.moe_flop_share(cfg):.0f}% of the matmul FLOPs)", "",
-             "| model | step ms | MoE blocks ms | optimizer ms | rest ms | MoE share of the step | tokens/s |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+             f"MoE blocks {100 * ex.moe_flop_share(cfg):.0f}% of the matmul FLOPs; {rows[0]['optimizer']})", "",
+             "| model | step ms | MoE blocks ms | optimizer ms | rest ms | MoE share of the step | tokens/s | "
+             "step peak MiB |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
+        peak = "-" if r["peak_mib"] is None else f"{r['peak_mib']:,.0f}"
         lines.append(f"| {r['impl']} | {r['step_ms']:.2f} | {r['moe_ms']:.2f} | {r['optimizer_ms']:.2f} | "
-                     f"{r['rest_ms']:.2f} | {100 * r['moe_ms'] / r['step_ms']:.0f}% | {r['tokens_per_s']:,.0f} |")
+                     f"{r['rest_ms']:.2f} | {100 * r['moe_ms'] / r['step_ms']:.0f}% | {r['tokens_per_s']:,.0f} | "
+                     f"{peak} |")
     if "gmoe" in by and "torch" in by:
         g, t = by["gmoe"], by["torch"]
         lines += ["", "torch / gmoe: " + ", ".join(
