@@ -273,6 +273,8 @@ class Report(unittest.TestCase):
                    peak_mib=2000.0),
                row("o/skewed", "step", "gmoe_stack_offload", 12.0, kind="offload", correct=True,
                    activations_mib=200.0, peak_mib=1900.0, offloaded_mib=600.0),
+               row("o/skewed", "step", "gmoe_stack_offload_all", 16.0, kind="offload", correct=False,
+                   activations_mib=40.0, peak_mib=1800.0, offloaded_mib=800.0),
                row("o/skewed", "copy_d2h", "offloader", 5.0, kind="offload", gbps=120.0, copy_gbps=125.0),
                row("o/skewed", "copy_d2h", "pinned_memcpy", 4.8, kind="offload", gbps=125.0),
                row("o/skewed", "copy_h2d", "offloader", 5.0, kind="offload", gbps=120.0, copy_gbps=120.0),
@@ -283,12 +285,18 @@ class Report(unittest.TestCase):
         self.assertEqual({r.get("kind") for r in merged["rows"] if r["case"].startswith("o/")}, {"offload"})
         block = md.split("## Activation offloading")[1]
         # old: copies 9 + 11 = 20 ms, 22 / max(10, 20) = 1.10x; activations 1000 -> 250 MiB, 75% less.
-        self.assertIn("| o/uniform | 10.000 | 22.000 | 20.000 | 1.10x | 1000.0 | 250.0 | 75.0% | 3000.0 | 2500.0 | "
-                      "750.0 | yes |", block)
+        self.assertIn("| o/uniform | last layer kept | 10.000 | 22.000 | 20.000 | 1.10x | 1000.0 | 250.0 | 75.0% | "
+                      "3000.0 | 2500.0 | 750.0 | yes |", block)
         # new: copies 5 + 5 = 10 ms, 12 / max(10, 10) = 1.20x; 800 -> 200 MiB; geomean sqrt(1.1 * 1.2).
-        self.assertIn("| o/skewed | 10.000 | 12.000 | 10.000 | 1.20x | 800.0 | 200.0 | 75.0% | 2000.0 | 1900.0 | "
-                      "600.0 | yes |", block)
-        self.assertIn(f"| geomean |  |  |  | {math.sqrt(1.1 * 1.2):.2f}x |", block)
+        self.assertIn("| o/skewed | last layer kept | 10.000 | 12.000 | 10.000 | 1.20x | 800.0 | 200.0 | 75.0% | "
+                      "2000.0 | 1900.0 | 600.0 | yes |", block)
+        self.assertIn(f"| geomean | last layer kept |  |  |  | {math.sqrt(1.1 * 1.2):.2f}x |", block)
+        # every layer offloaded: its copies at the measured bandwidth, 10 ms * 800 / 600 MiB = 13.333 ms,
+        # 16 / 13.333 = 1.20x; 800 -> 40 MiB, 95% less; its dx differed: NO. The old file has no such row.
+        self.assertIn("| o/skewed | every layer | 10.000 | 16.000 | 13.333 | 1.20x | 800.0 | 40.0 | 95.0% | "
+                      "2000.0 | 1800.0 | 800.0 | NO |", block)
+        self.assertIn("| geomean | every layer |  |  |  | 1.20x |", block)
+        self.assertNotIn("| o/uniform | every layer", block)
         # the copies: the pinned copy's time over the offloader's (same bytes), GB/s from the note or the field
         self.assertIn("| o/uniform | copy_h2d | 11.000 | 45.0 | 9.900 | 50.0 | 90.0% |", block)
         self.assertIn("| o/skewed | copy_d2h | 5.000 | 120.0 | 4.800 | 125.0 | 96.0% |", block)

@@ -116,13 +116,19 @@ class BenchOffload(BenchRun):
             rows = json.load(f)["rows"]
         self.assertEqual({r.get("kind") for r in rows}, {"offload"})
         run = {r["impl"]: r for r in rows if r["case"] == "mlp/uniform"}
-        self.assertEqual(set(run), {"gmoe_stack", "gmoe_stack_offload"})
+        self.assertEqual(set(run), {"gmoe_stack", "gmoe_stack_offload", "gmoe_stack_offload_all"})
         for r in run.values():
             self.assertIs(r["correct"], True, r)
             self.assertGreater(r["activations_mib"], 0, r)
             self.assertGreaterEqual(r["peak_mib"], r["activations_mib"], r)
-        self.assertLess(run["gmoe_stack_offload"]["activations_mib"], run["gmoe_stack"]["activations_mib"])
-        self.assertGreater(run["gmoe_stack_offload"]["offloaded_mib"], 0)
+        kept, every = run["gmoe_stack_offload"], run["gmoe_stack_offload_all"]
+        self.assertLess(kept["activations_mib"], run["gmoe_stack"]["activations_mib"])
+        # Every layer offloaded: the last layer's activations go too, so more bytes move and less is held.
+        self.assertLess(every["activations_mib"], kept["activations_mib"])
+        self.assertGreater(every["offloaded_mib"], kept["offloaded_mib"])
+        self.assertGreater(kept["offloaded_mib"], 0)
+        self.assertIn("last layer kept", kept["note"])
+        self.assertIn("every layer offloaded", every["note"])
         self.assertNotIn("offloaded_mib", run["gmoe_stack"])
         bad = [r for r in rows if r["case"] == "bad_activation/uniform"]
         self.assertEqual([(r["impl"], r["pass"]) for r in bad], [("gmoe_stack_offload", "step")])
@@ -143,8 +149,10 @@ class BenchOffload(BenchRun):
         with open(md) as f:
             report = f.read()
         self.assertIn("## Activation offloading", report)
-        self.assertIn("| mlp/uniform |", report.split("## Activation offloading")[1])
-        self.assertIn("| bad_activation/uniform | - | skipped |", report)
+        offload = report.split("## Activation offloading")[1]
+        self.assertIn("| mlp/uniform | last layer kept |", offload)
+        self.assertIn("| mlp/uniform | every layer |", offload)
+        self.assertIn("| bad_activation/uniform | last layer kept | - | skipped |", report)
 
 
 if __name__ == "__main__":

@@ -26,12 +26,42 @@ OffloadStack::OffloadStack(const BenchCase& c, const std::vector<TensorView>& w1
   }
 }
 
-OffloadSchedulerOptions offload_bench_schedule() {
+OffloadSchedulerOptions offload_bench_schedule(bool keep_last_layer) {
   OffloadSchedulerOptions so;
   so.num_layers = kOffloadLayers;
   so.reload_ahead = 1;
-  so.keep_last_layer = true;
+  so.keep_last_layer = keep_last_layer;
   return so;
+}
+
+std::vector<ResultRow> offload_step_rows(const std::string& case_name, const std::string& dtype,
+                                         const std::vector<OffloadStepRun>& runs) {
+  constexpr double MiB = 1048576.0;
+  const OffloadStepRun& plain = runs[0];
+  bool all_equal = true;
+  for (const OffloadStepRun& run : runs) all_equal = all_equal && run.equal;
+  std::vector<ResultRow> r;
+  char note[320];
+  std::snprintf(note, sizeof note, "activations after forward %.2f MiB, step peak %.2f MiB", plain.held / MiB,
+                plain.peak / MiB);
+  r.push_back(timed_row(case_name, "step", "gmoe_stack", dtype, plain.ms, 0, all_equal, note));
+  r.back().activations_mib = plain.held / MiB;
+  r.back().peak_mib = plain.peak / MiB;
+  for (std::size_t i = 1; i < runs.size(); ++i) {
+    const OffloadStepRun& run = runs[i];
+    const OffloadSchedule& sched = kOffloadSchedules[i - 1];
+    std::snprintf(note, sizeof note,
+                  "%s: activations after forward %.2f MiB (%.0f%% less), step peak %.2f MiB, %.2f MiB offloaded",
+                  sched.keep_last_layer ? "last layer kept" : "every layer offloaded", run.held / MiB,
+                  plain.held ? 100.0 * (1.0 - double(run.held) / plain.held) : 0.0, run.peak / MiB,
+                  run.offloaded / MiB);
+    r.push_back(timed_row(case_name, "step", sched.impl, dtype, run.ms, 0, run.equal, note + run.extra));
+    r.back().activations_mib = run.held / MiB;
+    r.back().peak_mib = run.peak / MiB;
+    r.back().offloaded_mib = run.offloaded / MiB;
+    if (!run.equal) r.back().note += "; dx differs from the step without offloading";
+  }
+  return r;
 }
 
 std::size_t offload_stack_step(OffloadStack& s, const TensorView& x, const TensorView& counts, const TensorView& dy,
@@ -112,7 +142,7 @@ std::vector<ResultRow> run_offload_case_cpu(const BenchCase& c, const BenchOptio
     w1v.emplace_back(w1[l].data(), dt, cpu, std::initializer_list<int64_t>{E, R1, H});
     w2v.emplace_back(w2[l].data(), dt, cpu, std::initializer_list<int64_t>{E, H, F});
   }
-  std::vector<uint8_t> x(rows * H * es), dy(rows * H * es), dx[2];
+  std::vector<uint8_t> x(rows * H * es), dy(rows * H * es);
   fill_uniform_host(x.data(), dt, rows * H, o.seed + 100);
   fill_uniform_host(dy.data(), dt, rows * H, o.seed + 101);
   std::vector<int32_t> counts(c.counts.begin(), c.counts.end());
@@ -122,40 +152,26 @@ std::vector<ResultRow> run_offload_case_cpu(const BenchCase& c, const BenchOptio
   PeakAllocator alloc;
   OffloadStack stack(c, w1v, w2v, &alloc);
   Offloader off(cpu, nullptr, &alloc);
-  OffloadScheduler sched(off, offload_bench_schedule());
-  double ms[2] = {0, 0};
-  std::size_t peak[2] = {0, 0}, held[2] = {0, 0}, offloaded = 0;
-  for (int with = 0; with < 2; ++with) {
-    dx[with].assign(rows * H * es, 0);
-    const TensorView dxv(dx[with].data(), dt, cpu, {rows, H});
+  std::vector<OffloadScheduler> scheds;
+  for (const OffloadSchedule& s : kOffloadSchedules) scheds.emplace_back(off, offload_bench_schedule(s.keep_last_layer));
+  // Run 0 without offloading, run 1 + i with kOffloadSchedules[i].
+  std::vector<OffloadStepRun> runs(kOffloadRuns);
+  std::vector<std::vector<uint8_t>> dx(kOffloadRuns);
+  for (int i = 0; i < kOffloadRuns; ++i) {
+    dx[i].assign(rows * H * es, 0);
+    const TensorView dxv(dx[i].data(), dt, cpu, {rows, H});
     alloc.reset_peak();
     const std::size_t base = alloc.in_use();
     const auto t0 = std::chrono::steady_clock::now();
-    const std::size_t b = offload_stack_step(stack, xv, cv, dyv, with ? &sched : nullptr, nullptr, dxv,
-                                             [&] { held[with] = alloc.in_use() - base; });
-    ms[with] = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-    peak[with] = alloc.peak() - base;
-    if (with) offloaded = b;
+    runs[i].offloaded = offload_stack_step(stack, xv, cv, dyv, i ? &scheds[i - 1] : nullptr, nullptr, dxv,
+                                           [&] { runs[i].held = alloc.in_use() - base; });
+    runs[i].ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    runs[i].peak = alloc.peak() - base;
+    runs[i].equal = dx[i] == dx[0];
   }
-  const bool equal = dx[0] == dx[1];
-  std::vector<ResultRow> r;
-  char note[256];
-  std::snprintf(note, sizeof note, "activations after forward %.2f MiB, step peak %.2f MiB", held[0] / 1048576.0,
-                peak[0] / 1048576.0);
-  r.push_back(timed_row(c.name, "step", "gmoe_stack", dt == DType::bf16 ? "bf16" : "f16", ms[0], 0, equal, note));
-  r.back().activations_mib = held[0] / 1048576.0;
-  r.back().peak_mib = peak[0] / 1048576.0;
-  std::snprintf(note, sizeof note, "activations after forward %.2f MiB (%.0f%% less), step peak %.2f MiB, %.2f MiB "
-                "offloaded", held[1] / 1048576.0, held[0] ? 100.0 * (1.0 - double(held[1]) / held[0]) : 0.0,
-                peak[1] / 1048576.0, offloaded / 1048576.0);
-  r.push_back(timed_row(c.name, "step", "gmoe_stack_offload", dt == DType::bf16 ? "bf16" : "f16", ms[1], 0, equal,
-                        note));
-  r.back().activations_mib = held[1] / 1048576.0;
-  r.back().peak_mib = peak[1] / 1048576.0;
-  r.back().offloaded_mib = offloaded / 1048576.0;
-  if (!equal) r.back().note += "; dx differs from the step without offloading";
+  const std::vector<ResultRow> r = offload_step_rows(c.name, dt == DType::bf16 ? "bf16" : "f16", runs);
   for (const ResultRow& row : r) {
-    std::printf("  %-24s %-20s %9.3f ms  %s\n", row.case_name.c_str(), row.impl.c_str(), row.ms, row.note.c_str());
+    std::printf("  %-24s %-24s %9.3f ms  %s\n", row.case_name.c_str(), row.impl.c_str(), row.ms, row.note.c_str());
   }
   return r;
 }

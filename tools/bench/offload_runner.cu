@@ -1,12 +1,13 @@
 // tools/bench/offload_runner.cu — offload mode on CUDA (offload_common.h). A compute and a copy
 // stream, both non-blocking. Per case:
-//   step        the stack's step without and with offloading, timed interleaved (CUDA events,
-//               median), each with the default memory pool's peak above what it held before
-//   copy        the offloader's copies of one step's saved tensors alone (no compute beside them),
-//               device to host and back, against one plain cudaMemcpyAsync of the same bytes
-//               between device memory and pinned host memory: the bandwidth ratio
-// The step with offloading should take at most 1.1 × max(step without, copies) and its peak
-// should be well below the step's without (issue 42's targets; docs/benchmarks.md).
+//   step        the stack's step without offloading and with each of kOffloadSchedules, timed
+//               interleaved (CUDA events, median), each with the default memory pool's peak above
+//               what it held before
+//   copy        the offloader's copies of the saved tensors of every layer but the last alone (no
+//               compute beside them), device to host and back, against one plain cudaMemcpyAsync of
+//               the same bytes between device memory and pinned host memory: the bandwidth ratio
+// The step with offloading should take at most 1.1 × max(step without, copies) and hold at least
+// 70% less activation memory after forward (issue 42's targets; docs/benchmarks.md).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -84,14 +85,13 @@ std::vector<ResultRow> run_offload_case_cuda(const BenchCase& c, const BenchOpti
     w1v.emplace_back(w1[l]->ptr, dt, cuda, std::initializer_list<int64_t>{E, R1, H});
     w2v.emplace_back(w2[l]->ptr, dt, cuda, std::initializer_list<int64_t>{E, H, F});
   }
-  DeviceBuffer x(rows * H * es), dy(rows * H * es), dx0(rows * H * es), dx1(rows * H * es), cnt(E * 4);
+  DeviceBuffer x(rows * H * es), dy(rows * H * es), cnt(E * 4);
   fill_uniform(x.ptr, dt, rows * H, o.seed + 100);
   fill_uniform(dy.ptr, dt, rows * H, o.seed + 101);
   std::vector<int32_t> counts(c.counts.begin(), c.counts.end());
   BENCH_CUDA(cudaMemcpy(cnt.ptr, counts.data(), E * 4, cudaMemcpyHostToDevice));
   BENCH_CUDA(cudaDeviceSynchronize());
   const TensorView xv(x.ptr, dt, cuda, {rows, H}), dyv(dy.ptr, dt, cuda, {rows, H});
-  const TensorView dx0v(dx0.ptr, dt, cuda, {rows, H}), dx1v(dx1.ptr, dt, cuda, {rows, H});
   const TensorView cv(cnt.ptr, DType::i32, cuda, {E});
 
   cudaStream_t compute = nullptr, copy = nullptr;
@@ -101,18 +101,32 @@ std::vector<ResultRow> run_offload_case_cuda(const BenchCase& c, const BenchOpti
   {
     OffloadStack stack(c, w1v, w2v, nullptr);
     Offloader off(cuda, copy);
-    OffloadScheduler sched(off, offload_bench_schedule());
+    std::vector<OffloadScheduler> scheds;
+    for (const OffloadSchedule& s : kOffloadSchedules) {
+      scheds.emplace_back(off, offload_bench_schedule(s.keep_last_layer));
+    }
+    // Run 0 without offloading, run 1 + i with kOffloadSchedules[i]; each writes its own dx.
+    std::vector<std::unique_ptr<DeviceBuffer>> dx;
+    std::vector<TensorView> dxv;
+    for (int i = 0; i < kOffloadRuns; ++i) {
+      dx.push_back(std::make_unique<DeviceBuffer>(rows * H * es));
+      dxv.emplace_back(dx.back()->ptr, dt, cuda, std::initializer_list<int64_t>{rows, H});
+    }
+    const auto step = [&](int i, const std::function<void()>& after_forward = {}) {
+      return offload_stack_step(stack, xv, cv, dyv, i ? &scheds[i - 1] : nullptr, compute, dxv[i], after_forward);
+    };
     // Correctness (and the pinned pool's growth, before anything is timed).
-    offload_stack_step(stack, xv, cv, dyv, nullptr, compute, dx0v);
-    const std::size_t offloaded = offload_stack_step(stack, xv, cv, dyv, &sched, compute, dx1v);
+    std::vector<OffloadStepRun> runs(kOffloadRuns);
+    for (int i = 0; i < kOffloadRuns; ++i) runs[i].offloaded = step(i);
     BENCH_CUDA(cudaDeviceSynchronize());
-    std::vector<uint8_t> h0(rows * H * es), h1(rows * H * es);
-    BENCH_CUDA(cudaMemcpy(h0.data(), dx0.ptr, h0.size(), cudaMemcpyDeviceToHost));
-    BENCH_CUDA(cudaMemcpy(h1.data(), dx1.ptr, h1.size(), cudaMemcpyDeviceToHost));
-    const bool equal = h0 == h1;
+    std::vector<uint8_t> h0(rows * H * es), hi(rows * H * es);
+    BENCH_CUDA(cudaMemcpy(h0.data(), dx[0]->ptr, h0.size(), cudaMemcpyDeviceToHost));
+    for (int i = 1; i < kOffloadRuns; ++i) {
+      BENCH_CUDA(cudaMemcpy(hi.data(), dx[i]->ptr, hi.size(), cudaMemcpyDeviceToHost));
+      runs[i].equal = hi == h0;
+    }
 
-    std::size_t held_plain = 0, held_off = 0;
-    auto held = [&](std::size_t* out) {
+    const auto held = [&](std::size_t* out) {
       return [out] {
         BENCH_CUDA(cudaDeviceSynchronize());
         std::uint64_t used = 0;
@@ -122,16 +136,17 @@ std::vector<ResultRow> run_offload_case_cuda(const BenchCase& c, const BenchOpti
     };
     std::size_t before = 0;
     held(&before)();
-    const std::size_t peak_plain = pool_peak_during(
-        [&] { offload_stack_step(stack, xv, cv, dyv, nullptr, compute, dx0v, held(&held_plain)); }, compute);
-    const std::size_t peak_off = pool_peak_during(
-        [&] { offload_stack_step(stack, xv, cv, dyv, &sched, compute, dx1v, held(&held_off)); }, compute);
-    held_plain -= std::min(held_plain, before);
-    held_off -= std::min(held_off, before);
-    const std::vector<double> ms = time_interleaved_ms(
-        {[&](int) { offload_stack_step(stack, xv, cv, dyv, nullptr, compute, dx0v); },
-         [&](int) { offload_stack_step(stack, xv, cv, dyv, &sched, compute, dx1v); }},
-        o.warmup, o.iters, compute, o.warm_ms);
+    std::vector<std::function<void(int)>> timed;
+    for (int i = 0; i < kOffloadRuns; ++i) {
+      runs[i].peak = pool_peak_during([&] { step(i, held(&runs[i].held)); }, compute);
+      runs[i].held -= std::min(runs[i].held, before);
+      timed.push_back([&step, i](int) { step(i); });
+    }
+    const std::vector<double> ms = time_interleaved_ms(timed, o.warmup, o.iters, compute, o.warm_ms);
+    for (int i = 0; i < kOffloadRuns; ++i) runs[i].ms = ms[i];
+    // The copies below are those of the first schedule: every layer's but the last.
+    static_assert(kOffloadSchedules[0].keep_last_layer, "the copies below leave the last layer out");
+    const std::size_t offloaded = runs[1].offloaded;
 
     // The offloader's copies alone: the saved tensors of the offloaded layers out, then back.
     std::vector<double> d2h, h2d;
@@ -175,23 +190,17 @@ std::vector<ResultRow> run_offload_case_cuda(const BenchCase& c, const BenchOpti
     const double off_d2h = median(d2h), off_h2d = median(h2d);
     const double copy_ms = off_d2h + off_h2d;
 
+    // The step against max(step without, copies); a schedule that offloads more bytes than the
+    // copies measured above, its copies at the same bandwidth.
     char note[320];
-    std::snprintf(note, sizeof note, "activations after forward %.1f MiB, step peak %.1f MiB", held_plain / 1048576.0,
-                  peak_plain / 1048576.0);
-    r.push_back(timed_row(c.name, "step", "gmoe_stack", dname, ms[0], 0, equal, note));
-    r.back().activations_mib = held_plain / 1048576.0;
-    r.back().peak_mib = peak_plain / 1048576.0;
-    std::snprintf(note, sizeof note,
-                  "activations after forward %.1f MiB (%.0f%% less), step peak %.1f MiB, %.1f MiB offloaded; %.2fx "
-                  "max(step without %.3f ms, copies %.3f ms)",
-                  held_off / 1048576.0, held_plain ? 100.0 * (1.0 - double(held_off) / held_plain) : 0.0,
-                  peak_off / 1048576.0,
-                  offloaded / 1048576.0, ms[1] / std::max(ms[0], copy_ms), ms[0], copy_ms);
-    r.push_back(timed_row(c.name, "step", "gmoe_stack_offload", dname, ms[1], 0, equal, note));
-    r.back().activations_mib = held_off / 1048576.0;
-    r.back().peak_mib = peak_off / 1048576.0;
-    r.back().offloaded_mib = offloaded / 1048576.0;
-    if (!equal) r.back().note += "; dx differs from the step without offloading";
+    for (int i = 1; i < kOffloadRuns; ++i) {
+      const double copies = copy_ms * double(runs[i].offloaded) / double(std::max<std::size_t>(offloaded, 1));
+      std::snprintf(note, sizeof note, "; %.2fx max(step without %.3f ms, copies %.3f ms%s)",
+                    ms[i] / std::max(ms[0], copies), ms[0], copies,
+                    runs[i].offloaded == offloaded ? "" : ", at the measured copies' bandwidth");
+      runs[i].extra = note;
+    }
+    r = offload_step_rows(c.name, dname, runs);
     // Each direction: the offloader's copies beside one plain pinned copy of the same bytes.
     const auto copy_rows = [&](const char* pass, double off_ms, double plain_ms) {
       std::snprintf(note, sizeof note, "%.1f GB/s, %.0f%% of the plain pinned copy", gbps(off_ms),
@@ -210,7 +219,7 @@ std::vector<ResultRow> run_offload_case_cuda(const BenchCase& c, const BenchOpti
   cudaStreamDestroy(compute);
   cudaStreamDestroy(copy);
   for (const ResultRow& row : r) {
-    std::printf("  %-24s %-9s %-20s %9.3f ms  %s\n", row.case_name.c_str(), row.pass.c_str(), row.impl.c_str(), row.ms,
+    std::printf("  %-24s %-9s %-24s %9.3f ms  %s\n", row.case_name.c_str(), row.pass.c_str(), row.impl.c_str(), row.ms,
                 row.note.c_str());
   }
   return r;

@@ -389,7 +389,8 @@ void write_markdown(const std::string& path, const RunInfo& info, const std::vec
   const auto offload = offload_table(rows);
   if (!offload.empty()) {
     out << "\nActivation offloading: one training step of a stack of GroupedMLPs without (gmoe_stack) and with "
-        << "offloading (gmoe_stack_offload), in ms, with the memory the activations hold after forward, the "
+        << "offloading (gmoe_stack_offload: the last layer kept on the device; gmoe_stack_offload_all: every layer "
+        << "offloaded), in ms, with the memory the activations hold after forward, the "
         << "step's peak and the bytes offloaded; the offloader's copies alone against a plain pinned copy of the "
         << "same bytes.\n\n";
     write_markdown_table(out, offload);
