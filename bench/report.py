@@ -320,8 +320,8 @@ def train_table(rows):
         if is_train(r) and not r.get("skipped"):
             cells.setdefault(r["case"], {}).setdefault(r["impl"], {})[r["pass"]] = r
     out = [["configuration", "model"] + [f"{p} ms" for p in TRAIN_PARTS] + ["MoE share of the step", "tokens/s",
-                                                                              "torch/gmoe step", "torch/gmoe MoE",
-                                                                              "Amdahl bound"]]
+                                                                              "step peak MiB", "torch/gmoe step",
+                                                                              "torch/gmoe MoE", "Amdahl bound"]]
     for case, impls in cells.items():
         ms = {i: {p: impls[i][p]["ms"] for p in TRAIN_PARTS if p in impls[i]} for i in impls}
         g, t = ms.get("gmoe", {}), ms.get("torch", {})
@@ -333,10 +333,46 @@ def train_table(rows):
             out.append([case, impl] + [fmt(m.get(p), 2) for p in TRAIN_PARTS]
                        + [fmt(None if share is None else 100 * share, 0, "%"),
                           fmt(impls[impl].get("step", {}).get("tokens_per_s"), 0),
+                          fmt(impls[impl].get("step", {}).get("peak_mib"), 0),
                           fmt(ratio_of(t.get("step"), g.get("step")) if ours else None, 2, "x"),
                           fmt(ratio_of(t.get("moe"), g.get("moe")) if ours else None, 2, "x"),
                           fmt(bound, 2, "x")])
     return out if len(out) > 1 else []
+
+
+def train_config_text(c):
+    """A train row's configuration (bench/train_step_breakdown.py's CONFIG_FIELDS) in words."""
+    text = (f"{c['layers']} layers, hidden {c['hidden']}, {c['heads']} heads, {c['experts']} experts top-{c['top_k']}, "
+            f"expert FFN {c['ffn']} {c['activation']}, batch {c['batch']} x {c['seq_len']}, {c['dtype']}")
+    extra = [c.get("recipe"), "delayed wgrad" if c.get("delay_wgrad") else None, c.get("optimizer"),
+             None if c.get("cuda_graph", True) else "no CUDA graph", None if c.get("compile", True) else "no compile"]
+    return text + "".join(f", {e}" for e in extra if e)
+
+
+def train_findings(rows):
+    """Per configuration with both models: gmoe's tokens/s over the PyTorch model's (issue 44's
+    target: >= 1.2x), the MoE blocks' share of each model's step and, where measured, the peaks."""
+    cells = {}
+    for r in rows:
+        if is_train(r) and not r.get("skipped") and r["pass"] in ("step", "moe"):
+            cells.setdefault(r["case"], {}).setdefault(r["impl"], {})[r["pass"]] = r
+    out = []
+    for case, impls in cells.items():
+        g, t = impls.get("gmoe", {}), impls.get("torch", {})
+        if not all(p in m for m in (g, t) for p in ("step", "moe")):
+            continue
+        share = {i: m["moe"]["ms"] / m["step"]["ms"] for i, m in (("gmoe", g), ("torch", t))}
+        config = g["step"].get("config")
+        line = (f"{case}: gmoe trains {t['step']['ms'] / g['step']['ms']:.2f}x the tokens/s of the PyTorch model "
+                f"(target: >= 1.2x) at a configuration where the MoE blocks are {100 * share['gmoe']:.0f}% of the "
+                f"step ({100 * share['torch']:.0f}% of the PyTorch model's)")
+        if config:
+            line += f": {train_config_text(config)}"
+        peaks = [m["step"].get("peak_mib") for m in (g, t)]
+        if None not in peaks and peaks[1] > 0:
+            line += f"; peak memory {peaks[0] / peaks[1]:.2f}x the PyTorch model's"
+        out.append(line + ".")
+    return out
 
 
 def mark_kinds(rows):
@@ -532,7 +568,7 @@ def main():
     moe_copy = moe_copy_table(merged["rows"])
     offload_step, offload_copy = offload_tables(merged["rows"])
     module_times, module_ops = module_tables(merged["rows"])
-    train = train_table(merged["rows"])
+    train, findings = train_table(merged["rows"]), train_findings(merged["rows"])
     notes = merged.get("notes") or []
     for title, lines in tables:
         print(f"\n{title}:")
@@ -576,6 +612,8 @@ def main():
     if train:
         print("\nTraining step of examples/train_moe_lm.py, split (ms):")
         print_table(train)
+        for line in findings:
+            print(line)
     for n in notes:
         print(f"note: {n}")
     skipped = skipped_lines(merged["rows"])
@@ -671,6 +709,8 @@ def main():
                         "rest (step - MoE - optimizer: attention, norms, head). Amdahl bound: the step's speed-up "
                         "if everything but the MoE blocks took torch's time (issue 44's target: >= 1.2x).\n\n")
                 write_markdown_table(f, train)
+                if findings:
+                    f.write("\n" + "\n".join(f"- {line}" for line in findings) + "\n")
             for n in notes:
                 f.write(f"\nNote: {n}\n")
             if skipped:

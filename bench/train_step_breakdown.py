@@ -152,22 +152,40 @@ def summary(cfg, rows) -> str:
         lines += ["", "torch / gmoe: " + ", ".join(
             f"{k[:-3]} {t[k] / g[k]:.2f}x" for k in ("step_ms", "moe_ms", "optimizer_ms", "rest_ms") if g[k] > 0),
             f"Bound on the step's speed-up with everything but the MoE blocks equal (Amdahl): "
-            f"{t['step_ms'] / (t['step_ms'] - t['moe_ms'] + g['moe_ms']):.2f}x"]
+            f"{t['step_ms'] / (t['step_ms'] - t['moe_ms'] + g['moe_ms']):.2f}x",
+            f"gmoe trains {g['tokens_per_s'] / t['tokens_per_s']:.2f}x the tokens/s of the PyTorch model "
+            f"(issue 44's target: >= 1.2x) at a configuration where the MoE blocks are "
+            f"{100 * g['moe_ms'] / g['step_ms']:.0f}% of gmoe's step ({100 * t['moe_ms'] / t['step_ms']:.0f}% of "
+            f"the PyTorch model's)"]
     return "\n".join(lines)
+
+
+#: The configuration a train row carries: the example's fields that change the step's time.
+CONFIG_FIELDS = ("layers", "hidden", "heads", "experts", "top_k", "ffn", "activation", "seq_len", "batch", "recipe",
+                 "delay_wgrad", "weight_layout", "dtype", "cuda_graph", "compile")
 
 
 def results_file(cfg, rows) -> dict:
     """The rows in the results format (docs/benchmarks.md): kind "train", one row per model and part
-    (pass step, moe, optimizer, rest), merged into bench/results/<gpu>.json by bench/report.py."""
+    (pass step, moe, optimizer, rest), merged into bench/results/<gpu>.json by bench/report.py. Each
+    row carries the configuration (CONFIG_FIELDS and the optimizer), the MoE blocks' share of its
+    model's step (moe_share: moe ms / step ms) and of the matmul FLOPs; the step row the tokens/s
+    and the step's peak memory."""
     case = (f"train_moe_lm/{cfg.layers}x{cfg.hidden}_e{cfg.experts}_top{cfg.top_k}_ffn{cfg.ffn}"
-            f"_b{cfg.batch}x{cfg.seq_len}")
+            f"_b{cfg.batch}x{cfg.seq_len}" + (f"_{cfg.recipe}" if cfg.recipe else "")
+            + ("_dw" if cfg.delay_wgrad else ""))
     out = []
     for r in rows:
+        config = {k: getattr(cfg, k) for k in CONFIG_FIELDS}
+        config["optimizer"] = r["optimizer"]
         for part in ("step", "moe", "optimizer", "rest"):
             row = {"case": case, "kind": "train", "pass": part, "impl": r["impl"], "dtype": cfg.dtype,
-                   "ms": r[f"{part}_ms"], "tflops": None, "correct": None, "moe_flop_share": ex.moe_flop_share(cfg)}
+                   "ms": r[f"{part}_ms"], "tflops": None, "correct": None, "config": config,
+                   "moe_share": r["moe_ms"] / r["step_ms"], "moe_flop_share": ex.moe_flop_share(cfg)}
             if part == "step":
                 row["tokens_per_s"] = r["tokens_per_s"]
+                if r["peak_mib"] is not None:
+                    row["peak_mib"] = r["peak_mib"]
             out.append(row)
     cuda = cfg.device.startswith("cuda")
     return dict(gpu=torch.cuda.get_device_name() if cuda else "cpu", commit=os.environ.get("GMOE_COMMIT", ""),

@@ -347,19 +347,33 @@ class Report(unittest.TestCase):
                          "ms": ms, "tflops": None, "correct": None}, **extra)
 
         gemm = [gemm_row("a/uniform", "fprop", "gmoe", 800.0)]
-        train = [part("gmoe", "step", 30.0, tokens_per_s=500000.0), part("gmoe", "moe", 10.0),
-                 part("gmoe", "optimizer", 8.0), part("gmoe", "rest", 12.0),
-                 part("torch", "step", 36.0, tokens_per_s=416667.0), part("torch", "moe", 15.0),
-                 part("torch", "optimizer", 8.0), part("torch", "rest", 13.0)]
+        config = dict(layers=2, hidden=2048, heads=16, experts=64, top_k=8, ffn=768, activation="swiglu",
+                      seq_len=1024, batch=64, recipe=None, delay_wgrad=False, weight_layout="stacked",
+                      dtype="bfloat16", cuda_graph=True, compile=True, optimizer="AdamW fused")
+        train = [part("gmoe", "step", 30.0, tokens_per_s=500000.0, peak_mib=900.0, config=config),
+                 part("gmoe", "moe", 10.0), part("gmoe", "optimizer", 8.0), part("gmoe", "rest", 12.0),
+                 part("torch", "step", 36.0, tokens_per_s=416667.0, peak_mib=1000.0, config=config),
+                 part("torch", "moe", 15.0), part("torch", "optimizer", 8.0), part("torch", "rest", 13.0),
+                 # a configuration with one model only: no finding
+                 part("gmoe", "step", 20.0, case="train_moe_lm/alone"), part("gmoe", "moe", 15.0, case="train_moe_lm/alone")]
         stdout, merged, md = self.report(self.write("gmoe.json", gemm, gpu="H100", commit="abc", date="today"),
                                          self.write("train.json", train))
         self.assertEqual(sum(r.get("kind") == "train" for r in merged["rows"]), len(train))
         block = md.split("## Training step")[1]
         # gmoe: MoE 10 of 30 ms (33%); torch/gmoe step 36 / 30 = 1.20x, MoE 15 / 10 = 1.50x; Amdahl bound
         # 36 / (36 - 15 + 10) = 1.16x
-        self.assertIn("| train_moe_lm/cfg | gmoe | 30.00 | 10.00 | 8.00 | 12.00 | 33% | 500000 | 1.20x | 1.50x | "
+        self.assertIn("| train_moe_lm/cfg | gmoe | 30.00 | 10.00 | 8.00 | 12.00 | 33% | 500000 | 900 | 1.20x | 1.50x | "
                       "1.16x |", block)
-        self.assertIn("| train_moe_lm/cfg | torch | 36.00 | 15.00 | 8.00 | 13.00 | 42% | 416667 | - | - | - |", block)
+        self.assertIn("| train_moe_lm/cfg | torch | 36.00 | 15.00 | 8.00 | 13.00 | 42% | 416667 | 1000 | - | - | - |",
+                      block)
+        # the finding the target asks for, with the share of the step that qualifies it and the configuration
+        finding = ("train_moe_lm/cfg: gmoe trains 1.20x the tokens/s of the PyTorch model (target: >= 1.2x) at a "
+                   "configuration where the MoE blocks are 33% of the step (42% of the PyTorch model's): 2 layers, "
+                   "hidden 2048, 16 heads, 64 experts top-8, expert FFN 768 swiglu, batch 64 x 1024, bfloat16, "
+                   "AdamW fused; peak memory 0.90x the PyTorch model's.")
+        self.assertIn(f"- {finding}", block)
+        self.assertIn(finding, stdout)
+        self.assertNotIn("train_moe_lm/alone:", md)
         # the train rows stay out of the TFLOP/s tables
         self.assertNotIn("train_moe_lm", md.split("## Training step")[0])
         self.assertIn("Training step", stdout)
