@@ -97,6 +97,8 @@ def breakdown(impl: str, cfg, init, corpus, iters: int, warmup: int) -> dict:
     step_ms = median_ms(lambda: trainer.step(tokens), iters, warmup, cuda)
     peak_mib = (torch.cuda.max_memory_allocated(device) - base_memory) / 2**20 if cuda else None
     trainer.graph = None
+    if cuda:
+        torch.cuda.empty_cache()  # the graph's pool, before the eager steps below make their own activations
 
     # The MoE blocks' inputs in a step: recorded by a pre-hook during one eager step.
     inputs = {}
