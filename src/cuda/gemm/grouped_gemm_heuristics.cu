@@ -50,13 +50,19 @@ int cluster_index(ClusterShape c) {
 // out-of-range rows or leaves SMs idle; the 128x128 ping-pong tile makes twice as many tiles and
 // overlaps one warpgroup's epilogue with the other's mainloop. With a few rows per expert both
 // tiles take the time of reading every expert's weights once, so the choice there matters little.
+// The cooperative tile stays in 1x1 clusters unless Tuning::cluster forces 2x1 (or 2x2, read as
+// 2x1: no 2x2 instance is compiled) where that instantiation is compiled.
 TileConfig choose_rows_tile(DType in, GemmPass pass, GemmEpilogue epilogue, int64_t capacity,
                             int64_t num_experts, int64_t gemm_n, int sms) {
-  TileConfig forced;
-  if (forced_tile(in, in, pass, epilogue, &forced)) return forced;
-  const int64_t avg_rows = capacity / num_experts;
-  const int64_t coop_tiles = num_experts * ((avg_rows + 127) / 128) * ((gemm_n + 255) / 256);
-  return (avg_rows >= 128 && coop_tiles >= sms) ? TileConfig::coop_128x256 : TileConfig::pingpong_128x128;
+  TileConfig tile;
+  if (!forced_tile(in, in, pass, epilogue, &tile)) {
+    const int64_t avg_rows = capacity / num_experts;
+    const int64_t coop_tiles = num_experts * ((avg_rows + 127) / 128) * ((gemm_n + 255) / 256);
+    tile = (avg_rows >= 128 && coop_tiles >= sms) ? TileConfig::coop_128x256 : TileConfig::pingpong_128x128;
+  }
+  const bool clustered = tile == TileConfig::coop_128x256 && forced_cluster() >= 1 &&
+                         compiled(in, in, pass, epilogue, TileConfig::coop_128x256_2x1);
+  return clustered ? TileConfig::coop_128x256_2x1 : tile;
 }
 
 // To f32, each output tile costs 2·BM·BN·rows flops in the mainloop and BM·BN·4 bytes in the

@@ -19,7 +19,8 @@ namespace gmoe::cuda_backend {
 
 /// fprop/dgrad of the 16-bit GEMM: the cooperative 128x256 tile when the average group fills a
 /// 128-row tile and its tiles cover every SM, else the ping-pong 128x128 tile. Tuning::gemm_tile
-/// overrides it where that tile is compiled for (in, pass, epilogue).
+/// overrides it where that tile is compiled for (in, pass, epilogue); Tuning::cluster 2x1 (or 2x2)
+/// puts the cooperative tile in 2x1 clusters where that instantiation is compiled (bf16).
 TileConfig choose_rows_tile(DType in, GemmPass pass, GemmEpilogue epilogue, int64_t capacity,
                             int64_t num_experts, int64_t gemm_n, int sms);
 
