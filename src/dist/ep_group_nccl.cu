@@ -152,6 +152,14 @@ std::unique_ptr<EpGroup> make_ep_group_nccl(const EpUniqueId& id, int rank, int 
   GMOE_CUDA_CHECK(cudaGetDeviceCount(&devices));
   GMOE_CHECK(device.index >= 0 && device.index < devices, "device: ", device.str(), " is not one of this process's ",
              devices, " CUDA devices");
+  // The device API is header-inline: kernels compiled against one NCCL release read the structs of
+  // the library loaded at run time, and a different patch release lays them out differently (an
+  // illegal memory access at the first barrier). Refuse the mismatch up front.
+  int loaded = 0;
+  GMOE_NCCL_CHECK(ncclGetVersion(&loaded));
+  GMOE_CHECK(loaded == NCCL_VERSION_CODE, "make_ep_group_nccl: the NCCL library loaded at run time is version ",
+             loaded, " but gmoe was compiled against the headers of version ", NCCL_VERSION_CODE,
+             "; the device API needs the same release: put the matching libnccl.so.2 first on LD_LIBRARY_PATH");
   GMOE_CHECK(options.num_experts <= ep::kMaxExperts, "options.num_experts: the NCCL backend handles at most ",
              ep::kMaxExperts, " experts (its offset tables live in shared memory), got ", options.num_experts);
   return std::make_unique<NcclGroup>(id, rank, size, device, options);

@@ -15,9 +15,9 @@ namespace gmoe::ep {
 
 /// CTAs of every kernel that synchronises with the peers (the push kernels; the plan kernel uses
 /// barrier 0 of them): one LSA barrier each, so the group creates this many. The same on every
-/// rank, whatever its GPU: the barriers pair CTA i of every rank. 32 CTAs of 16 warps keep enough
-/// 16-byte stores in flight to fill the NVLink ports of a rank.
-constexpr int kPushCtas = 32;
+/// rank, whatever its GPU: the barriers pair CTA i of every rank. 64 CTAs of 16 warps keep enough
+/// 16-byte stores in flight to fill the NVLink ports of a rank (decision record: EP push CTAs).
+constexpr int kPushCtas = 64;
 
 /// The most experts the kernels' shared-memory tables hold: three arrays of E + 1 int64 and the
 /// block scan's storage within the 48 KiB a CTA gets without opting in.
