@@ -41,6 +41,9 @@ namespace {
 using gmoe::test::ep_oracle::Layout;
 using gmoe::test::ep_oracle::World;
 namespace oracle = gmoe::test::ep_oracle;
+using oracle::fill_rows;
+using oracle::make_world;
+using oracle::options_of;
 
 constexpr int kMaxGroups = 16;  // unique ids made by the parent: one per group a child creates
 
@@ -136,38 +139,6 @@ bool same_layout(Child& c, const Layout& got, const Layout& want, size_t row_byt
     return false;
   }
   return true;
-}
-
-World make_world(int R, int64_t El, int64_t H, gmoe::DType dt, int64_t max_rows, int64_t recv_cap) {
-  World w;
-  w.ranks = R;
-  w.experts = R * El;
-  w.hidden = H;
-  w.elt = gmoe::dtype_size(dt);
-  w.max_rows = max_rows;
-  w.recv_cap = recv_cap;
-  w.counts.assign(R, std::vector<int32_t>(static_cast<size_t>(w.experts), 0));
-  return w;
-}
-
-void fill_rows(World& w, std::mt19937_64& gen) {
-  w.rows.clear();
-  w.scalars.clear();
-  for (int s = 0; s < w.ranks; ++s) {
-    Layout l = oracle::random_layout(w.max_rows, w, gen);
-    w.rows.push_back(l.rows);
-    w.scalars.push_back(l.scalars);
-  }
-}
-
-gmoe::EpGroupOptions options_of(const World& w, gmoe::DType dt, int64_t max_recv_rows) {
-  gmoe::EpGroupOptions o;
-  o.num_experts = w.experts;
-  o.hidden = w.hidden;
-  o.dtype = dt;
-  o.max_rows = w.max_rows;
-  o.max_recv_rows = max_recv_rows;
-  return o;
 }
 
 // This rank's device inputs of a world.
