@@ -110,9 +110,12 @@ class NcclGroup final : public ep::GroupBackend {
     return g;
   }
 
-  // Collective with the peers' release(): NCCL's window and communicator teardown are.
+  // Collective with the peers' release(): NCCL's window and communicator teardown are. Kernels
+  // still queued may read or write the window, so teardown waits for the device first (a
+  // deliberate sync: a group is destroyed once, never under graph capture).
   void release() noexcept {
     cudaSetDevice(device_.index);
+    cudaDeviceSynchronize();
     if (has_dev_comm_) ncclDevCommDestroy(comm_, &win_.comm);
     if (win_.handle != nullptr) ncclCommWindowDeregister(comm_, win_.handle);
     if (win_.local != nullptr) ncclMemFree(win_.local);
