@@ -48,8 +48,9 @@ class NcclGroup final : public ep::GroupBackend {
     GMOE_NCCL_CHECK(ncclCommInitRank(&comm_, size, uid, rank));
     try {
       const ncclTeam_t lsa = ncclTeamLsa(comm_);
-        GMOE_CHECK(lsa.nRanks == size, "make_ep_group_nccl: only ", lsa.nRanks, " of the group's ", size,
-                 " ranks are load/store accessible from rank ", rank,
+        // The kernels address peer r's window as LSA rank r: the LSA team must be the whole group.
+      GMOE_CHECK(lsa.nRanks == size && lsa.rank == rank, "make_ep_group_nccl: only ", lsa.nRanks, " of the group's ",
+                 size, " ranks are load/store accessible from rank ", rank,
                  " (one NVLink domain); groups across nodes are not supported");
       ep::WindowLayout& l = win_.layout;
       l.row_bytes = static_cast<size_t>(options.hidden) * dtype_size(options.dtype);
