@@ -13,8 +13,9 @@
 // exchanges in flight, receive overflow recorded in the device error word with the kept rows
 // intact, and plan + dispatch + combine captured once in a CUDA graph (global capture mode: any
 // host sync fails the capture) and replayed under three routings. A child prints each failure and
-// exits non-zero; the parent exits non-zero when any child failed or hung. Fewer than 2 GPUs: the
-// binary prints "gmoe_tests_ep: skipped" and exits 0 (CTest reports it skipped).
+// exits non-zero; the parent exits non-zero when any child failed or hung. Where
+// tests/dist/ep_moe_layer_multi_gpu.cpp exists, its MoE layer checks run last in every child.
+// Fewer than 2 GPUs: the binary prints "gmoe_tests_ep: skipped" and exits 0 (CTest: skipped).
 #include <cuda_runtime.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -35,6 +36,9 @@
 #include "gmoe/error.h"
 #include "gmoe/expert_parallel.h"
 #include "gmoe/grouped.h"
+#ifdef GMOE_EP_LAYER_CHECKS
+#include "dist/ep_moe_layer_multi_gpu.h"  // the MoE layer's multi-GPU checks (ep-layer's file)
+#endif
 
 namespace {
 
@@ -46,6 +50,10 @@ using oracle::make_world;
 using oracle::options_of;
 
 constexpr int kMaxGroups = 16;  // unique ids made by the parent: one per group a child creates
+constexpr int kLayerGroups = 4;  // more ids after those, for the MoE layer's checks
+#ifdef GMOE_EP_LAYER_CHECKS
+static_assert(gmoe::test::kMoELayerEpGroups <= kLayerGroups, "the layer checks' groups have their ids");
+#endif
 
 #define CUDA_OK(call)                                                                                   \
   do {                                                                                                  \
@@ -375,6 +383,9 @@ int child_main(Child c) {
     skewed_cases(c);
     two_in_flight(c);
     graph_replay(c);
+#ifdef GMOE_EP_LAYER_CHECKS
+    c.failures += gmoe::test::moe_layer_ep_checks(c.rank, c.ranks, c.seed, c.ids.data() + kMaxGroups, c.stream);
+#endif
   } catch (const std::exception& e) {
     c.fail(std::string("exception: ") + e.what());
   }
@@ -424,7 +435,7 @@ int main(int argc, char** argv) {
   setenv("NCCL_NVLS_ENABLE", "0", /*overwrite=*/0);
   std::vector<gmoe::EpUniqueId> ids;
   try {
-    for (int i = 0; i < kMaxGroups; ++i) ids.push_back(gmoe::ep_unique_id());
+    for (int i = 0; i < kMaxGroups + kLayerGroups; ++i) ids.push_back(gmoe::ep_unique_id());
   } catch (const std::exception& e) {
     std::fprintf(stderr, "gmoe_tests_ep: ep_unique_id failed: %s\n", e.what());
     return 1;
