@@ -305,20 +305,22 @@ void run_checks(Checker& c, const EpUniqueId* ids) {
   go.max_rows = permuted_rows(most_tokens, kTopK, go.num_experts, {});
   std::unique_ptr<EpGroup> group = make_ep_group_nccl(ids[0], c.rank, R, Device::cuda(dev), go);
 
+  // This rank's EP layer (experts delayed or not) on its tokens of `w`, backward's exchanges on
+  // `on` (nullptr: in order).
+  auto ep_outputs = [&](const World& w, const DeviceWorld& d, bool delayed, cudaStream_t on) {
+    Layer ep(d, c.rank * kLocalExperts, kLocalExperts, group.get(), delayed, nullptr);
+    ep.run(d, w.first[c.rank], w.tokens[c.rank], w.E, c.stream, on);
+    return ep.outputs(c.stream);
+  };
   // Random routing, unequal token counts; then the same backward with its exchanges on `comm` and
   // the delayed weight gradients during the combine.
   {
     World w(R, tokens_per_rank(R, 96), gen);
     DeviceWorld d(w, dev);
     d.upload(w, c.stream);
-    const Outputs ref = c.reference(d, w);
-    Layer ep(d, c.rank * kLocalExperts, kLocalExperts, group.get(), false, nullptr);
-    ep.run(d, w.first[c.rank], w.tokens[c.rank], w.E, c.stream, nullptr);
-    const Outputs got = ep.outputs(c.stream);
-    c.same_share(w, got, ref, "random routing:");
-    Layer overlapped(d, c.rank * kLocalExperts, kLocalExperts, group.get(), true, nullptr);
-    overlapped.run(d, w.first[c.rank], w.tokens[c.rank], w.E, c.stream, comm);
-    const Outputs o = overlapped.outputs(c.stream);
+    const Outputs got = ep_outputs(w, d, false, nullptr);
+    c.same_share(w, got, c.reference(d, w), "random routing:");
+    const Outputs o = ep_outputs(w, d, true, comm);
     for (const auto& [a, b, what] : {std::make_tuple(&o.out, &got.out, "out"), std::make_tuple(&o.dx, &got.dx, "dx"),
                                      std::make_tuple(&o.dw1, &got.dw1, "dW1"), std::make_tuple(&o.dw2, &got.dw2, "dW2")}) {
       c.same(*a, *b, 0, std::string("overlapped backward vs in order: ") + what);
@@ -332,11 +334,8 @@ void run_checks(Checker& c, const EpUniqueId* ids) {
     w.route(0, gen);
     DeviceWorld d(w, dev);
     d.upload(w, c.stream);
-    const Outputs ref = c.reference(d, w);
-    Layer ep(d, c.rank * kLocalExperts, kLocalExperts, group.get(), false, nullptr);
-    ep.run(d, w.first[c.rank], w.tokens[c.rank], w.E, c.stream, nullptr);
-    const Outputs got = ep.outputs(c.stream);
-    c.same_share(w, got, ref, "all to rank 0:");
+    const Outputs got = ep_outputs(w, d, false, nullptr);
+    c.same_share(w, got, c.reference(d, w), "all to rank 0:");
     for (int64_t e = kLocalExperts; e < w.E; ++e) {
       if (got.counts[static_cast<size_t>(e)] != 0) c.fail("all to rank 0: a token routed to expert " + std::to_string(e));
     }

@@ -13,8 +13,6 @@
 // checkpoints saved under one EP size and loaded under another, and the argument errors.
 #include <gtest/gtest.h>
 
-#include <stdlib.h>
-
 #include <cstring>
 #include <exception>
 #include <functional>
@@ -26,6 +24,7 @@
 
 #include "common/expect_error.h"
 #include "common/harness.h"
+#include "checkpoint/ckpt_test_util.h"  // TempDir
 #include "common/offload_fixture.h"
 #include "gmoe/checkpoint.h"
 #include "gmoe/expert_parallel.h"
@@ -195,6 +194,18 @@ struct RunOptions {
   bool overlap = false;                       // MoEBackwardOverlap with a comm stream and the wgrad inside
 };
 
+// The case's options, with the losses' coefficients.
+RunOptions run_options(const EpCase& c, float aux = 0, float z = 0) {
+  RunOptions ro;
+  ro.router = c.router;
+  ro.permute = c.permute;
+  ro.recompute = c.recompute;
+  ro.keep_input = c.keep_input;
+  ro.aux = aux;
+  ro.z = z;
+  return ro;
+}
+
 // A stream handle the CPU backend ignores (it runs every op at once), distinct from the compute
 // stream so that the layer takes its two-stream path with its events.
 Stream cpu_comm_stream() {
@@ -345,11 +356,7 @@ TEST_P(MoELayerEpCpu, MatchesSingleGpuLayerOnGlobalBatch) {
   const EpCase& c = GetParam();
   Rng rng;
   const Problem p(c, rng);
-  RunOptions ro;
-  ro.router = c.router;
-  ro.permute = c.permute;
-  ro.recompute = c.recompute;
-  ro.keep_input = c.keep_input;
+  const RunOptions ro = run_options(c);
   const Result ref = run_single(p, p.w1, p.w2, ro);
   const std::vector<Result> ranks = run_ep(p, p.w1, p.w2, ro);
   expect_ranks_match(p, ranks, ref);
@@ -375,11 +382,7 @@ TEST(MoELayerEpCpuSemantics, GroupOfOneIsTheSingleGpuLayer) {
   Rng rng;
   const EpCase c{"one", 1, {13}, 4, 8, 4, softmax_topk(2), padded(4)};
   const Problem p(c, rng);
-  RunOptions ro;
-  ro.router = c.router;
-  ro.permute = c.permute;
-  ro.aux = 0.01f;
-  ro.z = 0.001f;
+  const RunOptions ro = run_options(c, 0.01f, 0.001f);
   const Result ref = run_single(p, p.w1, p.w2, ro);
   const std::vector<Result> one = run_ep(p, p.w1, p.w2, ro);
   expect_ranks_match(p, one, ref);
@@ -395,11 +398,7 @@ TEST(MoELayerEpCpuSemantics, LossesAndCapacityAreTheRanksTokens) {
   capacity.capacity_factor = 0.75;
   const EpCase c{"per_rank", 2, {12, 16}, 2, 8, 4, softmax_topk(2), capacity};
   const Problem p(c, rng);
-  RunOptions ro;
-  ro.router = c.router;
-  ro.permute = c.permute;
-  ro.aux = 0.01f;
-  ro.z = 0.001f;
+  const RunOptions ro = run_options(c, 0.01f, 0.001f);
   const std::vector<Result> ranks = run_ep(p, p.w1, p.w2, ro);
   for (int r = 0; r < c.R; ++r) {
     SCOPED_TRACE("rank " + std::to_string(r));
@@ -429,9 +428,7 @@ TEST(MoELayerEpCpuOverlap, WgradDuringCombineEqualsSequential) {
     const Problem p(c, rng);
     for (int delayed = 1; delayed <= 3; ++delayed) {  // fc1, fc2, both
       SCOPED_TRACE("delayed " + std::string(delayed == 1 ? "fc1" : delayed == 2 ? "fc2" : "fc1+fc2"));
-      RunOptions ro;
-      ro.router = c.router;
-      ro.permute = c.permute;
+      RunOptions ro = run_options(c);
       ro.delay_fc1 = delayed & 1;
       ro.delay_fc2 = delayed & 2;
       const std::vector<Result> sequential = run_ep(p, p.w1, p.w2, ro);
@@ -478,19 +475,6 @@ TEST(MoELayerEpCpuOverlap, WgradDuringCombineNeedsDelayedExperts) {
 // Checkpoints across EP sizes (the EP-slice code of gmoe/checkpoint.h): each rank of EP = 2 saves
 // its experts' shards, EP = 1 loads them all, and the reverse; the layer's output after loading is
 // the original's, bit for bit.
-struct TempDir {
-  std::string path;
-  TempDir() {
-    const char* base = std::getenv("TMPDIR");
-    std::string tmpl = std::string(base ? base : "/tmp") + "/gmoe_ep_ckpt_XXXXXX";
-    std::vector<char> buf(tmpl.begin(), tmpl.end());
-    buf.push_back('\0');
-    if (mkdtemp(buf.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
-    path = buf.data();
-  }
-  ~TempDir() { std::system(("rm -rf '" + path + "'").c_str()); }
-};
-
 const ExpertParamKey kFc1{"layer.experts.fc1.weight", ""};
 const ExpertParamKey kFc2{"layer.experts.fc2.weight", ""};
 
@@ -524,12 +508,10 @@ TEST(MoELayerEpCpuCheckpoint, SaveUnderOneEpSizeLoadUnderAnother) {
   const EpCase c{"ckpt", 2, {9, 8}, 3, 8, 4, softmax_topk(2), padded(2)};
   const Problem p(c, rng);
   const int64_t El = c.El;
-  RunOptions ro;
-  ro.router = c.router;
-  ro.permute = c.permute;
+  const RunOptions ro = run_options(c);
   {
     SCOPED_TRACE("saved with EP = 2, loaded with EP = 1");
-    TempDir dir;
+    gmoe_test::TempDir dir;
     const std::vector<Result> original = run_ep(p, p.w1, p.w2, ro);
     for (int r = 0; r < c.R; ++r) save_slice(dir.path, p.w1, p.w2, r * El, El, p.E);
     HostTensor w1(DType::f32, p.w1.shape()), w2(DType::f32, p.w2.shape());
@@ -545,7 +527,7 @@ TEST(MoELayerEpCpuCheckpoint, SaveUnderOneEpSizeLoadUnderAnother) {
   }
   {
     SCOPED_TRACE("saved with EP = 1, loaded with EP = 2");
-    TempDir dir;
+    gmoe_test::TempDir dir;
     const Result original = run_single(p, p.w1, p.w2, ro);
     save_slice(dir.path, p.w1, p.w2, 0, p.E, p.E);
     HostTensor w1(DType::f32, p.w1.shape()), w2(DType::f32, p.w2.shape());
@@ -566,8 +548,7 @@ TEST(MoELayerEpCpuErrors, Arguments) {
   Rng rng;
   const EpCase c{"errors", 2, {3, 3}, 2, 8, 4, softmax_topk(2), {}};
   const Problem p(c, rng);
-  RunOptions ro;
-  ro.router = c.router;
+  const RunOptions ro = run_options(c);
   GroupedMLP experts = make_experts(p, p.w1, p.w2, 0, c.El, {});
   const EpGroupOptions good = group_options(p, ro);
   auto layer_options = [&](EpGroup* g) {
