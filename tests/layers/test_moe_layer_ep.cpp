@@ -30,6 +30,7 @@
 #include "gmoe/expert_parallel.h"
 #include "gmoe/grouped_mlp.h"
 #include "gmoe/moe_layer.h"
+#include "gmoe/offload.h"
 
 namespace gmoe::test {
 namespace {
@@ -183,6 +184,7 @@ struct Result {
   std::vector<float> out, dx, dlogits, aux, z, dw1, dw2, db1, db2;
   std::vector<int32_t> counts;  // the router's, over all E experts
   int during_dispatch = 0;      // how often MoEBackwardOverlap::during_dispatch was called
+  size_t offloaded = 0;         // bytes the context's offloads released
 };
 
 struct RunOptions {
@@ -192,6 +194,7 @@ struct RunOptions {
   bool recompute = false, keep_input = false;
   bool delay_fc1 = false, delay_fc2 = false;  // the experts' delayed weight gradients
   bool overlap = false;                       // MoEBackwardOverlap with a comm stream and the wgrad inside
+  bool offload = false;  // the context offloaded, released and reloaded before backward (and backward_dw)
 };
 
 // The case's options, with the losses' coefficients.
@@ -236,6 +239,20 @@ Result run_layer(const Problem& p, const HostTensor& w1, const HostTensor& w2, i
   MoELayerContext ctx;
   MoEForward f = layer.forward(Problem::rows_of(p.x, t0, T), Problem::rows_of(p.logits, t0, T), ctx);
   Result r;
+  r.out = values(f.out);
+  r.counts.assign(static_cast<const int32_t*>(f.counts.view().data),
+                  static_cast<const int32_t*>(f.counts.view().data) + f.counts.view().numel());
+  Offloader off(Device::cpu(), nullptr, &alloc);
+  auto round_trip = [&] {  // what the context saved goes to the host and back
+    if (!ro.offload) return;
+    const size_t saved = ctx.offloadable_bytes(), before = alloc.in_use();
+    ctx.offload(off, nullptr);
+    ctx.release(nullptr);
+    r.offloaded += before - alloc.in_use();
+    EXPECT_EQ(before - alloc.in_use(), saved);
+    ctx.reload(nullptr);
+  };
+  round_trip();
   MoEBackwardOverlap overlap;
   if (ro.overlap) {
     overlap.comm_stream = cpu_comm_stream();
@@ -244,11 +261,11 @@ Result run_layer(const Problem& p, const HostTensor& w1, const HostTensor& w2, i
   overlap.during_dispatch = [&] { ++r.during_dispatch; };
   MoEBackward b = layer.backward(ctx, Problem::rows_of(p.dout, t0, T), nullptr, {}, {}, overlap);
   if ((ro.delay_fc1 || ro.delay_fc2) && !ro.overlap) {
+    round_trip();
     GroupedMLPGrads dw = experts.backward_dw(ctx.experts());
     if (ro.delay_fc1) b.grads.fc1 = std::move(dw.fc1);
     if (ro.delay_fc2) b.grads.fc2 = std::move(dw.fc2);
   }
-  r.out = values(f.out);
   r.dx = values(b.dx);
   r.dlogits = values(b.dlogits);
   r.aux = values(f.aux_loss);
@@ -257,8 +274,6 @@ Result run_layer(const Problem& p, const HostTensor& w1, const HostTensor& w2, i
   r.dw2 = expert_values(b.grads.fc2.weight.stacked);
   r.db1 = expert_values(b.grads.fc1.bias.grouped);
   r.db2 = expert_values(b.grads.fc2.bias.grouped);
-  const int32_t* c = static_cast<const int32_t*>(f.counts.view().data);
-  r.counts.assign(c, c + f.counts.view().numel());
   return r;
 }
 
@@ -452,6 +467,34 @@ TEST(MoELayerEpCpuOverlap, WgradDuringCombineEqualsSequential) {
         const Result ref = run_single(p, p.w1, p.w2, ro);
         expect_ranks_match(p, overlapped, ref);
       }
+    }
+  }
+}
+
+// The EP context offloads what it keeps (the plan, the received probabilities, the experts' saved
+// tensors) and reloads it: the same bits, the experts' references re-pointed.
+TEST(MoELayerEpCpuOffload, ContextRoundTripIsBitwise) {
+  Rng rng;
+  for (const EpCase& c : {EpCase{"ep2_padded_delayed", 2, {9, 7}, 2, 8, 4, softmax_topk(2), padded(4)},
+                          EpCase{"ep4_gpt_oss_keep_input", 4, {5, 0, 6, 4}, 2, 8, 4, softmax_topk(2), PermuteOptions{},
+                                 Skew::none, true, false, true}}) {
+    SCOPED_TRACE(c.name);
+    const Problem p(c, rng);
+    RunOptions ro = run_options(c);
+    ro.delay_fc1 = ro.delay_fc2 = c.name == "ep2_padded_delayed";
+    const std::vector<Result> resident = run_ep(p, p.w1, p.w2, ro);
+    ro.offload = true;
+    const std::vector<Result> offloaded = run_ep(p, p.w1, p.w2, ro);
+    for (int r = 0; r < c.R; ++r) {
+      SCOPED_TRACE("rank " + std::to_string(r));
+      EXPECT_GT(offloaded[r].offloaded, 0u);
+      const Result &a = offloaded[r], &b = resident[r];
+      EXPECT_TRUE(bitwise(a.dx, b.dx, 0, "dx"));
+      EXPECT_TRUE(bitwise(a.dlogits, b.dlogits, 0, "dlogits"));
+      EXPECT_TRUE(bitwise(a.dw1, b.dw1, 0, "dW1"));
+      EXPECT_TRUE(bitwise(a.dw2, b.dw2, 0, "dW2"));
+      EXPECT_TRUE(bitwise(a.db1, b.db1, 0, "db1"));
+      EXPECT_TRUE(bitwise(a.db2, b.db2, 0, "db2"));
     }
   }
 }
