@@ -460,6 +460,9 @@ def case_rows(case, args, dev, rank, world, pg, notes):
         add("gmoe_ep", "dispatch", gather(timer(lambda: gmoe.ep_dispatch(group, plan, xp)), pg), correct=ok, gb=nbytes,
             note="dispatched rows bitwise the composition's; combine(dispatch(xp)) bitwise xp")
         add("gmoe_ep", "combine", gather(timer(lambda: gmoe.ep_combine(group, plan, recv)), pg), correct=ok, gb=nbytes)
+    del m, plan, recv, back
+    synchronize(dev)
+    group.close()  # collective: every rank here
     return rows
 
 
