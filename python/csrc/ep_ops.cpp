@@ -177,10 +177,13 @@ gmoe::EpPlan plan_of(const at::Tensor& counts_all, const at::Tensor& local_count
   return plan;
 }
 
-template <class Op>
-std::tuple<at::Tensor, at::Tensor> ep_move(Op op, int64_t handle, const at::Tensor& counts_all,
-                                           const at::Tensor& local_counts, const at::Tensor& rows,
-                                           const std::optional<at::Tensor>& scalars) {
+using EpMove = gmoe::EpRows (*)(gmoe::EpGroup&, const gmoe::EpPlan&, const gmoe::TensorView&, const gmoe::TensorView&,
+                                gmoe::Allocator*, gmoe::Stream);
+
+/// ep_dispatch or ep_combine (`op`) on torch tensors.
+template <EpMove op>
+std::tuple<at::Tensor, at::Tensor> ep_move(int64_t handle, const at::Tensor& counts_all, const at::Tensor& local_counts,
+                                           const at::Tensor& rows, const std::optional<at::Tensor>& scalars) {
   return guarded([&] {
     gmoe::EpGroup& g = group_of(handle);
     OpScope s(rows);
@@ -191,28 +194,10 @@ std::tuple<at::Tensor, at::Tensor> ep_move(Op op, int64_t handle, const at::Tens
   });
 }
 
-std::tuple<at::Tensor, at::Tensor> ep_dispatch(int64_t handle, const at::Tensor& counts_all,
-                                               const at::Tensor& local_counts, const at::Tensor& rows,
-                                               const std::optional<at::Tensor>& scalars) {
-  return ep_move(
-      [](gmoe::EpGroup& g, const gmoe::EpPlan& p, const gmoe::TensorView& r, const gmoe::TensorView& sc,
-         gmoe::Allocator* a, gmoe::Stream st) { return gmoe::ep_dispatch(g, p, r, sc, a, st); },
-      handle, counts_all, local_counts, rows, scalars);
-}
-
-std::tuple<at::Tensor, at::Tensor> ep_combine(int64_t handle, const at::Tensor& counts_all,
-                                              const at::Tensor& local_counts, const at::Tensor& rows,
-                                              const std::optional<at::Tensor>& scalars) {
-  return ep_move(
-      [](gmoe::EpGroup& g, const gmoe::EpPlan& p, const gmoe::TensorView& r, const gmoe::TensorView& sc,
-         gmoe::Allocator* a, gmoe::Stream st) { return gmoe::ep_combine(g, p, r, sc, a, st); },
-      handle, counts_all, local_counts, rows, scalars);
-}
-
 void register_ep_impls(torch::Library& m) {
   m.impl("ep_plan", &ep_plan);
-  m.impl("ep_dispatch", &ep_dispatch);
-  m.impl("ep_combine", &ep_combine);
+  m.impl("ep_dispatch", &ep_move<&gmoe::ep_dispatch>);
+  m.impl("ep_combine", &ep_move<&gmoe::ep_combine>);
 }
 
 }  // namespace
