@@ -65,7 +65,15 @@ from .routing import (  # noqa: E402
     router_z_loss,
     unpermute,
 )
-from .expert_parallel import EpGroup, EpPlan, EpRows, ep_combine, ep_dispatch, ep_plan  # noqa: E402
+from .expert_parallel import (  # noqa: E402
+    EpGroup,
+    EpPlan,
+    EpRows,
+    ep_combine,
+    ep_dispatch,
+    ep_plan,
+    merge_ep_state_dicts,
+)
 from .moe_layer import MoELayer  # noqa: E402
 from .offload import OffloadStats, offload_activations  # noqa: E402
 
@@ -92,6 +100,7 @@ __all__ = [
     "ep_combine",
     "ep_dispatch",
     "ep_plan",
+    "merge_ep_state_dicts",
     "OffloadStats",
     "offload_activations",
     "SCORE_FUNCS",

@@ -20,8 +20,15 @@ valid total are zeros.
 
 :func:`ep_dispatch` and :func:`ep_combine` are differentiable (each one's backward is the other,
 with the same plan).
+
+Checkpoints across EP sizes: each rank's ``MoELayer.state_dict()`` holds its El experts;
+:func:`merge_ep_state_dicts` makes the state dict of all E experts from the ranks' (what an EP = 1
+layer saves), and an expert-parallel ``MoELayer`` loads such a state dict as its rank's slice. So EP
+= 2 saves load at EP = 1 (merged), EP = 1 saves at EP = 2, and EP = a at EP = b (merged, then
+sliced).
 """
-from typing import List, NamedTuple, Optional, Union
+import re
+from typing import Dict, List, Mapping, NamedTuple, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -150,3 +157,46 @@ def ep_combine(group: EpGroup, plan: EpPlan, rows: Tensor, scalars: Optional[Ten
     float32 [recv_capacity]) likewise. Differentiable (the backward is :func:`ep_dispatch`)."""
     out, out_scalars = _ops.ep_combine(group.handle, plan.counts_all, plan.local_counts, rows, scalars)
     return EpRows(out, out_scalars if scalars is not None else None)
+
+
+# The routed experts' parameters in a MoELayer's state dict: experts.fc1 / fc2, stacked (weight,
+# bias) or per-expert (weight<e>, bias<e>); the shared experts' are not expert-parallel.
+_EXPERT_KEY = re.compile(r"^(?P<base>(?:.*\.)?experts\.fc[12]\.(?:weight|bias))(?P<index>\d*)$")
+
+
+def merge_ep_state_dicts(state_dicts: Sequence[Mapping[str, Tensor]]) -> Dict[str, Tensor]:
+    """The state dict of all E routed experts from the state dicts of ranks 0..R-1 of expert-parallel
+    MoELayers (rank r holding experts [r·El, (r+1)·El)), as an EP = 1 layer would save it: stacked
+    expert tensors concatenated along the expert dimension, per-expert keys renumbered with global
+    indices. Every other entry (router, shared experts, buffers) must be equal on all ranks (it is
+    replicated) and is taken once; a difference raises ValueError naming the key."""
+    if not state_dicts:
+        raise ValueError("merge_ep_state_dicts: expected the state dicts of ranks 0..R-1, got none")
+    keys = list(state_dicts[0].keys())
+    for r, sd in enumerate(state_dicts[1:], 1):
+        if set(sd.keys()) != set(keys):
+            raise ValueError(f"merge_ep_state_dicts: rank {r}'s keys differ from rank 0's: "
+                             f"{sorted(set(sd.keys()) ^ set(keys))[:4]}")
+    merged: Dict[str, Tensor] = {}
+    per_expert: Dict[str, List[str]] = {}
+    for key in keys:
+        m = _EXPERT_KEY.match(key)
+        if m is None:
+            ref = state_dicts[0][key]
+            for r, sd in enumerate(state_dicts[1:], 1):
+                same = torch.equal(sd[key], ref) if isinstance(ref, Tensor) else sd[key] == ref
+                if not same:
+                    raise ValueError(f"merge_ep_state_dicts: {key} differs between rank 0 and rank {r} (it is "
+                                     "replicated, not expert-parallel)")
+            merged[key] = ref
+        elif m.group("index"):
+            per_expert.setdefault(m.group("base"), []).append(key)
+        else:
+            merged[key] = torch.cat([sd[key] for sd in state_dicts])
+    for base, local_keys in per_expert.items():
+        local_keys.sort(key=lambda k: int(k[len(base):]))
+        El = len(local_keys)
+        for r, sd in enumerate(state_dicts):
+            for e, k in enumerate(local_keys):
+                merged[f"{base}{r * El + e}"] = sd[k]
+    return merged

@@ -227,6 +227,31 @@ class MoELayer(nn.Module):
         weights 1 (the experts' FC2 has no bias), False when the combine weights their output."""
         return not self.experts.fc2.use_bias
 
+    # ---- checkpoints across EP sizes --------------------------------------------------------------
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        # A state dict of all E routed experts (an EP = 1 layer's, or the ranks' merged with
+        # gmoe.merge_ep_state_dicts) loads into an expert-parallel layer as this rank's slice, stacked
+        # or per-expert; a rank's own state dict (El experts) loads as it is.
+        g = self.ep_group
+        if g is not None and g.size > 1:
+            El, first = g.local_experts, g.rank * g.local_experts
+            for fc in ("fc1", "fc2"):
+                for name in ("weight", "bias"):
+                    key = f"{prefix}experts.{fc}.{name}"
+                    t = state_dict.get(key)
+                    if t is not None and t.dim() >= 1 and t.shape[0] == self.num_experts:
+                        state_dict[key] = t[first:first + El]
+                    every = [f"{key}{e}" for e in range(self.num_experts)]
+                    if all(k in state_dict for k in every):
+                        mine = [state_dict[k] for k in every[first:first + El]]
+                        for k in every:
+                            del state_dict[k]
+                        state_dict.update({f"{key}{e}": t for e, t in enumerate(mine)})
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
     # ---- the experts' Megatron conventions, for the whole layer --------------------------------
 
     def _grouped_linears(self) -> List[GroupedLinear]:

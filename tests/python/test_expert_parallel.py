@@ -291,3 +291,64 @@ def test_the_fake_kernels_give_the_real_shapes():
     assert got == want
     for g in groups:
         g.close()
+
+
+def _ep_forward(layers, x):
+    size = len(layers)
+    T = x.shape[0] // size
+    return torch.cat(run_ranks(lambda r: layers[r](x[r * T:(r + 1) * T]).detach(), size))
+
+
+@pytest.mark.parametrize("layout", ["stacked", "per_expert"])
+def test_checkpoints_across_ep_sizes(layout):
+    torch.manual_seed(11)
+    E, H, F, k, T = 8, 16, 8, 2, 6
+    kw = dict(weight_layout=layout, bias=True, shared_expert_ffn_hidden_size=8)
+    x = torch.randn(4 * T, H)
+
+    def ep_layers(size):
+        groups = gmoe.EpGroup.local(size, num_experts=E, hidden=H, max_rows=x.shape[0] // size * k,
+                                    dtype=torch.float32)
+        return [gmoe.MoELayer(E, H, F, k, dtype=torch.float32, ep_group=g, **kw) for g in groups], groups
+
+    # EP = 2 with its own weights (replicated router and shared experts, sliced experts)
+    two, g2 = ep_layers(2)
+    with torch.no_grad():
+        for name, p in two[0].named_parameters():
+            p.normal_(0, 0.3)
+            if not name.startswith("experts."):
+                dict(two[1].named_parameters())[name].copy_(p)
+        for p in two[1].experts.parameters():
+            p.normal_(0, 0.3)
+    out2 = _ep_forward(two, x)
+    merged = gmoe.merge_ep_state_dicts([m.state_dict() for m in two])
+    # EP = 2 saved, EP = 1 loaded: the same layer
+    one = gmoe.MoELayer(E, H, F, k, dtype=torch.float32, **kw)
+    one.load_state_dict(merged)
+    assert torch.equal(one(x).detach(), out2)
+    # EP = 1 saved, EP = 4 loaded (and EP = 2 merged, EP = 4 loaded: the same state)
+    four, g4 = ep_layers(4)
+    for m in four:
+        m.load_state_dict(one.state_dict())
+    assert torch.equal(_ep_forward(four, x), out2)
+    for m in four:
+        m.load_state_dict(merged)
+    assert torch.equal(_ep_forward(four, x), out2)
+    # a rank's own state dict loads back as it is
+    again, g2b = ep_layers(2)
+    for m, src in zip(again, two):
+        m.load_state_dict(src.state_dict())
+    assert torch.equal(_ep_forward(again, x), out2)
+    for g in g2 + g4 + g2b:
+        g.close()
+
+
+def test_merge_refuses_ranks_that_disagree():
+    a = {"router.weight": torch.ones(4, 2), "experts.fc1.weight": torch.ones(2, 3, 2)}
+    b = {"router.weight": torch.zeros(4, 2), "experts.fc1.weight": torch.ones(2, 3, 2)}
+    with pytest.raises(ValueError, match="router.weight differs between rank 0 and rank 1"):
+        gmoe.merge_ep_state_dicts([a, b])
+    with pytest.raises(ValueError, match="keys differ"):
+        gmoe.merge_ep_state_dicts([a, {"router.weight": torch.ones(4, 2)}])
+    merged = gmoe.merge_ep_state_dicts([a, dict(a, **{"experts.fc1.weight": 2 * torch.ones(2, 3, 2)})])
+    assert merged["experts.fc1.weight"].shape == (4, 3, 2) and merged["experts.fc1.weight"][2:].eq(2).all()
