@@ -480,8 +480,9 @@ def ep_tables(rows):
     EP MoE layer, gmoe_ep (gmoe.MoELayer with an EP group) against torch_ep (the PyTorch composition
     with all_to_all_single and host split sizes), forward and forward + backward in ms and torch_ep's
     time over gmoe_ep's (issue 43's target: >= 1.3x forward + backward), with the peak memory of each;
-    then per case the dispatch and combine alone against NCCL's all-to-all of the same bytes (target:
-    >= 80%). Returns (layer table, communication table), each [] when empty."""
+    then per case and op the dispatch and combine alone, gmoe_ep's and the composition's exchanges,
+    against NCCL's all-to-all of the same bytes (target: gmoe_ep >= 80%). Returns (layer table,
+    communication table), each [] when empty."""
     cells = {}
     for r in rows:
         if is_ep(r):
@@ -497,8 +498,8 @@ def ep_tables(rows):
 
     layer = [["case", "EP", "gmoe_ep fwd ms", "torch_ep fwd ms", "torch_ep/gmoe_ep fwd", "gmoe_ep fwd+bwd ms",
               "torch_ep fwd+bwd ms", "torch_ep/gmoe_ep fwd+bwd", "peak MiB gmoe_ep", "peak MiB torch_ep", "correct"]]
-    comm = [["case", "MiB/rank", "nccl_a2a ms", "nccl_a2a GB/s", "dispatch ms", "dispatch GB/s", "dispatch/nccl",
-             "combine ms", "combine GB/s", "combine/nccl", "correct"]]
+    comm = [["case", "op", "MiB/rank", "nccl_a2a GB/s", "gmoe_ep ms", "gmoe_ep GB/s", "gmoe_ep/nccl", "torch_ep ms",
+             "torch_ep GB/s", "torch_ep/nccl", "correct"]]
     logs = {"fwd": [], "fb": [], "dispatch": [], "combine": []}
     for case, c in cells.items():
         ep = next((r.get("ep_size") for r in c.values() if r.get("ep_size")), None)
@@ -516,19 +517,21 @@ def ep_tables(rows):
         for key, v in (("fwd", fwd), ("fb", fb), *shares.items()):
             if v:
                 logs[key].append(math.log(v))
-        nbytes = next((c[k].get("bytes") for k in (("nccl_a2a", "all_to_all"), ("gmoe_ep", "dispatch"))
-                       if k in c and c[k].get("bytes")), None)
-        if nccl is not None or any(get(c, "gmoe_ep", op) is not None for op in shares):
-            comm.append([case, fmt(None if nbytes is None else nbytes / 2 ** 20, 1), fmt(get(c, "nccl_a2a", "all_to_all"), 3),
-                         fmt(nccl, 0)]
-                        + [v for op in ("dispatch", "combine") for v in (
-                            fmt(get(c, "gmoe_ep", op), 3), fmt(get(c, "gmoe_ep", op, "gbps"), 0),
-                            fmt(None if shares[op] is None else 100 * shares[op], 1, "%"))]
-                        + [checked(c, [("gmoe_ep", "dispatch"), ("gmoe_ep", "combine")])])
+        nbytes = next((r.get("bytes") for r in c.values() if r.get("bytes")), None)
+        for op in ("dispatch", "combine"):
+            if get(c, "gmoe_ep", op) is None and get(c, "torch_ep", op) is None:
+                continue
+            theirs = ratio_of(get(c, "torch_ep", op, "gbps"), nccl)
+            comm.append([case, op, fmt(None if nbytes is None else nbytes / 2 ** 20, 1), fmt(nccl, 0),
+                         fmt(get(c, "gmoe_ep", op), 3), fmt(get(c, "gmoe_ep", op, "gbps"), 0),
+                         fmt(None if shares[op] is None else 100 * shares[op], 1, "%"), fmt(get(c, "torch_ep", op), 3),
+                         fmt(get(c, "torch_ep", op, "gbps"), 0), fmt(None if theirs is None else 100 * theirs, 1, "%"),
+                         checked(c, [("gmoe_ep", op)])])
     pct = lambda v: f"{100 * math.exp(sum(v) / len(v)):.1f}%" if v else "-"  # noqa: E731
     layer.append(["geomean", "", "", "", geomean_cell(logs["fwd"]), "", "", geomean_cell(logs["fb"]), "", "", ""])
-    comm.append(["geomean", "", "", "", "", "", pct(logs["dispatch"]), "", "", pct(logs["combine"]), ""])
-    return (layer if len(layer) > 2 else []), (comm if len(comm) > 2 else [])
+    comm.append(["geomean dispatch", "", "", "", "", "", pct(logs["dispatch"]), "", "", "", ""])
+    comm.append(["geomean combine", "", "", "", "", "", pct(logs["combine"]), "", "", "", ""])
+    return (layer if len(layer) > 2 else []), (comm if len(comm) > 3 else [])
 
 
 def main():
@@ -736,11 +739,12 @@ def main():
                 if ep_layer:
                     write_markdown_table(f, ep_layer, labels=1)
             if ep_comm:
-                f.write("\nDispatch and combine alone (gmoe.ep_dispatch / ep_combine of a rank's T·k rows) against "
-                        "NCCL's all_to_all_single with equal splits of the same bytes per rank, measured in the same "
-                        "run; GB/s: bytes a rank sends / time (target: >= 80%). correct: the dispatched rows bitwise "
-                        "the composition's, and combine(dispatch(x)) bitwise x.\n\n")
-                write_markdown_table(f, ep_comm, labels=1)
+                f.write("\nDispatch and combine alone (gmoe.ep_dispatch / ep_combine of a rank's T·k rows; torch_ep: "
+                        "the composition's exchanges with the host sync and the regrouping) against NCCL's "
+                        "all_to_all_single with equal splits of the same bytes per rank, measured in the same run; "
+                        "GB/s: bytes a rank sends / time (target: gmoe_ep >= 80%). correct: the dispatched rows "
+                        "bitwise the composition's, and combine(dispatch(x)) bitwise x.\n\n")
+                write_markdown_table(f, ep_comm, labels=2)
             for n in notes:
                 f.write(f"\nNote: {n}\n")
             if skipped:

@@ -30,6 +30,9 @@ Rows (kind "ep"; ms: the largest over the ranks of each rank's median):
               back = all_to_all_single(y in recv's order, reversed splits)
               out = zeros(f32).index_add_(order // k, back · probs[order]).to(bf16)
             The all-to-all's backward is the all-to-all with the splits reversed.
+            pass dispatch, combine: the composition's exchanges alone (dispatch: the counts'
+            all-to-all, the host sync, the rows' all-to-all and the regrouping; combine: the rows
+            back into received order and the reverse all-to-all); gbps as nccl_a2a's.
   gmoe_ep   pass forward, forward_backward: gmoe.MoELayer(E, H, F, k, ep_group=gmoe.EpGroup
             .from_process_group(...), normalize_topk=True, recompute_activation=True) with the same
             weights (its parameters share the composition's storage); checked against the
@@ -127,6 +130,7 @@ def skipped_rows(case, world, impls_passes, reason):
 
 
 ALL_ROWS = [("nccl_a2a", "all_to_all"), ("torch_ep", "forward"), ("torch_ep", "forward_backward"),
+            ("torch_ep", "dispatch"), ("torch_ep", "combine"),
             ("gmoe_ep", "forward"), ("gmoe_ep", "forward_backward"), ("gmoe_ep", "dispatch"), ("gmoe_ep", "combine")]
 GMOE_ROWS = [r for r in ALL_ROWS if r[0] == "gmoe_ep"]
 
@@ -410,6 +414,17 @@ def case_rows(case, args, dev, rank, world, pg, notes):
     add("torch_ep", "forward", gather(timer(torch_fwd), pg), fl=flops)
     add("torch_ep", "forward_backward", gather(timer(torch_fwd_bwd), pg), fl=3 * flops, peak_mib=rank_max(peak))
 
+    # the composition's exchanges alone: dispatch (the counts' all-to-all, the split sizes to the host,
+    # the rows' all-to-all, the regrouping by local expert) and combine (the rows back in received
+    # order, the reverse all-to-all), on the permuted rows of the first input
+    with torch.no_grad():
+        _, ids = route(xs[0], w_r, k)
+        xp, _, counts = permute_by_expert(xs[0], ids, case["E"])
+        xr, regroup, _, (send, recv_splits) = torch_dispatch(xp, counts, world, pg)
+        add("torch_ep", "dispatch", gather(timer(lambda: torch_dispatch(xp, counts, world, pg)), pg), gb=nbytes)
+        add("torch_ep", "combine", gather(timer(lambda: all_to_all(
+            torch.zeros_like(xr).index_copy(0, regroup, xr), send, recv_splits, pg)), pg), gb=nbytes)
+
     # gmoe
     m, group, why = gmoe_ep_parts(case, world, dev, pg, w_r, w1, w2)
     whys = gather(why, pg)
@@ -448,9 +463,6 @@ def case_rows(case, args, dev, rank, world, pg, notes):
 
     # dispatch and combine alone, on the composition's permuted rows
     with torch.no_grad():
-        probs, ids = route(x, w_r, k)
-        xp, _, counts = permute_by_expert(x, ids, case["E"])
-        xr, _, _, _ = torch_dispatch(xp, counts, world, pg)
         plan = gmoe.ep_plan(group, counts.to(torch.int32))
         recv = gmoe.ep_dispatch(group, plan, xp).rows
         back = gmoe.ep_combine(group, plan, recv).rows
@@ -460,7 +472,7 @@ def case_rows(case, args, dev, rank, world, pg, notes):
         add("gmoe_ep", "dispatch", gather(timer(lambda: gmoe.ep_dispatch(group, plan, xp)), pg), correct=ok, gb=nbytes,
             note="dispatched rows bitwise the composition's; combine(dispatch(xp)) bitwise xp")
         add("gmoe_ep", "combine", gather(timer(lambda: gmoe.ep_combine(group, plan, recv)), pg), correct=ok, gb=nbytes)
-    del m, plan, recv, back
+    del m, plan, recv, back, xp, xr
     synchronize(dev)
     group.close()  # collective: every rank here
     return rows

@@ -408,8 +408,11 @@ class Report(unittest.TestCase):
                    gbps=300 * mib / 2.5e-3 / 1e9),
                 ep("ep_a/uniform", "gmoe_ep", "combine", 2.0, correct=False, bytes=300 * mib,
                    gbps=300 * mib / 2e-3 / 1e9),
+                ep("ep_a/uniform", "torch_ep", "dispatch", 5.0, bytes=300 * mib, gbps=300 * mib / 5e-3 / 1e9),
+                ep("ep_a/uniform", "torch_ep", "combine", 4.0, bytes=300 * mib, gbps=300 * mib / 4e-3 / 1e9),
                 ep("ep_b/skewed", "nccl_a2a", "all_to_all", 1.0, bytes=100 * mib, gbps=100 * mib / 1e-3 / 1e9),
                 ep("ep_b/skewed", "torch_ep", "forward", 3.0), ep("ep_b/skewed", "torch_ep", "forward_backward", 9.0),
+                ep("ep_b/skewed", "torch_ep", "dispatch", 2.0, bytes=100 * mib, gbps=100 * mib / 2e-3 / 1e9),
                 dict(ep("ep_b/skewed", "gmoe_ep", "forward", None), skipped="no EpGroup"),
                 dict(ep("ep_b/skewed", "gmoe_ep", "forward_backward", None), skipped="no EpGroup")]
         gemm = [gemm_row("a/uniform", "fprop", "gmoe", 800.0)]
@@ -421,10 +424,14 @@ class Report(unittest.TestCase):
         self.assertIn("| ep_a/uniform | 2 | 4.000 | 6.000 | 1.50x | 12.500 | 20.000 | 1.60x | 700.0 | 900.0 | yes |",
                       block)
         self.assertIn("| ep_b/skewed | 2 | - | 3.000 | - | - | 9.000 | - | - | - | - |", block)
-        # dispatch 2.5 ms of the bytes NCCL moves in 2 ms: 80%; combine 100%, checked and wrong: NO
-        self.assertIn("| ep_a/uniform | 300.0 | 2.000 | 157 | 2.500 | 126 | 80.0% | 2.000 | 157 | 100.0% | NO |", block)
-        self.assertIn("| ep_b/skewed | 100.0 | 1.000 | 105 | - | - | - | - | - | - | - |", block)
-        self.assertIn("| geomean |  |  |  |  |  | 80.0% |  |  | 100.0% |  |", block)
+        # dispatch 2.5 ms of the bytes NCCL moves in 2 ms: 80% (torch's 5 ms: 40%); combine 100%, checked and
+        # wrong: NO
+        self.assertIn("| ep_a/uniform | dispatch | 300.0 | 157 | 2.500 | 126 | 80.0% | 5.000 | 63 | 40.0% | yes |", block)
+        self.assertIn("| ep_a/uniform | combine | 300.0 | 157 | 2.000 | 157 | 100.0% | 4.000 | 79 | 50.0% | NO |", block)
+        self.assertIn("| ep_b/skewed | dispatch | 100.0 | 105 | - | - | - | 2.000 | 52 | 50.0% | - |", block)
+        self.assertNotIn("| ep_b/skewed | combine", block)
+        self.assertIn("| geomean dispatch |  |  |  |  |  | 80.0% |  |  |  |  |", block)
+        self.assertIn("| geomean combine |  |  |  |  |  | 100.0% |  |  |  |  |", block)
         self.assertIn("ep_b/skewed gmoe_ep: no EpGroup", md)
         # the ep rows stay out of the other tables
         self.assertNotIn("ep_a", md.split("## Expert parallelism")[0])

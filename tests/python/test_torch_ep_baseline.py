@@ -111,9 +111,10 @@ def test_the_script_runs_on_cpu_processes(tmp_path):
     for name in ("tiny/uniform", "tiny/skewed", "one_rank_gets_all/skewed"):
         a2a = rows[(name, "nccl_a2a", "all_to_all")]
         assert a2a["kind"] == "ep" and a2a["ms"] > 0 and a2a["gbps"] > 0 and len(a2a["rank_ms"]) == 2
-        for pass_name in ("forward", "forward_backward"):
+        for pass_name in ("forward", "forward_backward", "dispatch", "combine"):
             r = rows[(name, "torch_ep", pass_name)]
             assert r["ms"] > 0 and r["ms"] == max(r["rank_ms"]), r
+        assert rows[(name, "torch_ep", "dispatch")]["bytes"] == a2a["bytes"]  # the same bytes as nccl_a2a's
         for pass_name in ("forward", "forward_backward", "dispatch", "combine"):
             r = rows[(name, "gmoe_ep", pass_name)]
             assert r.get("skipped") or r["correct"] is True, r
