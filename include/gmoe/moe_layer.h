@@ -58,9 +58,11 @@
 // weight gradients (GroupedMLP::backward_dw) run on the compute stream while ep_combine of dxr is
 // in flight (Megatron's overlap_dispatch_backward_with_experts_wgrad). backward returns with all
 // of comm_stream's work joined into the compute stream (a capture of the compute stream captures
-// both), and every buffer either stream touched released in stream order. The caller's
-// comm_stream must be ordered after the forward's exchanges on the compute stream (it is, through
-// the first event wait) and must not carry other collectives of the same group meanwhile.
+// both), and every buffer either stream touched released in stream order. comm_stream needs no
+// ordering from the caller (its first wait orders it after everything enqueued on the compute
+// stream before the call, this layer's forward exchanges included), but the caller must not
+// enqueue other ops of the same group on it, or on the compute stream in during_dispatch, while
+// backward runs: the group's ops keep one order.
 #pragma once
 
 #include <cstdint>
@@ -89,6 +91,9 @@ struct MoELayerOptions {
   /// or a group of size 1: the single-GPU layer, bitwise. Its options must match the layer: E =
   /// the experts' count × size, hidden = H, dtype = x's, max_rows >= permuted_rows(T, k, E,
   /// permute) for every forward's T (xp, the source layout, has max_rows rows), device = x's.
+  /// Rows past a rank's receive capacity (EpGroupOptions::max_recv_rows, when set below size ·
+  /// max_rows) are dropped by the dispatch and recorded in the device error word: their tokens
+  /// get no expert output there.
   EpGroup* ep = nullptr;
 };
 

@@ -1,12 +1,15 @@
 // src/dist/ep.cpp — the expert-parallel ops (gmoe/expert_parallel.h): edge checks naming the
 // argument, output allocation, then the group's backend.
+#include <algorithm>
 #include <cstdint>
+#include <initializer_list>
 #include <limits>
 
 #include "common/checks.h"
 #include "dist/ep_backend.h"
 #include "gmoe/error.h"
 #include "gmoe/expert_parallel.h"
+#include "gmoe/grouped.h"
 
 namespace gmoe {
 
@@ -50,6 +53,11 @@ ep::GroupBackend& backend_of(EpGroup& g) {
   auto* b = dynamic_cast<ep::GroupBackend*>(&g);
   GMOE_CHECK(b != nullptr, "g: not a group made by make_ep_group_nccl or make_ep_group_local");
   return *b;
+}
+
+// Debug mode (set_debug_sync): a CUDA op ends with check_device_errors, as every CUDA op does.
+void debug_check(const EpGroup& g, Stream stream) {
+  if (g.device().is_cuda() && debug_sync_enabled()) check_device_errors(stream);
 }
 
 Allocator& output_allocator(Allocator* alloc, Device device) {
@@ -108,6 +116,7 @@ EpRows move(EpGroup& g, const EpPlan& plan, const TensorView& rows, const Tensor
   out.rows = Tensor::empty({out_cap, g.options().hidden}, g.options().dtype, a, stream);
   if (scalars.defined()) out.scalars = Tensor::empty({out_cap}, DType::f32, a, stream);
   b.move(dir, plan.counts_all, rows, scalars, out.rows, out.scalars, stream);
+  debug_check(g, stream);
   return out;
 }
 
@@ -121,6 +130,7 @@ EpPlan ep_plan(EpGroup& g, const TensorView& counts, Allocator* alloc, Stream st
   plan.counts_all = Tensor::empty({g.size(), g.options().num_experts}, DType::i32, a, stream);
   plan.local_counts = Tensor::empty({g.local_experts()}, DType::i32, a, stream);
   b.plan(counts, plan.counts_all, plan.local_counts, stream);
+  debug_check(g, stream);
   return plan;
 }
 

@@ -13,8 +13,6 @@
 // checkpoints saved under one EP size and loaded under another, and the argument errors.
 #include <gtest/gtest.h>
 
-#include <stdlib.h>
-
 #include <cstring>
 #include <exception>
 #include <functional>
@@ -26,11 +24,13 @@
 
 #include "common/expect_error.h"
 #include "common/harness.h"
+#include "checkpoint/ckpt_test_util.h"  // TempDir
 #include "common/offload_fixture.h"
 #include "gmoe/checkpoint.h"
 #include "gmoe/expert_parallel.h"
 #include "gmoe/grouped_mlp.h"
 #include "gmoe/moe_layer.h"
+#include "gmoe/offload.h"
 
 namespace gmoe::test {
 namespace {
@@ -184,6 +184,7 @@ struct Result {
   std::vector<float> out, dx, dlogits, aux, z, dw1, dw2, db1, db2;
   std::vector<int32_t> counts;  // the router's, over all E experts
   int during_dispatch = 0;      // how often MoEBackwardOverlap::during_dispatch was called
+  size_t offloaded = 0;         // bytes the context's offloads released
 };
 
 struct RunOptions {
@@ -193,7 +194,20 @@ struct RunOptions {
   bool recompute = false, keep_input = false;
   bool delay_fc1 = false, delay_fc2 = false;  // the experts' delayed weight gradients
   bool overlap = false;                       // MoEBackwardOverlap with a comm stream and the wgrad inside
+  bool offload = false;  // the context offloaded, released and reloaded before backward (and backward_dw)
 };
+
+// The case's options, with the losses' coefficients.
+RunOptions run_options(const EpCase& c, float aux = 0, float z = 0) {
+  RunOptions ro;
+  ro.router = c.router;
+  ro.permute = c.permute;
+  ro.recompute = c.recompute;
+  ro.keep_input = c.keep_input;
+  ro.aux = aux;
+  ro.z = z;
+  return ro;
+}
 
 // A stream handle the CPU backend ignores (it runs every op at once), distinct from the compute
 // stream so that the layer takes its two-stream path with its events.
@@ -225,6 +239,20 @@ Result run_layer(const Problem& p, const HostTensor& w1, const HostTensor& w2, i
   MoELayerContext ctx;
   MoEForward f = layer.forward(Problem::rows_of(p.x, t0, T), Problem::rows_of(p.logits, t0, T), ctx);
   Result r;
+  r.out = values(f.out);
+  r.counts.assign(static_cast<const int32_t*>(f.counts.view().data),
+                  static_cast<const int32_t*>(f.counts.view().data) + f.counts.view().numel());
+  Offloader off(Device::cpu(), nullptr, &alloc);
+  auto round_trip = [&] {  // what the context saved goes to the host and back
+    if (!ro.offload) return;
+    const size_t saved = ctx.offloadable_bytes(), before = alloc.in_use();
+    ctx.offload(off, nullptr);
+    ctx.release(nullptr);
+    r.offloaded += before - alloc.in_use();
+    EXPECT_EQ(before - alloc.in_use(), saved);
+    ctx.reload(nullptr);
+  };
+  round_trip();
   MoEBackwardOverlap overlap;
   if (ro.overlap) {
     overlap.comm_stream = cpu_comm_stream();
@@ -233,11 +261,11 @@ Result run_layer(const Problem& p, const HostTensor& w1, const HostTensor& w2, i
   overlap.during_dispatch = [&] { ++r.during_dispatch; };
   MoEBackward b = layer.backward(ctx, Problem::rows_of(p.dout, t0, T), nullptr, {}, {}, overlap);
   if ((ro.delay_fc1 || ro.delay_fc2) && !ro.overlap) {
+    round_trip();
     GroupedMLPGrads dw = experts.backward_dw(ctx.experts());
     if (ro.delay_fc1) b.grads.fc1 = std::move(dw.fc1);
     if (ro.delay_fc2) b.grads.fc2 = std::move(dw.fc2);
   }
-  r.out = values(f.out);
   r.dx = values(b.dx);
   r.dlogits = values(b.dlogits);
   r.aux = values(f.aux_loss);
@@ -246,8 +274,6 @@ Result run_layer(const Problem& p, const HostTensor& w1, const HostTensor& w2, i
   r.dw2 = expert_values(b.grads.fc2.weight.stacked);
   r.db1 = expert_values(b.grads.fc1.bias.grouped);
   r.db2 = expert_values(b.grads.fc2.bias.grouped);
-  const int32_t* c = static_cast<const int32_t*>(f.counts.view().data);
-  r.counts.assign(c, c + f.counts.view().numel());
   return r;
 }
 
@@ -345,11 +371,7 @@ TEST_P(MoELayerEpCpu, MatchesSingleGpuLayerOnGlobalBatch) {
   const EpCase& c = GetParam();
   Rng rng;
   const Problem p(c, rng);
-  RunOptions ro;
-  ro.router = c.router;
-  ro.permute = c.permute;
-  ro.recompute = c.recompute;
-  ro.keep_input = c.keep_input;
+  const RunOptions ro = run_options(c);
   const Result ref = run_single(p, p.w1, p.w2, ro);
   const std::vector<Result> ranks = run_ep(p, p.w1, p.w2, ro);
   expect_ranks_match(p, ranks, ref);
@@ -375,11 +397,7 @@ TEST(MoELayerEpCpuSemantics, GroupOfOneIsTheSingleGpuLayer) {
   Rng rng;
   const EpCase c{"one", 1, {13}, 4, 8, 4, softmax_topk(2), padded(4)};
   const Problem p(c, rng);
-  RunOptions ro;
-  ro.router = c.router;
-  ro.permute = c.permute;
-  ro.aux = 0.01f;
-  ro.z = 0.001f;
+  const RunOptions ro = run_options(c, 0.01f, 0.001f);
   const Result ref = run_single(p, p.w1, p.w2, ro);
   const std::vector<Result> one = run_ep(p, p.w1, p.w2, ro);
   expect_ranks_match(p, one, ref);
@@ -395,11 +413,7 @@ TEST(MoELayerEpCpuSemantics, LossesAndCapacityAreTheRanksTokens) {
   capacity.capacity_factor = 0.75;
   const EpCase c{"per_rank", 2, {12, 16}, 2, 8, 4, softmax_topk(2), capacity};
   const Problem p(c, rng);
-  RunOptions ro;
-  ro.router = c.router;
-  ro.permute = c.permute;
-  ro.aux = 0.01f;
-  ro.z = 0.001f;
+  const RunOptions ro = run_options(c, 0.01f, 0.001f);
   const std::vector<Result> ranks = run_ep(p, p.w1, p.w2, ro);
   for (int r = 0; r < c.R; ++r) {
     SCOPED_TRACE("rank " + std::to_string(r));
@@ -429,9 +443,7 @@ TEST(MoELayerEpCpuOverlap, WgradDuringCombineEqualsSequential) {
     const Problem p(c, rng);
     for (int delayed = 1; delayed <= 3; ++delayed) {  // fc1, fc2, both
       SCOPED_TRACE("delayed " + std::string(delayed == 1 ? "fc1" : delayed == 2 ? "fc2" : "fc1+fc2"));
-      RunOptions ro;
-      ro.router = c.router;
-      ro.permute = c.permute;
+      RunOptions ro = run_options(c);
       ro.delay_fc1 = delayed & 1;
       ro.delay_fc2 = delayed & 2;
       const std::vector<Result> sequential = run_ep(p, p.w1, p.w2, ro);
@@ -459,6 +471,34 @@ TEST(MoELayerEpCpuOverlap, WgradDuringCombineEqualsSequential) {
   }
 }
 
+// The EP context offloads what it keeps (the plan, the received probabilities, the experts' saved
+// tensors) and reloads it: the same bits, the experts' references re-pointed.
+TEST(MoELayerEpCpuOffload, ContextRoundTripIsBitwise) {
+  Rng rng;
+  for (const EpCase& c : {EpCase{"ep2_padded_delayed", 2, {9, 7}, 2, 8, 4, softmax_topk(2), padded(4)},
+                          EpCase{"ep4_gpt_oss_keep_input", 4, {5, 0, 6, 4}, 2, 8, 4, softmax_topk(2), PermuteOptions{},
+                                 Skew::none, true, false, true}}) {
+    SCOPED_TRACE(c.name);
+    const Problem p(c, rng);
+    RunOptions ro = run_options(c);
+    ro.delay_fc1 = ro.delay_fc2 = c.name == "ep2_padded_delayed";
+    const std::vector<Result> resident = run_ep(p, p.w1, p.w2, ro);
+    ro.offload = true;
+    const std::vector<Result> offloaded = run_ep(p, p.w1, p.w2, ro);
+    for (int r = 0; r < c.R; ++r) {
+      SCOPED_TRACE("rank " + std::to_string(r));
+      EXPECT_GT(offloaded[r].offloaded, 0u);
+      const Result &a = offloaded[r], &b = resident[r];
+      EXPECT_TRUE(bitwise(a.dx, b.dx, 0, "dx"));
+      EXPECT_TRUE(bitwise(a.dlogits, b.dlogits, 0, "dlogits"));
+      EXPECT_TRUE(bitwise(a.dw1, b.dw1, 0, "dW1"));
+      EXPECT_TRUE(bitwise(a.dw2, b.dw2, 0, "dW2"));
+      EXPECT_TRUE(bitwise(a.db1, b.db1, 0, "db1"));
+      EXPECT_TRUE(bitwise(a.db2, b.db2, 0, "db2"));
+    }
+  }
+}
+
 TEST(MoELayerEpCpuOverlap, WgradDuringCombineNeedsDelayedExperts) {
   Rng rng;
   const EpCase c{"ep1", 1, {5}, 4, 8, 4, softmax_topk(2), {}};
@@ -478,19 +518,6 @@ TEST(MoELayerEpCpuOverlap, WgradDuringCombineNeedsDelayedExperts) {
 // Checkpoints across EP sizes (the EP-slice code of gmoe/checkpoint.h): each rank of EP = 2 saves
 // its experts' shards, EP = 1 loads them all, and the reverse; the layer's output after loading is
 // the original's, bit for bit.
-struct TempDir {
-  std::string path;
-  TempDir() {
-    const char* base = std::getenv("TMPDIR");
-    std::string tmpl = std::string(base ? base : "/tmp") + "/gmoe_ep_ckpt_XXXXXX";
-    std::vector<char> buf(tmpl.begin(), tmpl.end());
-    buf.push_back('\0');
-    if (mkdtemp(buf.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
-    path = buf.data();
-  }
-  ~TempDir() { std::system(("rm -rf '" + path + "'").c_str()); }
-};
-
 const ExpertParamKey kFc1{"layer.experts.fc1.weight", ""};
 const ExpertParamKey kFc2{"layer.experts.fc2.weight", ""};
 
@@ -524,12 +551,10 @@ TEST(MoELayerEpCpuCheckpoint, SaveUnderOneEpSizeLoadUnderAnother) {
   const EpCase c{"ckpt", 2, {9, 8}, 3, 8, 4, softmax_topk(2), padded(2)};
   const Problem p(c, rng);
   const int64_t El = c.El;
-  RunOptions ro;
-  ro.router = c.router;
-  ro.permute = c.permute;
+  const RunOptions ro = run_options(c);
   {
     SCOPED_TRACE("saved with EP = 2, loaded with EP = 1");
-    TempDir dir;
+    gmoe_test::TempDir dir;
     const std::vector<Result> original = run_ep(p, p.w1, p.w2, ro);
     for (int r = 0; r < c.R; ++r) save_slice(dir.path, p.w1, p.w2, r * El, El, p.E);
     HostTensor w1(DType::f32, p.w1.shape()), w2(DType::f32, p.w2.shape());
@@ -545,7 +570,7 @@ TEST(MoELayerEpCpuCheckpoint, SaveUnderOneEpSizeLoadUnderAnother) {
   }
   {
     SCOPED_TRACE("saved with EP = 1, loaded with EP = 2");
-    TempDir dir;
+    gmoe_test::TempDir dir;
     const Result original = run_single(p, p.w1, p.w2, ro);
     save_slice(dir.path, p.w1, p.w2, 0, p.E, p.E);
     HostTensor w1(DType::f32, p.w1.shape()), w2(DType::f32, p.w2.shape());
@@ -566,8 +591,7 @@ TEST(MoELayerEpCpuErrors, Arguments) {
   Rng rng;
   const EpCase c{"errors", 2, {3, 3}, 2, 8, 4, softmax_topk(2), {}};
   const Problem p(c, rng);
-  RunOptions ro;
-  ro.router = c.router;
+  const RunOptions ro = run_options(c);
   GroupedMLP experts = make_experts(p, p.w1, p.w2, 0, c.El, {});
   const EpGroupOptions good = group_options(p, ro);
   auto layer_options = [&](EpGroup* g) {
