@@ -45,7 +45,8 @@ Rows (kind "ep"; ms: the largest over the ranks of each rank's median):
             When the package or its EP support is absent, the rows say so ("skipped").
 FLOPs (tflops): the expert GEMMs of a rank's T·k rows (forward 2·T·k·H·2F + 2·T·k·F·H,
 forward_backward 3×); peak_mib: the largest over the ranks of one forward + backward's peak memory
-beyond what was allocated before it.
+beyond what was allocated before it (gmoe_ep: the EP group's symmetric window, made with the group,
+is not in it; it is recv_capacity·H·2 bytes, which the group holds from construction).
 
 Method (docs/benchmarks.md): warm-up, then --warm-ms of untimed back-to-back work (the same number
 of runs on every rank: collectives must pair), then the median of --iters CUDA-event timings per
@@ -568,7 +569,9 @@ def main():
     ap.add_argument("--warm-ms", type=float, default=500.0,
                     help="CUDA: ms of back-to-back untimed work before each timing")
     ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--timeout", type=float, default=600.0, help="seconds a collective may wait for the other ranks")
+    ap.add_argument("--timeout", type=float, default=180.0,
+                    help="seconds a torch.distributed collective may wait for the other ranks (a rank that failed "
+                         "alone makes the others time out instead of hang)")
     ap.add_argument("--dry-run", action="store_true", help="print the cases, then exit")
     args = ap.parse_args()
     if args.iters < 1 or args.warmup < 0:
