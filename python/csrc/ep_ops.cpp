@@ -32,7 +32,9 @@ namespace gmoe_torch {
 namespace {
 
 std::mutex groups_mutex;
-std::unordered_map<int64_t, std::unique_ptr<gmoe::EpGroup>> groups;
+// Never destroyed: a group still open at exit is left to the process's end, not destroyed by a static
+// destructor (on NCCL that is collective, and the other ranks may be gone, or CUDA torn down, by then).
+auto& groups = *new std::unordered_map<int64_t, std::unique_ptr<gmoe::EpGroup>>();
 int64_t next_handle = 1;
 
 int64_t keep(std::unique_ptr<gmoe::EpGroup> g) {
