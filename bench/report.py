@@ -520,6 +520,69 @@ def module_tables(rows):
     return (times if len(times) > 2 else []), (ops if overhead else [])
 
 
+def is_ep(r):
+    return r.get("kind") == "ep"
+
+
+def ep_tables(rows):
+    """bench/torch_ep_baseline.py's rows (kind "ep", one run on the GPUs of one host): per case the
+    EP MoE layer, gmoe_ep (gmoe.MoELayer with an EP group) against torch_ep (the PyTorch composition
+    with all_to_all_single and host split sizes), forward and forward + backward in ms and torch_ep's
+    time over gmoe_ep's (issue 43's target: >= 1.3x forward + backward), with the peak memory of each;
+    then per case and op the dispatch and combine alone, gmoe_ep's and the composition's exchanges,
+    against NCCL's all-to-all of the same bytes (target: gmoe_ep >= 80%). Returns (layer table,
+    communication table), each [] when empty."""
+    cells = {}
+    for r in rows:
+        if is_ep(r):
+            cells.setdefault(r["case"], {})[(r["impl"], r["pass"])] = r
+
+    def get(c, impl, p, key="ms"):
+        r = c.get((impl, p))
+        return None if r is None or r.get("skipped") else r.get(key)
+
+    def checked(c, keys):
+        v = [c[k].get("correct") for k in keys if k in c and c[k].get("correct") is not None]
+        return "-" if not v else ("yes" if all(v) else "NO")
+
+    layer = [["case", "EP", "gmoe_ep fwd ms", "torch_ep fwd ms", "torch_ep/gmoe_ep fwd", "gmoe_ep fwd+bwd ms",
+              "torch_ep fwd+bwd ms", "torch_ep/gmoe_ep fwd+bwd", "peak MiB gmoe_ep", "peak MiB torch_ep", "correct"]]
+    comm = [["case", "op", "MiB/rank", "nccl_a2a GB/s", "gmoe_ep ms", "gmoe_ep GB/s", "gmoe_ep/nccl", "torch_ep ms",
+             "torch_ep GB/s", "torch_ep/nccl", "correct"]]
+    logs = {"fwd": [], "fb": [], "dispatch": [], "combine": []}
+    for case, c in cells.items():
+        ep = next((r.get("ep_size") for r in c.values() if r.get("ep_size")), None)
+        fwd = ratio_of(get(c, "torch_ep", "forward"), get(c, "gmoe_ep", "forward"))
+        fb = ratio_of(get(c, "torch_ep", "forward_backward"), get(c, "gmoe_ep", "forward_backward"))
+        if any(get(c, i, p) is not None for i in ("torch_ep", "gmoe_ep") for p in ("forward", "forward_backward")):
+            layer.append([case, fmt(ep, 0), fmt(get(c, "gmoe_ep", "forward"), 3), fmt(get(c, "torch_ep", "forward"), 3),
+                          fmt(fwd, 2, "x"), fmt(get(c, "gmoe_ep", "forward_backward"), 3),
+                          fmt(get(c, "torch_ep", "forward_backward"), 3), fmt(fb, 2, "x"),
+                          fmt(get(c, "gmoe_ep", "forward_backward", "peak_mib"), 1),
+                          fmt(get(c, "torch_ep", "forward_backward", "peak_mib"), 1),
+                          checked(c, [("gmoe_ep", "forward"), ("gmoe_ep", "forward_backward")])])
+        nccl = get(c, "nccl_a2a", "all_to_all", "gbps")
+        shares = {op: ratio_of(get(c, "gmoe_ep", op, "gbps"), nccl) for op in ("dispatch", "combine")}
+        for key, v in (("fwd", fwd), ("fb", fb), *shares.items()):
+            if v:
+                logs[key].append(math.log(v))
+        nbytes = next((r.get("bytes") for r in c.values() if r.get("bytes")), None)
+        for op in ("dispatch", "combine"):
+            if get(c, "gmoe_ep", op) is None and get(c, "torch_ep", op) is None:
+                continue
+            theirs = ratio_of(get(c, "torch_ep", op, "gbps"), nccl)
+            comm.append([case, op, fmt(None if nbytes is None else nbytes / 2 ** 20, 1), fmt(nccl, 0),
+                         fmt(get(c, "gmoe_ep", op), 3), fmt(get(c, "gmoe_ep", op, "gbps"), 0),
+                         fmt(None if shares[op] is None else 100 * shares[op], 1, "%"), fmt(get(c, "torch_ep", op), 3),
+                         fmt(get(c, "torch_ep", op, "gbps"), 0), fmt(None if theirs is None else 100 * theirs, 1, "%"),
+                         checked(c, [("gmoe_ep", op)])])
+    pct = lambda v: f"{100 * math.exp(sum(v) / len(v)):.1f}%" if v else "-"  # noqa: E731
+    layer.append(["geomean", "", "", "", geomean_cell(logs["fwd"]), "", "", geomean_cell(logs["fb"]), "", "", ""])
+    comm.append(["geomean dispatch", "", "", "", "", "", pct(logs["dispatch"]), "", "", "", ""])
+    comm.append(["geomean combine", "", "", "", "", "", pct(logs["combine"]), "", "", "", ""])
+    return (layer if len(layer) > 2 else []), (comm if len(comm) > 3 else [])
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("inputs", nargs="+")
@@ -553,7 +616,8 @@ def main():
         raise SystemExit("report: no readable input")
     json.dump(merged, open(args.out, "w"), indent=1)
     # The moe cases', offload and module rows have tables of their own.
-    rows = [r for r in merged["rows"] if not (is_moe(r) or is_offload(r) or is_module(r) or is_train(r))]
+    rows = [r for r in merged["rows"] if not (is_moe(r) or is_offload(r) or is_module(r) or is_train(r)
+                                            or is_ep(r))]
     tables = sections(rows)
     layer = layer_table(rows)
     fp8_layer = fp8_layer_table(rows)
@@ -569,6 +633,7 @@ def main():
     offload_step, offload_copy = offload_tables(merged["rows"])
     module_times, module_ops = module_tables(merged["rows"])
     train, findings = train_table(merged["rows"]), train_findings(merged["rows"])
+    ep_layer, ep_comm = ep_tables(merged["rows"])
     notes = merged.get("notes") or []
     for title, lines in tables:
         print(f"\n{title}:")
@@ -614,6 +679,12 @@ def main():
         print_table(train)
         for line in findings:
             print(line)
+    if ep_layer:
+        print("\nExpert parallelism: the EP MoE layer, gmoe_ep against the torch all_to_all_single composition (ms):")
+        print_table(ep_layer)
+    if ep_comm:
+        print("\nExpert parallelism: dispatch and combine alone against NCCL's all-to-all of the same bytes:")
+        print_table(ep_comm)
     for n in notes:
         print(f"note: {n}")
     skipped = skipped_lines(merged["rows"])
@@ -711,6 +782,24 @@ def main():
                 write_markdown_table(f, train)
                 if findings:
                     f.write("\n" + "\n".join(f"- {line}" for line in findings) + "\n")
+            if ep_layer or ep_comm:
+                f.write("\n## Expert parallelism\n\nbench/torch_ep_baseline.py, one process per GPU of one host "
+                        "(NVLink multicast off): the EP MoE layer (router top-k, dispatch, expert SwiGLU MLP, combine; "
+                        "tokens per rank) through gmoe.MoELayer with an EP group (gmoe_ep) against the PyTorch "
+                        "composition with all_to_all_single and split sizes read on the host (torch_ep, Megatron's "
+                        "alltoall dispatcher without DeepEP, eager), in ms (the slowest rank's median); "
+                        "torch_ep/gmoe_ep is the speed-up (issue 43's target: >= 1.3x forward + backward); peak "
+                        "memory of one forward + backward beyond inputs and weights; correct: gmoe_ep's out and dx "
+                        "against the composition's.\n\n")
+                if ep_layer:
+                    write_markdown_table(f, ep_layer, labels=1)
+            if ep_comm:
+                f.write("\nDispatch and combine alone (gmoe.ep_dispatch / ep_combine of a rank's T·k rows; torch_ep: "
+                        "the composition's exchanges with the host sync and the regrouping) against NCCL's "
+                        "all_to_all_single with equal splits of the same bytes per rank, measured in the same run; "
+                        "GB/s: bytes a rank sends / time (target: gmoe_ep >= 80%). correct: the dispatched rows "
+                        "bitwise the composition's, and combine(dispatch(x)) bitwise x.\n\n")
+                write_markdown_table(f, ep_comm, labels=2)
             for n in notes:
                 f.write(f"\nNote: {n}\n")
             if skipped:

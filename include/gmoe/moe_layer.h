@@ -24,9 +24,49 @@
 // counts on the host; forward and backward never synchronise and can be captured in a CUDA graph
 // and replayed under any routing. Shared experts (a dense MLP beside the routed ones) are the
 // caller's too: their output is added to `out`.
+//
+// Expert parallelism (options.ep, a group of R > 1 ranks; gmoe/expert_parallel.h): every rank runs
+// its own layer on its own tokens, and its GroupedMLP holds only its El = E / R experts, global
+// experts [rank·El, (rank+1)·El). The router, the permutation and the combine work on the rank's
+// tokens over all E experts; the experts' rows travel between them:
+//   forward   xp, counts_p, map, pp = permute(x, ids, probs)    the source layout, over E experts
+//             plan   = ep_plan(counts_p)                        (all ranks' counts, on the device)
+//             xr, pr = ep_dispatch(plan, xp, pp)                 the receive layout, by local expert
+//             yr     = experts.forward(xr, plan.local_counts, pr)
+//             yp     = ep_combine(plan, yr)                      back to the source layout
+//             out    = combine(yp, map)                         as above
+//   backward  dyp = combine_backward(dout);  dyr = ep_dispatch(plan, dyp)
+//             dxr, dpr = experts.backward(dyr);  dxp, dpp = ep_combine(plan, dxr, dpr)
+//             dx, dprobs = permute_backward(dxp, dpp);  dlogits as above
+// (the weighted combine likewise, without the probabilities in the exchanges). Every step is
+// collective: all ranks of the group call forward, and backward, in the same order. A rank's
+// outputs are those of the single-GPU layer holding all E experts run on the rank's tokens alone,
+// and the experts' weight gradients are those of its slice of that layer run on all ranks' tokens.
+// Hence what is per rank: a per-expert capacity (PermuteOptions::capacity_factor) is computed from
+// and applied to the rank's tokens, and the load-balancing and z losses are those of the rank's
+// tokens (counts, T and the mean over tokens all local, as Megatron computes them per micro-batch:
+// the data-parallel reduction of the gradients averages them). They are not the losses of the
+// concatenated global batch (whose aux loss is a product of global sums, not a mean of ranks').
+//
+// Streams in backward (MoEBackwardOverlap): by default every step runs on the call's stream. With
+// an EP group and overlap.comm_stream, the two exchanges of backward run on comm_stream instead,
+// ordered against the call's (compute) stream with events: comm_stream waits for dyp, the compute
+// stream waits for dyr before the experts; comm_stream waits for the experts' dxr, the compute
+// stream for dxp before permute_backward. Work the caller enqueues on the compute stream in
+// overlap.during_dispatch (the previous layer's delayed weight gradients, say) runs while the
+// dispatch of dyp is in flight; with overlap.experts_wgrad_during_combine the experts' delayed
+// weight gradients (GroupedMLP::backward_dw) run on the compute stream while ep_combine of dxr is
+// in flight (Megatron's overlap_dispatch_backward_with_experts_wgrad). backward returns with all
+// of comm_stream's work joined into the compute stream (a capture of the compute stream captures
+// both), and every buffer either stream touched released in stream order. comm_stream needs no
+// ordering from the caller (its first wait orders it after everything enqueued on the compute
+// stream before the call, this layer's forward exchanges included), but the caller must not
+// enqueue other ops of the same group on it, or on the compute stream in during_dispatch, while
+// backward runs: the group's ops keep one order.
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 
 #include "gmoe/allocator.h"
@@ -37,6 +77,8 @@
 
 namespace gmoe {
 
+class EpGroup;
+
 /// Options of a MoELayer.
 struct MoELayerOptions {
   RouterOptions router;            ///< the top-k rule
@@ -45,6 +87,31 @@ struct MoELayerOptions {
   float aux_loss_coeff = 0.0f;     ///< the load-balancing loss's coefficient; 0: not computed
   float z_loss_coeff = 0.0f;       ///< the z-loss's coefficient; 0: not computed
   Allocator* allocator = nullptr;  ///< outputs, saved tensors and scratch; nullptr: the device's default
+  /// The expert-parallel group (kept by reference; see the top of this file), or nullptr. nullptr
+  /// or a group of size 1: the single-GPU layer, bitwise. Its options must match the layer: E =
+  /// the experts' count × size, hidden = H, dtype = x's, max_rows >= permuted_rows(T, k, E,
+  /// permute) for every forward's T (xp, the source layout, has max_rows rows), device = x's.
+  /// Rows past a rank's receive capacity (EpGroupOptions::max_recv_rows, when set below size ·
+  /// max_rows) are dropped by the dispatch and recorded in the device error word: their tokens
+  /// get no expert output there.
+  EpGroup* ep = nullptr;
+};
+
+/// How MoELayer::backward overlaps its exchanges with compute (see the top of this file for the
+/// stream contract). The defaults run everything in order on the call's stream.
+struct MoEBackwardOverlap {
+  /// With an EP group of size > 1: the stream of backward's two exchanges (ep_dispatch of dyp,
+  /// ep_combine of dxr); nullptr: the call's stream. Ignored without EP.
+  Stream comm_stream = nullptr;
+  /// Runs the experts' delayed weight gradients (GroupedMLP::backward_dw: the experts' options
+  /// must delay fc1's or fc2's) on the call's stream while ep_combine of dxr is in flight, and
+  /// returns them in MoEBackward::grads; the caller does not call backward_dw for this forward.
+  /// Without EP they run right after the experts' backward.
+  bool experts_wgrad_during_combine = false;
+  /// Called on the host once the dispatch of dyp is enqueued on comm_stream and before the call's
+  /// stream waits for it: work the caller enqueues on the call's stream here overlaps the dispatch.
+  /// It must enqueue no op of this EP group. Called without EP too (at the same point).
+  std::function<void()> during_dispatch;
 };
 
 /// Result of MoELayer::forward.
@@ -52,24 +119,29 @@ struct MoEForward {
   Tensor out;       ///< [T, H], x's dtype
   Tensor ids;       ///< i32 [T, k]: the experts of each token (a view of what the context keeps)
   Tensor probs;     ///< f32 [T, k]: their probabilities (a view of what the context keeps)
-  Tensor counts;    ///< i32 [E]: tokens routed to each expert before any capacity drop (a view, likewise)
-  Tensor aux_loss;  ///< f32 [1] when aux_loss_coeff != 0, else absent
-  Tensor z_loss;    ///< f32 [1] when z_loss_coeff != 0, else absent
+  Tensor counts;    ///< i32 [E]: tokens routed to each expert before any capacity drop (a view, likewise;
+                    ///< with EP this rank's tokens over all E experts)
+  Tensor aux_loss;  ///< f32 [1] when aux_loss_coeff != 0, else absent (with EP: this rank's tokens')
+  Tensor z_loss;    ///< f32 [1] when z_loss_coeff != 0, else absent (with EP: this rank's tokens')
 };
 
 /// Result of MoELayer::backward.
 struct MoEBackward {
   Tensor dx;              ///< [T, H], x's dtype: through the experts only (the gate's path is the caller's)
   Tensor dlogits;         ///< f32 [T, E]: through the probabilities and the losses
-  GroupedMLPGrads grads;  ///< the experts' weight and bias gradients (see GroupedMLP::backward)
+  GroupedMLPGrads grads;  ///< the experts' weight and bias gradients (see GroupedMLP::backward; with EP
+                          ///< this rank's experts', from every rank's tokens routed to them)
 };
 
 /// What forward keeps for backward. One per forward in flight. Offloadable (gmoe/offload.h): the
 /// router's ids, probs and counts, the permuted input and counts, the permutation map, the
 /// experts' context, and either the per-row probabilities (probs_in_experts: the experts keep
 /// them by reference) or the experts' output (the weighted combine's dprobs reads it); after
-/// backward the experts' output gradient, which a delayed FC2 weight gradient reads. Never x or
-/// logits (the caller's).
+/// backward the experts' output gradient, which a delayed FC2 weight gradient reads. With EP also
+/// the exchange's plan (backward's exchanges reuse it; the experts keep its local counts by
+/// reference), and in the receive layout the per-row probabilities and, where the experts keep
+/// their input by reference (fc1.save_original_input), their input; not the source-layout rows,
+/// which the exchange has sent. Never x or logits (the caller's).
 class MoELayerContext : public Offloadable {
  public:
   MoELayerContext();
@@ -94,24 +166,33 @@ class MoELayerContext : public Offloadable {
 class MoELayer {
  public:
   /// Throws gmoe::Error naming the option on a top_k, group or padding setting that the experts'
-  /// count does not allow.
+  /// count does not allow, and on an EP group whose options do not match (options.ep).
   MoELayer(GroupedMLP& experts, MoELayerOptions options = {});
 
+  /// The options the layer was built with.
   const MoELayerOptions& options() const { return options_; }
+  /// The experts this layer (this rank, with EP) holds.
   GroupedMLP& experts() const { return *experts_; }
+  /// E, the experts the router chooses among: the experts' count, times the EP group's size.
+  int64_t num_experts() const;
+  /// True with an EP group of size > 1 (the exchanges run); false for the single-GPU path.
+  bool expert_parallel() const;
   /// True when the router probabilities are applied inside the experts' activation and the
   /// combine has weights 1 (the experts' FC2 has no bias; see the top of this file), false when
   /// the combine weights the experts' output.
   bool probs_in_experts() const { return !experts_->fc2().bias().defined(); }
 
-  /// x: [T, H] of the experts' dtype; logits: [T, E] f32/bf16/f16 on x's device. x, logits (and
-  /// the options' score_bias) are kept by reference until backward: keep them alive and unchanged.
+  /// x: [T, H] of the experts' dtype; logits: [T, E] f32/bf16/f16 on x's device (E =
+  /// num_experts(), all experts of the EP group). x, logits (and the options' score_bias) are kept
+  /// by reference until backward: keep them alive and unchanged. With EP: collective.
   MoEForward forward(const TensorView& x, const TensorView& logits, MoELayerContext& ctx, Stream stream = nullptr);
 
   /// dout: [T, H] of x's dtype. d_aux_loss, d_z_loss: absent (1) or f32 [1] on the device, the
-  /// upstream gradients of the losses forward returned.
+  /// upstream gradients of the losses forward returned. overlap: see MoEBackwardOverlap. With EP:
+  /// collective.
   MoEBackward backward(MoELayerContext& ctx, const TensorView& dout, Stream stream = nullptr,
-                       const TensorView& d_aux_loss = {}, const TensorView& d_z_loss = {});
+                       const TensorView& d_aux_loss = {}, const TensorView& d_z_loss = {},
+                       const MoEBackwardOverlap& overlap = {});
 
  private:
   Allocator& allocator(Device device) const;

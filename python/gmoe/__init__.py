@@ -4,8 +4,10 @@ Importing the package loads the compiled extension, which registers gmoe's ops i
 dispatcher under ``torch.ops.gmoe`` (CPU tensors run gmoe's CPU reference backend, CUDA tensors its
 CUDA backend on the current stream), their fake kernels (``torch.compile``) and their autograd
 formulas. The typed Python entry points are in :mod:`gmoe.ops` (expert GEMMs, activations),
-:mod:`gmoe.fp8` and :mod:`gmoe.routing` (router top-k, aux and z losses, permute, combine); the
-modules are :class:`GroupedLinear`, :class:`GroupedMLP` and :class:`MoELayer` (the whole block).
+:mod:`gmoe.fp8`, :mod:`gmoe.routing` (router top-k, aux and z losses, permute, combine) and
+:mod:`gmoe.expert_parallel` (:class:`EpGroup`, dispatch and combine across ranks); the modules are
+:class:`GroupedLinear`, :class:`GroupedMLP` and :class:`MoELayer` (the whole block, optionally
+expert-parallel).
 
 Per-expert token counts (``m_splits``) stay on the tensors' device: nothing here reads them on the
 host, so a training step with CUDA tensors never synchronises and can be captured in a CUDA graph
@@ -63,6 +65,15 @@ from .routing import (  # noqa: E402
     router_z_loss,
     unpermute,
 )
+from .expert_parallel import (  # noqa: E402
+    EpGroup,
+    EpPlan,
+    EpRows,
+    ep_combine,
+    ep_dispatch,
+    ep_plan,
+    merge_ep_state_dicts,
+)
 from .moe_layer import MoELayer  # noqa: E402
 from .offload import OffloadStats, offload_activations  # noqa: E402
 
@@ -83,6 +94,13 @@ __all__ = [
     "GroupedLinear",
     "GroupedMLP",
     "MoELayer",
+    "EpGroup",
+    "EpPlan",
+    "EpRows",
+    "ep_combine",
+    "ep_dispatch",
+    "ep_plan",
+    "merge_ep_state_dicts",
     "OffloadStats",
     "offload_activations",
     "SCORE_FUNCS",

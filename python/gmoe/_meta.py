@@ -252,3 +252,33 @@ def _combine(expert_out, row_of, src_token, probs=None):
 def _combine_backward(dout, row_of, src_token, probs=None, expert_out=None, need_dprobs=False):
     dprobs = dout.new_empty(row_of.shape if need_dprobs else (0,), dtype=torch.float32)
     return dout.new_empty((src_token.shape[0], dout.shape[1])), dprobs
+
+
+# ---- expert parallelism: the shapes come from the group (a host-side handle) ---------------------
+
+def _ep_info(group: int):
+    """(max_rows, recv_capacity, local_experts, size, num_experts) of an expert-parallel group."""
+    info = torch.ops.gmoe.ep_group_info(group)
+    return info[7], info[8], info[9], info[1], info[4]
+
+
+@torch.library.register_fake(_lib + "ep_plan")
+def _ep_plan(group: int, counts: Tensor):
+    _, _, local_experts, size, num_experts = _ep_info(group)
+    return (counts.new_empty((size, num_experts), dtype=torch.int32),
+            counts.new_empty((local_experts,), dtype=torch.int32))
+
+
+def _ep_moved(rows: Tensor, scalars: Optional[Tensor], capacity: int):
+    return (rows.new_empty((capacity, rows.shape[1])),
+            rows.new_empty((capacity if scalars is not None else 0,), dtype=torch.float32))
+
+
+@torch.library.register_fake(_lib + "ep_dispatch")
+def _ep_dispatch(group: int, counts_all: Tensor, local_counts: Tensor, rows: Tensor, scalars: Optional[Tensor] = None):
+    return _ep_moved(rows, scalars, _ep_info(group)[1])
+
+
+@torch.library.register_fake(_lib + "ep_combine")
+def _ep_combine(group: int, counts_all: Tensor, local_counts: Tensor, rows: Tensor, scalars: Optional[Tensor] = None):
+    return _ep_moved(rows, scalars, _ep_info(group)[0])

@@ -15,6 +15,20 @@ anyway, and y_rows is not kept. Exact because FC2 is linear (FC2(p·z) = p·FC2(
 ``bias=True`` FC2 adds b2, and FC2(p·z) = p·W2·z + b2 is not the block's p·(W2·z + b2), so those
 experts take the weighted combine (``out[t] = Σ_j probs[t, j] · y_rows[row(t, j)]``).
 
+With an expert-parallel group (``ep_group``, :class:`gmoe.EpGroup` of R ranks) the layer holds only
+this rank's El = E / R experts (global experts [rank·El, (rank+1)·El)): the router and the permute
+run over all E experts on this rank's tokens, then
+
+    plan               = ep_plan(group, counts)                          every rank's counts
+    recv, recv_p       = ep_dispatch(group, plan, rows, p)               rows of this rank's experts,
+                                                                         grouped by local expert
+    y_recv             = experts(recv, plan.local_counts, recv_p)
+    y_rows             = ep_combine(group, plan, y_recv)                 back to the rows' ranks
+
+and the combine as above; backward runs the same exchanges in reverse with the same plan. Every
+rank calls forward and backward at the same points (the exchanges are collective). A group of size
+1 is the single-GPU path, bitwise.
+
 Every shape is host-known and the counts never leave the device, so a training step with the
 layer never synchronises and can be captured in a CUDA graph once and replayed under any routing.
 Autograd gives gradients to x, the router weight (through the probabilities and the losses), the
@@ -28,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .expert_parallel import EpGroup, ep_combine, ep_dispatch, ep_plan
 from .modules import GroupedLinear, GroupedMLP
 from .routing import SCORE_FUNCS, combine, permute, router_aux_loss, router_topk, router_z_loss
 
@@ -61,6 +76,11 @@ class MoELayer(nn.Module):
         recompute_activation: the experts' and the shared experts' (:class:`GroupedMLP`): their
             activation output z = act(h)·p is not kept for backward but made again from h there,
             bitwise the same; saves k·F elements per token (and F per token for the shared experts).
+        ep_group: None, or the :class:`gmoe.EpGroup` the experts are spread over: its num_experts
+            and hidden are the layer's, its dtype the layer's rows', its max_rows at least the
+            permuted rows of a forward (``gmoe.permuted_rows(T, top_k, E, pad_multiple,
+            capacity_factor)``; fewer are padded with zero rows). ``experts`` then holds the
+            group's ``local_experts`` experts (``expert_mask`` is over them).
 
     ``expert_mask`` (settable; None or an int32 tensor [E] on the layer's device) selects which
     routed experts' weight gradients go to ``main_grad`` (see :class:`GroupedLinear`); the router
@@ -84,7 +104,7 @@ class MoELayer(nn.Module):
                  capacity_factor: float = 0.0, aux_loss_coeff: float = 0.0, z_loss_coeff: float = 0.0,
                  shared_expert_ffn_hidden_size: int = 0, recipe: Optional[str] = None,
                  weight_layout: str = "stacked", masked_off_wgrad: str = "skip", recompute_activation: bool = False,
-                 device: Optional[Union[str, torch.device]] = None,
+                 ep_group: Optional[EpGroup] = None, device: Optional[Union[str, torch.device]] = None,
                  dtype: Optional[torch.dtype] = None):
         super().__init__()
         if num_experts < 1:
@@ -105,8 +125,13 @@ class MoELayer(nn.Module):
         if shared_expert_ffn_hidden_size < 0:
             raise ValueError(f"shared_expert_ffn_hidden_size: expected >= 0 (0: none), got "
                              f"{shared_expert_ffn_hidden_size}")
+        if ep_group is not None and (ep_group.num_experts != num_experts or ep_group.hidden != hidden_size):
+            raise ValueError(f"ep_group: made for num_experts = {ep_group.num_experts}, hidden = {ep_group.hidden}; "
+                             f"the layer has num_experts = {num_experts}, hidden_size = {hidden_size}")
         self.num_experts, self.hidden_size, self.ffn_hidden_size, self.top_k = \
             num_experts, hidden_size, ffn_hidden_size, top_k
+        self.ep_group = ep_group
+        local_experts = ep_group.local_experts if ep_group is not None else num_experts
         self.score_func, self.normalize_topk = score_func, bool(normalize_topk)
         self.n_group, self.topk_group, self.scaling_factor = n_group, topk_group, float(scaling_factor)
         self.pad_multiple, self.capacity_factor = pad_multiple, float(capacity_factor)
@@ -115,7 +140,8 @@ class MoELayer(nn.Module):
         self.router = nn.Linear(hidden_size, num_experts, bias=False, device=device, dtype=dtype)
         mlp = dict(activation=activation, glu_layout=glu_layout, bias=bias, weight_layout=weight_layout,
                    recipe=recipe, recompute_activation=recompute_activation, device=device, dtype=dtype)
-        self.experts = GroupedMLP(num_experts, hidden_size, ffn_hidden_size, masked_off_wgrad=masked_off_wgrad, **mlp)
+        self.experts = GroupedMLP(local_experts, hidden_size, ffn_hidden_size, masked_off_wgrad=masked_off_wgrad,
+                                  **mlp)
         self.shared_experts = GroupedMLP(1, hidden_size, shared_expert_ffn_hidden_size, **mlp) \
             if shared_expert_ffn_hidden_size > 0 else None
         bias_buffer = torch.zeros(num_experts, dtype=torch.float32, device=device) if score_correction_bias else None
@@ -134,8 +160,9 @@ class MoELayer(nn.Module):
         return {**state, **{name: None for name in self._PER_FORWARD}}
 
     def extra_repr(self) -> str:
+        ep = f", ep_size={self.ep_group.size}, ep_rank={self.ep_group.rank}" if self.ep_group is not None else ""
         return (f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
-                f"ffn_hidden_size={self.ffn_hidden_size}, top_k={self.top_k}, score_func={self.score_func}")
+                f"ffn_hidden_size={self.ffn_hidden_size}, top_k={self.top_k}, score_func={self.score_func}{ep}")
 
     def forward(self, x: Tensor) -> Tensor:
         """The block's output for x [..., H] (the experts' dtype), of x's shape."""
@@ -153,11 +180,11 @@ class MoELayer(nn.Module):
         if self.probs_in_experts:
             perm = permute(tokens, route.ids, self.num_experts, route.probs, pad_multiple=self.pad_multiple,
                            capacity_factor=self.capacity_factor)
-            out = combine(self.experts(perm.rows, perm.counts, perm.probs), perm.map)
+            out = combine(self._experts(perm.rows, perm.counts, perm.probs), perm.map)
         else:  # FC2's bias: see the module's docstring
             perm = permute(tokens, route.ids, self.num_experts, pad_multiple=self.pad_multiple,
                            capacity_factor=self.capacity_factor)
-            out = combine(self.experts(perm.rows, perm.counts), perm.map, route.probs)
+            out = combine(self._experts(perm.rows, perm.counts), perm.map, route.probs)
         if self.shared_experts is not None:
             every_token = torch.full((1,), tokens.shape[0], dtype=torch.int32, device=tokens.device)
             out = out + self.shared_experts(tokens, every_token)
@@ -174,11 +201,56 @@ class MoELayer(nn.Module):
         self.last_dropped = perm.dropped
         return out.view(shape)
 
+    def _experts(self, rows: Tensor, counts: Tensor, probs: Optional[Tensor] = None) -> Tensor:
+        """The routed experts on permuted rows grouped by global expert: here, or with an EP group of
+        size > 1 on the ranks that hold them (dispatch -> experts -> combine)."""
+        g = self.ep_group
+        if g is None or g.size == 1:
+            return self.experts(rows, counts, probs)
+        n = rows.shape[0]
+        if n > g.max_rows:
+            raise ValueError(f"ep_group: max_rows = {g.max_rows}, but this forward has {n} permuted rows")
+        if rows.dtype != g.dtype or rows.device != g.device:
+            raise ValueError(f"ep_group: moves {g.dtype} rows on {g.device}; the layer's are {rows.dtype} on "
+                             f"{rows.device}")
+        if n < g.max_rows:  # the group's source layout is [max_rows, H]
+            rows = F.pad(rows, (0, 0, 0, g.max_rows - n))
+            probs = F.pad(probs, (0, g.max_rows - n)) if probs is not None else None
+        plan = ep_plan(g, counts)
+        recv = ep_dispatch(g, plan, rows, probs)
+        y = self.experts(recv.rows, plan.local_counts, recv.scalars)
+        return ep_combine(g, plan, y).rows[:n]
+
     @property
     def probs_in_experts(self) -> bool:
         """True when the router probabilities scale the experts' activation and the combine has
         weights 1 (the experts' FC2 has no bias), False when the combine weights their output."""
         return not self.experts.fc2.use_bias
+
+    # ---- checkpoints across EP sizes --------------------------------------------------------------
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        # A state dict of all E routed experts (an EP = 1 layer's, or the ranks' merged with
+        # gmoe.merge_ep_state_dicts) loads into an expert-parallel layer as this rank's slice, stacked
+        # or per-expert; a rank's own state dict (El experts) loads as it is.
+        g = self.ep_group
+        if g is not None and g.size > 1:
+            El, first = g.local_experts, g.rank * g.local_experts
+            for fc in ("fc1", "fc2"):
+                for name in ("weight", "bias"):
+                    key = f"{prefix}experts.{fc}.{name}"
+                    t = state_dict.get(key)
+                    if t is not None and t.dim() >= 1 and t.shape[0] == self.num_experts:
+                        state_dict[key] = t[first:first + El]
+                    every = [f"{key}{e}" for e in range(self.num_experts)]
+                    if all(k in state_dict for k in every):
+                        mine = [state_dict[k] for k in every[first:first + El]]
+                        for k in every:
+                            del state_dict[k]
+                        state_dict.update({f"{key}{e}": t for e, t in enumerate(mine)})
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
 
     # ---- the experts' Megatron conventions, for the whole layer --------------------------------
 

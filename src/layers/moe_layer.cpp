@@ -1,9 +1,13 @@
 // src/layers/moe_layer.cpp — MoELayer: router → permute → GroupedMLP → combine and back, from the
-// public ops only (gmoe/routing.h, gmoe/grouped_mlp.h); every buffer from the layer's allocator on
+// public ops only (gmoe/routing.h, gmoe/grouped_mlp.h, and with an EP group the exchanges of
+// gmoe/expert_parallel.h inserted around the experts); every buffer from the layer's allocator on
 // the call's stream, so the whole pass is stream-ordered and capturable.
 #include "gmoe/moe_layer.h"
 
+#include <string>
+
 #include "gmoe/error.h"
+#include "gmoe/expert_parallel.h"
 #include "layers/offload_slots.h"
 
 namespace gmoe {
@@ -16,8 +20,20 @@ struct MoELayerContext::State {
   Tensor permuted_probs;  // probs_in_experts: each row's probability, which the experts keep by reference
   Tensor expert_out;      // weighted combine only: for dprobs, released by backward
   Tensor dexpert_out;  // kept: a delayed FC2 weight gradient reads it in backward_dw
+  int64_t rows = 0;    // the permuted (source layout) rows: the map's
+  bool probs_in_experts = true;
   bool backward_done = false;
+  // Expert parallelism: the exchange's plan (backward's exchanges reuse it; the experts keep its
+  // local counts by reference), and in the receive layout each row's probability (kept by the
+  // experts by reference) and, only where the experts keep it by reference, their input.
+  EpPlan plan;
+  Tensor expert_in, expert_probs;
+  // backward's stream: dexpert_out may come from the comm stream's exchange, and is freed on the
+  // stream that last used it.
+  Stream backward_stream = nullptr;
+  Event to_comm, to_compute;  // backward with a comm stream: made once per context, reused
   RoutingMap map() const { return {row_of.view(), src_token.view()}; }
+  ~State() { dexpert_out.release_on(backward_stream); }
 };
 
 MoELayerContext::MoELayerContext() = default;
@@ -30,7 +46,8 @@ void MoELayerContext::collect(OffloadSlots& slots) {
   State& s = *state_;
   slots.child(s.experts);
   for (Tensor* t : {&s.ids, &s.probs, &s.counts, &s.permuted, &s.permuted_counts, &s.row_of, &s.src_token,
-                    &s.permuted_probs, &s.expert_out, &s.dexpert_out}) {
+                    &s.permuted_probs, &s.expert_out, &s.dexpert_out, &s.plan.counts_all, &s.plan.local_counts,
+                    &s.expert_in, &s.expert_probs}) {
     slots.tensor(*t);
   }
   slots.view(s.x);
@@ -45,7 +62,15 @@ GroupedMLPContext& MoELayerContext::experts() {
 }
 
 MoELayer::MoELayer(GroupedMLP& experts, MoELayerOptions options) : experts_(&experts), options_(options) {
-  const int64_t E = experts.num_experts();
+  if (options_.ep != nullptr) {
+    const EpGroupOptions& g = options_.ep->options();
+    const int64_t El = experts.num_experts(), R = options_.ep->size();
+    GMOE_CHECK(g.num_experts == El * R, "options.ep: the group's num_experts is ", g.num_experts, ", expected ", El,
+               " (the experts this rank holds) x ", R, " (ranks) = ", El * R);
+    GMOE_CHECK(g.hidden == experts.hidden(), "options.ep: the group's hidden is ", g.hidden, ", expected the experts' ",
+               experts.hidden());
+  }
+  const int64_t E = num_experts();
   const RouterOptions& r = options_.router;
   GMOE_CHECK(r.top_k >= 1 && r.top_k <= E, "options.router.top_k: expected 1..", E, " (the experts), got ", r.top_k);
   GMOE_CHECK(r.n_group >= 1 && E % r.n_group == 0, "options.router.n_group: must divide the ", E, " experts, got ",
@@ -58,20 +83,51 @@ MoELayer::MoELayer(GroupedMLP& experts, MoELayerOptions options) : experts_(&exp
   }
 }
 
+int64_t MoELayer::num_experts() const {
+  return experts_->num_experts() * (options_.ep != nullptr ? options_.ep->size() : 1);
+}
+
+bool MoELayer::expert_parallel() const { return options_.ep != nullptr && options_.ep->size() > 1; }
+
 Allocator& MoELayer::allocator(Device device) const {
   return options_.allocator != nullptr ? *options_.allocator : default_allocator(device);
 }
 
 MoEForward MoELayer::forward(const TensorView& x, const TensorView& logits, MoELayerContext& ctx, Stream stream) {
+  const int64_t E = num_experts();
   GMOE_CHECK(x.defined() && x.ndim == 2 && x.size(1) == experts_->hidden(), "x: expected [tokens, ", experts_->hidden(),
              "], got ", x.str());
-  GMOE_CHECK(
-      logits.defined() && logits.ndim == 2 && logits.size(0) == x.size(0) && logits.size(1) == experts_->num_experts(),
-      "logits: expected [", x.size(0), ", ", experts_->num_experts(), "], got ", logits.str());
-  const int64_t T = x.size(0), H = x.size(1), E = experts_->num_experts(), k = options_.router.top_k;
+  if (!(logits.defined() && logits.ndim == 2 && logits.size(0) == x.size(0) && logits.size(1) == E)) {
+    const std::string of_ranks = expert_parallel() ? " (E = " + std::to_string(experts_->num_experts()) +
+                                                         " local experts x " + std::to_string(options_.ep->size()) +
+                                                         " ranks of options.ep)"
+                                                   : "";
+    GMOE_FAIL("logits: expected [", x.size(0), ", ", E, "]", of_ranks, ", got ", logits.str());
+  }
+  const int64_t T = x.size(0), H = x.size(1), k = options_.router.top_k;
+  const int64_t rows = permuted_rows(T, k, E, options_.permute);
+  EpGroup* ep = expert_parallel() ? options_.ep : nullptr;
+  if (ep != nullptr) {
+    const EpGroupOptions& g = ep->options();
+    GMOE_CHECK(g.dtype == x.dtype, "options.ep: the group's dtype is ", dtype_name(g.dtype), ", x is ",
+               dtype_name(x.dtype));
+    GMOE_CHECK(ep->device() == x.device, "options.ep: the group is on ", ep->device().str(), ", x on ",
+               x.device.str());
+    GMOE_CHECK(g.max_rows >= rows, "options.ep: the group's max_rows is ", g.max_rows, ", below the ", rows,
+               " rows of the permuted layout of ", T, " tokens (permuted_rows(", T, ", ", k, ", ", E,
+               ", options.permute))");
+  }
   Allocator& a = allocator(x.device);
   ctx.check_resident("forward");
-  ctx.state_ = std::make_unique<MoELayerContext::State>();
+  {
+    // The backward events are made once per context (the rest of the state is per forward).
+    std::unique_ptr<MoELayerContext::State> prev = std::move(ctx.state_);
+    ctx.state_ = std::make_unique<MoELayerContext::State>();
+    if (prev != nullptr) {
+      ctx.state_->to_comm = std::move(prev->to_comm);
+      ctx.state_->to_compute = std::move(prev->to_compute);
+    }
+  }
   MoELayerContext::State& s = *ctx.state_;
   s.x = x;
   s.logits = logits;
@@ -80,27 +136,49 @@ MoEForward MoELayer::forward(const TensorView& x, const TensorView& logits, MoEL
   s.counts = Tensor::empty({E}, DType::i32, a, stream);
   router_topk(logits, options_.router, s.ids, s.probs, s.counts, options_.score_bias, stream, &a);
 
-  const int64_t rows = permuted_rows(T, k, E, options_.permute);
-  s.permuted = Tensor::empty({rows, H}, x.dtype, a, stream);
+  // With EP the permuted rows are the exchange's source layout, which has the group's max_rows.
+  s.rows = ep != nullptr ? ep->options().max_rows : rows;
+  s.permuted = Tensor::empty({s.rows, H}, x.dtype, a, stream);
   s.permuted_counts = Tensor::empty({E}, DType::i32, a, stream);
   s.row_of = Tensor::empty({T, k}, DType::i32, a, stream);
-  s.src_token = Tensor::empty({rows}, DType::i32, a, stream);
+  s.src_token = Tensor::empty({s.rows}, DType::i32, a, stream);
+  s.probs_in_experts = probs_in_experts();
   MoEForward f;
   f.out = Tensor::empty({T, H}, x.dtype, a, stream);
-  if (probs_in_experts()) {
-    // The probabilities scale z inside the experts (0 on padding rows), the combine sums with
-    // weights 1, and yp is dropped here: nothing in backward reads it (see moe_layer.h).
-    s.permuted_probs = Tensor::empty({rows}, DType::f32, a, stream);
-    permute(x, s.ids, options_.permute, s.permuted, s.permuted_counts, s.map(), s.probs, s.permuted_probs, {},
-            stream, &a);
-    Tensor yp = experts_->forward(s.permuted, s.permuted_counts, s.permuted_probs, s.experts, stream);
-    combine(yp, s.map(), {}, f.out, stream, &a);
+  // probs_in_experts: the probabilities scale z inside the experts (0 on padding rows) and the
+  // combine sums with weights 1 (see moe_layer.h). Otherwise FC2 has a bias, so FC2(p·z) = p·W2·z +
+  // b2 is not the block's p·(W2·z + b2): the combine weights yp and keeps it for dprobs.
+  if (s.probs_in_experts) s.permuted_probs = Tensor::empty({s.rows}, DType::f32, a, stream);
+  permute(x, s.ids, options_.permute, s.permuted, s.permuted_counts, s.map(),
+          s.probs_in_experts ? s.probs.view() : TensorView{}, s.permuted_probs, {}, stream, &a);
+  // The experts' rows: the permuted ones, or with EP those the exchange brings to this rank's
+  // experts (grouped by local expert, counted by the plan).
+  TensorView expert_x = s.permuted, expert_counts = s.permuted_counts, expert_probs = s.permuted_probs;
+  if (ep != nullptr) {
+    s.plan = ep_plan(*ep, s.permuted_counts, &a, stream);
+    EpRows sent = ep_dispatch(*ep, s.plan, s.permuted, s.permuted_probs, &a, stream);
+    s.expert_in = std::move(sent.rows);
+    s.expert_probs = std::move(sent.scalars);
+    // Sent: nothing reads the source layout's rows and probabilities again.
+    s.permuted.release_on(stream);
+    s.permuted_probs.release_on(stream);
+    expert_x = s.expert_in;
+    expert_counts = s.plan.local_counts;
+    expert_probs = s.expert_probs;
+  }
+  Tensor yp = experts_->forward(expert_x, expert_counts, expert_probs, s.experts, stream);
+  if (ep != nullptr) {
+    EpRows back = ep_combine(*ep, s.plan, yp, {}, &a, stream);
     yp.release_on(stream);
+    yp = std::move(back.rows);
+    // The experts copied their input unless they keep it by reference.
+    if (!experts_->fc1().options().save_original_input) s.expert_in.release_on(stream);
+  }
+  if (s.probs_in_experts) {
+    combine(yp, s.map(), {}, f.out, stream, &a);
+    yp.release_on(stream);  // nothing in backward reads it
   } else {
-    // FC2 has a bias, so FC2(p·z) = p·W2·z + b2 is not the block's p·(W2·z + b2): the combine
-    // weights yp and keeps it for dprobs.
-    permute(x, s.ids, options_.permute, s.permuted, s.permuted_counts, s.map(), {}, {}, {}, stream, &a);
-    s.expert_out = experts_->forward(s.permuted, s.permuted_counts, {}, s.experts, stream);
+    s.expert_out = std::move(yp);
     combine(s.expert_out, s.map(), s.probs, f.out, stream, &a);
   }
   if (options_.aux_loss_coeff != 0.0f) {
@@ -118,33 +196,89 @@ MoEForward MoELayer::forward(const TensorView& x, const TensorView& logits, MoEL
 }
 
 MoEBackward MoELayer::backward(MoELayerContext& ctx, const TensorView& dout, Stream stream,
-                               const TensorView& d_aux_loss, const TensorView& d_z_loss) {
+                               const TensorView& d_aux_loss, const TensorView& d_z_loss,
+                               const MoEBackwardOverlap& overlap) {
   GMOE_CHECK(ctx.state_ != nullptr && !ctx.state_->backward_done,
              "ctx: backward needs a forward with this context, and runs once per forward");
+  GMOE_CHECK(!overlap.experts_wgrad_during_combine || experts_->options().fc1.delay_wgrad ||
+                 experts_->options().fc2.delay_wgrad,
+             "overlap.experts_wgrad_during_combine: the experts delay no weight gradient (their options' ",
+             "fc1.delay_wgrad and fc2.delay_wgrad are both false)");
   ctx.check_resident("backward");
   MoELayerContext::State& s = *ctx.state_;
-  const int64_t T = s.x.size(0), H = s.x.size(1), E = experts_->num_experts(), k = options_.router.top_k;
+  const int64_t T = s.x.size(0), H = s.x.size(1), E = num_experts(), k = options_.router.top_k;
   GMOE_CHECK(dout.defined() && dout.ndim == 2 && dout.size(0) == T && dout.size(1) == H, "dout: expected [", T, ", ", H,
              "], got ", dout.str());
   Allocator& a = allocator(s.x.device);
+  EpGroup* ep = expert_parallel() ? options_.ep : nullptr;
+  // The exchanges' stream, and the event steps between it and the compute stream (moe_layer.h).
+  const bool side = ep != nullptr && overlap.comm_stream != nullptr && overlap.comm_stream != stream;
+  const Stream comm = side ? overlap.comm_stream : stream;
+  if (side) {
+    for (Event* e : {&s.to_comm, &s.to_compute}) {
+      if (!e->defined() || e->device() != s.x.device) *e = Event(s.x.device);
+    }
+  }
+  auto join_comm = [&] {  // comm waits for what the compute stream enqueued so far
+    if (!side) return;
+    s.to_comm.record(stream);
+    s.to_comm.wait(comm);
+  };
+  auto join_compute = [&] {  // the compute stream waits for what comm enqueued so far
+    if (!side) return;
+    s.to_compute.record(comm);
+    s.to_compute.wait(stream);
+  };
 
-  const int64_t rows = s.permuted.view().size(0);
-  s.dexpert_out = Tensor::empty({rows, H}, s.x.dtype, a, stream);
+  s.backward_stream = stream;
+  Tensor dyp = Tensor::empty({s.rows, H}, s.x.dtype, a, stream);
   Tensor dprobs = Tensor::empty({T, k}, DType::f32, a, stream);
   MoEBackward b;
   b.dx = Tensor::empty({T, H}, s.x.dtype, a, stream);
-  const bool probs_in_experts = s.permuted_probs.view().defined();
-  if (probs_in_experts) {
+  if (s.probs_in_experts) {
     // Weights 1: dyp is dout gathered into rows; dprobs comes from the experts per row and is
     // gathered back to [T, k] by permute_backward (padding and dropped slots never reach it).
-    combine_backward(dout, s.map(), {}, {}, s.dexpert_out, {}, stream, &a);
+    combine_backward(dout, s.map(), {}, {}, dyp, {}, stream, &a);
   } else {
-    combine_backward(dout, s.map(), s.probs, s.expert_out, s.dexpert_out, dprobs, stream, &a);
+    combine_backward(dout, s.map(), s.probs, s.expert_out, dyp, dprobs, stream, &a);
     s.expert_out.release_on(stream);
   }
+  if (ep != nullptr) {
+    join_comm();
+    EpRows sent = ep_dispatch(*ep, s.plan, dyp, {}, &a, comm);
+    if (overlap.during_dispatch) overlap.during_dispatch();
+    join_compute();
+    dyp.release_on(stream);
+    s.dexpert_out = std::move(sent.rows);
+  } else {
+    if (overlap.during_dispatch) overlap.during_dispatch();
+    s.dexpert_out = std::move(dyp);
+  }
   GroupedMLPBackward eb = experts_->backward(s.experts, s.dexpert_out, stream);
-  permute_backward(eb.dx, s.map(), b.dx, eb.dprobs, probs_in_experts ? dprobs.view() : TensorView{}, stream, &a);
+  TensorView dxp = eb.dx, dpp = eb.dprobs;
+  EpRows back;
+  if (ep != nullptr) {
+    join_comm();
+    back = ep_combine(*ep, s.plan, eb.dx, eb.dprobs, &a, comm);
+  }
   b.grads = std::move(eb.grads);
+  if (overlap.experts_wgrad_during_combine) {
+    // On the compute stream while the combine is in flight; what backward_dw computes replaces
+    // the delayed FCs' partial gradients (their bias gradients included).
+    GroupedMLPGrads dw = experts_->backward_dw(s.experts, stream);
+    if (experts_->options().fc1.delay_wgrad) b.grads.fc1 = std::move(dw.fc1);
+    if (experts_->options().fc2.delay_wgrad) b.grads.fc2 = std::move(dw.fc2);
+  }
+  if (ep != nullptr) {
+    join_compute();
+    eb.dx.release_on(stream);
+    eb.dprobs.release_on(stream);
+    dxp = back.rows;
+    dpp = back.scalars;
+  }
+  permute_backward(dxp, s.map(), b.dx, dpp, s.probs_in_experts ? dprobs.view() : TensorView{}, stream, &a);
+  back.rows.release_on(stream);
+  back.scalars.release_on(stream);
 
   b.dlogits = Tensor::empty({T, E}, DType::f32, a, stream);
   router_topk_backward(s.logits, s.ids, dprobs, options_.router, b.dlogits, false, stream, &a);

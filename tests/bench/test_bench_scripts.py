@@ -25,6 +25,8 @@ SUITE = os.path.join(ROOT, "bench", "suites", "public.json")
 BASELINE = os.path.join(ROOT, "bench", "torch_baseline.py")
 REPORT = os.path.join(ROOT, "bench", "report.py")
 MOE_BASELINE = os.path.join(ROOT, "bench", "torch_moe_baseline.py")
+EP_BASELINE = os.path.join(ROOT, "bench", "torch_ep_baseline.py")
+EP_SUITE = os.path.join(ROOT, "bench", "suites", "ep.json")
 
 
 def run(*args):
@@ -99,6 +101,42 @@ class TorchMoeBaselineDryRun(unittest.TestCase):
         for args in (("--device", "tpu"), ("--iters", "0"), ()):  # () : no --json without --dry-run
             with self.subTest(args=args):
                 p = run(MOE_BASELINE, "--suite", SUITE, *args)
+                self.assertNotEqual(p.returncode, 0)
+                self.assertIn("error", p.stderr)
+
+
+class TorchEpBaselineDryRun(unittest.TestCase):
+    def test_it_lists_the_ep_cases(self):
+        p = run(EP_BASELINE, "--dry-run")  # the default suite: bench/suites/ep.json
+        self.assertEqual(p.returncode, 0, p.stderr)
+        lines = p.stdout.splitlines()
+        self.assertEqual(lines[-1], "4 cases on 2 ranks")
+        self.assertEqual([l.split()[0] for l in lines[:-1]],
+                         [f"ep_{m}/{r}" for m in ("dsv3_e256", "qwen3_30b_a3b") for r in ("uniform", "skewed")])
+        # issue 43's shapes: DeepSeek-V3 (E 256, k 8, H 7168, F 2048) and Qwen3-30B-A3B; tokens per rank
+        self.assertIn("4096 tokens/rank, top-8 of E 256 (128 per rank on 2), hidden 7168, ffn 2048", lines[0])
+        self.assertIn("8192 tokens/rank, top-8 of E 128 (64 per rank on 2), hidden 2048, ffn 768", lines[2])
+        # the dispatch of a rank: T·k·H bf16 = 4096·8·7168·2 bytes = 448 MiB
+        self.assertIn("dispatch 448.0 MiB/rank", lines[0])
+        with open(EP_SUITE) as f:
+            skewed = {c["name"]: c for c in json.load(f)["cases"]}["ep_dsv3_e256/skewed"]
+        with open(SUITE) as f:
+            public = {c["name"]: c for c in json.load(f)["cases"]}["moe_dsv3_e256/skewed"]
+        self.assertEqual(skewed["logit_bias"], public["logit_bias"])  # the public suite's skew
+
+    def test_world_and_skipped_cases(self):
+        p = run(EP_BASELINE, "--suite", os.path.join(ROOT, "tests", "bench", "ep_suite.json"), "--dry-run",
+                "--world", "4", "--case", "/uniform")
+        self.assertEqual(p.returncode, 0, p.stderr)
+        lines = p.stdout.splitlines()
+        self.assertEqual(lines[-1], "2 cases on 4 ranks")
+        self.assertIn("(2 per rank on 4)", lines[0])
+        self.assertIn("skipped: E = 5 is not a multiple of the EP size 4", lines[1])
+
+    def test_bad_arguments(self):
+        for args in (("--device", "tpu"), ("--iters", "0"), ("--world", "1"), ()):  # (): no --json
+            with self.subTest(args=args):
+                p = run(EP_BASELINE, *args)
                 self.assertNotEqual(p.returncode, 0)
                 self.assertIn("error", p.stderr)
 
@@ -377,6 +415,49 @@ class Report(unittest.TestCase):
         # the train rows stay out of the TFLOP/s tables
         self.assertNotIn("train_moe_lm", md.split("## Training step")[0])
         self.assertIn("Training step", stdout)
+
+    def test_ep_tables(self):
+        def ep(case, impl, pass_name, ms, **extra):
+            return ms_row(case, pass_name, impl, ms, kind="ep", ep_size=2, **extra)
+
+        mib = 2 ** 20
+        rows = [ep("ep_a/uniform", "nccl_a2a", "all_to_all", 2.0, bytes=300 * mib, gbps=300 * mib / 2e-3 / 1e9),
+                ep("ep_a/uniform", "torch_ep", "forward", 6.0), ep("ep_a/uniform", "torch_ep", "forward_backward", 20.0,
+                                                                   peak_mib=900.0),
+                ep("ep_a/uniform", "gmoe_ep", "forward", 4.0, correct=True),
+                ep("ep_a/uniform", "gmoe_ep", "forward_backward", 12.5, correct=True, peak_mib=700.0),
+                ep("ep_a/uniform", "gmoe_ep", "dispatch", 2.5, correct=True, bytes=300 * mib,
+                   gbps=300 * mib / 2.5e-3 / 1e9),
+                ep("ep_a/uniform", "gmoe_ep", "combine", 2.0, correct=False, bytes=300 * mib,
+                   gbps=300 * mib / 2e-3 / 1e9),
+                ep("ep_a/uniform", "torch_ep", "dispatch", 5.0, bytes=300 * mib, gbps=300 * mib / 5e-3 / 1e9),
+                ep("ep_a/uniform", "torch_ep", "combine", 4.0, bytes=300 * mib, gbps=300 * mib / 4e-3 / 1e9),
+                ep("ep_b/skewed", "nccl_a2a", "all_to_all", 1.0, bytes=100 * mib, gbps=100 * mib / 1e-3 / 1e9),
+                ep("ep_b/skewed", "torch_ep", "forward", 3.0), ep("ep_b/skewed", "torch_ep", "forward_backward", 9.0),
+                ep("ep_b/skewed", "torch_ep", "dispatch", 2.0, bytes=100 * mib, gbps=100 * mib / 2e-3 / 1e9),
+                dict(ep("ep_b/skewed", "gmoe_ep", "forward", None), skipped="no EpGroup"),
+                dict(ep("ep_b/skewed", "gmoe_ep", "forward_backward", None), skipped="no EpGroup")]
+        gemm = [gemm_row("a/uniform", "fprop", "gmoe", 800.0)]
+        stdout, merged, md = self.report(self.write("gmoe.json", gemm, gpu="H100", commit="abc", date="today"),
+                                         self.write("ep.json", rows))
+        self.assertEqual(sum(r.get("kind") == "ep" for r in merged["rows"]), len(rows))
+        block = md.split("## Expert parallelism")[1]
+        # torch_ep / gmoe_ep: forward 6 / 4 = 1.50x, forward + backward 20 / 12.5 = 1.60x
+        self.assertIn("| ep_a/uniform | 2 | 4.000 | 6.000 | 1.50x | 12.500 | 20.000 | 1.60x | 700.0 | 900.0 | yes |",
+                      block)
+        self.assertIn("| ep_b/skewed | 2 | - | 3.000 | - | - | 9.000 | - | - | - | - |", block)
+        # dispatch 2.5 ms of the bytes NCCL moves in 2 ms: 80% (torch's 5 ms: 40%); combine 100%, checked and
+        # wrong: NO
+        self.assertIn("| ep_a/uniform | dispatch | 300.0 | 157 | 2.500 | 126 | 80.0% | 5.000 | 63 | 40.0% | yes |", block)
+        self.assertIn("| ep_a/uniform | combine | 300.0 | 157 | 2.000 | 157 | 100.0% | 4.000 | 79 | 50.0% | NO |", block)
+        self.assertIn("| ep_b/skewed | dispatch | 100.0 | 105 | - | - | - | 2.000 | 52 | 50.0% | - |", block)
+        self.assertNotIn("| ep_b/skewed | combine", block)
+        self.assertIn("| geomean dispatch |  |  |  |  |  | 80.0% |  |  |  |  |", block)
+        self.assertIn("| geomean combine |  |  |  |  |  | 100.0% |  |  |  |  |", block)
+        self.assertIn("ep_b/skewed gmoe_ep: no EpGroup", md)
+        # the ep rows stay out of the other tables
+        self.assertNotIn("ep_a", md.split("## Expert parallelism")[0])
+        self.assertIn("Expert parallelism", stdout)
 
     def test_unreadable_inputs(self):
         good = self.write("gmoe.json", [gemm_row("a/uniform", "fprop", "gmoe", 800.0)])
