@@ -30,6 +30,7 @@
 #include <thread>
 #include <vector>
 
+#include "dist/ep_moe_layer_multi_gpu.h"
 #include "dist/ep_oracle.h"
 #include "gmoe/allocator.h"
 #include "gmoe/error.h"
@@ -404,6 +405,8 @@ int child_main(Child c) {
     skewed_cases(c);
     two_in_flight(c);
     graph_replay(c);
+    // The MoELayer checks (ep_moe_layer_multi_gpu.cpp), on the ids past kMaxGroups.
+    c.failures += gmoe::test::moe_layer_ep_checks(c.rank, c.ranks, c.seed, c.ids.data() + kMaxGroups, c.stream);
   } catch (const std::exception& e) {
     c.fail(std::string("exception: ") + e.what());
   }
@@ -453,7 +456,7 @@ int main(int argc, char** argv) {
   setenv("NCCL_NVLS_ENABLE", "0", /*overwrite=*/0);
   std::vector<gmoe::EpUniqueId> ids;
   try {
-    for (int i = 0; i < kMaxGroups; ++i) ids.push_back(gmoe::ep_unique_id());
+    for (int i = 0; i < kMaxGroups + gmoe::test::kMoELayerEpGroups; ++i) ids.push_back(gmoe::ep_unique_id());
   } catch (const std::exception& e) {
     std::fprintf(stderr, "gmoe_tests_ep: ep_unique_id failed: %s\n", e.what());
     return 1;
