@@ -48,7 +48,8 @@ class EpGroup {
   EpGroup() = default;
   EpGroup(const EpGroup&) = delete;
   EpGroup& operator=(const EpGroup&) = delete;
-  /// Frees the backend state. On NCCL this is itself collective (every rank destroys its group).
+  /// Frees the backend state. On NCCL this is itself collective (every rank destroys its group)
+  /// and first waits for the device's queued work (a deliberate sync, never under graph capture).
   virtual ~EpGroup();
   /// This rank's index in [0, size()).
   virtual int rank() const = 0;

@@ -48,8 +48,9 @@ class NcclGroup final : public ep::GroupBackend {
     GMOE_NCCL_CHECK(ncclCommInitRank(&comm_, size, uid, rank));
     try {
       const ncclTeam_t lsa = ncclTeamLsa(comm_);
-        GMOE_CHECK(lsa.nRanks == size, "make_ep_group_nccl: only ", lsa.nRanks, " of the group's ", size,
-                 " ranks are load/store accessible from rank ", rank,
+        // The kernels address peer r's window as LSA rank r: the LSA team must be the whole group.
+      GMOE_CHECK(lsa.nRanks == size && lsa.rank == rank, "make_ep_group_nccl: only ", lsa.nRanks, " of the group's ",
+                 size, " ranks are load/store accessible from rank ", rank,
                  " (one NVLink domain); groups across nodes are not supported");
       ep::WindowLayout& l = win_.layout;
       l.row_bytes = static_cast<size_t>(options.hidden) * dtype_size(options.dtype);
@@ -110,9 +111,12 @@ class NcclGroup final : public ep::GroupBackend {
     return g;
   }
 
-  // Collective with the peers' release(): NCCL's window and communicator teardown are.
+  // Collective with the peers' release(): NCCL's window and communicator teardown are. Kernels
+  // still queued may read or write the window, so teardown waits for the device first (a
+  // deliberate sync: a group is destroyed once, never under graph capture).
   void release() noexcept {
     cudaSetDevice(device_.index);
+    cudaDeviceSynchronize();
     if (has_dev_comm_) ncclDevCommDestroy(comm_, &win_.comm);
     if (win_.handle != nullptr) ncclCommWindowDeregister(comm_, win_.handle);
     if (win_.local != nullptr) ncclMemFree(win_.local);

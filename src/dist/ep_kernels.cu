@@ -43,7 +43,6 @@ struct MoveArgs {
   const float* in_scalars = nullptr;
   unsigned char* out = nullptr;
   float* out_scalars = nullptr;
-  const unsigned char* window = nullptr;  // this rank's window (local pointer)
   WindowLayout layout;
   uint32_t* error_word = nullptr;
 };
@@ -183,7 +182,7 @@ __global__ void __launch_bounds__(kThreads) push_kernel(MoveArgs a, ncclDevComm 
 /// Kernel B: this rank's window -> its output; a row is kept when its counterpart on the peer
 /// exists (the reverse direction's table), else zeros.
 template <typename V>
-__global__ void __launch_bounds__(kThreads) copy_out_kernel(MoveArgs a) {
+__global__ void __launch_bounds__(kThreads) copy_out_kernel(MoveArgs a, ncclWindow_t win) {
   extern __shared__ int64_t smem[];
   __shared__ Scan::TempStorage temp;
   const Geometry& g = a.geo;
@@ -200,8 +199,9 @@ __global__ void __launch_bounds__(kThreads) copy_out_kernel(MoveArgs a) {
   const int64_t vecs = row_bytes / static_cast<int64_t>(sizeof(V));
   const int lane = threadIdx.x % 32;
   const int64_t valid = min(t.starts[n], out_cap);
-  const unsigned char* rows = a.window + a.layout.rows;
-  const auto* scalars = reinterpret_cast<const float*>(a.window + a.layout.scalars);
+  // The window through the mapping the pushes wrote through (ncclMemAlloc's pointer is another).
+  const auto* rows = static_cast<const unsigned char*>(ncclGetLocalPointer(win, a.layout.rows));
+  const auto* scalars = static_cast<const float*>(ncclGetLocalPointer(win, a.layout.scalars));
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32; i < out_cap;
        i += static_cast<int64_t>(gridDim.x) * kWarps) {
     bool keep = i < valid;
@@ -223,7 +223,7 @@ __global__ void __launch_bounds__(kThreads) copy_out_kernel(MoveArgs a) {
 /// peer's counts area, then read the gathered matrix out. One CTA, barrier 0.
 __global__ void __launch_bounds__(kThreads) plan_kernel(const int32_t* counts, int32_t* counts_all,
                                                         int32_t* local_counts, Geometry g, WindowLayout layout,
-                                                        const unsigned char* window, uint32_t* error_word,
+                                                        uint32_t* error_word,
                                                         ncclDevComm comm, ncclWindow_t win) {
   extern __shared__ int64_t smem[];
   __shared__ Scan::TempStorage temp;
@@ -251,7 +251,8 @@ __global__ void __launch_bounds__(kThreads) plan_kernel(const int32_t* counts, i
     *static_cast<int32_t*>(ncclGetLsaPointer(win, at, peer)) = static_cast<int32_t>(eff);
   }
   bar.sync(ncclCoopCta(), cuda::memory_order_acq_rel);  // every rank's counts have landed
-  const auto* area = reinterpret_cast<const int32_t*>(window + layout.counts);
+  // Read through the mapping every rank (this one included) wrote through.
+  const auto* area = static_cast<const int32_t*>(ncclGetLocalPointer(win, layout.counts));
   for (int idx = threadIdx.x; idx < g.ranks * E; idx += kThreads) counts_all[idx] = area[idx];
   for (int e = threadIdx.x; e < g.local; e += kThreads) {
     int64_t sum = 0;
@@ -269,7 +270,7 @@ void launch_move_as(const MoveArgs& a, const Window& win, int sm_count, Stream s
   GMOE_CUDA_CHECK(cudaGetLastError());
   const int64_t out_cap = a.dispatch ? a.geo.recv_cap : a.geo.max_rows;
   const int64_t blocks = std::min<int64_t>((out_cap + kWarps - 1) / kWarps, sm_count);
-  copy_out_kernel<V><<<static_cast<unsigned>(std::max<int64_t>(blocks, 1)), kThreads, smem, stream>>>(a);
+  copy_out_kernel<V><<<static_cast<unsigned>(std::max<int64_t>(blocks, 1)), kThreads, smem, stream>>>(a, win.handle);
   GMOE_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -278,8 +279,8 @@ void launch_move_as(const MoveArgs& a, const Window& win, int sm_count, Stream s
 void launch_plan(const int32_t* counts, int32_t* counts_all, int32_t* local_counts, const Geometry& geo,
                  const Window& win, uint32_t* error_word, Stream stream) {
   const size_t smem = static_cast<size_t>(geo.experts + 1) * sizeof(int64_t);
-  plan_kernel<<<1, kThreads, smem, stream>>>(counts, counts_all, local_counts, geo, win.layout, win.local,
-                                             error_word, win.comm, win.handle);
+  plan_kernel<<<1, kThreads, smem, stream>>>(counts, counts_all, local_counts, geo, win.layout, error_word, win.comm,
+                                             win.handle);
   GMOE_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -294,7 +295,6 @@ void launch_move(bool dispatch, const int32_t* counts_all, const void* in, const
   a.in_scalars = in_scalars;
   a.out = static_cast<unsigned char*>(out);
   a.out_scalars = out_scalars;
-  a.window = win.local;
   a.layout = win.layout;
   a.error_word = error_word;
   // The widest vector that every row of the input, the output and the window starts on.

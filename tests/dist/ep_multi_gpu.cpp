@@ -13,8 +13,9 @@
 // exchanges in flight, receive overflow recorded in the device error word with the kept rows
 // intact, and plan + dispatch + combine captured once in a CUDA graph (global capture mode: any
 // host sync fails the capture) and replayed under three routings. A child prints each failure and
-// exits non-zero; the parent exits non-zero when any child failed or hung. Fewer than 2 GPUs: the
-// binary prints "gmoe_tests_ep: skipped" and exits 0 (CTest reports it skipped).
+// exits non-zero; the parent exits non-zero when any child failed or hung. Where
+// tests/dist/ep_moe_layer_multi_gpu.cpp exists, its MoE layer checks run last in every child.
+// Fewer than 2 GPUs: the binary prints "gmoe_tests_ep: skipped" and exits 0 (CTest: skipped).
 #include <cuda_runtime.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -30,20 +31,29 @@
 #include <thread>
 #include <vector>
 
-#include "dist/ep_moe_layer_multi_gpu.h"
 #include "dist/ep_oracle.h"
 #include "gmoe/allocator.h"
 #include "gmoe/error.h"
 #include "gmoe/expert_parallel.h"
 #include "gmoe/grouped.h"
+#ifdef GMOE_EP_LAYER_CHECKS
+#include "dist/ep_moe_layer_multi_gpu.h"  // the MoE layer's multi-GPU checks (ep-layer's file)
+#endif
 
 namespace {
 
 using gmoe::test::ep_oracle::Layout;
 using gmoe::test::ep_oracle::World;
 namespace oracle = gmoe::test::ep_oracle;
+using oracle::fill_rows;
+using oracle::make_world;
+using oracle::options_of;
 
 constexpr int kMaxGroups = 16;  // unique ids made by the parent: one per group a child creates
+constexpr int kLayerGroups = 4;  // more ids after those, for the MoE layer's checks
+#ifdef GMOE_EP_LAYER_CHECKS
+static_assert(gmoe::test::kMoELayerEpGroups <= kLayerGroups, "the layer checks' groups have their ids");
+#endif
 
 #define CUDA_OK(call)                                                                                   \
   do {                                                                                                  \
@@ -137,38 +147,6 @@ bool same_layout(Child& c, const Layout& got, const Layout& want, size_t row_byt
     return false;
   }
   return true;
-}
-
-World make_world(int R, int64_t El, int64_t H, gmoe::DType dt, int64_t max_rows, int64_t recv_cap) {
-  World w;
-  w.ranks = R;
-  w.experts = R * El;
-  w.hidden = H;
-  w.elt = gmoe::dtype_size(dt);
-  w.max_rows = max_rows;
-  w.recv_cap = recv_cap;
-  w.counts.assign(R, std::vector<int32_t>(static_cast<size_t>(w.experts), 0));
-  return w;
-}
-
-void fill_rows(World& w, std::mt19937_64& gen) {
-  w.rows.clear();
-  w.scalars.clear();
-  for (int s = 0; s < w.ranks; ++s) {
-    Layout l = oracle::random_layout(w.max_rows, w, gen);
-    w.rows.push_back(l.rows);
-    w.scalars.push_back(l.scalars);
-  }
-}
-
-gmoe::EpGroupOptions options_of(const World& w, gmoe::DType dt, int64_t max_recv_rows) {
-  gmoe::EpGroupOptions o;
-  o.num_experts = w.experts;
-  o.hidden = w.hidden;
-  o.dtype = dt;
-  o.max_rows = w.max_rows;
-  o.max_recv_rows = max_recv_rows;
-  return o;
 }
 
 // This rank's device inputs of a world.
@@ -405,8 +383,9 @@ int child_main(Child c) {
     skewed_cases(c);
     two_in_flight(c);
     graph_replay(c);
-    // The MoELayer checks (ep_moe_layer_multi_gpu.cpp), on the ids past kMaxGroups.
+#ifdef GMOE_EP_LAYER_CHECKS
     c.failures += gmoe::test::moe_layer_ep_checks(c.rank, c.ranks, c.seed, c.ids.data() + kMaxGroups, c.stream);
+#endif
   } catch (const std::exception& e) {
     c.fail(std::string("exception: ") + e.what());
   }
@@ -456,7 +435,7 @@ int main(int argc, char** argv) {
   setenv("NCCL_NVLS_ENABLE", "0", /*overwrite=*/0);
   std::vector<gmoe::EpUniqueId> ids;
   try {
-    for (int i = 0; i < kMaxGroups + gmoe::test::kMoELayerEpGroups; ++i) ids.push_back(gmoe::ep_unique_id());
+    for (int i = 0; i < kMaxGroups + kLayerGroups; ++i) ids.push_back(gmoe::ep_unique_id());
   } catch (const std::exception& e) {
     std::fprintf(stderr, "gmoe_tests_ep: ep_unique_id failed: %s\n", e.what());
     return 1;

@@ -1,13 +1,16 @@
 // tests/dist/ep_oracle.h — the expert-parallel exchange computed directly from every rank's inputs:
 // what dispatch and combine must return, written from gmoe/expert_parallel.h's layout rules by
-// walking the rows (not from src/dist/ep_plan_math.h's segment tables, which it checks). Plain
-// std types only: the CPU suite and the multi-GPU binary (no GoogleTest there) share it.
+// walking the rows (not from src/dist/ep_plan_math.h's segment tables, which it checks). No
+// GoogleTest: the CPU suite and the multi-GPU binary share it.
 #pragma once
 
 #include <cstdint>
 #include <cstring>
 #include <random>
 #include <vector>
+
+#include "gmoe/dtype.h"
+#include "gmoe/expert_parallel.h"
 
 namespace gmoe::test::ep_oracle {
 
@@ -110,6 +113,41 @@ inline Layout random_layout(int64_t n, const World& w, std::mt19937_64& rng) {
   std::uniform_real_distribution<float> u(-1.0f, 1.0f);
   for (float& x : l.scalars) x = u(rng);
   return l;
+}
+
+/// A world of R ranks with El experts each, rows of H elements of `dt`, all counts zero and no rows.
+inline World make_world(int R, int64_t El, int64_t H, DType dt, int64_t max_rows, int64_t recv_cap) {
+  World w;
+  w.ranks = R;
+  w.experts = R * El;
+  w.hidden = H;
+  w.elt = dtype_size(dt);
+  w.max_rows = max_rows;
+  w.recv_cap = recv_cap;
+  w.counts.assign(R, std::vector<int32_t>(static_cast<size_t>(w.experts), 0));
+  return w;
+}
+
+/// Fresh random source layouts (rows and scalars) for every rank.
+inline void fill_rows(World& w, std::mt19937_64& rng) {
+  w.rows.clear();
+  w.scalars.clear();
+  for (int s = 0; s < w.ranks; ++s) {
+    Layout l = random_layout(w.max_rows, w, rng);
+    w.rows.push_back(l.rows);
+    w.scalars.push_back(l.scalars);
+  }
+}
+
+/// The group options that move w's rows.
+inline EpGroupOptions options_of(const World& w, DType dt, int64_t max_recv_rows) {
+  EpGroupOptions o;
+  o.num_experts = w.experts;
+  o.hidden = w.hidden;
+  o.dtype = dt;
+  o.max_rows = w.max_rows;
+  o.max_recv_rows = max_recv_rows;
+  return o;
 }
 
 /// Counts of one rank: `total` rows spread over the experts with weights `weight[g]` (0: none).

@@ -23,6 +23,9 @@ namespace {
 
 using ep_oracle::Layout;
 using ep_oracle::World;
+using ep_oracle::fill_rows;
+using ep_oracle::make_world;
+using ep_oracle::options_of;
 
 // Runs fn(rank) on one thread per rank; returns each rank's exception message ("" when none).
 std::vector<std::string> run_ranks(int R, const std::function<void(int)>& fn) {
@@ -82,38 +85,6 @@ void expect_layout_eq(const Layout& got, const Layout& want, size_t row_bytes, c
   for (size_t i = 0; i < want.scalars.size(); ++i) {
     ASSERT_EQ(got.scalars[i], want.scalars[i]) << what << ": scalar " << i;
   }
-}
-
-World make_world(int R, int64_t El, int64_t H, DType dt, int64_t max_rows, int64_t recv_cap) {
-  World w;
-  w.ranks = R;
-  w.experts = R * El;
-  w.hidden = H;
-  w.elt = dtype_size(dt);
-  w.max_rows = max_rows;
-  w.recv_cap = recv_cap;
-  w.counts.assign(R, std::vector<int32_t>(static_cast<size_t>(w.experts), 0));
-  return w;
-}
-
-void fill_rows(World& w, std::mt19937_64& rng) {
-  w.rows.clear();
-  w.scalars.clear();
-  for (int s = 0; s < w.ranks; ++s) {
-    Layout l = ep_oracle::random_layout(w.max_rows, w, rng);
-    w.rows.push_back(l.rows);
-    w.scalars.push_back(l.scalars);
-  }
-}
-
-EpGroupOptions options_of(const World& w, DType dt, int64_t max_recv_rows) {
-  EpGroupOptions o;
-  o.num_experts = w.experts;
-  o.hidden = w.hidden;
-  o.dtype = dt;
-  o.max_rows = w.max_rows;
-  o.max_recv_rows = max_recv_rows;
-  return o;
 }
 
 // One full exchange on a fresh group: plan, dispatch (checked against the oracle), combine of the
