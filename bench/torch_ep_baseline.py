@@ -520,20 +520,24 @@ def worker(rank, world, args, port, cases):
                 torch.cuda.synchronize()
         if dev == "cuda":
             torch.cuda.empty_cache()
+        # after every case: what is done survives a later case that hangs
+        all_errors, all_notes = gather(errors, pg), gather(sorted(notes), pg)
         if rank == 0:
+            write_result(args, dev, world, rows, all_errors, all_notes)
             print(f"torch ep: {case['name']} done ({time.time() - t0:.1f} s)", flush=True)
-    all_errors = gather(errors, pg)
-    all_notes = gather(sorted(notes), pg)
     if rank == 0:
-        result = {"gpu": (torch.cuda.get_device_name(0) + f" x{world}") if dev == "cuda" else f"cpu x{world}",
-                  "commit": commit_of(), "suite": os.path.basename(args.suite).split(".")[0],
-                  "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "ep_size": world,
-                  "rows": rows, "errors": [e for es in all_errors for e in es],
-                  "notes": sorted({n for ns in all_notes for n in ns})}
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
         print(summary(rows))
     dist.destroy_process_group()
+
+
+def write_result(args, dev, world, rows, all_errors, all_notes):
+    result = {"gpu": (torch.cuda.get_device_name(0) + f" x{world}") if dev == "cuda" else f"cpu x{world}",
+              "commit": commit_of(), "suite": os.path.basename(args.suite).split(".")[0],
+              "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "ep_size": world,
+              "rows": rows, "errors": [e for es in all_errors for e in es],
+              "notes": sorted({n for ns in all_notes for n in ns})}
+    with open(args.json, "w") as f:
+        json.dump(result, f, indent=1)
 
 
 def summary(rows):
@@ -572,6 +576,8 @@ def main():
     ap.add_argument("--timeout", type=float, default=180.0,
                     help="seconds a torch.distributed collective may wait for the other ranks (a rank that failed "
                          "alone makes the others time out instead of hang)")
+    ap.add_argument("--max-seconds", type=float, default=540.0,
+                    help="the whole run's limit: past it the processes are ended (the cases done are written)")
     ap.add_argument("--dry-run", action="store_true", help="print the cases, then exit")
     args = ap.parse_args()
     if args.iters < 1 or args.warmup < 0:
@@ -602,7 +608,16 @@ def main():
             return 2
     else:
         world = 2
-    mp.spawn(worker, args=(world, args, free_port(), cases), nprocs=world, join=True)
+    ctx = mp.start_processes(worker, args=(world, args, free_port(), cases), nprocs=world, join=False,
+                             start_method="spawn")
+    deadline = time.time() + args.max_seconds
+    while not ctx.join(timeout=5):
+        if time.time() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            print(f"torch_ep_baseline: not done after {args.max_seconds:.0f} s (a collective hangs?); the cases "
+                  f"finished so far are in {args.json}", file=sys.stderr)
+            return 3
     with open(args.json) as f:
         rows = json.load(f)["rows"]
     return 1 if any(r.get("correct") is False for r in rows) else 0

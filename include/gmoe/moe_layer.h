@@ -77,7 +77,7 @@
 
 namespace gmoe {
 
-class EpGroup;
+class EpGroup;  // gmoe/expert_parallel.h: one rank of an expert-parallel group
 
 /// Options of a MoELayer.
 struct MoELayerOptions {

@@ -2,11 +2,10 @@
 group, each token row sent to the rank that holds its expert (dispatch) and back (combine), with the
 counts only on the device.
 
-Rank r of a group of R holds the global experts [r·El, (r+1)·El), El = E / R. Making a group and
-every op is COLLECTIVE: all ranks call the same ops in the same order.
-Nothing reads counts on the host, so a pass with them never synchronises and can be captured in a
-CUDA graph (buffers are sized from the group's host-known bounds, ``max_rows`` and
-``recv_capacity``).
+Rank r of a group of R holds the global experts [r·El, (r+1)·El), El = E / R. Making and closing a
+group and every op are COLLECTIVE: all ranks call them in the same order. Nothing reads counts on
+the host, so a pass with them never synchronises and can be captured in a CUDA graph (buffers are
+sized from the group's host-known bounds, ``max_rows`` and ``recv_capacity``).
 
 Layouts (the header's): the source layout of a rank is its permuted rows [max_rows, H] grouped by
 global expert (its counts int32 [E]); the receive layout [recv_capacity, H] is grouped by local
@@ -34,9 +33,6 @@ import torch
 from torch import Tensor
 
 _ops = torch.ops.gmoe
-
-_DEVICE_TYPES = {0: "cpu", 1: "cuda"}
-
 
 class EpPlan(NamedTuple):
     """The counts of one exchange, from every rank (gmoe::EpPlan); a forward's plan serves its
@@ -71,7 +67,7 @@ class EpGroup:
         info = _ops.ep_group_info(handle)
         (self.rank, self.size, dev_type, dev_index, self.num_experts, self.hidden, dtype, self.max_rows,
          self.recv_capacity, self.local_experts) = info
-        self.device = torch.device(_DEVICE_TYPES[dev_type], dev_index) if dev_type == 1 else torch.device("cpu")
+        self.device = torch.device("cuda", dev_index) if dev_type == 1 else torch.device("cpu")
         self.dtype = _scalar_type(dtype)
 
     @property

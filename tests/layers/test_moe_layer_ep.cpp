@@ -9,8 +9,10 @@
 // over those rows in order, are bitwise too (padding rows sit elsewhere but add exact zeros). No
 // tolerance is needed, and none is used. What is per rank is tested against the EP = 1 layer on the
 // rank's tokens alone: the load-balancing and z losses, and the capacity drops. Then the overlap of
-// backward's exchanges with the experts' delayed weight gradients against the sequential order,
-// checkpoints saved under one EP size and loaded under another, and the argument errors.
+// backward's exchanges with the experts' delayed weight gradients against the sequential order, the
+// EP context offloaded and reloaded, checkpoints saved under one EP size and loaded under another,
+// and the argument errors. Every rank's allocator poisons what is freed, so a buffer the layer
+// releases too early shows.
 #include <gtest/gtest.h>
 
 #include <cstring>

@@ -14,6 +14,7 @@ or an extension without the NCCL backend. Written for any number of GPUs (all of
 """
 import os
 import socket
+import time
 
 import pytest
 import torch
@@ -43,11 +44,23 @@ def free_port():
         return s.getsockname()[1]
 
 
+TIMEOUT_S = 180
+
+
 def spawn(fn, *args):
+    """fn(rank, world, *args) in one process per GPU; fails (and ends them) on a rank's exception or
+    when they have not all finished after TIMEOUT_S (a collective that hangs)."""
     os.environ["NCCL_NVLS_ENABLE"] = "0"
     os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
     world = torch.cuda.device_count()
-    mp.spawn(_entry, args=(world, free_port(), fn, args), nprocs=world, join=True)
+    ctx = mp.start_processes(_entry, args=(world, free_port(), fn, args), nprocs=world, join=False,
+                             start_method="spawn")
+    deadline = time.time() + TIMEOUT_S
+    while not ctx.join(timeout=5):
+        if time.time() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            raise AssertionError(f"the ranks did not finish in {TIMEOUT_S} s: a collective hangs")
 
 
 def _entry(rank, world, port, fn, args):

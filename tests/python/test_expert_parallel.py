@@ -352,3 +352,28 @@ def test_merge_refuses_ranks_that_disagree():
         gmoe.merge_ep_state_dicts([a, {"router.weight": torch.ones(4, 2)}])
     merged = gmoe.merge_ep_state_dicts([a, dict(a, **{"experts.fc1.weight": 2 * torch.ones(2, 3, 2)})])
     assert merged["experts.fc1.weight"].shape == (4, 3, 2) and merged["experts.fc1.weight"][2:].eq(2).all()
+
+
+def test_the_ep_layer_traces_with_fake_tensors():
+    # torch.compile's view of the layer: forward and backward traced on fake tensors (no exchange
+    # runs), the exchanges in the graph as gmoe ops: plan, dispatch, combine; then backward's reverse
+    # of each, combine's (a dispatch) first
+    from torch.func import functional_call
+    from torch.fx.experimental.proxy_tensor import make_fx
+    groups = gmoe.EpGroup.local(2, num_experts=8, hidden=16, max_rows=20, dtype=torch.float32)
+    m = gmoe.MoELayer(8, 16, 8, 2, ep_group=groups[0], dtype=torch.float32)
+    params = dict(m.named_parameters())
+
+    def forward_backward(params, x):
+        out = functional_call(m, params, (x,))
+        return (out,) + torch.autograd.grad(out.sum(), [x] + list(params.values()))
+
+    x = torch.randn(10, 16, requires_grad=True)
+    gm = make_fx(forward_backward, tracing_mode="fake")(params, x)
+    ops = [str(n.target) for n in gm.graph.nodes if "gmoe.ep_" in str(n.target)]
+    assert ops == ["gmoe.ep_plan.default", "gmoe.ep_dispatch.default", "gmoe.ep_combine.default",
+                   "gmoe.ep_dispatch.default", "gmoe.ep_combine.default"]
+    outs = [n for n in gm.graph.nodes if n.op == "output"][0].args[0]
+    assert tuple(outs[0].meta["val"].shape) == (10, 16) and tuple(outs[1].meta["val"].shape) == (10, 16)
+    for g in groups:
+        g.close()
