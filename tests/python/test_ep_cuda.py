@@ -220,36 +220,41 @@ def _graph_worker(rank, world):
             step(xs[0].clone().requires_grad_())
     torch.cuda.current_stream().wait_stream(s)
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    step(xs[1].clone().requires_grad_())
-    torch.cuda.set_sync_debug_mode("default")
 
-    # eager references under three routings
-    want = []
-    for inp in xs:
-        for p in params:
-            p.grad = None
-        xi = inp.clone().requires_grad_()
-        out = step(xi)
-        want.append((out.detach().clone(), xi.grad.clone(), [p.grad.clone() for p in params]))
+    # Captured before any eager step on the default stream: such a step leaves the parameters'
+    # AccumulateGrad nodes on the default stream, and the capture then fails.
     for p in params:
         p.grad = None
     static_x = xs[0].clone().requires_grad_()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         static_out = step(static_x)
+    got = {}
     for i in (1, 2, 0):
         with torch.no_grad():
             static_x.copy_(xs[i])
         graph.replay()
         torch.cuda.synchronize()
-        out, dx, dws = want[i]
-        assert torch.equal(static_out, out), f"replay {i}: out"
-        assert torch.equal(static_x.grad, dx), f"replay {i}: dx"
-        for p, dw in zip(params, dws):
+        got[i] = (static_out.clone(), static_x.grad.clone(), [p.grad.clone() for p in params])
+    del graph, static_out
+    torch.cuda.synchronize()
+
+    torch.cuda.set_sync_debug_mode("error")
+    step(xs[1].clone().requires_grad_())
+    torch.cuda.set_sync_debug_mode("default")
+
+    # eager references under the three routings
+    for i, inp in enumerate(xs):
+        for p in params:
+            p.grad = None
+        xi = inp.clone().requires_grad_()
+        out = step(xi)
+        g_out, g_dx, g_dws = got[i]
+        assert torch.equal(g_out, out.detach()), f"replay {i}: out"
+        assert torch.equal(g_dx, xi.grad), f"replay {i}: dx"
+        for p, dw in zip(params, g_dws):
             assert torch.equal(p.grad, dw), f"replay {i}: a weight gradient"
     gmoe.check_device_errors()
-    del graph, static_out
     torch.cuda.synchronize()
     group.close()
 
