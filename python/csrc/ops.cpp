@@ -4,8 +4,9 @@
 // on the current torch stream with gmoe's scratch from torch's allocator. The same kernel function
 // is registered for CPU (gmoe's CPU reference backend) and, where built, CUDA: gmoe dispatches on the
 // tensors' device itself. gmoe checks every argument before writing anything; its errors come out as
-// ValueError with gmoe's message. The fake (meta) kernels for torch.compile and the autograd formulas
-// are registered in Python (gmoe/_meta.py, gmoe/_autograd.py), where symbolic shapes are natural.
+// ValueError with gmoe's message. The fake (meta) kernels for torch.compile are registered in Python
+// (gmoe/_meta.py), where symbolic shapes are natural; the autograd formulas of the differentiable
+// ops in C++ (autograd.cpp), so that a call runs no Python.
 //
 // Conventions of the schemas:
 //   w: Tensor[]     one stacked [E, N, K] tensor, or E tensors [N, K] (per-expert parameters)

@@ -1,0 +1,250 @@
+// python/csrc/autograd.cpp — the autograd formulas of the differentiable expert ops
+// (grouped_gemm_fprop, grouped_bias_add, grouped_activation_forward), registered at the Autograd
+// dispatch key in C++.
+//
+// Why C++: an autograd formula registered from Python (torch.library.register_autograd) runs Python
+// on every call of the op, with or without gradients (the dispatcher boxes the arguments into
+// Python objects, a Python kernel decides whether to record, then redispatches through Python
+// again); under autograd it also builds a Python autograd.Function. Here the op costs the
+// dispatcher's own work and no Python at all, so it is also cheap when called from C++/libtorch.
+//
+// Each forward redispatches below autograd (AutoDispatchBelowADInplaceOrView) to the backend
+// kernel, or under torch.compile to the fake kernel of gmoe/_meta.py; each backward calls the gmoe
+// ops through the dispatcher, so that it runs gmoe's kernels and traces under torch.compile. No
+// size is read on the host here: shapes may be symbolic (torch.compile's dynamic shapes).
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+namespace gmoe_torch {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+/// The typed dispatcher handle of gmoe::<name>, looked up once.
+template <class Signature>
+c10::TypedOperatorHandle<Signature> op_handle(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+}
+
+at::Tensor call_fprop(const at::Tensor& x, at::TensorList w, const at::Tensor& counts, at::TensorList bias,
+                      std::optional<at::ScalarType> out_dtype) {
+  static const auto op = op_handle<at::Tensor(const at::Tensor&, at::TensorList, const at::Tensor&, at::TensorList,
+                                              std::optional<at::ScalarType>)>("gmoe::grouped_gemm_fprop");
+  return op.call(x, w, counts, bias, out_dtype);
+}
+
+at::Tensor call_dgrad(const at::Tensor& dy, at::TensorList w, const at::Tensor& counts) {
+  static const auto op = op_handle<at::Tensor(const at::Tensor&, at::TensorList, const at::Tensor&,
+                                              std::optional<at::ScalarType>)>("gmoe::grouped_gemm_dgrad");
+  return op.call(dy, w, counts, std::nullopt);
+}
+
+at::Tensor call_wgrad(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& counts, at::ScalarType out_dtype) {
+  static const auto op = op_handle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                              std::optional<at::ScalarType>, const std::optional<at::Tensor>&)>(
+      "gmoe::grouped_gemm_wgrad");
+  return op.call(dy, x, counts, out_dtype, std::nullopt);
+}
+
+at::Tensor call_bias_grad(const at::Tensor& dy, const at::Tensor& counts, at::ScalarType out_dtype) {
+  static const auto op = op_handle<at::Tensor(const at::Tensor&, const at::Tensor&, std::optional<at::ScalarType>)>(
+      "gmoe::grouped_bias_grad");
+  return op.call(dy, counts, out_dtype);
+}
+
+at::Tensor call_bias_add(const at::Tensor& y, at::TensorList bias, const at::Tensor& counts) {
+  static const auto op =
+      op_handle<at::Tensor(const at::Tensor&, at::TensorList, const at::Tensor&)>("gmoe::grouped_bias_add");
+  return op.call(y, bias, counts);
+}
+
+using ActivationForward = at::Tensor(const at::Tensor&, const at::Tensor&, const std::string&,
+                                     const std::optional<at::Tensor>&, double, double, bool, int64_t);
+using ActivationBackward = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                              const at::Tensor&, const std::string&,
+                                                              const std::optional<at::Tensor>&, bool, double, double,
+                                                              bool, int64_t);
+
+/// The argument positions of a Tensor[] among an op's differentiable inputs.
+struct Span {
+  int64_t begin = 0, size = 0;
+  int64_t end() const { return begin + size; }
+};
+
+bool any_needs_grad(AutogradContext* ctx, Span s) {
+  for (int64_t i = s.begin; i < s.end(); ++i)
+    if (ctx->needs_input_grad(static_cast<size_t>(i))) return true;
+  return false;
+}
+
+/// A stacked gradient [E, ...] in the layout of the list it is for: itself for one tensor of its
+/// rank (stacked weights [E, N, K], a grouped bias [E, N]), else E per-expert views.
+void append_in_layout(variable_list& out, const at::Tensor& g, bool stacked, int64_t count) {
+  if (stacked) {
+    out.push_back(g);
+    return;
+  }
+  std::vector<at::Tensor> parts = g.unbind(0);
+  TORCH_CHECK(static_cast<int64_t>(parts.size()) == count, "gmoe autograd: ", parts.size(),
+              " expert gradients for ", count, " tensors");
+  for (at::Tensor& p : parts) out.push_back(std::move(p));
+}
+
+/// What the biases' gradients need to know of the biases (an empty list: no bias).
+void save_bias_layout(AutogradContext* ctx, at::TensorList bias) {
+  ctx->saved_data["num_biases"] = static_cast<int64_t>(bias.size());
+  ctx->saved_data["bias_grouped"] = bias.size() == 1 && bias[0].dim() == 2;
+  if (!bias.empty()) ctx->saved_data["bias_dtype"] = bias[0].scalar_type();
+}
+
+/// The biases' gradients (at positions `s` of the inputs) appended in their layout; undefined
+/// (nothing computed) where no bias needs one.
+void append_bias_grads(AutogradContext* ctx, variable_list& out, const at::Tensor& dy, const at::Tensor& counts,
+                       Span s) {
+  if (s.size == 0) return;
+  if (!any_needs_grad(ctx, s)) {
+    out.resize(out.size() + s.size);
+    return;
+  }
+  const at::Tensor db = call_bias_grad(dy, counts, ctx->saved_data["bias_dtype"].toScalarType());
+  append_in_layout(out, db, ctx->saved_data["bias_grouped"].toBool(), s.size);
+}
+
+// ---- grouped_gemm_fprop(x, w, counts, bias, out_dtype) -------------------------------------------
+
+struct FpropFunction : torch::autograd::Function<FpropFunction> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, at::TensorList w, const at::Tensor& counts,
+                            at::TensorList bias, std::optional<at::ScalarType> out_dtype) {
+    at::Tensor y;
+    {
+      at::AutoDispatchBelowADInplaceOrView below;
+      y = call_fprop(x, w, counts, bias, out_dtype);
+    }
+    std::vector<at::Tensor> saved{x, counts};
+    saved.insert(saved.end(), w.begin(), w.end());
+    ctx->save_for_backward(saved);
+    ctx->saved_data["weights_stacked"] = w.size() == 1 && w[0].dim() == 3;
+    save_bias_layout(ctx, bias);
+    return y;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    const at::Tensor& x = saved[0];
+    const at::Tensor& counts = saved[1];
+    const std::vector<at::Tensor> w(saved.begin() + 2, saved.end());
+    const int64_t nw = static_cast<int64_t>(w.size());
+    const int64_t nb = ctx->saved_data["num_biases"].toInt();
+    // Positions among the inputs: x, w..., counts, bias..., out_dtype.
+    const Span weights{1, nw}, biases{nw + 2, nb};
+    const at::Tensor dy = grads[0].to(x.scalar_type()).contiguous();
+    variable_list out;
+    out.reserve(nw + nb + 3);
+    out.push_back(ctx->needs_input_grad(0) ? call_dgrad(dy, w, counts) : at::Tensor());
+    if (any_needs_grad(ctx, weights)) {
+      append_in_layout(out, call_wgrad(dy, x, counts, w[0].scalar_type()),
+                       ctx->saved_data["weights_stacked"].toBool(), nw);
+    } else {
+      out.resize(out.size() + nw);
+    }
+    out.emplace_back();  // counts
+    append_bias_grads(ctx, out, dy, counts, biases);
+    out.emplace_back();  // out_dtype
+    return out;
+  }
+};
+
+at::Tensor grouped_gemm_fprop_autograd(const at::Tensor& x, at::TensorList w, const at::Tensor& counts,
+                                       at::TensorList bias, std::optional<at::ScalarType> out_dtype) {
+  return FpropFunction::apply(x, w, counts, bias, out_dtype);
+}
+
+// ---- grouped_bias_add(y, bias, counts) ----------------------------------------------------------
+
+struct BiasAddFunction : torch::autograd::Function<BiasAddFunction> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& y, at::TensorList bias, const at::Tensor& counts) {
+    at::Tensor out;
+    {
+      at::AutoDispatchBelowADInplaceOrView below;
+      out = call_bias_add(y, bias, counts);
+    }
+    ctx->save_for_backward({counts});
+    save_bias_layout(ctx, bias);
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const at::Tensor counts = ctx->get_saved_variables()[0];
+    const int64_t nb = ctx->saved_data["num_biases"].toInt();
+    const at::Tensor dy = grads[0].contiguous();
+    variable_list out;
+    out.reserve(nb + 2);
+    out.push_back(ctx->needs_input_grad(0) ? dy : at::Tensor());
+    append_bias_grads(ctx, out, dy, counts, Span{1, nb});  // positions: y, bias..., counts
+    out.emplace_back();                                    // counts
+    return out;
+  }
+};
+
+at::Tensor grouped_bias_add_autograd(const at::Tensor& y, at::TensorList bias, const at::Tensor& counts) {
+  return BiasAddFunction::apply(y, bias, counts);
+}
+
+// ---- grouped_activation_forward(h, counts, kind, probs, alpha, limit, gelu_tanh, glu_block) -----
+
+struct ActivationFunction : torch::autograd::Function<ActivationFunction> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& h, const at::Tensor& counts,
+                            const std::string& kind, const std::optional<at::Tensor>& probs, double alpha,
+                            double limit, bool gelu_tanh, int64_t glu_block) {
+    static const auto op = op_handle<ActivationForward>("gmoe::grouped_activation_forward");
+    at::Tensor z;
+    {
+      at::AutoDispatchBelowADInplaceOrView below;
+      z = op.call(h, counts, kind, probs, alpha, limit, gelu_tanh, glu_block);
+    }
+    ctx->save_for_backward({h, counts, probs.value_or(at::Tensor())});
+    ctx->saved_data["kind"] = kind;
+    ctx->saved_data["alpha"] = alpha;
+    ctx->saved_data["limit"] = limit;
+    ctx->saved_data["gelu_tanh"] = gelu_tanh;
+    ctx->saved_data["glu_block"] = glu_block;
+    ctx->saved_data["need_dprobs"] = probs.has_value() && probs->defined() && probs->requires_grad();
+    return z;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static const auto op = op_handle<ActivationBackward>("gmoe::grouped_activation_backward");
+    const variable_list saved = ctx->get_saved_variables();
+    const bool need_dprobs = ctx->saved_data["need_dprobs"].toBool();
+    const std::optional<at::Tensor> probs = saved[2].defined() ? std::optional<at::Tensor>(saved[2]) : std::nullopt;
+    auto [dh, dprobs] = op.call(saved[0], grads[0].contiguous(), saved[1], ctx->saved_data["kind"].toStringRef(),
+                                probs, need_dprobs, ctx->saved_data["alpha"].toDouble(),
+                                ctx->saved_data["limit"].toDouble(), ctx->saved_data["gelu_tanh"].toBool(),
+                                ctx->saved_data["glu_block"].toInt());
+    // Positions: h, counts, kind, probs, alpha, limit, gelu_tanh, glu_block.
+    return {dh, at::Tensor(), at::Tensor(), need_dprobs ? dprobs : at::Tensor(), at::Tensor(), at::Tensor(),
+            at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor grouped_activation_forward_autograd(const at::Tensor& h, const at::Tensor& counts, const std::string& kind,
+                                               const std::optional<at::Tensor>& probs, double alpha, double limit,
+                                               bool gelu_tanh, int64_t glu_block) {
+  return ActivationFunction::apply(h, counts, kind, probs, alpha, limit, gelu_tanh, glu_block);
+}
+
+}  // namespace
+}  // namespace gmoe_torch
+
+TORCH_LIBRARY_IMPL(gmoe, Autograd, m) {
+  m.impl("grouped_gemm_fprop", &gmoe_torch::grouped_gemm_fprop_autograd);
+  m.impl("grouped_bias_add", &gmoe_torch::grouped_bias_add_autograd);
+  m.impl("grouped_activation_forward", &gmoe_torch::grouped_activation_forward_autograd);
+}
