@@ -1,6 +1,6 @@
-// python/csrc/autograd.cpp — the autograd formulas of the differentiable expert ops
-// (grouped_gemm_fprop, grouped_bias_add, grouped_activation_forward), registered at the Autograd
-// dispatch key in C++.
+// python/csrc/autograd.cpp — the autograd formulas of gmoe's differentiable ops (the expert ops
+// grouped_gemm_fprop, grouped_bias_add, grouped_activation_forward; the routing ops router_topk,
+// router_aux_loss, router_z_loss, permute, combine), registered at the Autograd dispatch key in C++.
 //
 // Why C++: an autograd formula registered from Python (torch.library.register_autograd) runs Python
 // on every call of the op, with or without gradients (the dispatcher boxes the arguments into
@@ -240,6 +240,201 @@ at::Tensor grouped_activation_forward_autograd(const at::Tensor& h, const at::Te
   return ActivationFunction::apply(h, counts, kind, probs, alpha, limit, gelu_tanh, glu_block);
 }
 
+// ---- routing ---------------------------------------------------------------------------------------
+// The integer outputs (ids, counts, the map, dropped) have no gradient (autograd leaves integer
+// outputs out by their dtype); the selection is a constant. The gradients of the outputs that the
+// loss does not reach stay undefined (no zeros are made for them), as these formulas read only the
+// probabilities' and rows' gradients.
+
+std::optional<at::Tensor> optional_of(const at::Tensor& t) {
+  return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
+}
+
+bool requires_grad(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined() && t->requires_grad(); }
+
+using RouterTopk = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, int64_t, const std::string&, bool,
+                                                                  int64_t, int64_t, double,
+                                                                  const std::optional<at::Tensor>&);
+
+// router_topk(logits, top_k, score, normalize, n_group, topk_group, scaling_factor, score_bias)
+//   -> (probs, ids, counts)
+struct RouterTopkFunction : torch::autograd::Function<RouterTopkFunction> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& logits, int64_t top_k, const std::string& score,
+                               bool normalize, int64_t n_group, int64_t topk_group, double scaling_factor,
+                               const std::optional<at::Tensor>& score_bias) {
+    static const auto op = op_handle<RouterTopk>("gmoe::router_topk");
+    at::AutoDispatchBelowADInplaceOrView below;
+    auto [probs, ids, counts] = op.call(logits, top_k, score, normalize, n_group, topk_group, scaling_factor,
+                                        score_bias);
+    ctx->set_materialize_grads(false);
+    ctx->save_for_backward({logits, ids});
+    ctx->saved_data["score"] = score;
+    ctx->saved_data["normalize"] = normalize;
+    ctx->saved_data["scaling_factor"] = scaling_factor;
+    return {probs, ids, counts};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static const auto op = op_handle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                const std::string&, bool, double, std::optional<at::ScalarType>)>(
+        "gmoe::router_topk_backward");
+    variable_list out(8);  // logits, top_k, score, normalize, n_group, topk_group, scaling_factor, score_bias
+    if (!grads[0].defined() || !ctx->needs_input_grad(0)) return out;
+    const variable_list saved = ctx->get_saved_variables();
+    out[0] = op.call(saved[0], saved[1], grads[0].to(at::kFloat).contiguous(), ctx->saved_data["score"].toStringRef(),
+                     ctx->saved_data["normalize"].toBool(), ctx->saved_data["scaling_factor"].toDouble(),
+                     std::nullopt);
+    return out;
+  }
+};
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> router_topk_autograd(const at::Tensor& logits, int64_t top_k,
+                                                                    const std::string& score, bool normalize,
+                                                                    int64_t n_group, int64_t topk_group,
+                                                                    double scaling_factor,
+                                                                    const std::optional<at::Tensor>& score_bias) {
+  const variable_list r = RouterTopkFunction::apply(logits, top_k, score, normalize, n_group, topk_group,
+                                                    scaling_factor, score_bias);
+  return {r[0], r[1], r[2]};
+}
+
+// router_aux_loss(logits, counts, top_k, score, coeff)
+struct AuxLossFunction : torch::autograd::Function<AuxLossFunction> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& logits, const at::Tensor& counts, int64_t top_k,
+                            const std::string& score, double coeff) {
+    static const auto op = op_handle<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, const std::string&,
+                                                double)>("gmoe::router_aux_loss");
+    at::AutoDispatchBelowADInplaceOrView below;
+    at::Tensor loss = op.call(logits, counts, top_k, score, coeff);
+    ctx->save_for_backward({logits, counts});
+    ctx->saved_data["top_k"] = top_k;
+    ctx->saved_data["score"] = score;
+    ctx->saved_data["coeff"] = coeff;
+    return loss;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static const auto op = op_handle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
+                                                const std::string&, double, std::optional<at::ScalarType>)>(
+        "gmoe::router_aux_loss_backward");
+    const variable_list saved = ctx->get_saved_variables();
+    const at::Tensor dlogits = op.call(saved[0], saved[1], grads[0].to(at::kFloat).contiguous(),
+                                       ctx->saved_data["top_k"].toInt(), ctx->saved_data["score"].toStringRef(),
+                                       ctx->saved_data["coeff"].toDouble(), std::nullopt);
+    return {dlogits, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor router_aux_loss_autograd(const at::Tensor& logits, const at::Tensor& counts, int64_t top_k,
+                                    const std::string& score, double coeff) {
+  return AuxLossFunction::apply(logits, counts, top_k, score, coeff);
+}
+
+// router_z_loss(logits, coeff)
+struct ZLossFunction : torch::autograd::Function<ZLossFunction> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& logits, double coeff) {
+    static const auto op = op_handle<at::Tensor(const at::Tensor&, double)>("gmoe::router_z_loss");
+    at::AutoDispatchBelowADInplaceOrView below;
+    at::Tensor loss = op.call(logits, coeff);
+    ctx->save_for_backward({logits});
+    ctx->saved_data["coeff"] = coeff;
+    return loss;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static const auto op = op_handle<at::Tensor(const at::Tensor&, const at::Tensor&, double,
+                                                std::optional<at::ScalarType>)>("gmoe::router_z_loss_backward");
+    const at::Tensor dlogits = op.call(ctx->get_saved_variables()[0], grads[0].to(at::kFloat).contiguous(),
+                                       ctx->saved_data["coeff"].toDouble(), std::nullopt);
+    return {dlogits, at::Tensor()};
+  }
+};
+
+at::Tensor router_z_loss_autograd(const at::Tensor& logits, double coeff) { return ZLossFunction::apply(logits, coeff); }
+
+using Permute = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
+    const at::Tensor&, const at::Tensor&, int64_t, int64_t, double, const std::optional<at::Tensor>&);
+
+// permute(x, ids, num_experts, pad_multiple, capacity_factor, probs)
+//   -> (permuted, counts, row_of, src_token, permuted_probs, dropped)
+struct PermuteFunction : torch::autograd::Function<PermuteFunction> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& ids, int64_t num_experts,
+                               int64_t pad_multiple, double capacity_factor, const std::optional<at::Tensor>& probs) {
+    static const auto op = op_handle<Permute>("gmoe::permute");
+    at::AutoDispatchBelowADInplaceOrView below;
+    auto [permuted, counts, row_of, src_token, permuted_probs, dropped] =
+        op.call(x, ids, num_experts, pad_multiple, capacity_factor, probs);
+    ctx->set_materialize_grads(false);
+    ctx->save_for_backward({row_of, src_token});
+    ctx->saved_data["cols"] = x.sym_size(1);
+    ctx->saved_data["x_dtype"] = x.scalar_type();
+    ctx->saved_data["need_dprobs"] = requires_grad(probs);
+    return {permuted, counts, row_of, src_token, permuted_probs, dropped};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static const auto op = op_handle<std::tuple<at::Tensor, at::Tensor>(
+        const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&)>(
+        "gmoe::permute_backward");
+    const variable_list saved = ctx->get_saved_variables();
+    const at::Tensor& row_of = saved[0];
+    const at::Tensor& src_token = saved[1];
+    const at::ScalarType x_dtype = ctx->saved_data["x_dtype"].toScalarType();
+    at::Tensor dpermuted = grads[0];
+    if (!dpermuted.defined()) {
+      dpermuted = at::zeros_symint({src_token.sym_size(0), ctx->saved_data["cols"].toSymInt()},
+                                   row_of.options().dtype(x_dtype));
+    }
+    const bool want_dprobs = ctx->saved_data["need_dprobs"].toBool() && grads[4].defined();
+    auto [dx, dprobs] = op.call(dpermuted.to(x_dtype).contiguous(), row_of, src_token,
+                                want_dprobs ? optional_of(grads[4].to(at::kFloat).contiguous()) : std::nullopt);
+    // Positions: x, ids, num_experts, pad_multiple, capacity_factor, probs.
+    return {dx, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), want_dprobs ? dprobs : at::Tensor()};
+  }
+};
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> permute_autograd(
+    const at::Tensor& x, const at::Tensor& ids, int64_t num_experts, int64_t pad_multiple, double capacity_factor,
+    const std::optional<at::Tensor>& probs) {
+  const variable_list r = PermuteFunction::apply(x, ids, num_experts, pad_multiple, capacity_factor, probs);
+  return {r[0], r[1], r[2], r[3], r[4], r[5]};
+}
+
+// combine(expert_out, row_of, src_token, probs)
+struct CombineFunction : torch::autograd::Function<CombineFunction> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& expert_out, const at::Tensor& row_of,
+                            const at::Tensor& src_token, const std::optional<at::Tensor>& probs) {
+    static const auto op = op_handle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                const std::optional<at::Tensor>&)>("gmoe::combine");
+    at::AutoDispatchBelowADInplaceOrView below;
+    at::Tensor out = op.call(expert_out, row_of, src_token, probs);
+    const bool need_dprobs = requires_grad(probs);
+    // expert_out lives on to backward only for the probabilities' gradient.
+    ctx->save_for_backward({row_of, src_token, probs.value_or(at::Tensor()), need_dprobs ? expert_out : at::Tensor()});
+    ctx->saved_data["need_dprobs"] = need_dprobs;
+    ctx->saved_data["out_dtype"] = expert_out.scalar_type();
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static const auto op = op_handle<std::tuple<at::Tensor, at::Tensor>(
+        const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+        const std::optional<at::Tensor>&, bool)>("gmoe::combine_backward");
+    const variable_list saved = ctx->get_saved_variables();
+    const bool need_dprobs = ctx->saved_data["need_dprobs"].toBool();
+    auto [dexpert_out, dprobs] =
+        op.call(grads[0].to(ctx->saved_data["out_dtype"].toScalarType()).contiguous(), saved[0], saved[1],
+                optional_of(saved[2]), optional_of(saved[3]), need_dprobs);
+    // Positions: expert_out, row_of, src_token, probs.
+    return {dexpert_out, at::Tensor(), at::Tensor(), need_dprobs ? dprobs : at::Tensor()};
+  }
+};
+
+at::Tensor combine_autograd(const at::Tensor& expert_out, const at::Tensor& row_of, const at::Tensor& src_token,
+                            const std::optional<at::Tensor>& probs) {
+  return CombineFunction::apply(expert_out, row_of, src_token, probs);
+}
+
 }  // namespace
 }  // namespace gmoe_torch
 
@@ -247,4 +442,9 @@ TORCH_LIBRARY_IMPL(gmoe, Autograd, m) {
   m.impl("grouped_gemm_fprop", &gmoe_torch::grouped_gemm_fprop_autograd);
   m.impl("grouped_bias_add", &gmoe_torch::grouped_bias_add_autograd);
   m.impl("grouped_activation_forward", &gmoe_torch::grouped_activation_forward_autograd);
+  m.impl("router_topk", &gmoe_torch::router_topk_autograd);
+  m.impl("router_aux_loss", &gmoe_torch::router_aux_loss_autograd);
+  m.impl("router_z_loss", &gmoe_torch::router_z_loss_autograd);
+  m.impl("permute", &gmoe_torch::permute_autograd);
+  m.impl("combine", &gmoe_torch::combine_autograd);
 }

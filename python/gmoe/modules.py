@@ -33,7 +33,6 @@ from torch import Tensor, nn
 
 from .fp8 import Fp8Rows, Fp8Weights, fp8_grouped_gemm, fp8_grouped_gemm_dgrad, fp8_grouped_gemm_wgrad, \
     quantize_grouped, quantize_weights
-from ._autograd import bias_grads, save_bias_layout
 from .ops import ACTIVATIONS, MASKED_OFF_WGRAD, glu_block_of
 
 _ops = torch.ops.gmoe
@@ -105,6 +104,22 @@ def _device_counts(m_splits, device: torch.device) -> Tensor:
         return host
     pinned = host if host.is_pinned() else host.pin_memory()
     return pinned.to(device, non_blocking=True)
+
+
+def save_bias_layout(ctx, biases) -> None:
+    """What bias_grads needs to know of the biases (an empty list: no bias)."""
+    ctx.num_biases = len(biases)
+    ctx.bias_grouped = len(biases) == 1 and biases[0].dim() == 2
+    ctx.bias_dtype = biases[0].dtype if biases else None
+
+
+def bias_grads(ctx, dy, counts):
+    """The biases' gradients in their layout: [] without bias, [db] for a grouped [E, N] bias, E
+    tensors [N] for per-expert biases."""
+    if not ctx.num_biases:
+        return []
+    g = _ops.grouped_bias_grad(dy, counts, ctx.bias_dtype)
+    return [g] if ctx.bias_grouped else list(g.unbind(0))
 
 
 def _any_main_grad(weights: List[Tensor], biases: List[Tensor]) -> bool:
