@@ -8,7 +8,7 @@
 // again); under autograd it also builds a Python autograd.Function. Here the op costs the
 // dispatcher's own work and no Python at all, so it is also cheap when called from C++/libtorch.
 //
-// Each forward redispatches below autograd (AutoDispatchBelowADInplaceOrView) to the backend
+// Each forward (call_*) redispatches below autograd (AutoDispatchBelowADInplaceOrView) to the backend
 // kernel, or under torch.compile to the fake kernel of gmoe/_meta.py; each backward calls the gmoe
 // ops through the dispatcher, so that it runs gmoe's kernels and traces under torch.compile. No
 // size is read on the host here: shapes may be symbolic (torch.compile's dynamic shapes).
@@ -37,6 +37,7 @@ at::Tensor call_fprop(const at::Tensor& x, at::TensorList w, const at::Tensor& c
                       std::optional<at::ScalarType> out_dtype) {
   static const auto op = op_handle<at::Tensor(const at::Tensor&, at::TensorList, const at::Tensor&, at::TensorList,
                                               std::optional<at::ScalarType>)>("gmoe::grouped_gemm_fprop");
+  at::AutoDispatchBelowADInplaceOrView below;
   return op.call(x, w, counts, bias, out_dtype);
 }
 
@@ -62,6 +63,7 @@ at::Tensor call_bias_grad(const at::Tensor& dy, const at::Tensor& counts, at::Sc
 at::Tensor call_bias_add(const at::Tensor& y, at::TensorList bias, const at::Tensor& counts) {
   static const auto op =
       op_handle<at::Tensor(const at::Tensor&, at::TensorList, const at::Tensor&)>("gmoe::grouped_bias_add");
+  at::AutoDispatchBelowADInplaceOrView below;
   return op.call(y, bias, counts);
 }
 
@@ -71,6 +73,22 @@ using ActivationBackward = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&,
                                                               const at::Tensor&, const std::string&,
                                                               const std::optional<at::Tensor>&, bool, double, double,
                                                               bool, int64_t);
+
+bool requires_grad(const at::Tensor& t) { return t.defined() && t.requires_grad(); }
+bool requires_grad(const std::optional<at::Tensor>& t) { return t.has_value() && requires_grad(*t); }
+bool requires_grad(at::TensorList ts) {
+  for (const at::Tensor& t : ts)
+    if (requires_grad(t)) return true;
+  return false;
+}
+
+/// Whether autograd records a call with these differentiable inputs. Where it does not (no grad
+/// mode, or no input that requires grad) the kernels redispatch at once: an autograd Function
+/// costs a node, its saved state and its output wrapping even when it records nothing.
+template <class... Inputs>
+bool recording(const Inputs&... inputs) {
+  return at::GradMode::is_enabled() && (requires_grad(inputs) || ...);
+}
 
 /// The argument positions of a Tensor[] among an op's differentiable inputs.
 struct Span {
@@ -122,11 +140,7 @@ void append_bias_grads(AutogradContext* ctx, variable_list& out, const at::Tenso
 struct FpropFunction : torch::autograd::Function<FpropFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, at::TensorList w, const at::Tensor& counts,
                             at::TensorList bias, std::optional<at::ScalarType> out_dtype) {
-    at::Tensor y;
-    {
-      at::AutoDispatchBelowADInplaceOrView below;
-      y = call_fprop(x, w, counts, bias, out_dtype);
-    }
+    const at::Tensor y = call_fprop(x, w, counts, bias, out_dtype);
     std::vector<at::Tensor> saved{x, counts};
     saved.insert(saved.end(), w.begin(), w.end());
     ctx->save_for_backward(saved);
@@ -163,6 +177,7 @@ struct FpropFunction : torch::autograd::Function<FpropFunction> {
 
 at::Tensor grouped_gemm_fprop_autograd(const at::Tensor& x, at::TensorList w, const at::Tensor& counts,
                                        at::TensorList bias, std::optional<at::ScalarType> out_dtype) {
+  if (!recording(x, w, bias)) return call_fprop(x, w, counts, bias, out_dtype);
   return FpropFunction::apply(x, w, counts, bias, out_dtype);
 }
 
@@ -170,11 +185,7 @@ at::Tensor grouped_gemm_fprop_autograd(const at::Tensor& x, at::TensorList w, co
 
 struct BiasAddFunction : torch::autograd::Function<BiasAddFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& y, at::TensorList bias, const at::Tensor& counts) {
-    at::Tensor out;
-    {
-      at::AutoDispatchBelowADInplaceOrView below;
-      out = call_bias_add(y, bias, counts);
-    }
+    const at::Tensor out = call_bias_add(y, bias, counts);
     ctx->save_for_backward({counts});
     save_bias_layout(ctx, bias);
     return out;
@@ -194,21 +205,25 @@ struct BiasAddFunction : torch::autograd::Function<BiasAddFunction> {
 };
 
 at::Tensor grouped_bias_add_autograd(const at::Tensor& y, at::TensorList bias, const at::Tensor& counts) {
+  if (!recording(y, bias)) return call_bias_add(y, bias, counts);
   return BiasAddFunction::apply(y, bias, counts);
 }
 
 // ---- grouped_activation_forward(h, counts, kind, probs, alpha, limit, gelu_tanh, glu_block) -----
 
+at::Tensor call_activation(const at::Tensor& h, const at::Tensor& counts, const std::string& kind,
+                           const std::optional<at::Tensor>& probs, double alpha, double limit, bool gelu_tanh,
+                           int64_t glu_block) {
+  static const auto op = op_handle<ActivationForward>("gmoe::grouped_activation_forward");
+  at::AutoDispatchBelowADInplaceOrView below;
+  return op.call(h, counts, kind, probs, alpha, limit, gelu_tanh, glu_block);
+}
+
 struct ActivationFunction : torch::autograd::Function<ActivationFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& h, const at::Tensor& counts,
                             const std::string& kind, const std::optional<at::Tensor>& probs, double alpha,
                             double limit, bool gelu_tanh, int64_t glu_block) {
-    static const auto op = op_handle<ActivationForward>("gmoe::grouped_activation_forward");
-    at::Tensor z;
-    {
-      at::AutoDispatchBelowADInplaceOrView below;
-      z = op.call(h, counts, kind, probs, alpha, limit, gelu_tanh, glu_block);
-    }
+    const at::Tensor z = call_activation(h, counts, kind, probs, alpha, limit, gelu_tanh, glu_block);
     ctx->save_for_backward({h, counts, probs.value_or(at::Tensor())});
     ctx->saved_data["kind"] = kind;
     ctx->saved_data["alpha"] = alpha;
@@ -237,6 +252,7 @@ struct ActivationFunction : torch::autograd::Function<ActivationFunction> {
 at::Tensor grouped_activation_forward_autograd(const at::Tensor& h, const at::Tensor& counts, const std::string& kind,
                                                const std::optional<at::Tensor>& probs, double alpha, double limit,
                                                bool gelu_tanh, int64_t glu_block) {
+  if (!recording(h, probs)) return call_activation(h, counts, kind, probs, alpha, limit, gelu_tanh, glu_block);
   return ActivationFunction::apply(h, counts, kind, probs, alpha, limit, gelu_tanh, glu_block);
 }
 
@@ -250,7 +266,6 @@ std::optional<at::Tensor> optional_of(const at::Tensor& t) {
   return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
 }
 
-bool requires_grad(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined() && t->requires_grad(); }
 
 using RouterTopk = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, int64_t, const std::string&, bool,
                                                                   int64_t, int64_t, double,
@@ -258,14 +273,22 @@ using RouterTopk = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tens
 
 // router_topk(logits, top_k, score, normalize, n_group, topk_group, scaling_factor, score_bias)
 //   -> (probs, ids, counts)
+std::tuple<at::Tensor, at::Tensor, at::Tensor> call_router_topk(const at::Tensor& logits, int64_t top_k,
+                                                                const std::string& score, bool normalize,
+                                                                int64_t n_group, int64_t topk_group,
+                                                                double scaling_factor,
+                                                                const std::optional<at::Tensor>& score_bias) {
+  static const auto op = op_handle<RouterTopk>("gmoe::router_topk");
+  at::AutoDispatchBelowADInplaceOrView below;
+  return op.call(logits, top_k, score, normalize, n_group, topk_group, scaling_factor, score_bias);
+}
+
 struct RouterTopkFunction : torch::autograd::Function<RouterTopkFunction> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& logits, int64_t top_k, const std::string& score,
                                bool normalize, int64_t n_group, int64_t topk_group, double scaling_factor,
                                const std::optional<at::Tensor>& score_bias) {
-    static const auto op = op_handle<RouterTopk>("gmoe::router_topk");
-    at::AutoDispatchBelowADInplaceOrView below;
-    auto [probs, ids, counts] = op.call(logits, top_k, score, normalize, n_group, topk_group, scaling_factor,
-                                        score_bias);
+    auto [probs, ids, counts] =
+        call_router_topk(logits, top_k, score, normalize, n_group, topk_group, scaling_factor, score_bias);
     ctx->set_materialize_grads(false);
     ctx->save_for_backward({logits, ids});
     ctx->saved_data["score"] = score;
@@ -293,19 +316,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> router_topk_autograd(const at::Te
                                                                     int64_t n_group, int64_t topk_group,
                                                                     double scaling_factor,
                                                                     const std::optional<at::Tensor>& score_bias) {
+  if (!recording(logits)) {
+    return call_router_topk(logits, top_k, score, normalize, n_group, topk_group, scaling_factor, score_bias);
+  }
   const variable_list r = RouterTopkFunction::apply(logits, top_k, score, normalize, n_group, topk_group,
                                                     scaling_factor, score_bias);
   return {r[0], r[1], r[2]};
 }
 
 // router_aux_loss(logits, counts, top_k, score, coeff)
+at::Tensor call_aux_loss(const at::Tensor& logits, const at::Tensor& counts, int64_t top_k, const std::string& score,
+                         double coeff) {
+  static const auto op = op_handle<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, const std::string&,
+                                              double)>("gmoe::router_aux_loss");
+  at::AutoDispatchBelowADInplaceOrView below;
+  return op.call(logits, counts, top_k, score, coeff);
+}
+
 struct AuxLossFunction : torch::autograd::Function<AuxLossFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& logits, const at::Tensor& counts, int64_t top_k,
                             const std::string& score, double coeff) {
-    static const auto op = op_handle<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, const std::string&,
-                                                double)>("gmoe::router_aux_loss");
-    at::AutoDispatchBelowADInplaceOrView below;
-    at::Tensor loss = op.call(logits, counts, top_k, score, coeff);
+    const at::Tensor loss = call_aux_loss(logits, counts, top_k, score, coeff);
     ctx->save_for_backward({logits, counts});
     ctx->saved_data["top_k"] = top_k;
     ctx->saved_data["score"] = score;
@@ -327,15 +358,20 @@ struct AuxLossFunction : torch::autograd::Function<AuxLossFunction> {
 
 at::Tensor router_aux_loss_autograd(const at::Tensor& logits, const at::Tensor& counts, int64_t top_k,
                                     const std::string& score, double coeff) {
+  if (!recording(logits)) return call_aux_loss(logits, counts, top_k, score, coeff);
   return AuxLossFunction::apply(logits, counts, top_k, score, coeff);
 }
 
 // router_z_loss(logits, coeff)
+at::Tensor call_z_loss(const at::Tensor& logits, double coeff) {
+  static const auto op = op_handle<at::Tensor(const at::Tensor&, double)>("gmoe::router_z_loss");
+  at::AutoDispatchBelowADInplaceOrView below;
+  return op.call(logits, coeff);
+}
+
 struct ZLossFunction : torch::autograd::Function<ZLossFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& logits, double coeff) {
-    static const auto op = op_handle<at::Tensor(const at::Tensor&, double)>("gmoe::router_z_loss");
-    at::AutoDispatchBelowADInplaceOrView below;
-    at::Tensor loss = op.call(logits, coeff);
+    const at::Tensor loss = call_z_loss(logits, coeff);
     ctx->save_for_backward({logits});
     ctx->saved_data["coeff"] = coeff;
     return loss;
@@ -350,20 +386,29 @@ struct ZLossFunction : torch::autograd::Function<ZLossFunction> {
   }
 };
 
-at::Tensor router_z_loss_autograd(const at::Tensor& logits, double coeff) { return ZLossFunction::apply(logits, coeff); }
+at::Tensor router_z_loss_autograd(const at::Tensor& logits, double coeff) {
+  if (!recording(logits)) return call_z_loss(logits, coeff);
+  return ZLossFunction::apply(logits, coeff);
+}
 
 using Permute = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, int64_t, int64_t, double, const std::optional<at::Tensor>&);
 
 // permute(x, ids, num_experts, pad_multiple, capacity_factor, probs)
 //   -> (permuted, counts, row_of, src_token, permuted_probs, dropped)
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> call_permute(
+    const at::Tensor& x, const at::Tensor& ids, int64_t num_experts, int64_t pad_multiple, double capacity_factor,
+    const std::optional<at::Tensor>& probs) {
+  static const auto op = op_handle<Permute>("gmoe::permute");
+  at::AutoDispatchBelowADInplaceOrView below;
+  return op.call(x, ids, num_experts, pad_multiple, capacity_factor, probs);
+}
+
 struct PermuteFunction : torch::autograd::Function<PermuteFunction> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& ids, int64_t num_experts,
                                int64_t pad_multiple, double capacity_factor, const std::optional<at::Tensor>& probs) {
-    static const auto op = op_handle<Permute>("gmoe::permute");
-    at::AutoDispatchBelowADInplaceOrView below;
     auto [permuted, counts, row_of, src_token, permuted_probs, dropped] =
-        op.call(x, ids, num_experts, pad_multiple, capacity_factor, probs);
+        call_permute(x, ids, num_experts, pad_multiple, capacity_factor, probs);
     ctx->set_materialize_grads(false);
     ctx->save_for_backward({row_of, src_token});
     ctx->saved_data["cols"] = x.sym_size(1);
@@ -396,18 +441,24 @@ struct PermuteFunction : torch::autograd::Function<PermuteFunction> {
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> permute_autograd(
     const at::Tensor& x, const at::Tensor& ids, int64_t num_experts, int64_t pad_multiple, double capacity_factor,
     const std::optional<at::Tensor>& probs) {
+  if (!recording(x, probs)) return call_permute(x, ids, num_experts, pad_multiple, capacity_factor, probs);
   const variable_list r = PermuteFunction::apply(x, ids, num_experts, pad_multiple, capacity_factor, probs);
   return {r[0], r[1], r[2], r[3], r[4], r[5]};
 }
 
 // combine(expert_out, row_of, src_token, probs)
+at::Tensor call_combine(const at::Tensor& expert_out, const at::Tensor& row_of, const at::Tensor& src_token,
+                        const std::optional<at::Tensor>& probs) {
+  static const auto op = op_handle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                              const std::optional<at::Tensor>&)>("gmoe::combine");
+  at::AutoDispatchBelowADInplaceOrView below;
+  return op.call(expert_out, row_of, src_token, probs);
+}
+
 struct CombineFunction : torch::autograd::Function<CombineFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& expert_out, const at::Tensor& row_of,
                             const at::Tensor& src_token, const std::optional<at::Tensor>& probs) {
-    static const auto op = op_handle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                                const std::optional<at::Tensor>&)>("gmoe::combine");
-    at::AutoDispatchBelowADInplaceOrView below;
-    at::Tensor out = op.call(expert_out, row_of, src_token, probs);
+    const at::Tensor out = call_combine(expert_out, row_of, src_token, probs);
     const bool need_dprobs = requires_grad(probs);
     // expert_out lives on to backward only for the probabilities' gradient.
     ctx->save_for_backward({row_of, src_token, probs.value_or(at::Tensor()), need_dprobs ? expert_out : at::Tensor()});
@@ -432,6 +483,7 @@ struct CombineFunction : torch::autograd::Function<CombineFunction> {
 
 at::Tensor combine_autograd(const at::Tensor& expert_out, const at::Tensor& row_of, const at::Tensor& src_token,
                             const std::optional<at::Tensor>& probs) {
+  if (!recording(expert_out, probs)) return call_combine(expert_out, row_of, src_token, probs);
   return CombineFunction::apply(expert_out, row_of, src_token, probs);
 }
 
