@@ -1,5 +1,6 @@
 // python/csrc/autograd.cpp — the autograd formulas of gmoe's differentiable ops (the expert ops
-// grouped_gemm_fprop, grouped_bias_add, grouped_activation_forward; the routing ops router_topk,
+// grouped_gemm_fprop, grouped_bias_add, grouped_activation_forward, grouped_gemm_fprop_of_activation;
+// the routing ops router_topk,
 // router_aux_loss, router_z_loss, permute, combine), registered at the Autograd dispatch key in C++.
 //
 // Why C++: an autograd formula registered from Python (torch.library.register_autograd) runs Python
@@ -74,6 +75,11 @@ using ActivationBackward = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&,
                                                               const std::optional<at::Tensor>&, bool, double, double,
                                                               bool, int64_t);
 
+/// An optional argument from a saved tensor (undefined: absent).
+std::optional<at::Tensor> optional_of(const at::Tensor& t) {
+  return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
+}
+
 bool requires_grad(const at::Tensor& t) { return t.defined() && t.requires_grad(); }
 bool requires_grad(const std::optional<at::Tensor>& t) { return t.has_value() && requires_grad(*t); }
 bool requires_grad(at::TensorList ts) {
@@ -135,6 +141,19 @@ void append_bias_grads(AutogradContext* ctx, variable_list& out, const at::Tenso
   append_in_layout(out, db, ctx->saved_data["bias_grouped"].toBool(), s.size);
 }
 
+/// The weights' gradients (at positions `s` of the inputs) appended in their layout:
+/// wgrad(dy, input()), the GEMM's input made only where a weight needs its gradient.
+template <class GemmInput>
+void append_weight_grads(AutogradContext* ctx, variable_list& out, const at::Tensor& dy, GemmInput&& input,
+                         const at::Tensor& counts, const std::vector<at::Tensor>& w, Span s) {
+  if (!any_needs_grad(ctx, s)) {
+    out.resize(out.size() + s.size);
+    return;
+  }
+  append_in_layout(out, call_wgrad(dy, input(), counts, w[0].scalar_type()),
+                   ctx->saved_data["weights_stacked"].toBool(), s.size);
+}
+
 // ---- grouped_gemm_fprop(x, w, counts, bias, out_dtype) -------------------------------------------
 
 struct FpropFunction : torch::autograd::Function<FpropFunction> {
@@ -162,12 +181,7 @@ struct FpropFunction : torch::autograd::Function<FpropFunction> {
     variable_list out;
     out.reserve(nw + nb + 3);
     out.push_back(ctx->needs_input_grad(0) ? call_dgrad(dy, w, counts) : at::Tensor());
-    if (any_needs_grad(ctx, weights)) {
-      append_in_layout(out, call_wgrad(dy, x, counts, w[0].scalar_type()),
-                       ctx->saved_data["weights_stacked"].toBool(), nw);
-    } else {
-      out.resize(out.size() + nw);
-    }
+    append_weight_grads(ctx, out, dy, [&] { return x; }, counts, w, weights);
     out.emplace_back();  // counts
     append_bias_grads(ctx, out, dy, counts, biases);
     out.emplace_back();  // out_dtype
@@ -256,15 +270,96 @@ at::Tensor grouped_activation_forward_autograd(const at::Tensor& h, const at::Te
   return ActivationFunction::apply(h, counts, kind, probs, alpha, limit, gelu_tanh, glu_block);
 }
 
+// ---- grouped_gemm_fprop_of_activation(h, w, counts, bias, kind, probs, alpha, limit, gelu_tanh,
+//                                       glu_block) ----------------------------------------------------
+// y = fprop(z, w, bias) with z = act(h)·probs made inside the op: only h and probs are kept, and
+// backward makes z again for the weight gradient (the same op on the same operands, so bitwise the
+// forward's) and runs the activation's backward on dz for dh and d(probs).
+
+using FpropOfActivation = at::Tensor(const at::Tensor&, at::TensorList, const at::Tensor&, at::TensorList,
+                                     const std::string&, const std::optional<at::Tensor>&, double, double, bool,
+                                     int64_t);
+
+at::Tensor call_fprop_of_activation(const at::Tensor& h, at::TensorList w, const at::Tensor& counts,
+                                    at::TensorList bias, const std::string& kind,
+                                    const std::optional<at::Tensor>& probs, double alpha, double limit,
+                                    bool gelu_tanh, int64_t glu_block) {
+  static const auto op = op_handle<FpropOfActivation>("gmoe::grouped_gemm_fprop_of_activation");
+  at::AutoDispatchBelowADInplaceOrView below;
+  return op.call(h, w, counts, bias, kind, probs, alpha, limit, gelu_tanh, glu_block);
+}
+
+struct FpropOfActivationFunction : torch::autograd::Function<FpropOfActivationFunction> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& h, at::TensorList w, const at::Tensor& counts,
+                            at::TensorList bias, const std::string& kind, const std::optional<at::Tensor>& probs,
+                            double alpha, double limit, bool gelu_tanh, int64_t glu_block) {
+    const at::Tensor y = call_fprop_of_activation(h, w, counts, bias, kind, probs, alpha, limit, gelu_tanh, glu_block);
+    std::vector<at::Tensor> saved{h, counts, probs.value_or(at::Tensor())};
+    saved.insert(saved.end(), w.begin(), w.end());
+    ctx->save_for_backward(saved);
+    ctx->saved_data["weights_stacked"] = w.size() == 1 && w[0].dim() == 3;
+    save_bias_layout(ctx, bias);
+    ctx->saved_data["kind"] = kind;
+    ctx->saved_data["alpha"] = alpha;
+    ctx->saved_data["limit"] = limit;
+    ctx->saved_data["gelu_tanh"] = gelu_tanh;
+    ctx->saved_data["glu_block"] = glu_block;
+    return y;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static const auto act_backward = op_handle<ActivationBackward>("gmoe::grouped_activation_backward");
+    const variable_list saved = ctx->get_saved_variables();
+    const at::Tensor& h = saved[0];
+    const at::Tensor& counts = saved[1];
+    const std::optional<at::Tensor> probs = optional_of(saved[2]);
+    const std::vector<at::Tensor> w(saved.begin() + 3, saved.end());
+    const int64_t nw = static_cast<int64_t>(w.size());
+    const int64_t nb = ctx->saved_data["num_biases"].toInt();
+    const std::string& kind = ctx->saved_data["kind"].toStringRef();
+    const double alpha = ctx->saved_data["alpha"].toDouble(), limit = ctx->saved_data["limit"].toDouble();
+    const bool gelu_tanh = ctx->saved_data["gelu_tanh"].toBool();
+    const int64_t glu_block = ctx->saved_data["glu_block"].toInt();
+    // Positions among the inputs: h, w..., counts, bias..., kind, probs (when given), alpha, limit,
+    // gelu_tanh, glu_block; needs_input_grad counts the tensors only: h, w..., counts, bias..., probs.
+    const Span weights{1, nw}, biases{nw + 2, nb};
+    const bool need_dprobs = probs.has_value() && ctx->needs_input_grad(static_cast<size_t>(nw + nb + 2));
+    const at::Tensor dy = grads[0].to(h.scalar_type()).contiguous();
+    variable_list out;
+    out.reserve(nw + nb + 8);
+    at::Tensor dh, dprobs;
+    if (ctx->needs_input_grad(0) || need_dprobs) {
+      std::tie(dh, dprobs) = act_backward.call(h, call_dgrad(dy, w, counts).contiguous(), counts, kind, probs,
+                                               need_dprobs, alpha, limit, gelu_tanh, glu_block);
+    }
+    out.push_back(ctx->needs_input_grad(0) ? dh : at::Tensor());
+    append_weight_grads(
+        ctx, out, dy, [&] { return call_activation(h, counts, kind, probs, alpha, limit, gelu_tanh, glu_block); },
+        counts, w, weights);
+    out.emplace_back();  // counts
+    append_bias_grads(ctx, out, dy, counts, biases);
+    out.emplace_back();  // kind
+    out.push_back(need_dprobs ? dprobs : at::Tensor());
+    out.resize(out.size() + 4);  // alpha, limit, gelu_tanh, glu_block
+    return out;
+  }
+};
+
+at::Tensor grouped_gemm_fprop_of_activation_autograd(const at::Tensor& h, at::TensorList w, const at::Tensor& counts,
+                                                     at::TensorList bias, const std::string& kind,
+                                                     const std::optional<at::Tensor>& probs, double alpha,
+                                                     double limit, bool gelu_tanh, int64_t glu_block) {
+  if (!recording(h, w, bias, probs)) {
+    return call_fprop_of_activation(h, w, counts, bias, kind, probs, alpha, limit, gelu_tanh, glu_block);
+  }
+  return FpropOfActivationFunction::apply(h, w, counts, bias, kind, probs, alpha, limit, gelu_tanh, glu_block);
+}
+
 // ---- routing ---------------------------------------------------------------------------------------
 // The integer outputs (ids, counts, the map, dropped) have no gradient (autograd leaves integer
 // outputs out by their dtype); the selection is a constant. The gradients of the outputs that the
 // loss does not reach stay undefined (no zeros are made for them), as these formulas read only the
 // probabilities' and rows' gradients.
-
-std::optional<at::Tensor> optional_of(const at::Tensor& t) {
-  return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
-}
 
 
 using RouterTopk = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, int64_t, const std::string&, bool,
@@ -494,6 +589,7 @@ TORCH_LIBRARY_IMPL(gmoe, Autograd, m) {
   m.impl("grouped_gemm_fprop", &gmoe_torch::grouped_gemm_fprop_autograd);
   m.impl("grouped_bias_add", &gmoe_torch::grouped_bias_add_autograd);
   m.impl("grouped_activation_forward", &gmoe_torch::grouped_activation_forward_autograd);
+  m.impl("grouped_gemm_fprop_of_activation", &gmoe_torch::grouped_gemm_fprop_of_activation_autograd);
   m.impl("router_topk", &gmoe_torch::router_topk_autograd);
   m.impl("router_aux_loss", &gmoe_torch::router_aux_loss_autograd);
   m.impl("router_z_loss", &gmoe_torch::router_z_loss_autograd);

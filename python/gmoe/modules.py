@@ -466,10 +466,14 @@ class GroupedLinear(nn.Module):
         # torch.compile traces it whole.
         special = self.delay_wgrad_compute or bool(self._wgrad_hooks) or _any_main_grad(weights, biases)
         recipe = self.recipe or _autocast_recipe[0]
-        if recipe is None and not special and recompute is None and self._expert_mask is None:
-            # The op's own autograd formula (C++) gives these gradients without a Python
+        if recipe is None and not special and self._expert_mask is None:
+            # The ops' own autograd formulas (C++) give these gradients without a Python
             # autograd.Function: a forward runs the op and nothing else of consequence.
-            return _ops.grouped_gemm_fprop(x, weights, m_splits, biases, None)
+            if recompute is None:
+                return _ops.grouped_gemm_fprop(x, weights, m_splits, biases, None)
+            kind, alpha, limit, gelu_tanh, glu_block = recompute
+            return _ops.grouped_gemm_fprop_of_activation(x, weights, m_splits, biases, kind, probs, alpha, limit,
+                                                         gelu_tanh, glu_block)
         mask, masked_off = self._mask_for_forward(x, weights)
         state = self._state if special else None
         if recipe is None:
