@@ -485,14 +485,14 @@ def module_tables(rows):
     """The PyTorch package (bench/torch_module_bench.py, one session): per mlp case and pass the module
     (gmoe_torch) against the C++ GroupedMLP (gmoe; issue 38's target: within 3%, a time ratio
     <= 1.03) and against the torch composition eager and compiled (their time over the module's);
-    then the per-call host overhead of a tiny gmoe op against a torch op of the same size. Returns
-    (time table, overhead table), each [] when empty."""
+    then per overhead case the per-call host overhead of tiny gmoe ops or modules against torch doing
+    the same. Returns (time table, overhead table), each [] when empty."""
     cells, overhead = {}, {}
     for r in rows:
         if not is_module(r):
             continue
         if "us_per_call" in r:
-            overhead[r["impl"]] = r["us_per_call"]
+            overhead.setdefault(r["case"], {})[r["impl"]] = r["us_per_call"]
         else:
             cells.setdefault((r["case"], r["pass"]), {})[r["impl"]] = r
     ms = lambda c, i: None if i not in c or c[i].get("skipped") else c[i].get("ms")  # noqa: E731
@@ -513,10 +513,11 @@ def module_tables(rows):
                      + ["-" if correct is None else ("yes" if correct else "NO")])
     times.append(["geomean", "", "", "", "", "", f"{math.exp(sum(logs[cols[0]]) / len(logs[cols[0]])):.3f}"
                   if logs[cols[0]] else "-", geomean_cell(logs[cols[1]]), geomean_cell(logs[cols[2]]), ""])
-    ours, theirs = overhead.get("gmoe_op_overhead"), overhead.get("torch_op_overhead")
-    ops = [["gmoe op us/call", "torch op us/call", "gmoe/torch", "gmoe - torch us"],
-           [fmt(ours, 1), fmt(theirs, 1), fmt(ratio_of(ours, theirs), 2, "x"),
-            fmt(None if ours is None or theirs is None else ours - theirs, 1)]]
+    ops = [["overhead case", "gmoe us/call", "torch us/call", "gmoe/torch", "gmoe - torch us"]]
+    for case, by_impl in overhead.items():
+        ours, theirs = by_impl.get("gmoe_op_overhead"), by_impl.get("torch_op_overhead")
+        ops.append([case, fmt(ours, 1), fmt(theirs, 1), fmt(ratio_of(ours, theirs), 2, "x"),
+                    fmt(None if ours is None or theirs is None else ours - theirs, 1)])
     return (times if len(times) > 2 else []), (ops if overhead else [])
 
 
@@ -672,7 +673,7 @@ def main():
         print("\nPyTorch package: gmoe.GroupedMLP (gmoe_torch) against the C++ layer and the torch composition (ms):")
         print_table(module_times)
     if module_ops:
-        print("\nPer-call host overhead of an op, gmoe's against torch's:")
+        print("\nPer-call host overhead of ops and modules at tiny shapes, gmoe's against torch's (us):")
         print_table(module_ops)
     if train:
         print("\nTraining step of examples/train_moe_lm.py, split (ms):")
@@ -769,9 +770,12 @@ def main():
                         "module's), in ms; correct: the module against the composition.\n\n")
                 write_markdown_table(f, module_times)
             if module_ops:
-                f.write("\nHost time per call of a tiny op called back to back: gmoe's grouped_bias_grad of "
-                        "[64, 64] over 8 experts against torch's sum over dim 0 of the same tensor.\n\n")
-                write_markdown_table(f, module_ops, labels=0)
+                f.write("\nHost time per call at tiny shapes (8 experts, 64 rows, width 64), called back to "
+                        "back, gmoe against torch doing the same: op_overhead grouped_bias_grad against sum over "
+                        "dim 0; grouped_gemm grouped_gemm_fprop against _grouped_mm, without and with (_ag) "
+                        "autograd recording; mlp_forward and mlp_fwd_bwd gmoe.GroupedMLP against the torch "
+                        "composition (bench/torch_module_bench.py's docstring).\n\n")
+                write_markdown_table(f, module_ops, labels=1)
             if train:
                 f.write("\n## Training step\n\nbench/train_step_breakdown.py: the training step of "
                         "examples/train_moe_lm.py (both models, the example's CUDA graph and torch.compile) and its "

@@ -4,8 +4,9 @@
 // on the current torch stream with gmoe's scratch from torch's allocator. The same kernel function
 // is registered for CPU (gmoe's CPU reference backend) and, where built, CUDA: gmoe dispatches on the
 // tensors' device itself. gmoe checks every argument before writing anything; its errors come out as
-// ValueError with gmoe's message. The fake (meta) kernels for torch.compile and the autograd formulas
-// are registered in Python (gmoe/_meta.py, gmoe/_autograd.py), where symbolic shapes are natural.
+// ValueError with gmoe's message. The fake (meta) kernels for torch.compile are registered in Python
+// (gmoe/_meta.py), where symbolic shapes are natural; the autograd formulas of the differentiable
+// ops in C++ (autograd.cpp), so that a call runs no Python.
 //
 // Conventions of the schemas:
 //   w: Tensor[]     one stacked [E, N, K] tensor, or E tensors [N, K] (per-expert parameters)
@@ -194,6 +195,17 @@ std::tuple<at::Tensor, at::Tensor> grouped_activation_backward(const at::Tensor&
                                       s.stream(), s.alloc());
     return std::make_tuple(dh, dprobs);
   });
+}
+
+/// FC2 of an expert MLP over its activation: y = fprop(act(h)·probs, w, bias), exactly the two ops in
+/// turn. Its autograd formula (autograd.cpp) keeps h and probs, not act(h)·probs, and makes the
+/// activation again in backward (GroupedMLP's recompute_activation).
+at::Tensor grouped_gemm_fprop_of_activation(const at::Tensor& h, at::TensorList w, const at::Tensor& counts,
+                                            at::TensorList bias, const std::string& kind,
+                                            const std::optional<at::Tensor>& probs, double alpha, double limit,
+                                            bool gelu_tanh, int64_t glu_block) {
+  const at::Tensor z = grouped_activation_forward(h, counts, kind, probs, alpha, limit, gelu_tanh, glu_block);
+  return grouped_gemm_fprop(z, w, counts, bias, std::nullopt);
 }
 
 // ---- GLU layout -------------------------------------------------------------------------------
@@ -468,6 +480,7 @@ void register_impls(torch::Library& m) {
   m.impl("grouped_bias_grad", &grouped_bias_grad);
   m.impl("grouped_activation_forward", &grouped_activation_forward);
   m.impl("grouped_activation_backward", &grouped_activation_backward);
+  m.impl("grouped_gemm_fprop_of_activation", &grouped_gemm_fprop_of_activation);
   m.impl("fc1_glu_convert", &fc1_glu_convert);
   m.impl("quantize_grouped", &quantize_grouped);
   m.impl("quantize_weights", &quantize_weights);
@@ -502,6 +515,8 @@ TORCH_LIBRARY(gmoe, m) {
   m.def("grouped_activation_backward(Tensor h, Tensor dz, Tensor counts, str kind, Tensor? probs=None, "
         "bool need_dprobs=False, float alpha=1.702, float limit=7.0, bool gelu_tanh=False, int glu_block=0) "
         "-> (Tensor, Tensor)");
+  m.def("grouped_gemm_fprop_of_activation(Tensor h, Tensor[] w, Tensor counts, Tensor[] bias, str kind, "
+        "Tensor? probs=None, float alpha=1.702, float limit=7.0, bool gelu_tanh=False, int glu_block=0) -> Tensor");
   m.def("fc1_glu_convert(Tensor src, int from_block, int to_block) -> Tensor");
   m.def("quantize_grouped(Tensor x, Tensor counts, str recipe, str format=\"e4m3\", bool rowwise=True, "
         "bool columnwise=False, bool pow2_scales=False) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");

@@ -2,8 +2,8 @@
 
 Importing the package loads the compiled extension, which registers gmoe's ops in PyTorch's
 dispatcher under ``torch.ops.gmoe`` (CPU tensors run gmoe's CPU reference backend, CUDA tensors its
-CUDA backend on the current stream), their fake kernels (``torch.compile``) and their autograd
-formulas. The typed Python entry points are in :mod:`gmoe.ops` (expert GEMMs, activations),
+CUDA backend on the current stream) with their autograd formulas, and their fake kernels
+(``torch.compile``). The typed Python entry points are in :mod:`gmoe.ops` (expert GEMMs, activations),
 :mod:`gmoe.fp8`, :mod:`gmoe.routing` (router top-k, aux and z losses, permute, combine) and
 :mod:`gmoe.expert_parallel` (:class:`EpGroup`, dispatch and combine across ranks); the modules are
 :class:`GroupedLinear`, :class:`GroupedMLP` and :class:`MoELayer` (the whole block, optionally
@@ -25,7 +25,7 @@ if not _os.path.exists(_LIBRARY):
 _torch.ops.load_library(_LIBRARY)
 
 from . import _meta  # noqa: E402,F401  (fake kernels)
-from . import _autograd  # noqa: E402,F401  (autograd formulas)
+from . import _autograd  # noqa: E402,F401  (the exchanges' autograd formulas)
 from .ops import (  # noqa: E402
     ACTIVATIONS,
     MASKED_OFF_WGRAD,

@@ -73,6 +73,13 @@ def _grouped_activation_backward(h: Tensor, dz: Tensor, counts: Tensor, kind: st
     return h.new_empty(h.shape), dprobs
 
 
+@torch.library.register_fake(_lib + "grouped_gemm_fprop_of_activation")
+def _grouped_gemm_fprop_of_activation(h: Tensor, w: Sequence[Tensor], counts: Tensor, bias: Sequence[Tensor], kind: str,
+                                      probs: Optional[Tensor] = None, alpha: float = 1.702, limit: float = 7.0,
+                                      gelu_tanh: bool = False, glu_block: int = 0) -> Tensor:
+    return h.new_empty((h.shape[0], _expert_rows(w)))
+
+
 @torch.library.register_fake(_lib + "fc1_glu_convert")
 def _fc1_glu_convert(src: Tensor, from_block: int, to_block: int) -> Tensor:
     return src.new_empty(src.shape)

@@ -33,7 +33,6 @@ from torch import Tensor, nn
 
 from .fp8 import Fp8Rows, Fp8Weights, fp8_grouped_gemm, fp8_grouped_gemm_dgrad, fp8_grouped_gemm_wgrad, \
     quantize_grouped, quantize_weights
-from ._autograd import bias_grads, save_bias_layout
 from .ops import ACTIVATIONS, MASKED_OFF_WGRAD, glu_block_of
 
 _ops = torch.ops.gmoe
@@ -105,6 +104,32 @@ def _device_counts(m_splits, device: torch.device) -> Tensor:
         return host
     pinned = host if host.is_pinned() else host.pin_memory()
     return pinned.to(device, non_blocking=True)
+
+
+def save_bias_layout(ctx, biases) -> None:
+    """What bias_grads needs to know of the biases (an empty list: no bias)."""
+    ctx.num_biases = len(biases)
+    ctx.bias_grouped = len(biases) == 1 and biases[0].dim() == 2
+    ctx.bias_dtype = biases[0].dtype if biases else None
+
+
+def bias_grads(ctx, dy, counts):
+    """The biases' gradients in their layout: [] without bias, [db] for a grouped [E, N] bias, E
+    tensors [N] for per-expert biases."""
+    if not ctx.num_biases:
+        return []
+    g = _ops.grouped_bias_grad(dy, counts, ctx.bias_dtype)
+    return [g] if ctx.bias_grouped else list(g.unbind(0))
+
+
+def _any_main_grad(weights: List[Tensor], biases: List[Tensor]) -> bool:
+    for p in weights:
+        if hasattr(p, "main_grad"):
+            return True
+    for p in biases:
+        if hasattr(p, "main_grad"):
+            return True
+    return False
 
 
 def _device_of(dy) -> torch.device:
@@ -371,6 +396,14 @@ class GroupedLinear(nn.Module):
         self.out_features = out_features
         self.weight_layout = weight_layout
         self.use_bias = bias
+        # The parameters' names in the layout, read from self._parameters in forward: nn.Module's
+        # attribute lookup costs about a microsecond per parameter, and a forward reads them all.
+        if weight_layout == "stacked":
+            self._weight_names: Tuple[str, ...] = ("weight",)
+            self._bias_names: Tuple[str, ...] = ("bias",) if bias else ()
+        else:
+            self._weight_names = tuple(f"weight{e}" for e in range(num_experts))
+            self._bias_names = tuple(f"bias{e}" for e in range(num_experts)) if bias else ()
         self.delay_wgrad_compute = delay_wgrad_compute
         self.accumulate_main_grad = accumulate_main_grad
         self._wgrad_hooks: List[Callable[[], None]] = []
@@ -413,16 +446,12 @@ class GroupedLinear(nn.Module):
         self._masked_off_wgrad = _check_masked_off(mode)
 
     def _weights(self) -> List[Tensor]:
-        if self.weight_layout == "stacked":
-            return [self.weight]
-        return [getattr(self, f"weight{e}") for e in range(self.num_experts)]
+        params = self._parameters
+        return [params[n] for n in self._weight_names]
 
     def _biases(self) -> List[Tensor]:
-        if not self.use_bias:
-            return []
-        if self.weight_layout == "stacked":
-            return [self.bias]
-        return [getattr(self, f"bias{e}") for e in range(self.num_experts)]
+        params = self._parameters
+        return [params[n] for n in self._bias_names]
 
     def forward(self, x: Tensor, m_splits, *, _recompute: Optional[tuple] = None,
                 _probs: Optional[Tensor] = None) -> Tensor:
@@ -433,13 +462,20 @@ class GroupedLinear(nn.Module):
         m_splits = _device_counts(m_splits, x.device)
         recompute, probs = _recompute, _probs
         weights, biases = self._weights(), self._biases()
-        mask, masked_off = self._mask_for_forward(x, weights)
         # The plain path (autograd owns the gradients) passes no Python state, so that
         # torch.compile traces it whole.
-        special = (self.delay_wgrad_compute or bool(self._wgrad_hooks)
-                   or any(hasattr(p, "main_grad") for p in weights + biases))
-        state = self._state if special else None
+        special = self.delay_wgrad_compute or bool(self._wgrad_hooks) or _any_main_grad(weights, biases)
         recipe = self.recipe or _autocast_recipe[0]
+        if recipe is None and not special and self._expert_mask is None:
+            # The ops' own autograd formulas (C++) give these gradients without a Python
+            # autograd.Function: a forward runs the op and nothing else of consequence.
+            if recompute is None:
+                return _ops.grouped_gemm_fprop(x, weights, m_splits, biases, None)
+            kind, alpha, limit, gelu_tanh, glu_block = recompute
+            return _ops.grouped_gemm_fprop_of_activation(x, weights, m_splits, biases, kind, probs, alpha, limit,
+                                                         gelu_tanh, glu_block)
+        mask, masked_off = self._mask_for_forward(x, weights)
+        state = self._state if special else None
         if recipe is None:
             return _GroupedLinearFunction.apply(x, m_splits, mask, masked_off, state, recompute, probs, len(weights),
                                                 *weights, *biases)
@@ -646,11 +682,15 @@ class GroupedMLP(nn.Module):
         float32 [capacity], differentiable) scales each row's activation output. Host counts are
         uploaded once, for both FCs and the activation."""
         m_splits = _device_counts(m_splits, x.device)
-        h = self.fc1(x, m_splits)
-        act = (self.activation, self.alpha, self.limit, self.gelu_tanh, self.glu_block)
+        # Through _modules, not self.fc1: nn.Module's attribute lookup costs about a microsecond.
+        fc1, fc2 = self._modules["fc1"], self._modules["fc2"]
+        h = fc1(x, m_splits)
         if self.recompute_activation:  # the activation runs inside FC2's function, z is not kept
-            return self.fc2(h, m_splits, _recompute=act, _probs=probs)
-        return self.fc2(_activation(h, m_splits, probs, act), m_splits)
+            act = (self.activation, self.alpha, self.limit, self.gelu_tanh, self.glu_block)
+            return fc2(h, m_splits, _recompute=act, _probs=probs)
+        z = _ops.grouped_activation_forward(h, m_splits, self.activation, probs, self.alpha, self.limit,
+                                            self.gelu_tanh, self.glu_block)
+        return fc2(z, m_splits)
 
     @property
     def expert_mask(self) -> Optional[Tensor]:

@@ -170,7 +170,10 @@ class MoELayer(nn.Module):
             raise ValueError(f"x: expected [..., {self.hidden_size}] (hidden_size), got {tuple(x.shape)}")
         shape = x.shape
         tokens = x.reshape(-1, self.hidden_size)
-        with torch.autocast(tokens.device.type, enabled=False):  # float32 logits under autocast too
+        if torch.is_autocast_enabled(tokens.device.type):  # float32 logits under autocast too
+            with torch.autocast(tokens.device.type, enabled=False):
+                logits = F.linear(tokens.float(), self.router.weight.float())
+        else:  # the context costs microseconds of host time per forward: only where it is needed
             logits = F.linear(tokens.float(), self.router.weight.float())
         # The bias is float32 for the op even after module.to(bfloat16), which casts buffers too.
         bias = self.score_correction_bias.float() if self.score_correction_bias is not None else None

@@ -376,7 +376,7 @@ class Report(unittest.TestCase):
                 block = md.split("## PyTorch package")[1]
                 self.assertIn("| m/uniform | forward_backward | 10.200 | 10.000 | 15.300 | 11.220 | 1.020 | 1.50x | "
                               "1.10x | yes |", block)
-                self.assertIn("| 25.0 | 12.5 | 2.00x | 12.5 |", block)
+                self.assertIn("| op_overhead | 25.0 | 12.5 | 2.00x | 12.5 |", block)
                 self.assertIn("PyTorch package", stdout)
 
     def test_train_table(self):

@@ -155,6 +155,29 @@ def test_gradcheck_grouped_gemm():
                                     eps=1e-2, atol=1e-2, rtol=1e-2)
 
 
+@pytest.mark.parametrize("kind", ["clamped_swiglu", "squared_relu"])
+@pytest.mark.parametrize("per_expert", [False, True])
+def test_fprop_of_activation_is_the_two_ops_bitwise(kind, per_expert):
+    """grouped_gemm_fprop_of_activation (z = act(h)·probs made inside, again in backward) gives
+    bitwise the values and gradients of the activation op followed by grouped_gemm_fprop."""
+    counts = routing("skewed_empty")
+    cols = 16 if kind == "squared_relu" else 32
+    h = torch.randn(CAP, cols, requires_grad=True)
+    probs = torch.rand(CAP, requires_grad=True)
+    w = torch.randn(E, N, 16, requires_grad=True)
+    b = torch.randn(E, N, requires_grad=True)
+    ws = list(w.unbind(0)) if per_expert else [w]
+    args = (kind, probs, 1.5, 3.0, False, 4 if kind != "squared_relu" else 0)
+    y = torch.ops.gmoe.grouped_gemm_fprop_of_activation(h, ws, counts, [b], *args)
+    z = torch.ops.gmoe.grouped_activation_forward(h, counts, *args)
+    y_ref = torch.ops.gmoe.grouped_gemm_fprop(z, ws, counts, [b], None)
+    assert torch.equal(y, y_ref)
+    dy = torch.randn_like(y)
+    inputs = [h, probs, w, b]
+    for g, r in zip(torch.autograd.grad(y, inputs, dy), torch.autograd.grad(y_ref, inputs, dy)):
+        assert torch.equal(g, r)
+
+
 @pytest.mark.parametrize("block", [1, 4])
 def test_fc1_glu_convert_roundtrip(block):
     w = torch.randn(E, 2 * 8, K)
@@ -189,6 +212,9 @@ def _opcheck_cases():
         (ops.grouped_activation_forward, (h, counts, "squared_relu"), {}),
         (ops.grouped_activation_backward, (h, torch.randn(CAP, 16), counts, "clamped_swiglu", probs),
          {"need_dprobs": True}),
+        (ops.grouped_gemm_fprop_of_activation, (h, [torch.randn(E, N, 16)], counts, [b], "swiglu", probs), {}),
+        (ops.grouped_gemm_fprop_of_activation, (torch.randn(CAP, 16), list(torch.randn(E, N, 16).unbind(0)), counts,
+                                                [], "squared_relu"), {"glu_block": 0}),
         (ops.fc1_glu_convert, (torch.randn(E, 16, K), 0, 4), {}),
         (ops.check_device_errors, (x,), {}),
         # the expert mask: masked-off experts zeros in a new output, or fresh into fresh_dw (either layout)
@@ -208,7 +234,7 @@ def test_opcheck(case):
     torch.library.opcheck(op, args, kwargs)
 
 
-@pytest.mark.parametrize("case", [0, 7])
+@pytest.mark.parametrize("case", [0, 7, 10, 11])
 def test_opcheck_with_grad(case):
     op, args, kwargs = _opcheck_cases()[case]
     args = tuple(a.requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point() else
