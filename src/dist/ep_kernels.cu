@@ -8,10 +8,12 @@
 // (release on arrive, acquire on wait) before any rank copies its window out. Both use acq_rel, so
 // the two hazards hold without relying on kernel boundaries.
 //
-// The copy-out is a second kernel rather than a step folded into the next op: the output must be
-// allocator-owned (several micro-batches' outputs alive at once), and folding it into the next
-// op's push would leave the window's content unread until then, so an op could not return a
-// finished tensor.
+// What does not depend on the peers runs beside the push, on the SMs the pushing CTAs leave: the
+// rows a rank keeps for itself go from its input straight into its output, and the output's rows
+// past the valid ones are zeroed. Only the rows that came from peers wait for the second barrier:
+// a second kernel copies them out of the window. That copy is a kernel of its own rather than a
+// step folded into the next op: the output must be allocator-owned (several micro-batches'
+// outputs alive at once), and an op must return a finished tensor.
 //
 // Each kernel rebuilds the offsets it needs (src/dist/ep_plan_math.h's segment tables) in shared
 // memory from the plan's counts matrix, with block scans: a few microseconds that spare the plan a
@@ -137,8 +139,37 @@ __device__ __forceinline__ void zero_row(V* dst, int64_t n, int lane) {
   for (int64_t c = lane; c < n; c += 32) dst[c] = z;
 }
 
-/// Kernel A: push this rank's valid rows into the peers' windows. Grid: kPushCtas CTAs, one LSA
-/// barrier each; a warp per row, rows strided over all warps of the grid.
+/// Rows of this rank's output layout that hold data (the keep side of a move): dispatch, the rows
+/// its experts receive; combine, the rows of its source layout; at most the output's capacity.
+/// Every thread of the CTA calls it.
+__device__ int64_t kept_rows(const MoveArgs& a) {
+  __shared__ unsigned long long total;
+  const Geometry& g = a.geo;
+  if (threadIdx.x == 0) total = 0;
+  __syncthreads();
+  unsigned long long mine = 0;
+  if (a.dispatch) {
+    for (int64_t x = threadIdx.x; x < g.ranks * g.local; x += kThreads) {
+      const int64_t s = x / g.local, e = g.me * g.local + x % g.local;
+      mine += clamp_count(a.counts_all[s * g.experts + e], g.max_rows);
+    }
+  } else {
+    for (int64_t e = threadIdx.x; e < g.experts; e += kThreads) {
+      mine += clamp_count(a.counts_all[g.me * g.experts + e], g.max_rows);
+    }
+  }
+  atomicAdd(&total, mine);
+  __syncthreads();
+  const int64_t cap = a.dispatch ? g.recv_cap : g.max_rows;
+  const auto kept = static_cast<int64_t>(total);
+  return kept < cap ? kept : cap;
+}
+
+/// Kernel A. CTAs [0, kPushCtas), one LSA barrier each: push this rank's valid rows that belong to
+/// a peer into that peer's window. The CTAs past them, concurrently and without barriers (nothing
+/// they do depends on the peers): this rank's rows that stay on this rank, straight from the input
+/// into the output (no window round trip), and zeros into the output's rows past its valid ones.
+/// A warp per row.
 template <typename V>
 __global__ void __launch_bounds__(kThreads) push_kernel(MoveArgs a, ncclDevComm comm, ncclWindow_t win) {
   extern __shared__ int64_t smem[];
@@ -155,32 +186,58 @@ __global__ void __launch_bounds__(kThreads) push_kernel(MoveArgs a, ncclDevComm 
   const int64_t remote_cap = a.dispatch ? g.recv_cap : g.max_rows;
   const int64_t row_bytes = static_cast<int64_t>(a.layout.row_bytes);
   const int64_t vecs = row_bytes / static_cast<int64_t>(sizeof(V));
-  const int lane = threadIdx.x % 32;
-
-  ncclLsaBarrierSession<ncclCoopCta> bar(ncclCoopCta(), comm, ncclTeamTagLsa(), blockIdx.x);
-  bar.sync(ncclCoopCta(), cuda::memory_order_acq_rel);  // the peers have read their windows
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int64_t valid = min(t.starts[n], local_cap);
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32; i < valid;
-       i += static_cast<int64_t>(gridDim.x) * kWarps) {
+  const bool pusher = blockIdx.x < kPushCtas;
+  // Pushers walk the rows over their warps, the local CTAs over theirs.
+  const int64_t first = (pusher ? blockIdx.x : blockIdx.x - kPushCtas) * static_cast<int64_t>(kWarps) + warp;
+  const int64_t stride = (pusher ? kPushCtas : gridDim.x - kPushCtas) * static_cast<int64_t>(kWarps);
+
+  if (pusher) {
+    ncclLsaBarrierSession<ncclCoopCta> bar(ncclCoopCta(), comm, ncclTeamTagLsa(), blockIdx.x);
+    bar.sync(ncclCoopCta(), cuda::memory_order_acq_rel);  // the peers have read their windows
+    for (int64_t i = first; i < valid; i += stride) {
+      const int k = find_segment(t.starts, n, i);
+      const int peer = a.dispatch ? owner_of(k, g.local) : receive_segment_source(k, g.ranks);
+      if (peer == g.me) continue;  // a local CTA's row
+      const int64_t row = t.peer_start[k] + (i - t.starts[k]);
+      if (row >= remote_cap) {  // no place on the peer: dropped, recorded
+        if (lane == 0) atomicOr(a.error_word, kDeviceErrorCountsPastCapacity);
+        continue;
+      }
+      auto* dst = static_cast<V*>(ncclGetLsaPointer(win, a.layout.rows + static_cast<size_t>(row * row_bytes), peer));
+      copy_row(dst, reinterpret_cast<const V*>(a.in + i * row_bytes), vecs, lane);
+      if (lane == 0 && a.in_scalars != nullptr) {
+        *static_cast<float*>(ncclGetLsaPointer(win, a.layout.scalars + static_cast<size_t>(row) * 4, peer)) =
+            a.in_scalars[i];
+      }
+    }
+    bar.sync(ncclCoopCta(), cuda::memory_order_acq_rel);  // every push into every window has landed
+    return;
+  }
+  for (int64_t i = first; i < valid; i += stride) {
     const int k = find_segment(t.starts, n, i);
     const int peer = a.dispatch ? owner_of(k, g.local) : receive_segment_source(k, g.ranks);
+    if (peer != g.me) continue;  // a pusher's row
     const int64_t row = t.peer_start[k] + (i - t.starts[k]);
-    if (row >= remote_cap) {  // no place on the peer: dropped, recorded
+    if (row >= remote_cap) {
       if (lane == 0) atomicOr(a.error_word, kDeviceErrorCountsPastCapacity);
       continue;
     }
-    auto* dst = static_cast<V*>(ncclGetLsaPointer(win, a.layout.rows + static_cast<size_t>(row * row_bytes), peer));
-    copy_row(dst, reinterpret_cast<const V*>(a.in + i * row_bytes), vecs, lane);
-    if (lane == 0 && a.in_scalars != nullptr) {
-      *static_cast<float*>(ncclGetLsaPointer(win, a.layout.scalars + static_cast<size_t>(row) * 4, peer)) =
-          a.in_scalars[i];
-    }
+    copy_row(reinterpret_cast<V*>(a.out + row * row_bytes), reinterpret_cast<const V*>(a.in + i * row_bytes), vecs,
+             lane);
+    if (lane == 0 && a.out_scalars != nullptr) a.out_scalars[row] = a.in_scalars != nullptr ? a.in_scalars[i] : 0.0f;
   }
-  bar.sync(ncclCoopCta(), cuda::memory_order_acq_rel);  // every push into every window has landed
+  const int64_t out_cap = a.dispatch ? g.recv_cap : g.max_rows;
+  for (int64_t i = kept_rows(a) + first; i < out_cap; i += stride) {
+    zero_row(reinterpret_cast<V*>(a.out + i * row_bytes), vecs, lane);
+    if (lane == 0 && a.out_scalars != nullptr) a.out_scalars[i] = 0.0f;
+  }
 }
 
-/// Kernel B: this rank's window -> its output; a row is kept when its counterpart on the peer
-/// exists (the reverse direction's table), else zeros.
+/// Kernel B: the output's valid rows that came from the peers, out of this rank's window; zeros for
+/// the rows whose counterpart has no place on the peer (combine: rows dispatch dropped). The rows
+/// from this rank itself and the tail past the valid rows are kernel A's.
 template <typename V>
 __global__ void __launch_bounds__(kThreads) copy_out_kernel(MoveArgs a, ncclWindow_t win) {
   extern __shared__ int64_t smem[];
@@ -202,20 +259,18 @@ __global__ void __launch_bounds__(kThreads) copy_out_kernel(MoveArgs a, ncclWind
   // The window through the mapping the pushes wrote through (ncclMemAlloc's pointer is another).
   const auto* rows = static_cast<const unsigned char*>(ncclGetLocalPointer(win, a.layout.rows));
   const auto* scalars = static_cast<const float*>(ncclGetLocalPointer(win, a.layout.scalars));
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32; i < out_cap;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32; i < valid;
        i += static_cast<int64_t>(gridDim.x) * kWarps) {
-    bool keep = i < valid;
-    if (keep) {
-      const int k = find_segment(t.starts, n, i);
-      keep = t.peer_start[k] + (i - t.starts[k]) < peer_cap;  // combine: dispatch dropped it
-    }
+    const int k = find_segment(t.starts, n, i);
+    const int peer = a.dispatch ? receive_segment_source(k, g.ranks) : owner_of(k, g.local);
     auto* dst = reinterpret_cast<V*>(a.out + i * row_bytes);
-    if (keep) {
-      copy_row(dst, reinterpret_cast<const V*>(rows + i * row_bytes), vecs, lane);
-    } else {
+    if (t.peer_start[k] + (i - t.starts[k]) >= peer_cap) {  // combine: dispatch dropped it
       zero_row(dst, vecs, lane);
+      if (lane == 0 && a.out_scalars != nullptr) a.out_scalars[i] = 0.0f;
+    } else if (peer != g.me) {
+      copy_row(dst, reinterpret_cast<const V*>(rows + i * row_bytes), vecs, lane);
+      if (lane == 0 && a.out_scalars != nullptr) a.out_scalars[i] = scalars[i];
     }
-    if (lane == 0 && a.out_scalars != nullptr) a.out_scalars[i] = keep ? scalars[i] : 0.0f;
   }
 }
 
@@ -266,7 +321,9 @@ size_t table_bytes(const Geometry& g) { return 3 * static_cast<size_t>(g.experts
 template <typename V>
 void launch_move_as(const MoveArgs& a, const Window& win, int sm_count, Stream stream) {
   const size_t smem = table_bytes(a.geo);
-  push_kernel<V><<<kPushCtas, kThreads, smem, stream>>>(a, win.comm, win.handle);
+  // The local CTAs take the SMs the pushers leave (at least a few, should the device be small).
+  const int local_ctas = std::max(sm_count - kPushCtas, 4);
+  push_kernel<V><<<kPushCtas + local_ctas, kThreads, smem, stream>>>(a, win.comm, win.handle);
   GMOE_CUDA_CHECK(cudaGetLastError());
   const int64_t out_cap = a.dispatch ? a.geo.recv_cap : a.geo.max_rows;
   const int64_t blocks = std::min<int64_t>((out_cap + kWarps - 1) / kWarps, sm_count);
