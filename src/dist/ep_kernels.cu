@@ -196,7 +196,13 @@ __global__ void __launch_bounds__(kThreads) push_kernel(MoveArgs a, ncclDevComm 
   if (pusher) {
     ncclLsaBarrierSession<ncclCoopCta> bar(ncclCoopCta(), comm, ncclTeamTagLsa(), blockIdx.x);
     bar.sync(ncclCoopCta(), cuda::memory_order_acq_rel);  // the peers have read their windows
-    for (int64_t i = first; i < valid; i += stride) {
+    // The source layout is ordered by owner rank, so walking it from row 0 on every rank would have
+    // all ranks push to rank 0 first, then to rank 1, ... (incast on one receiver's links while the
+    // others idle). Each rank starts at the rows of the rank after it and wraps around instead.
+    const int64_t rot =
+        a.dispatch && valid > 0 ? min(t.starts[((g.me + 1) % g.ranks) * g.local], valid - 1) : 0;
+    for (int64_t j = first; j < valid; j += stride) {
+      const int64_t i = j + rot < valid ? j + rot : j + rot - valid;
       const int k = find_segment(t.starts, n, i);
       const int peer = a.dispatch ? owner_of(k, g.local) : receive_segment_source(k, g.ranks);
       if (peer == g.me) continue;  // a local CTA's row
