@@ -28,8 +28,6 @@
 // and reads each child's medians back through a pipe. Fewer than 2 GPUs: prints
 // "gmoe-ep-bench: skipped" and exits 0.
 #include <cuda_runtime.h>
-#include <signal.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
@@ -44,9 +42,9 @@
 #include <random>
 #include <stdexcept>
 #include <string>
-#include <thread>
 #include <vector>
 
+#include "bench/process_ranks.h"
 #include "bench/results.h"
 #include "gmoe/expert_parallel.h"
 #include "gmoe/grouped.h"
@@ -254,19 +252,6 @@ int child_main(int rank, int ranks, const std::vector<gmoe::EpUniqueId>& ids, in
   return 0;
 }
 
-// The visible GPUs, asked in a probe child so that this process never initialises CUDA.
-int count_gpus() {
-  const pid_t pid = fork();
-  if (pid == 0) {
-    int n = 0;
-    if (cudaGetDeviceCount(&n) != cudaSuccess) n = 0;
-    _exit(n > 100 ? 100 : n);
-  }
-  int status = 0;
-  if (pid < 0 || waitpid(pid, &status, 0) != pid || !WIFEXITED(status)) return 0;
-  return WEXITSTATUS(status);
-}
-
 bool read_all(int fd, void* dst, size_t n) {
   char* p = static_cast<char*>(dst);
   while (n > 0) {
@@ -298,7 +283,10 @@ int main(int argc, char** argv) {
   app.add_option("--json", json, "write the rows here (docs/benchmarks.md's results format, kind \"ep\")");
   CLI11_PARSE(app, argc, argv);
 
-  const int gpus = count_gpus();
+  const int gpus = gmoe::bench::count_gpus_in_child([] {
+    int n = 0;
+    return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
+  });
   if (ranks < 0) ranks = gpus;
   if (gpus < 2 || ranks < 2 || ranks > gpus) {
     std::printf("gmoe-ep-bench: skipped: %d GPU(s) visible, %d rank(s) asked; needs at least 2 ranks, one per GPU\n",
@@ -317,7 +305,8 @@ int main(int argc, char** argv) {
   std::printf("gmoe-ep-bench: %d ranks, warm-up %d, median of %d\n", ranks, warmup, iters);
   std::fflush(stdout);
 
-  std::vector<pid_t> pids;
+  // Each child sends its Report through a pipe of its own; a report fits a pipe's buffer, so the
+  // child's write never blocks and the parent reads them once every child has exited.
   std::vector<int> fds;
   for (int r = 0; r < ranks; ++r) {
     int p[2];
@@ -325,58 +314,27 @@ int main(int argc, char** argv) {
       std::perror("gmoe-ep-bench: pipe");
       return 1;
     }
-    const pid_t pid = fork();
-    if (pid == 0) {
-      close(p[0]);
-      auto rep = std::make_unique<Report>();
-      std::memset(rep.get(), 0, sizeof(Report));
-      for (auto& row : rep->ms) std::fill(std::begin(row), std::end(row), -1.0);
-      const int rc = child_main(r, ranks, ids, warmup, iters, filter, *rep);
-      std::fflush(stdout);
-      std::fflush(stderr);
-      const bool sent = write(p[1], rep.get(), sizeof(Report)) == static_cast<ssize_t>(sizeof(Report));
-      close(p[1]);
-      _exit(rc == 0 && sent ? 0 : 1);
-    }
-    close(p[1]);
-    pids.push_back(pid);
     fds.push_back(p[0]);
+    fds.push_back(p[1]);
   }
-  // The children are reaped, then their reports read (a report fits a pipe's buffer, so a child's
-  // write never blocks); a rank that fails can leave its peers waiting at a device barrier, so a
-  // deadline (and a grace period after the first failure) kills the rest.
+  auto child = [&](int r) {
+    auto rep = std::make_unique<Report>();
+    std::memset(rep.get(), 0, sizeof(Report));
+    for (auto& row : rep->ms) std::fill(std::begin(row), std::end(row), -1.0);
+    const int rc = child_main(r, ranks, ids, warmup, iters, filter, *rep);
+    std::fflush(stdout);
+    std::fflush(stderr);
+    const int fd = fds[2 * static_cast<size_t>(r) + 1];
+    const bool sent = write(fd, rep.get(), sizeof(Report)) == static_cast<ssize_t>(sizeof(Report));
+    return rc == 0 && sent ? 0 : 1;
+  };
+  const std::vector<int> result = gmoe::bench::run_ranks(ranks, child, std::chrono::seconds(540), "gmoe-ep-bench");
+  for (int r = 0; r < ranks; ++r) close(fds[2 * static_cast<size_t>(r) + 1]);
   std::vector<Report> reports(static_cast<size_t>(ranks));
-  std::vector<int> result(static_cast<size_t>(ranks), -1);
-  using clock = std::chrono::steady_clock;
-  const auto deadline = clock::now() + std::chrono::seconds(540);
-  auto grace = clock::time_point::max();
-  int left = ranks;
-  while (left > 0) {
-    for (int r = 0; r < ranks; ++r) {
-      if (result[r] != -1) continue;
-      int status = 0;
-      if (waitpid(pids[r], &status, WNOHANG) == pids[r]) {
-        result[r] = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-        --left;
-        if (result[r] != 0 && grace == clock::time_point::max()) grace = clock::now() + std::chrono::seconds(30);
-      }
-    }
-    if (left > 0 && (clock::now() > deadline || clock::now() > grace)) {
-      for (int r = 0; r < ranks; ++r) {
-        if (result[r] != -1) continue;
-        std::fprintf(stderr, "gmoe-ep-bench: rank %d hung; killed\n", r);
-        kill(pids[r], SIGKILL);
-        waitpid(pids[r], nullptr, 0);
-        result[r] = 124;
-        --left;
-      }
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
   int failed = 0;
   for (int r = 0; r < ranks; ++r) {
-    const bool have = read_all(fds[r], &reports[r], sizeof(Report));
-    close(fds[r]);
+    const bool have = read_all(fds[2 * static_cast<size_t>(r)], &reports[r], sizeof(Report));
+    close(fds[2 * static_cast<size_t>(r)]);
     failed += result[r] != 0 || !have;
   }
   if (failed > 0) {
