@@ -6,7 +6,7 @@
 //
 // Per case (uniform routing from random logits, bf16, both FCs' weight gradients delayed) each
 // rank times with CUDA events, after the warm-up, the median of --iters steps of:
-//   forward               the eager forward
+//   forward_eager         the eager forward
 //   backward_sequential   backward, then backward_dw, on one stream
 //   backward_overlap      backward with its exchanges on a second stream and backward_dw on the
 //                         compute stream while the combine of dxr is in flight
@@ -16,8 +16,8 @@
 //                         dispatch of dyp precedes the experts' backward, which needs its rows)
 //   wgrad                 the experts' backward_dw alone
 // The table shows the largest of the ranks' medians, the time the overlap saved (sequential -
-// overlap) and its share of the shorter of the overlapped parts: of min(exchanges, wgrad) (issue
-// 43's figure) and of min(combine, wgrad) (what this overlap can hide at most).
+// overlap) and its share of the shorter of the overlapped parts: of min(exchanges, wgrad), and of
+// min(combine, wgrad), the most this overlap can hide (only the combine runs beside backward_dw).
 //
 // Every timed step starts after a device-side barrier (an ep_plan, an all-gather of the counts),
 // so that the ranks' start events line up and a rank that enqueues late is not charged to its
@@ -67,7 +67,9 @@ constexpr Case kCases[] = {
 constexpr int kNumCases = sizeof(kCases) / sizeof(kCases[0]);
 
 enum Pass { kForward, kSequential, kOverlap, kExchanges, kCombine, kWgrad, kNumPasses };
-constexpr const char* kPassNames[kNumPasses] = {"forward", "backward_sequential", "backward_overlap", "exchanges",
+// The forward's JSON pass is forward_eager: bench/torch_ep_baseline.py's gmoe_ep rows of the same
+// cases (the PyTorch module) already have a "forward".
+constexpr const char* kPassNames[kNumPasses] = {"forward_eager", "backward_sequential", "backward_overlap", "exchanges",
                                                 "combine", "wgrad"};
 
 // What a child sends back: its medians per case and pass (-1: not run), its device, its error.
