@@ -75,7 +75,7 @@ constexpr const char* kPassNames[kNumPasses] = {"forward_eager", "backward_seque
 // What a child sends back: its medians per case and pass (-1: not run), its device, its error.
 struct Report {
   double ms[kNumCases][kNumPasses];
-  char gpu[128];
+  char gpu[256];
   char error[512];
 };
 
