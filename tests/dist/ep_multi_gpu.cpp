@@ -17,9 +17,6 @@
 // tests/dist/ep_moe_layer_multi_gpu.cpp exists, its MoE layer checks run last in every child.
 // Fewer than 2 GPUs: the binary prints "gmoe_tests_ep: skipped" and exits 0 (CTest: skipped).
 #include <cuda_runtime.h>
-#include <signal.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
 #include <chrono>
 #include <cstdio>
@@ -28,9 +25,9 @@
 #include <random>
 #include <stdexcept>
 #include <string>
-#include <thread>
 #include <vector>
 
+#include "bench/process_ranks.h"
 #include "dist/ep_oracle.h"
 #include "gmoe/allocator.h"
 #include "gmoe/error.h"
@@ -395,19 +392,6 @@ int child_main(Child c) {
   return c.failures == 0 ? 0 : 1;
 }
 
-// The visible GPUs, asked in a probe child so that this process never initialises CUDA.
-int count_gpus() {
-  const pid_t pid = fork();
-  if (pid == 0) {
-    int n = 0;
-    if (cudaGetDeviceCount(&n) != cudaSuccess) n = 0;
-    _exit(n > 100 ? 100 : n);
-  }
-  int status = 0;
-  if (pid < 0 || waitpid(pid, &status, 0) != pid || !WIFEXITED(status)) return 0;
-  return WEXITSTATUS(status);
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -424,7 +408,10 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  const int gpus = count_gpus();
+  const int gpus = gmoe::bench::count_gpus_in_child([] {
+    int n = 0;
+    return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
+  });
   if (ranks < 0) ranks = gpus;
   if (gpus < 2 || ranks < 2 || ranks > gpus) {
     std::printf("gmoe_tests_ep: skipped: %d GPU(s) visible, %d rank(s) asked; needs at least 2 ranks, one per GPU\n",
@@ -442,48 +429,15 @@ int main(int argc, char** argv) {
   }
   std::printf("gmoe_tests_ep: %d ranks, seed %llu (replay with --seed)\n", ranks, static_cast<unsigned long long>(seed));
   std::fflush(stdout);
-  std::vector<pid_t> pids;
-  for (int r = 0; r < ranks; ++r) {
-    const pid_t pid = fork();
-    if (pid == 0) {
-      Child c;
-      c.rank = r;
-      c.ranks = ranks;
-      c.seed = seed;
-      c.ids = ids;
-      _exit(child_main(c));
-    }
-    pids.push_back(pid);
-  }
-  // A failed rank can leave its peers waiting at a device barrier: past a deadline, or a grace
-  // period after the first failure, the rest are killed and count as failed.
-  using clock = std::chrono::steady_clock;
-  const auto deadline = clock::now() + std::chrono::seconds(480);
-  auto grace = clock::time_point::max();
-  std::vector<int> result(static_cast<size_t>(ranks), -1);
-  int left = ranks;
-  while (left > 0) {
-    for (int r = 0; r < ranks; ++r) {
-      if (result[r] != -1) continue;
-      int status = 0;
-      if (waitpid(pids[r], &status, WNOHANG) == pids[r]) {
-        result[r] = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-        --left;
-        if (result[r] != 0 && grace == clock::time_point::max()) grace = clock::now() + std::chrono::seconds(30);
-      }
-    }
-    if (left > 0 && (clock::now() > deadline || clock::now() > grace)) {
-      for (int r = 0; r < ranks; ++r) {
-        if (result[r] != -1) continue;
-        std::fprintf(stderr, "gmoe_tests_ep: rank %d hung; killed\n", r);
-        kill(pids[r], SIGKILL);
-        waitpid(pids[r], nullptr, 0);
-        result[r] = 124;
-        --left;
-      }
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
+  auto child = [&](int r) {
+    Child c;
+    c.rank = r;
+    c.ranks = ranks;
+    c.seed = seed;
+    c.ids = ids;
+    return child_main(c);
+  };
+  const std::vector<int> result = gmoe::bench::run_ranks(ranks, child, std::chrono::seconds(480), "gmoe_tests_ep");
   int failed = 0;
   for (int r = 0; r < ranks; ++r) failed += result[r] != 0;
   std::printf("gmoe_tests_ep: %d of %d ranks passed\n", ranks - failed, ranks);
