@@ -44,6 +44,7 @@
 #include <string>
 #include <vector>
 
+#include "common/float_convert.h"
 #include "bench/process_ranks.h"
 #include "bench/results.h"
 #include "gmoe/expert_parallel.h"
@@ -83,13 +84,6 @@ void cuda_ok(cudaError_t e, const char* what) {
   if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
 }
 
-uint16_t bf16_bits(float v) {  // round to nearest even
-  uint32_t u;
-  std::memcpy(&u, &v, 4);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
-
 // An owning device buffer (set-up only).
 struct DeviceBytes {
   void* p = nullptr;
@@ -105,7 +99,7 @@ struct DeviceBytes {
 void fill_bf16(DeviceBytes& b, float scale, std::mt19937_64& gen, cudaStream_t s) {
   std::uniform_real_distribution<float> u(-scale, scale);
   std::vector<uint16_t> block(size_t(1) << 20);
-  for (uint16_t& v : block) v = bf16_bits(u(gen));
+  for (uint16_t& v : block) v = gmoe::float_to_bf16_bits(u(gen));
   const size_t block_bytes = block.size() * 2;
   for (size_t at = 0; at < b.n; at += block_bytes) {
     cuda_ok(cudaMemcpyAsync(static_cast<char*>(b.p) + at, block.data(), std::min(block_bytes, b.n - at),

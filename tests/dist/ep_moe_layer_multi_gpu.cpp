@@ -29,6 +29,7 @@
 #include <string>
 #include <vector>
 
+#include "common/float_convert.h"
 #include "gmoe/allocator.h"
 #include "gmoe/grouped.h"
 #include "gmoe/grouped_mlp.h"
@@ -44,13 +45,6 @@ void cuda_ok(cudaError_t e, const char* what) {
 }
 
 constexpr int64_t kLocalExperts = 4, kHidden = 256, kFfn = 128, kTopK = 2;
-
-uint16_t bf16_bits(float v) {  // round to nearest even
-  uint32_t u;
-  std::memcpy(&u, &v, 4);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
 
 // The same on every rank: the experts' weights and the global batch.
 struct World {
@@ -69,7 +63,7 @@ struct World {
     auto fill = [&](std::vector<uint16_t>& v, int64_t n, float scale) {
       std::uniform_real_distribution<float> u(-scale, scale);
       v.resize(static_cast<size_t>(n));
-      for (uint16_t& b : v) b = bf16_bits(u(gen));
+      for (uint16_t& b : v) b = float_to_bf16_bits(u(gen));
     };
     fill(w1, E * 2 * kFfn * kHidden, 0.1f);
     fill(w2, E * kHidden * kFfn, 0.1f);
