@@ -20,7 +20,6 @@ On the CPU it runs (eagerly, the tiny preset) so that the script is tested in CI
 nothing there.
 """
 import argparse
-import gc
 import json
 import os
 import statistics
@@ -73,13 +72,9 @@ def breakdown(impl: str, cfg, init, corpus, iters: int, warmup: int) -> dict:
     device = torch.device(cfg.device)
     cuda = device.type == "cuda"
     if cuda:
-        # The previous model (its trainer, compiled code and graph pool) goes first: at the gpu-moe
-        # preset each model's weights, masters and moments alone are 12 GiB or more.
-        torch._dynamo.reset()
-        gc.collect()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-        base_memory = torch.cuda.memory_allocated(device)
+        # The previous model goes first: at the gpu-moe preset each model's weights, masters and
+        # moments alone are 12 GiB or more.
+        base_memory = ex.release_previous_model(device)
     torch.manual_seed(cfg.seed)
     model = ex.build_model(impl, cfg, device, cfg.torch_dtype)
     trainer = ex.Trainer(model, cfg, ex.from_hf(init, impl, cfg))

@@ -784,17 +784,22 @@ class RunResult:
     offloaded_bytes_per_step: Optional[float] = None  # --offload-activations: bytes moved to the host per step
 
 
+def release_previous_model(device: torch.device) -> int:
+    """Drops what the previous model left on the GPU (its compiled code may still hold its modules,
+    graph pool and all) and resets the peak counter: returns the bytes allocated now, from which
+    this model's peak is counted."""
+    torch._dynamo.reset()
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    return torch.cuda.memory_allocated(device)
+
+
 def train_one(impl: str, cfg: Config, init: Dict[str, torch.Tensor], corpus: torch.Tensor, log=print) -> RunResult:
     device, dtype = torch.device(cfg.device), cfg.torch_dtype
     cuda = device.type == "cuda"
     if cuda:
-        # The previous model's compiled code may still hold its modules: drop it, and count this
-        # model's peak from what is allocated now.
-        torch._dynamo.reset()
-        gc.collect()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-        base_memory = torch.cuda.memory_allocated(device)
+        base_memory = release_previous_model(device)
     torch.manual_seed(cfg.seed)
     model = build_model(impl, cfg, device, dtype)
     start, losses, moments, adam_step = 0, [], None, 0

@@ -117,6 +117,19 @@ __device__ void build_receive_table(const int32_t* ca, const Geometry& g, Tables
   block_exclusive_scan(t.starts, E, temp);
 }
 
+/// This rank's table for one side of the op: the rows it sends (sending, the push kernel) or the rows
+/// it holds after the push (the copy-out). A dispatch sends from the source layout and receives into
+/// the receive layout; a combine the reverse.
+__device__ Tables side_tables(const MoveArgs& a, bool sending, int64_t* smem, Scan::TempStorage& temp) {
+  const Tables t = carve(smem, a.geo.experts);
+  if (a.dispatch == sending) {
+    build_source_table(a.counts_all, a.geo, t, temp);
+  } else {
+    build_receive_table(a.counts_all, a.geo, t, temp);
+  }
+  return t;
+}
+
 /// One warp copies one row: n vectors of V, four loads in flight per lane before their stores.
 template <typename V>
 __device__ __forceinline__ void copy_row(V* __restrict__ dst, const V* __restrict__ src, int64_t n, int lane) {
@@ -175,12 +188,7 @@ __global__ void __launch_bounds__(kThreads) push_kernel(MoveArgs a, ncclDevComm 
   extern __shared__ int64_t smem[];
   __shared__ Scan::TempStorage temp;
   const Geometry& g = a.geo;
-  const Tables t = carve(smem, g.experts);
-  if (a.dispatch) {
-    build_source_table(a.counts_all, g, t, temp);
-  } else {
-    build_receive_table(a.counts_all, g, t, temp);
-  }
+  const Tables t = side_tables(a, true, smem, temp);
   const int n = static_cast<int>(g.experts);  // segments: E both ways (E experts, or El * R)
   const int64_t local_cap = a.dispatch ? g.max_rows : g.recv_cap;
   const int64_t remote_cap = a.dispatch ? g.recv_cap : g.max_rows;
@@ -249,12 +257,7 @@ __global__ void __launch_bounds__(kThreads) copy_out_kernel(MoveArgs a, ncclWind
   extern __shared__ int64_t smem[];
   __shared__ Scan::TempStorage temp;
   const Geometry& g = a.geo;
-  const Tables t = carve(smem, g.experts);
-  if (a.dispatch) {
-    build_receive_table(a.counts_all, g, t, temp);
-  } else {
-    build_source_table(a.counts_all, g, t, temp);
-  }
+  const Tables t = side_tables(a, false, smem, temp);
   const int n = static_cast<int>(g.experts);
   const int64_t out_cap = a.dispatch ? g.recv_cap : g.max_rows;
   const int64_t peer_cap = a.dispatch ? g.max_rows : g.recv_cap;

@@ -96,6 +96,14 @@ struct SegmentTable {
   int64_t local_cap = 0;            ///< rows of the local layout
   int64_t remote_cap = 0;           ///< rows of the peer's layout
 
+  /// n empty segments between layouts of local_cap and remote_cap rows.
+  SegmentTable(int64_t n, int64_t local_cap_rows, int64_t remote_cap_rows)
+      : starts(static_cast<size_t>(n) + 1, 0),
+        peer(static_cast<size_t>(n), 0),
+        peer_start(static_cast<size_t>(n), 0),
+        local_cap(local_cap_rows),
+        remote_cap(remote_cap_rows) {}
+
   int segments() const { return static_cast<int>(peer.size()); }
   /// Local rows that hold data: the valid total, at most the local capacity.
   int64_t valid_rows() const { return std::min(starts.back(), local_cap); }
@@ -114,12 +122,7 @@ inline SegmentTable source_table(const int32_t* counts_all, const Geometry& g) {
   const int R = g.ranks;
   const int64_t E = g.experts;
   auto c = [&](int s, int64_t e) { return clamp_count(counts_all[s * E + e], g.max_rows); };
-  SegmentTable t;
-  t.local_cap = g.max_rows;
-  t.remote_cap = g.recv_cap;
-  t.starts.assign(static_cast<size_t>(E) + 1, 0);
-  t.peer.assign(static_cast<size_t>(E), 0);
-  t.peer_start.assign(static_cast<size_t>(E), 0);
+  SegmentTable t(E, g.max_rows, g.recv_cap);
   int64_t base = 0;  // receive offset of expert e's block on its owner
   for (int64_t e = 0; e < E; ++e) {
     if (e % g.local == 0) base = 0;
@@ -144,12 +147,7 @@ inline SegmentTable receive_table(const int32_t* counts_all, const Geometry& g) 
   const int64_t E = g.experts;
   auto c = [&](int s, int64_t e) { return clamp_count(counts_all[s * E + e], g.max_rows); };
   const int n = static_cast<int>(g.local) * R;
-  SegmentTable t;
-  t.local_cap = g.recv_cap;
-  t.remote_cap = g.max_rows;
-  t.starts.assign(static_cast<size_t>(n) + 1, 0);
-  t.peer.assign(static_cast<size_t>(n), 0);
-  t.peer_start.assign(static_cast<size_t>(n), 0);
+  SegmentTable t(n, g.recv_cap, g.max_rows);
   for (int k = 0; k < n; ++k) {
     const int s = receive_segment_source(k, R);
     const int64_t e = receive_segment_expert(k, g);

@@ -34,16 +34,8 @@ struct LayerCase {
 };
 
 std::vector<LayerCase> layer_cases() {
-  RouterOptions softmax2;
-  softmax2.top_k = 2;
-  softmax2.normalize = true;
-  RouterOptions groups;
-  groups.top_k = 3;
-  groups.score = RouterScore::sigmoid;
-  groups.normalize = true;
-  groups.n_group = 4;
-  groups.topk_group = 2;
-  groups.scaling_factor = 1.5f;
+  const RouterOptions softmax2 = router_options(2, RouterScore::softmax, true);
+  const RouterOptions groups = router_options(3, RouterScore::sigmoid, true, 4, 2, 1.5f);
   PermuteOptions plain, padded_capacity;
   padded_capacity.pad_multiple = 4;
   padded_capacity.capacity_factor = 0.75;

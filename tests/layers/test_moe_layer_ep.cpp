@@ -28,6 +28,7 @@
 #include "common/harness.h"
 #include "checkpoint/ckpt_test_util.h"  // TempDir
 #include "common/offload_fixture.h"
+#include "common/routing_oracle.h"
 #include "gmoe/checkpoint.h"
 #include "gmoe/expert_parallel.h"
 #include "gmoe/grouped_mlp.h"
@@ -71,13 +72,7 @@ PermuteOptions padded(int64_t multiple) {
 }
 
 std::vector<EpCase> ep_cases() {
-  RouterOptions groups;
-  groups.top_k = 3;
-  groups.score = RouterScore::sigmoid;
-  groups.normalize = true;
-  groups.n_group = 4;
-  groups.topk_group = 2;
-  groups.scaling_factor = 1.5f;
+  const RouterOptions groups = router_options(3, RouterScore::sigmoid, true, 4, 2, 1.5f);
   const PermuteOptions plain;
   std::vector<EpCase> c = {
       {"softmax_top2_ep2", 2, {7, 9}, 2, 12, 6, softmax_topk(2), plain},
