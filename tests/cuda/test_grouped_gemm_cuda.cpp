@@ -383,6 +383,32 @@ TEST(CudaGroupedGemmTiles, BigExpertsChunkedAndClusteredWgrad) {
   expect_launch("wgrad accumulating, 17 tiles", false, odd.E, false, 2, 1);
 }
 
+// With the defaults: bf16 fprop/dgrad whose operand rows are off the 128-byte lines (x or dy rows
+// of 360 elements, 720 bytes; dgrad's weights also 2800-byte rows) run the cooperative tile in 2x1
+// clusters when the average expert has at least 512 rows (rows_tile_rule: 705 here; the experts
+// are 5, 0, 12 and 6 tiles tall, so one pairs a real tile with an all-out-of-range one) and the
+// tiles cover every SM (4 x 6 x 6 = 144). With every operand row on the lines (384 and 1408
+// elements) they stay 1x1.
+TEST(CudaGroupedGemmTiles, RowsOffTheLinesTakeTwoByOneClusters) {
+  GMOE_SKIP_WITHOUT_GPU();
+  Rng rng;
+  const std::vector<int64_t> counts = {600, 0, 1500, 700};
+  const ShapeCase fprop_odd = fixed_case("rows_off_lines_fprop", 1400, 360, counts, 20);
+  check_fprop(fprop_odd, DType::bf16, Layout::kStacked, rng);
+  expect_launch("fprop, 720-byte rows", false, fprop_odd.E, false, 2, 1);
+  check_fprop_bias(fprop_odd, DType::bf16, Layout::kList, rng, true);
+  expect_launch("fprop with the fused bias, 720-byte rows", false, fprop_odd.E, false, 2, 1);
+  const ShapeCase dgrad_odd = fixed_case("rows_off_lines_dgrad", 360, 1400, counts, 20);
+  check_dgrad(dgrad_odd, DType::bf16, Layout::kList, rng);
+  expect_launch("dgrad, 720-byte rows", false, dgrad_odd.E, false, 2, 1);
+  const ShapeCase fprop_on = fixed_case("rows_on_lines_fprop", 1400, 384, counts, 20);
+  check_fprop(fprop_on, DType::bf16, Layout::kList, rng);
+  expect_launch("fprop, 768-byte rows", false, fprop_on.E, false, 1, 1);
+  const ShapeCase dgrad_on = fixed_case("rows_on_lines_dgrad", 384, 1408, counts, 20);
+  check_dgrad(dgrad_on, DType::bf16, Layout::kStacked, rng);
+  expect_launch("dgrad, 768-byte rows", false, dgrad_on.E, false, 1, 1);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Inputs the CUDA backend must refuse before launching anything.
 

@@ -6,6 +6,7 @@
 #include <algorithm>
 
 #include "cuda/gemm/grouped_gemm_instances.h"
+#include "cuda/gemm/rows_tile_rule.h"
 #include "cuda/runtime/device_info.h"
 #include "gmoe/tuning.h"
 
@@ -50,13 +51,29 @@ int cluster_index(ClusterShape c) {
 // out-of-range rows or leaves SMs idle; the 128x128 ping-pong tile makes twice as many tiles and
 // overlaps one warpgroup's epilogue with the other's mainloop. With a few rows per expert both
 // tiles take the time of reading every expert's weights once, so the choice there matters little.
+//
+// The cooperative tile's cluster. Each k-step loads A's 128 x 64 and B's 256 x 64 tile as TMA box
+// rows of 64 elements, 128 bytes. Where an operand's rows start on 128-byte lines (K and N
+// multiples of 64, at aligned addresses), a box row is one L2 line; where they do not (e.g. K =
+// 1400: 2800-byte rows), every box row spans two lines and a sector more, and the 1x1 kernel's
+// mainloop waits on the L2. A 2x1 cluster loads B's tile once for both CTAs (TMA multicast), a
+// third fewer L2 requests per CTA (torch._grouped_mm runs this tile in 2x1 clusters everywhere).
+// On rows that are on the lines the 1x1 kernel is no slower on the whole (docs/decisions.md has
+// the figures of both), and pairing along M costs a group with an odd tile count one empty tile per
+// N tile, hence 2x1 only off the lines and from kRowsCluster2x1MinRows average rows
+// (rows_tile_rule, rows_tile_rule.h). Only bf16 has the 2x1 instantiations; f16 stays 1x1.
 TileConfig choose_rows_tile(DType in, GemmPass pass, GemmEpilogue epilogue, int64_t capacity,
-                            int64_t num_experts, int64_t gemm_n, int sms) {
-  TileConfig forced;
-  if (forced_tile(in, in, pass, epilogue, &forced)) return forced;
-  const int64_t avg_rows = capacity / num_experts;
-  const int64_t coop_tiles = num_experts * ((avg_rows + 127) / 128) * ((gemm_n + 255) / 256);
-  return (avg_rows >= 128 && coop_tiles >= sms) ? TileConfig::coop_128x256 : TileConfig::pingpong_128x128;
+                            int64_t num_experts, int64_t gemm_n, int sms, bool rows_on_lines) {
+  const RowsTileRule rule = rows_tile_rule(capacity, num_experts, gemm_n, sms, rows_on_lines);
+  TileConfig tile;
+  if (!forced_tile(in, in, pass, epilogue, &tile)) {
+    tile = rule == RowsTileRule::pingpong ? TileConfig::pingpong_128x128 : TileConfig::coop_128x256;
+  }
+  const int forced = forced_cluster();
+  const bool pairs = forced >= 0 ? forced >= 1 : rule == RowsTileRule::coop_2x1;
+  const bool clustered = tile == TileConfig::coop_128x256 && pairs &&
+                         compiled(in, in, pass, epilogue, TileConfig::coop_128x256_2x1);
+  return clustered ? TileConfig::coop_128x256_2x1 : tile;
 }
 
 // To f32, each output tile costs 2·BM·BN·rows flops in the mainloop and BM·BN·4 bytes in the

@@ -17,11 +17,12 @@
 
 namespace gmoe::cuda_backend {
 
-/// fprop/dgrad of the 16-bit GEMM: the cooperative 128x256 tile when the average group fills a
-/// 128-row tile and its tiles cover every SM, else the ping-pong 128x128 tile. Tuning::gemm_tile
-/// overrides it where that tile is compiled for (in, pass, epilogue).
+/// fprop/dgrad of the 16-bit GEMM: rows_tile_rule (rows_tile_rule.h) on what is compiled for
+/// (in, pass, epilogue). `rows_on_lines`: every row of A and of the experts' weights starts on a
+/// 128-byte line. Tuning::gemm_tile overrides the tile where compiled; Tuning::cluster the
+/// cooperative tile's cluster (1x1; 2x1, or 2x2 read as 2x1, where that instantiation is compiled).
 TileConfig choose_rows_tile(DType in, GemmPass pass, GemmEpilogue epilogue, int64_t capacity,
-                            int64_t num_experts, int64_t gemm_n, int sms);
+                            int64_t num_experts, int64_t gemm_n, int sms, bool rows_on_lines);
 
 /// wgrad of the 16-bit GEMM: to f32, ping-pong below 1024 rows per expert on average, else
 /// cooperative; to 16 bits, cooperative. The cooperative tile runs in 2x1 clusters

@@ -36,7 +36,8 @@ enum class TileConfig {
   pingpong_128x128,  ///< ping-pong: 2 consumer warpgroups alternate 128x128x64 tiles, one's
                      ///< epilogue overlapping the other's mainloop; small groups, f32 wgrad
   coop_128x256_2x1   ///< the cooperative tile in clusters of two CTAs along M: each loads half of
-                     ///< B's tile and multicasts it to both (bf16 wgrad, to bf16 or f32)
+                     ///< B's tile and multicasts it to both (bf16 wgrad, to bf16 or f32; bf16
+                     ///< fprop and dgrad)
 };
 
 /// One group's GEMM extent as CUTLASS's grouped problem shape stores it (cute::Shape<int,int,int>;

@@ -57,9 +57,10 @@ template <> struct PassLayouts<GemmPass::wgrad> {
   using B = cutlass::layout::RowMajor;     // x_e [rows, K] read as B[k=row, n=K]: N-major
 };
 
-// Tile shapes and schedules. Cluster 1x1, but for the weight gradient's 2x1 variant: in fprop/dgrad
-// a group with a single M tile (common in MoE) would leave the second CTA of a 2x1 cluster computing
-// an all-out-of-bounds tile; 1x2 clusters along N gain nothing (wgrad_cluster_2x1).
+// Tile shapes and schedules. Cluster 1x1, but for the cooperative tile's 2x1 variant (the weight
+// gradient's, wgrad_cluster_2x1; bf16 fprop/dgrad's where operand rows are off the 128-byte lines,
+// choose_rows_tile): in fprop/dgrad a group with a single M tile (common in MoE) leaves the second
+// CTA of a 2x1 cluster computing an all-out-of-bounds tile; 1x2 clusters along N gain nothing.
 template <TileConfig T> struct TileTraits;
 template <> struct TileTraits<TileConfig::coop_128x256> {
   using TileShape = cute::Shape<cute::_128, cute::_256, cute::_64>;  // BLOCK_M, BLOCK_N, BLOCK_K
