@@ -69,11 +69,14 @@ TileConfig choose_rows_tile(DType in, GemmPass pass, GemmEpilogue epilogue, int6
   if (!forced_tile(in, in, pass, epilogue, &tile)) {
     tile = rule == RowsTileRule::pingpong ? TileConfig::pingpong_128x128 : TileConfig::coop_128x256;
   }
+  if (tile != TileConfig::coop_128x256) return tile;
   const int forced = forced_cluster();
+  if (forced == 2 && compiled(in, in, pass, epilogue, TileConfig::coop_128x256_2x2)) {
+    return TileConfig::coop_128x256_2x2;
+  }
   const bool pairs = forced >= 0 ? forced >= 1 : rule == RowsTileRule::coop_2x1;
-  const bool clustered = tile == TileConfig::coop_128x256 && pairs &&
-                         compiled(in, in, pass, epilogue, TileConfig::coop_128x256_2x1);
-  return clustered ? TileConfig::coop_128x256_2x1 : tile;
+  return pairs && compiled(in, in, pass, epilogue, TileConfig::coop_128x256_2x1) ? TileConfig::coop_128x256_2x1
+                                                                                 : tile;
 }
 
 // To f32, each output tile costs 2·BM·BN·rows flops in the mainloop and BM·BN·4 bytes in the
