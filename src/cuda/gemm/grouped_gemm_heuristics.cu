@@ -85,12 +85,17 @@ TileConfig choose_rows_tile(DType in, GemmPass pass, GemmEpilogue epilogue, int6
 // tile (no overlap, fewer and larger tiles) wins when the reduction is long. The crossover,
 // kWgradCoopMinRows, and its figures are in docs/decisions.md. A 16-bit dW is written at half
 // the bytes: cooperative only (a ping-pong 16-bit weight gradient is no faster, and not compiled).
-// The cooperative tile runs in 2x1 clusters where wgrad_cluster_2x1 says so.
+// The cooperative tile runs in 2x1 clusters where wgrad_cluster_2x1 says so (in 2x2 where
+// Tuning::cluster forces it and that instantiation is compiled).
 TileConfig choose_wgrad_tile(DType in, DType out, int64_t capacity, int64_t num_experts, int64_t gemm_m) {
   TileConfig tile;
   if (!forced_tile(in, out, GemmPass::wgrad, GemmEpilogue::none, &tile)) {
     tile = out == DType::f32 && capacity / num_experts < kWgradCoopMinRows ? TileConfig::pingpong_128x128
                                                                            : TileConfig::coop_128x256;
+  }
+  if (tile == TileConfig::coop_128x256 && forced_cluster() == 2 &&
+      compiled(in, out, GemmPass::wgrad, GemmEpilogue::none, TileConfig::coop_128x256_2x2)) {
+    return TileConfig::coop_128x256_2x2;
   }
   const bool clustered = tile == TileConfig::coop_128x256 && wgrad_cluster_2x1(gemm_m) &&
                          compiled(in, out, GemmPass::wgrad, GemmEpilogue::none, TileConfig::coop_128x256_2x1);

@@ -27,7 +27,8 @@ TileConfig choose_rows_tile(DType in, GemmPass pass, GemmEpilogue epilogue, int6
 /// wgrad of the 16-bit GEMM: to f32, ping-pong below 1024 rows per expert on average, else
 /// cooperative; to 16 bits, cooperative. The cooperative tile runs in 2x1 clusters
 /// where wgrad_cluster_2x1 says so and that instantiation is compiled. Tuning::gemm_tile overrides
-/// the tile where compiled for (in, out), Tuning::cluster the cluster.
+/// the tile where compiled for (in, out), Tuning::cluster the cluster (2x2 where compiled: bf16 to
+/// bf16; else 2x1).
 TileConfig choose_wgrad_tile(DType in, DType out, int64_t capacity, int64_t num_experts, int64_t gemm_m);
 
 /// Whether the weight gradient D[M, N] (M = the layer's N) runs in clusters of two CTAs along M,

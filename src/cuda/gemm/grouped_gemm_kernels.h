@@ -39,7 +39,7 @@ enum class TileConfig {
                      ///< B's tile and multicasts it to both (bf16 wgrad, to bf16 or f32; bf16
                      ///< fprop and dgrad)
   coop_128x256_2x2   ///< the cooperative tile in 2x2 clusters: A's tile multicast along N and B's
-                     ///< along M (bf16 fprop and dgrad; Tuning::cluster 2x2)
+                     ///< along M (bf16 fprop, dgrad, wgrad to bf16; Tuning::cluster 2x2)
 };
 
 /// One group's GEMM extent as CUTLASS's grouped problem shape stores it (cute::Shape<int,int,int>;
