@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# scripts/odd_kn_sweep.sh — the bf16 fprop/dgrad kernels that choose_rows_tile picks among, each
-# forced in turn, on shapes whose K or N is a multiple of 8 but not of 64 (issue 41) and on
-# aligned controls of nearly the same size, printed as one table of ms per case, pass and variant.
-# The data that rows_cluster_2x1 (src/cuda/gemm/grouped_gemm_heuristics.cu) is decided on.
+# scripts/odd_kn_sweep.sh — the bf16 grouped GEMM kernels that choose_rows_tile (fprop/dgrad) and
+# choose_wgrad_tile pick among, each forced in turn, on shapes whose K or N is a multiple of 8 but
+# not of 64 (issue 41) and on aligned controls of nearly the same size, printed as one table of ms
+# per case, pass and variant: the data that rows_tile_rule (src/cuda/gemm/rows_tile_rule.h) is
+# decided on.
 #
 #   scripts/odd_kn_sweep.sh [BUILD_DIR]     (default build/default; gmoe-bench built there)
 #
