@@ -128,9 +128,9 @@ for stage in "${stages[@]}"; do
           >"$OUT/forced_status_c.txt" &
         pids+=($!)
         # Clusters: the heuristics keep the named cases' fprop/dgrad on 1x1 and their weight
-        # gradients on 2x1; force each the other way, and the FP8 fprop/dgrad into 2x2.
+        # gradients on 2x1; force each the other way, and the bf16 and FP8 fprop/dgrad into 2x2.
         { forced cluster_2x1 cluster=2x1 "$rows_filter:*CudaFp8Gemm*:*CudaGroupedLinearFp8*";
-          forced cluster_2x2 cluster=2x2 '*CudaFp8Gemm*:*CudaGroupedLinearFp8*';
+          forced cluster_2x2 cluster=2x2 "$rows_filter:*CudaFp8Gemm*:*CudaGroupedLinearFp8*";
           forced cluster_1x1 cluster=1x1 '*Wgrad*:*CudaFp8Gemm*'; } >"$OUT/forced_status_d.txt" &
         pids+=($!)
       fi

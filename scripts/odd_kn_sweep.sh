@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# scripts/odd_kn_sweep.sh — the bf16 fprop/dgrad kernels that choose_rows_tile picks among, each
-# forced in turn, on shapes whose K or N is a multiple of 8 but not of 64 (issue 41) and on
-# aligned controls of nearly the same size, printed as one table of ms per case, pass and variant.
-# The data that rows_cluster_2x1 (src/cuda/gemm/grouped_gemm_heuristics.cu) is decided on.
+# scripts/odd_kn_sweep.sh — the bf16 grouped GEMM kernels that choose_rows_tile (fprop/dgrad) and
+# choose_wgrad_tile pick among, each forced in turn, on shapes whose K or N is a multiple of 8 but
+# not of 64 (issue 41) and on aligned controls of nearly the same size, printed as one table of ms
+# per case, pass and variant: the data that rows_tile_rule (src/cuda/gemm/rows_tile_rule.h) is
+# decided on.
 #
 #   scripts/odd_kn_sweep.sh [BUILD_DIR]     (default build/default; gmoe-bench built there)
 #
@@ -13,6 +14,7 @@
 #   oddn_r1024 1408 x 2888 (N odd: dy and y rows off the lines, W on them)
 #   aligned_r{512,1024}    1408 x 2880: the control
 # Variants (--tuning): auto (the heuristics), tile=coop,cluster=1x1, tile=coop,cluster=2x1,
+# tile=coop,cluster=2x2 (bf16 fprop, dgrad and the weight gradient to bf16),
 # tile=pingpong. Two rounds in alternating order, the smaller time of the two kept (gemm mode
 # times bursts: the clocks move between runs). SWEEP_ROUNDS, SWEEP_VARIANTS override; SWEEP_TORCH=1
 # also runs bench/torch_baseline.py (torch._grouped_mm) on the same cases for the torch column.
@@ -43,7 +45,7 @@ for r in (512, 1024):
 json.dump({"name": "odd_kn_sweep", "about": "scripts/odd_kn_sweep.sh", "cases": cases}, open(sys.argv[1], "w"))
 PY
 
-variants="${SWEEP_VARIANTS:-auto tile=coop,cluster=1x1 tile=coop,cluster=2x1 tile=pingpong}"
+variants="${SWEEP_VARIANTS:-auto tile=coop,cluster=1x1 tile=coop,cluster=2x1 tile=coop,cluster=2x2 tile=pingpong}"
 rounds="${SWEEP_ROUNDS:-2}"
 for ((round = 0; round < rounds; round++)); do
   list=$variants
@@ -90,12 +92,19 @@ if os.path.exists(torch_path):
 cols = [v.replace("=", "_").replace(",", "_") for v in variants]
 extra = sorted({k[2] for k in best} - set(cols))
 cols += extra
-print("ms (the smaller of the rounds); last column: the fastest variant")
-print("| case | pass | " + " | ".join(cols) + " | fastest |")
-print("|---|---|" + "---|" * (len(cols) + 1))
+has_torch = "torch" in cols
+print("ms (the smaller of the rounds); fastest: the fastest variant" +
+      ("; x torch: torch's time over auto's and over the fastest variant's (> 1: gmoe faster)" if has_torch else ""))
+print("| case | pass | " + " | ".join(cols) + " | fastest |" + (" auto x torch | fastest x torch |" if has_torch else ""))
+print("|---|---|" + "---|" * (len(cols) + 1 + (2 if has_torch else 0)))
 for case, p in order:
     cells = [best.get((case, p, c)) for c in cols]
     gm = {c: best[(case, p, c)] for c in cols[:len(variants)] if (case, p, c) in best}
     fastest = min(gm, key=gm.get) if gm else "-"
-    print(f"| {case} | {p} | " + " | ".join("-" if x is None else f"{x:.4f}" for x in cells) + f" | {fastest} |")
+    line = f"| {case} | {p} | " + " | ".join("-" if x is None else f"{x:.4f}" for x in cells) + f" | {fastest} |"
+    if has_torch:
+        t = best.get((case, p, "torch"))
+        ratio = lambda ms: "-" if t is None or ms is None else f"{t / ms:.3f}"
+        line += f" {ratio(gm.get('auto'))} | {ratio(gm.get(fastest))} |"
+    print(line)
 PY

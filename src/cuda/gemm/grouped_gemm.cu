@@ -147,7 +147,9 @@ void execute(const Plan& plan, Stream stream, Allocator& alloc) {
              "grouped GEMM: accumulate needs the f32 weight-gradient kernels");
   PreparedCall call =
       prepare_call(plan, plan.run_gemm ? kernel.workspace_bytes(sm_count(current_device())) : 0, stream, alloc);
-  last_launch_record().cluster_m = kernel.tile == TileConfig::coop_128x256_2x1 ? 2 : 1;
+  const bool pairs_m = kernel.tile == TileConfig::coop_128x256_2x1 || kernel.tile == TileConfig::coop_128x256_2x2;
+  last_launch_record().cluster_m = pairs_m ? 2 : 1;
+  last_launch_record().cluster_n = kernel.tile == TileConfig::coop_128x256_2x2 ? 2 : 1;
   if (plan.run_gemm) {
     call.launch.beta = plan.beta;
     call.launch.raster_along_n = plan.raster_along_n;

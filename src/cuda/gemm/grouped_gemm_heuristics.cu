@@ -69,11 +69,14 @@ TileConfig choose_rows_tile(DType in, GemmPass pass, GemmEpilogue epilogue, int6
   if (!forced_tile(in, in, pass, epilogue, &tile)) {
     tile = rule == RowsTileRule::pingpong ? TileConfig::pingpong_128x128 : TileConfig::coop_128x256;
   }
+  if (tile != TileConfig::coop_128x256) return tile;
   const int forced = forced_cluster();
+  if (forced == 2 && compiled(in, in, pass, epilogue, TileConfig::coop_128x256_2x2)) {
+    return TileConfig::coop_128x256_2x2;
+  }
   const bool pairs = forced >= 0 ? forced >= 1 : rule == RowsTileRule::coop_2x1;
-  const bool clustered = tile == TileConfig::coop_128x256 && pairs &&
-                         compiled(in, in, pass, epilogue, TileConfig::coop_128x256_2x1);
-  return clustered ? TileConfig::coop_128x256_2x1 : tile;
+  return pairs && compiled(in, in, pass, epilogue, TileConfig::coop_128x256_2x1) ? TileConfig::coop_128x256_2x1
+                                                                                 : tile;
 }
 
 // To f32, each output tile costs 2·BM·BN·rows flops in the mainloop and BM·BN·4 bytes in the
@@ -82,12 +85,17 @@ TileConfig choose_rows_tile(DType in, GemmPass pass, GemmEpilogue epilogue, int6
 // tile (no overlap, fewer and larger tiles) wins when the reduction is long. The crossover,
 // kWgradCoopMinRows, and its figures are in docs/decisions.md. A 16-bit dW is written at half
 // the bytes: cooperative only (a ping-pong 16-bit weight gradient is no faster, and not compiled).
-// The cooperative tile runs in 2x1 clusters where wgrad_cluster_2x1 says so.
+// The cooperative tile runs in 2x1 clusters where wgrad_cluster_2x1 says so (in 2x2 where
+// Tuning::cluster forces it and that instantiation is compiled).
 TileConfig choose_wgrad_tile(DType in, DType out, int64_t capacity, int64_t num_experts, int64_t gemm_m) {
   TileConfig tile;
   if (!forced_tile(in, out, GemmPass::wgrad, GemmEpilogue::none, &tile)) {
     tile = out == DType::f32 && capacity / num_experts < kWgradCoopMinRows ? TileConfig::pingpong_128x128
                                                                            : TileConfig::coop_128x256;
+  }
+  if (tile == TileConfig::coop_128x256 && forced_cluster() == 2 &&
+      compiled(in, out, GemmPass::wgrad, GemmEpilogue::none, TileConfig::coop_128x256_2x2)) {
+    return TileConfig::coop_128x256_2x2;
   }
   const bool clustered = tile == TileConfig::coop_128x256 && wgrad_cluster_2x1(gemm_m) &&
                          compiled(in, out, GemmPass::wgrad, GemmEpilogue::none, TileConfig::coop_128x256_2x1);

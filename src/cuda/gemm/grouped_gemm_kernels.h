@@ -35,9 +35,11 @@ enum class TileConfig {
   coop_128x256,      ///< cooperative: 2 consumer warpgroups share one 128x256x64 tile; large groups
   pingpong_128x128,  ///< ping-pong: 2 consumer warpgroups alternate 128x128x64 tiles, one's
                      ///< epilogue overlapping the other's mainloop; small groups, f32 wgrad
-  coop_128x256_2x1   ///< the cooperative tile in clusters of two CTAs along M: each loads half of
+  coop_128x256_2x1,  ///< the cooperative tile in clusters of two CTAs along M: each loads half of
                      ///< B's tile and multicasts it to both (bf16 wgrad, to bf16 or f32; bf16
                      ///< fprop and dgrad)
+  coop_128x256_2x2   ///< the cooperative tile in 2x2 clusters: A's tile multicast along N and B's
+                     ///< along M (bf16 fprop, dgrad, wgrad to bf16; Tuning::cluster 2x2)
 };
 
 /// One group's GEMM extent as CUTLASS's grouped problem shape stores it (cute::Shape<int,int,int>;

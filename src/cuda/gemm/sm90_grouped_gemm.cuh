@@ -71,6 +71,9 @@ template <> struct TileTraits<TileConfig::coop_128x256> {
 template <> struct TileTraits<TileConfig::coop_128x256_2x1> : TileTraits<TileConfig::coop_128x256> {
   using ClusterShape = cute::Shape<cute::_2, cute::_1, cute::_1>;
 };
+template <> struct TileTraits<TileConfig::coop_128x256_2x2> : TileTraits<TileConfig::coop_128x256> {
+  using ClusterShape = cute::Shape<cute::_2, cute::_2, cute::_1>;
+};
 template <> struct TileTraits<TileConfig::pingpong_128x128> {
   using TileShape = cute::Shape<cute::_128, cute::_128, cute::_64>;
   using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
