@@ -14,7 +14,7 @@
 #   oddn_r1024 1408 x 2888 (N odd: dy and y rows off the lines, W on them)
 #   aligned_r{512,1024}    1408 x 2880: the control
 # Variants (--tuning): auto (the heuristics), tile=coop,cluster=1x1, tile=coop,cluster=2x1,
-# tile=coop,cluster=2x2 (bf16 fprop, dgrad and the weight gradient to bf16),
+# tile=coop,cluster=2x2 (bf16 dgrad; fprop and the weight gradient have no 2x2 instance and run 2x1),
 # tile=pingpong. Two rounds in alternating order, the smaller time of the two kept (gemm mode
 # times bursts: the clocks move between runs). SWEEP_ROUNDS, SWEEP_VARIANTS override; SWEEP_TORCH=1
 # also runs bench/torch_baseline.py (torch._grouped_mm) on the same cases for the torch column.

@@ -384,12 +384,12 @@ TEST(CudaGroupedGemmTiles, BigExpertsChunkedAndClusteredWgrad) {
 }
 
 // With the defaults: bf16 fprop/dgrad whose operand rows are off the 128-byte lines (x or dy rows
-// of 360 elements, 720 bytes; dgrad's weights also 2800-byte rows) run the cooperative tile in 2x1
-// clusters when the average expert has at least 512 rows (rows_tile_rule: 705 here; the experts
-// are 5, 0, 12 and 6 tiles tall, so one pairs a real tile with an all-out-of-range one) and the
-// tiles cover every SM (4 x 6 x 6 = 144). With every operand row on the lines (384 and 1408
-// elements) they stay 1x1.
-TEST(CudaGroupedGemmTiles, RowsOffTheLinesTakeTwoByOneClusters) {
+// of 360 elements, 720 bytes; dgrad's weights 2800-byte rows) run the cooperative tile in clusters
+// when the average expert has at least 256 rows (rows_tile_rule: 700 here; the experts are 5, 0,
+// 12 and 6 tiles tall, so one pairs a real tile with an all-out-of-range one) and the tiles cover
+// every SM (4 x 6 x 6 = 144): 2x1, and 2x2 in dgrad when dy and the weights are both off the
+// lines. With every operand row on the lines (384 and 1408 elements) they stay 1x1.
+TEST(CudaGroupedGemmTiles, RowsOffTheLinesTakeClusters) {
   GMOE_SKIP_WITHOUT_GPU();
   Rng rng;
   const std::vector<int64_t> counts = {600, 0, 1500, 700};
@@ -400,7 +400,10 @@ TEST(CudaGroupedGemmTiles, RowsOffTheLinesTakeTwoByOneClusters) {
   expect_launch("fprop with the fused bias, 720-byte rows", false, fprop_odd.E, false, 2, 1);
   const ShapeCase dgrad_odd = fixed_case("rows_off_lines_dgrad", 360, 1400, counts, 20);
   check_dgrad(dgrad_odd, DType::bf16, Layout::kList, rng);
-  expect_launch("dgrad, 720-byte rows", false, dgrad_odd.E, false, 2, 1);
+  expect_launch("dgrad, 720-byte dy rows and 2800-byte weight rows", false, dgrad_odd.E, false, 2, 2);
+  const ShapeCase dgrad_w_odd = fixed_case("weights_off_lines_dgrad", 384, 1400, counts, 20);
+  check_dgrad(dgrad_w_odd, DType::bf16, Layout::kStacked, rng);
+  expect_launch("dgrad, 768-byte dy rows and 2800-byte weight rows", false, dgrad_w_odd.E, false, 2, 1);
   const ShapeCase fprop_on = fixed_case("rows_on_lines_fprop", 1400, 384, counts, 20);
   check_fprop(fprop_on, DType::bf16, Layout::kList, rng);
   expect_launch("fprop, 768-byte rows", false, fprop_on.E, false, 1, 1);

@@ -109,21 +109,21 @@ void check_experts_cuda(const ExpertWeights& w, const char* name) {
   }
 }
 
-// Whether every row of the rows operand `a` and of the experts' weights starts on a 128-byte line
-// (choose_rows_tile: a TMA box row of 128 bytes is then one L2 line).
-bool rows_on_lines(const TensorView& a, const ExpertWeights& w) {
+// Whether every row of the rows operand `a`, and every row of the experts' weights, starts on a
+// 128-byte line (choose_rows_tile: a TMA box row of 128 bytes is then one L2 line).
+OperandLines operand_lines(const TensorView& a, const ExpertWeights& w) {
   const auto on_lines = [](const void* p, int64_t stride_elems, DType t) {
     return aligned(p, 128) && stride_elems * static_cast<int64_t>(dtype_size(t)) % 128 == 0;
   };
-  if (!on_lines(a.data, a.stride(0), a.dtype)) return false;
+  OperandLines lines;
+  lines.rows = on_lines(a.data, a.stride(0), a.dtype);
   if (w.is_stacked()) {
-    return on_lines(w.stacked.data, w.stacked.stride(0), w.dtype()) &&
-           on_lines(w.stacked.data, w.stacked.stride(1), w.dtype());
+    lines.weights = on_lines(w.stacked.data, w.stacked.stride(0), w.dtype()) &&
+                    on_lines(w.stacked.data, w.stacked.stride(1), w.dtype());
+  } else {
+    for (const TensorView& t : w.list) lines.weights = lines.weights && on_lines(t.data, t.stride(0), t.dtype);
   }
-  for (const TensorView& t : w.list) {
-    if (!on_lines(t.data, t.stride(0), t.dtype)) return false;
-  }
-  return true;
+  return lines;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -212,7 +212,7 @@ void rows_pass(GemmPass pass, const TensorView& a, const ExpertWeights& w, const
   }
   plan.run_gemm = capacity > 0 && gemm_n > 0 && gemm_k > 0;
   plan.tile = choose_rows_tile(a.dtype, pass, fused_bias != nullptr ? GemmEpilogue::bias : GemmEpilogue::none,
-                               capacity, counts.size(0), gemm_n, sm_count(a.device.index), rows_on_lines(a, w));
+                               capacity, counts.size(0), gemm_n, sm_count(a.device.index), operand_lines(a, w));
   plan.out_base = d.data;
   plan.out_ld_bytes = d.stride(0) * static_cast<int64_t>(dtype_size(d.dtype));
   plan.out_row_bytes = gemm_n * static_cast<int64_t>(dtype_size(d.dtype));

@@ -57,26 +57,27 @@ int cluster_index(ClusterShape c) {
 // multiples of 64, at aligned addresses), a box row is one L2 line; where they do not (e.g. K =
 // 1400: 2800-byte rows), every box row spans two lines and a sector more, and the 1x1 kernel's
 // mainloop waits on the L2. A 2x1 cluster loads B's tile once for both CTAs (TMA multicast), a
-// third fewer L2 requests per CTA (torch._grouped_mm runs this tile in 2x1 clusters everywhere).
-// On rows that are on the lines the 1x1 kernel is no slower on the whole (docs/decisions.md has
-// the figures of both), and pairing along M costs a group with an odd tile count one empty tile per
-// N tile, hence 2x1 only off the lines and from kRowsCluster2x1MinRows average rows
-// (rows_tile_rule, rows_tile_rule.h). Only bf16 has the 2x1 instantiations; f16 stays 1x1.
+// third fewer L2 requests per CTA (torch._grouped_mm runs this tile in 2x1 clusters everywhere); a
+// 2x2 cluster multicasts A's tile too, which pays in dgrad when dy and the weights are both off
+// the lines and not in fprop (docs/decisions.md has the figures). On rows that are on the lines
+// the 1x1 kernel is no slower on the whole, and pairing tiles costs a group with an odd tile count
+// one empty tile, hence clusters only off the lines and from kRowsClusterMinRows average rows
+// (rows_tile_rule, rows_tile_rule.h). Only bf16 has the clustered instantiations; f16 stays 1x1.
 TileConfig choose_rows_tile(DType in, GemmPass pass, GemmEpilogue epilogue, int64_t capacity,
-                            int64_t num_experts, int64_t gemm_n, int sms, bool rows_on_lines) {
-  const RowsTileRule rule = rows_tile_rule(capacity, num_experts, gemm_n, sms, rows_on_lines);
+                            int64_t num_experts, int64_t gemm_n, int sms, OperandLines lines) {
+  const RowsTileRule rule = rows_tile_rule(capacity, num_experts, gemm_n, sms, lines, pass == GemmPass::dgrad);
   TileConfig tile;
   if (!forced_tile(in, in, pass, epilogue, &tile)) {
     tile = rule == RowsTileRule::pingpong ? TileConfig::pingpong_128x128 : TileConfig::coop_128x256;
   }
   if (tile != TileConfig::coop_128x256) return tile;
   const int forced = forced_cluster();
-  if (forced == 2 && compiled(in, in, pass, epilogue, TileConfig::coop_128x256_2x2)) {
+  const int cluster = forced >= 0 ? forced : rule == RowsTileRule::coop_2x2 ? 2 : rule == RowsTileRule::coop_2x1 ? 1 : 0;
+  if (cluster == 2 && compiled(in, in, pass, epilogue, TileConfig::coop_128x256_2x2)) {
     return TileConfig::coop_128x256_2x2;
   }
-  const bool pairs = forced >= 0 ? forced >= 1 : rule == RowsTileRule::coop_2x1;
-  return pairs && compiled(in, in, pass, epilogue, TileConfig::coop_128x256_2x1) ? TileConfig::coop_128x256_2x1
-                                                                                 : tile;
+  return cluster >= 1 && compiled(in, in, pass, epilogue, TileConfig::coop_128x256_2x1) ? TileConfig::coop_128x256_2x1
+                                                                                        : tile;
 }
 
 // To f32, each output tile costs 2·BM·BN·rows flops in the mainloop and BM·BN·4 bytes in the
@@ -85,17 +86,12 @@ TileConfig choose_rows_tile(DType in, GemmPass pass, GemmEpilogue epilogue, int6
 // tile (no overlap, fewer and larger tiles) wins when the reduction is long. The crossover,
 // kWgradCoopMinRows, and its figures are in docs/decisions.md. A 16-bit dW is written at half
 // the bytes: cooperative only (a ping-pong 16-bit weight gradient is no faster, and not compiled).
-// The cooperative tile runs in 2x1 clusters where wgrad_cluster_2x1 says so (in 2x2 where
-// Tuning::cluster forces it and that instantiation is compiled).
+// The cooperative tile runs in 2x1 clusters where wgrad_cluster_2x1 says so.
 TileConfig choose_wgrad_tile(DType in, DType out, int64_t capacity, int64_t num_experts, int64_t gemm_m) {
   TileConfig tile;
   if (!forced_tile(in, out, GemmPass::wgrad, GemmEpilogue::none, &tile)) {
     tile = out == DType::f32 && capacity / num_experts < kWgradCoopMinRows ? TileConfig::pingpong_128x128
                                                                            : TileConfig::coop_128x256;
-  }
-  if (tile == TileConfig::coop_128x256 && forced_cluster() == 2 &&
-      compiled(in, out, GemmPass::wgrad, GemmEpilogue::none, TileConfig::coop_128x256_2x2)) {
-    return TileConfig::coop_128x256_2x2;
   }
   const bool clustered = tile == TileConfig::coop_128x256 && wgrad_cluster_2x1(gemm_m) &&
                          compiled(in, out, GemmPass::wgrad, GemmEpilogue::none, TileConfig::coop_128x256_2x1);

@@ -13,22 +13,22 @@
 #include <cstdint>
 
 #include "cuda/gemm/grouped_gemm_kernels.h"
+#include "cuda/gemm/rows_tile_rule.h"
 #include "gmoe/dtype.h"
 
 namespace gmoe::cuda_backend {
 
 /// fprop/dgrad of the 16-bit GEMM: rows_tile_rule (rows_tile_rule.h) on what is compiled for
-/// (in, pass, epilogue). `rows_on_lines`: every row of A and of the experts' weights starts on a
-/// 128-byte line. Tuning::gemm_tile overrides the tile where compiled; Tuning::cluster the
+/// (in, pass, epilogue). `lines`: whether the rows of A and of the experts' weights start on
+/// 128-byte lines. Tuning::gemm_tile overrides the tile where compiled; Tuning::cluster the
 /// cooperative tile's cluster (1x1; 2x1 or 2x2 where that instantiation is compiled, 2x2 else 2x1).
 TileConfig choose_rows_tile(DType in, GemmPass pass, GemmEpilogue epilogue, int64_t capacity,
-                            int64_t num_experts, int64_t gemm_n, int sms, bool rows_on_lines);
+                            int64_t num_experts, int64_t gemm_n, int sms, OperandLines lines);
 
 /// wgrad of the 16-bit GEMM: to f32, ping-pong below 1024 rows per expert on average, else
 /// cooperative; to 16 bits, cooperative. The cooperative tile runs in 2x1 clusters
 /// where wgrad_cluster_2x1 says so and that instantiation is compiled. Tuning::gemm_tile overrides
-/// the tile where compiled for (in, out), Tuning::cluster the cluster (2x2 where compiled: bf16 to
-/// bf16; else 2x1).
+/// the tile where compiled for (in, out), Tuning::cluster the cluster (1x1 or 2x1; 2x2 runs 2x1).
 TileConfig choose_wgrad_tile(DType in, DType out, int64_t capacity, int64_t num_experts, int64_t gemm_m);
 
 /// Whether the weight gradient D[M, N] (M = the layer's N) runs in clusters of two CTAs along M,

@@ -13,23 +13,32 @@ namespace gmoe::cuda_backend {
 enum class RowsTileRule {
   pingpong,  ///< the 128x128 ping-pong tile, 1x1
   coop,      ///< the 128x256 cooperative tile, 1x1
-  coop_2x1   ///< the 128x256 cooperative tile in 2x1 clusters
+  coop_2x1,  ///< the 128x256 cooperative tile in 2x1 clusters
+  coop_2x2   ///< the 128x256 cooperative tile in 2x2 clusters
 };
 
-/// Average rows per expert from which operands whose rows are off the 128-byte lines take 2x1
-/// clusters (four 128-row tiles: a group with an odd tile count then wastes at most a fifth).
-inline constexpr int64_t kRowsCluster2x1MinRows = 512;
+/// Whether the rows of each operand start on 128-byte lines (pitch and base address).
+struct OperandLines {
+  bool rows = true;     ///< A: x in fprop, dy in dgrad
+  bool weights = true;  ///< the experts' weights
+};
+
+/// Average rows per expert from which operands whose rows are off the 128-byte lines take
+/// clusters (two 128-row tiles: a group with an odd tile count then wastes at most a third).
+inline constexpr int64_t kRowsClusterMinRows = 256;
 
 /// The cooperative tile when the average group (capacity / num_experts rows) fills a 128-row tile
 /// and its tiles (gemm_n wide, 256 columns each) cover every one of `sms` SMs, else the ping-pong
-/// tile; the cooperative tile in 2x1 clusters when some operand row does not start on a 128-byte
-/// line (`rows_on_lines` false) and the average group has at least kRowsCluster2x1MinRows rows.
+/// tile. Off the lines (some operand's rows do not start on 128-byte lines) and from
+/// kRowsClusterMinRows average rows, the cooperative tile runs in clusters: 2x2 in dgrad when both
+/// operands are off the lines, else 2x1.
 constexpr RowsTileRule rows_tile_rule(int64_t capacity, int64_t num_experts, int64_t gemm_n, int sms,
-                                      bool rows_on_lines) {
+                                      OperandLines lines, bool dgrad) {
   const int64_t avg_rows = capacity / std::max<int64_t>(num_experts, 1);
   const int64_t coop_tiles = num_experts * ((avg_rows + 127) / 128) * ((gemm_n + 255) / 256);
   if (avg_rows < 128 || coop_tiles < sms) return RowsTileRule::pingpong;
-  return !rows_on_lines && avg_rows >= kRowsCluster2x1MinRows ? RowsTileRule::coop_2x1 : RowsTileRule::coop;
+  if ((lines.rows && lines.weights) || avg_rows < kRowsClusterMinRows) return RowsTileRule::coop;
+  return dgrad && !lines.rows && !lines.weights ? RowsTileRule::coop_2x2 : RowsTileRule::coop_2x1;
 }
 
 }  // namespace gmoe::cuda_backend
