@@ -1,7 +1,7 @@
-"""Autograd formulas registered from Python: the expert-parallel exchanges (each one's backward is
-the other with the same plan), and the dispatch whose backward runs the experts' delayed weight
-gradients beside its exchange (MoELayer's experts_wgrad_during_combine). The other ops' formulas
-are in C++ (python/csrc/autograd.cpp)."""
+"""Autograd in Python where it must run Python: the expert-parallel dispatch whose backward runs the
+experts' delayed weight gradients (a Python callback) beside its exchange (MoELayer's
+experts_wgrad_during_combine). Every op's own formula is in C++ (python/csrc/autograd.cpp), the
+exchanges' included."""
 from typing import Callable, Optional
 
 import torch
@@ -9,14 +9,8 @@ import torch
 _ops = torch.ops.gmoe
 
 
-def _fit(ctx, *grads):
-    """The gradients of the arguments the op was called with: the dispatcher leaves trailing
-    arguments that have their default out of the inputs, and the backward must match them."""
-    return grads[:len(ctx.needs_input_grad)]
-
-
-# ep_dispatch / ep_combine(group, counts_all, local_counts, rows, scalars) -> (rows, scalars): each
-# one's backward is the other, with the same plan (the same ranks exchange the same rows back).
+# The plain exchanges' formulas are C++ (python/csrc/autograd.cpp: each one's backward is the other
+# with the same plan). Here, the one variant whose backward runs Python beside its exchange.
 def _ep_setup(ctx, inputs, output):
     group, counts_all, local_counts, rows, scalars = inputs
     ctx.group = group
@@ -39,18 +33,6 @@ def _reverse_grads(ctx, drows, dscalars):
         ds = dscalars.float().contiguous() if dscalars is not None else \
             drows.new_zeros((drows.shape[0],), dtype=torch.float32)
     return counts_all, local_counts, drows, ds
-
-
-def _ep_backward(reverse):
-    def backward(ctx, drows, dscalars):
-        counts_all, local_counts, drows, ds = _reverse_grads(ctx, drows, dscalars)
-        drows_in, dscalars_in = reverse(ctx.group, counts_all, local_counts, drows, ds)
-        return _fit(ctx, None, None, None, drows_in, dscalars_in if ctx.needs_scalars_grad else None)
-    return backward
-
-
-torch.library.register_autograd("gmoe::ep_dispatch", _ep_backward(_ops.ep_combine), setup_context=_ep_setup)
-torch.library.register_autograd("gmoe::ep_combine", _ep_backward(_ops.ep_dispatch), setup_context=_ep_setup)
 
 
 def _run_beside(exchange: Callable, work: Callable[[], None], comm: Optional["torch.cuda.Stream"], inputs):

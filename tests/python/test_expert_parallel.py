@@ -135,12 +135,19 @@ def test_the_gradients_are_the_reverse_exchange():
         g = groups[r]
         plan = gmoe.ep_plan(g, torch.tensor(counts[r], dtype=torch.int32))
         recv = gmoe.ep_dispatch(g, plan, x[r], p[r])
+        # the formulas are C++ autograd kernels (python/csrc/autograd.cpp), not Python ones
+        assert "EpExchangeFunction<true>" in recv.rows.grad_fn.name()
         ((recv.rows * w[r]).sum() + (recv.scalars * v[r]).sum()).backward()
         # combine's gradient: dispatch of the gradient
         y = torch.randn(size * max_rows, H, requires_grad=True)
         back = gmoe.ep_combine(g, plan, y)
+        assert "EpExchangeFunction<false>" in back.rows.grad_fn.name()
         u = torch.randn(max_rows, H)
         (back.rows * u).sum().backward()
+        # an output without a gradient: the reverse exchange still runs (collective), with zeros
+        ps = torch.randn(max_rows, requires_grad=True)
+        gmoe.ep_dispatch(g, plan, x[r].detach(), ps).rows.sum().backward()
+        assert ps.grad is not None and not ps.grad.any()
         return y, u
 
     ys = run_ranks(rank, size)
