@@ -19,42 +19,45 @@ namespace {
 
 constexpr std::size_t kMiB = std::size_t(1) << 20;
 
-// A non-blocking stream of its own, so that no other suite's work is ordered with these checks.
-struct OwnStream {
-  cudaStream_t s = nullptr;
-  OwnStream() { test_cuda_check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate"); }
-  ~OwnStream() { cudaStreamDestroy(s); }
-  void sync() const { test_cuda_check(cudaStreamSynchronize(s), "cudaStreamSynchronize"); }
-};
-
-// Every earlier test's stream-ordered frees completed, so that the pool's figures move only with
-// this test's work.
-void settle() { test_cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize"); }
-
 const Device kDev = Device::cuda(0);
 
-TEST(MemoryPoolCuda, StatsFollowAnAllocationAndStayReservedAfterASync) {
-  GMOE_SKIP_WITHOUT_GPU();
-  test_cuda_check(cudaSetDevice(0), "cudaSetDevice");
-  OwnStream st;
+// Each test on device 0 with a non-blocking stream of its own (no other suite's work is ordered with
+// its checks), after every earlier test's stream-ordered frees completed, so that the pool's figures
+// move only with the test's own work.
+class MemoryPoolCuda : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    GMOE_SKIP_WITHOUT_GPU();
+    test_cuda_check(cudaSetDevice(0), "cudaSetDevice");
+    test_cuda_check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
+    test_cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  }
+  void TearDown() override {
+    if (s != nullptr) cudaStreamDestroy(s);
+  }
+  void sync() const { test_cuda_check(cudaStreamSynchronize(s), "cudaStreamSynchronize"); }
+
+  cudaStream_t s = nullptr;
   Allocator& alloc = cuda_allocator();
+};
+
+TEST_F(MemoryPoolCuda, StatsFollowAnAllocationAndStayReservedAfterASync) {
   const std::size_t bytes = 96 * kMiB;
-  settle();
   const MemoryPoolStats before = memory_pool_stats(kDev);
   EXPECT_LE(before.in_use, before.reserved);
 
-  void* p = alloc.allocate(bytes, st.s);
+  void* p = alloc.allocate(bytes, s);
   ASSERT_NE(p, nullptr);
-  test_cuda_check(cudaMemsetAsync(p, 0x5a, bytes, st.s), "cudaMemsetAsync");
-  st.sync();
+  test_cuda_check(cudaMemsetAsync(p, 0x5a, bytes, s), "cudaMemsetAsync");
+  sync();
   const MemoryPoolStats held = memory_pool_stats(kDev);
   EXPECT_GE(held.in_use, before.in_use + bytes);
   EXPECT_GE(held.reserved, held.in_use);
   EXPECT_GE(held.peak_in_use, held.in_use);
   EXPECT_GE(held.peak_reserved, held.reserved);
 
-  alloc.free(p, st.s);
-  st.sync();
+  alloc.free(p, s);
+  sync();
   // The default pool's release threshold of 0 gives freed memory back at a sync; gmoe's keeps it.
   const MemoryPoolStats freed = memory_pool_stats(kDev);
   EXPECT_EQ(freed.in_use, before.in_use);
@@ -67,18 +70,13 @@ TEST(MemoryPoolCuda, StatsFollowAnAllocationAndStayReservedAfterASync) {
   EXPECT_EQ(reset.peak_reserved, reset.reserved);
 }
 
-TEST(MemoryPoolCuda, TrimGivesCachedMemoryBack) {
-  GMOE_SKIP_WITHOUT_GPU();
-  test_cuda_check(cudaSetDevice(0), "cudaSetDevice");
-  OwnStream st;
-  Allocator& alloc = cuda_allocator();
+TEST_F(MemoryPoolCuda, TrimGivesCachedMemoryBack) {
   const std::size_t bytes = 128 * kMiB;
-  settle();
-  void* kept = alloc.allocate(4 * kMiB, st.s);  // in use across the trim: must stay
-  st.sync();
-  void* p = alloc.allocate(bytes, st.s);
-  alloc.free(p, st.s);
-  st.sync();
+  void* kept = alloc.allocate(4 * kMiB, s);  // in use across the trim: must stay
+  sync();
+  void* p = alloc.allocate(bytes, s);
+  alloc.free(p, s);
+  sync();
   const MemoryPoolStats cached = memory_pool_stats(kDev);
   ASSERT_GE(cached.reserved, cached.in_use + bytes) << "the freed block is not cached";
 
@@ -89,35 +87,30 @@ TEST(MemoryPoolCuda, TrimGivesCachedMemoryBack) {
   EXPECT_GE(trimmed.reserved, trimmed.in_use);
 
   // keep_bytes: a trim to a size above what is reserved gives nothing back.
-  void* q = alloc.allocate(bytes, st.s);
-  alloc.free(q, st.s);
-  st.sync();
+  void* q = alloc.allocate(bytes, s);
+  alloc.free(q, s);
+  sync();
   const MemoryPoolStats again = memory_pool_stats(kDev);
   trim_memory_pool(kDev, again.reserved);
   EXPECT_EQ(memory_pool_stats(kDev).reserved, again.reserved);
 
-  alloc.free(kept, st.s);
-  st.sync();
+  alloc.free(kept, s);
+  sync();
 }
 
 // What the EP bench's steps do: a large scratch taken, used, freed, then a sync, over and over.
 // After the first step the pool reserves nothing more.
-TEST(MemoryPoolCuda, MemoryFreedBeforeASyncIsReusedNotRemapped) {
-  GMOE_SKIP_WITHOUT_GPU();
-  test_cuda_check(cudaSetDevice(0), "cudaSetDevice");
-  OwnStream st;
-  Allocator& alloc = cuda_allocator();
+TEST_F(MemoryPoolCuda, MemoryFreedBeforeASyncIsReusedNotRemapped) {
   const std::size_t bytes = 512 * kMiB + 3 * 4096;  // not a multiple of the pool's granularity
-  settle();
   trim_memory_pool(kDev);
   auto step = [&](unsigned char value) {
-    void* p = alloc.allocate(bytes, st.s);
-    test_cuda_check(cudaMemsetAsync(p, value, bytes, st.s), "cudaMemsetAsync");
+    void* p = alloc.allocate(bytes, s);
+    test_cuda_check(cudaMemsetAsync(p, value, bytes, s), "cudaMemsetAsync");
     unsigned char last = 0;
-    test_cuda_check(cudaMemcpyAsync(&last, static_cast<char*>(p) + bytes - 1, 1, cudaMemcpyDeviceToHost, st.s),
+    test_cuda_check(cudaMemcpyAsync(&last, static_cast<char*>(p) + bytes - 1, 1, cudaMemcpyDeviceToHost, s),
                     "cudaMemcpyAsync");
-    alloc.free(p, st.s);
-    st.sync();
+    alloc.free(p, s);
+    sync();
     EXPECT_EQ(last, value);
   };
   step(1);
@@ -133,23 +126,18 @@ TEST(MemoryPoolCuda, MemoryFreedBeforeASyncIsReusedNotRemapped) {
 
 // Scratch from cuda_allocator() inside a global-mode capture (which fails on any host sync): the
 // graph owns it, the pool's figures do not move, and every replay writes what the capture says.
-TEST(MemoryPoolCuda, CapturedGraphWithScratchReplays) {
-  GMOE_SKIP_WITHOUT_GPU();
-  test_cuda_check(cudaSetDevice(0), "cudaSetDevice");
-  OwnStream st;
-  Allocator& alloc = cuda_allocator();
+TEST_F(MemoryPoolCuda, CapturedGraphWithScratchReplays) {
   const std::size_t bytes = 8 * kMiB;
   void* out = nullptr;
   test_cuda_check(cudaMalloc(&out, bytes), "cudaMalloc");
   std::vector<unsigned char> host(bytes);
-  settle();
   const MemoryPoolStats before = memory_pool_stats(kDev);
 
-  cudaGraph_t graph = bench::capture_graph(st.s, [&] {
-    void* scratch = alloc.allocate(bytes, st.s);
-    test_cuda_check(cudaMemsetAsync(scratch, 0x3c, bytes, st.s), "cudaMemsetAsync");
-    test_cuda_check(cudaMemcpyAsync(out, scratch, bytes, cudaMemcpyDeviceToDevice, st.s), "cudaMemcpyAsync");
-    alloc.free(scratch, st.s);
+  cudaGraph_t graph = bench::capture_graph(s, [&] {
+    void* scratch = alloc.allocate(bytes, s);
+    test_cuda_check(cudaMemsetAsync(scratch, 0x3c, bytes, s), "cudaMemsetAsync");
+    test_cuda_check(cudaMemcpyAsync(out, scratch, bytes, cudaMemcpyDeviceToDevice, s), "cudaMemcpyAsync");
+    alloc.free(scratch, s);
   });
   const bench::GraphNodeCounts nodes = bench::count_graph_nodes(graph);
   EXPECT_EQ(nodes.allocs, 1);
@@ -157,10 +145,10 @@ TEST(MemoryPoolCuda, CapturedGraphWithScratchReplays) {
   cudaGraphExec_t exec = nullptr;
   test_cuda_check(cudaGraphInstantiate(&exec, graph, 0), "cudaGraphInstantiate");
   for (int replay = 0; replay < 3; ++replay) {
-    test_cuda_check(cudaMemsetAsync(out, 0, bytes, st.s), "cudaMemsetAsync");
-    test_cuda_check(cudaGraphLaunch(exec, st.s), "cudaGraphLaunch");
-    test_cuda_check(cudaMemcpyAsync(host.data(), out, bytes, cudaMemcpyDeviceToHost, st.s), "cudaMemcpyAsync");
-    st.sync();
+    test_cuda_check(cudaMemsetAsync(out, 0, bytes, s), "cudaMemsetAsync");
+    test_cuda_check(cudaGraphLaunch(exec, s), "cudaGraphLaunch");
+    test_cuda_check(cudaMemcpyAsync(host.data(), out, bytes, cudaMemcpyDeviceToHost, s), "cudaMemcpyAsync");
+    sync();
     std::size_t wrong = 0;
     for (unsigned char v : host) wrong += v != 0x3c;
     EXPECT_EQ(wrong, 0u) << "replay " << replay;
@@ -172,8 +160,7 @@ TEST(MemoryPoolCuda, CapturedGraphWithScratchReplays) {
   cudaFree(out);
 }
 
-TEST(MemoryPoolCuda, ADeviceThatDoesNotExistIsRefused) {
-  GMOE_SKIP_WITHOUT_GPU();
+TEST_F(MemoryPoolCuda, ADeviceThatDoesNotExistIsRefused) {
   int n = 0;
   test_cuda_check(cudaGetDeviceCount(&n), "cudaGetDeviceCount");
   GMOE_EXPECT_ERROR(memory_pool_stats(Device::cuda(n)), "CUDA device", "does not exist");
