@@ -10,7 +10,7 @@ or an extension without the NCCL backend. Written for any number of GPUs (all of
   and dx is reported), uniform and skewed.
 * experts_wgrad_during_combine (the dispatch's backward on a communication stream beside the
   experts' delayed weight gradients): every gradient bitwise the plain backward's, the experts'
-  weight gradients done by backward, no host sync; uniform and skewed.
+  weight gradients done by backward, no host sync; uniform and skewed; and in the graph test.
 * no host sync in forward + backward (torch.cuda.set_sync_debug_mode("error")), and the layer's
   forward + backward captured once in a CUDA graph and replayed under changing routing, equal to
   eager calls bitwise.
@@ -237,9 +237,12 @@ def test_experts_wgrad_during_combine_is_the_plain_backward(skewed):
     spawn(_overlap_worker, skewed)
 
 
-def _graph_worker(rank, world):
+def _graph_worker(rank, world, overlap):
     E, H, F, k, T = 8 * world, 256, 128, 4, 128
     _, m, group, x, dout = _layers(rank, world, E, H, F, k, T, False)
+    if overlap:  # the comm stream forks from and joins the captured stream inside backward
+        m.delay_wgrad_compute = True
+        m.experts_wgrad_during_combine = True
     params = list(m.parameters())
     xs = [torch.randn(T, H, device="cuda", generator=torch.Generator(device="cuda").manual_seed(7 * i + rank))
           .bfloat16() for i in range(3)]
@@ -296,5 +299,6 @@ def _graph_worker(rank, world):
     group.close()
 
 
-def test_no_host_sync_and_graph_replay_under_changing_routing():
-    spawn(_graph_worker)
+@pytest.mark.parametrize("overlap", [False, True])
+def test_no_host_sync_and_graph_replay_under_changing_routing(overlap):
+    spawn(_graph_worker, overlap)
