@@ -361,6 +361,9 @@ int child_main(int rank, int ranks, const std::vector<gmoe::EpUniqueId>& ids, in
       if (!filter.empty() && std::string(kCases[i].name).find(filter) == std::string::npos) continue;
       if (kCases[i].experts % ranks != 0) continue;  // every rank skips it alike
       run_case(i, rank, ranks, ids[static_cast<size_t>(i)], warmup, iters, trim_ab, s, comm, rep);
+      // The next case's cudaMalloc'd inputs and NCCL window must not find this case's scratch cached.
+      cuda_ok(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+      gmoe::trim_memory_pool(gmoe::Device::cuda(rank));
     }
   } catch (const std::exception& e) {
     std::snprintf(rep.error, sizeof rep.error, "%s", e.what());
