@@ -584,6 +584,36 @@ def ep_tables(rows):
     return (layer if len(layer) > 2 else []), (comm if len(comm) > 3 else [])
 
 
+EP_OVERLAP_PASSES = ("forward_eager", "backward_sequential", "backward_overlap", "exchanges", "exchanges_dispatch",
+                     "exchanges_combine", "wgrad")
+
+
+def ep_overlap_table(rows):
+    """tools/gmoe_ep_bench.cpp's rows (kind "ep", impl gmoe_ep, and gmoe_ep_trimmed with
+    --trim-pool-each-step): per case and pool mode the C++ MoELayer's backward in order and with its
+    exchanges overlapped with the experts' delayed weight gradients, the time saved, the exchanges
+    against dispatch + combine alone, and whether the overlapped gradients equal the sequential
+    ones. [] when there are none."""
+    cells = {}
+    for r in rows:
+        if is_ep(r) and r["impl"] in ("gmoe_ep", "gmoe_ep_trimmed") and r["pass"] in EP_OVERLAP_PASSES:
+            cells.setdefault((r["case"], r["impl"]), {})[r["pass"]] = r
+    out = [["case", "pool", "fwd ms", "seq ms", "ovl ms", "saved ms", "exch ms", "disp+comb ms", "wgrad ms",
+            "correct"]]
+    for (case, impl), c in cells.items():
+        ms = {p: (None if c.get(p) is None or c[p].get("skipped") else c[p].get("ms")) for p in EP_OVERLAP_PASSES}
+        saved = None if ms["backward_sequential"] is None or ms["backward_overlap"] is None else \
+            ms["backward_sequential"] - ms["backward_overlap"]
+        parts = None if ms["exchanges_dispatch"] is None or ms["exchanges_combine"] is None else \
+            ms["exchanges_dispatch"] + ms["exchanges_combine"]
+        ok = (c.get("backward_overlap") or {}).get("correct")
+        out.append([case, "trimmed each step" if impl == "gmoe_ep_trimmed" else "cached",
+                    *(fmt(ms[p], 3) for p in ("forward_eager", "backward_sequential", "backward_overlap")),
+                    fmt(saved, 3), fmt(ms["exchanges"], 3), fmt(parts, 3), fmt(ms["wgrad"], 3),
+                    "-" if ok is None else ("yes" if ok else "NO")])
+    return out if len(out) > 1 else []
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("inputs", nargs="+")
@@ -635,6 +665,7 @@ def main():
     module_times, module_ops = module_tables(merged["rows"])
     train, findings = train_table(merged["rows"]), train_findings(merged["rows"])
     ep_layer, ep_comm = ep_tables(merged["rows"])
+    ep_overlap = ep_overlap_table(merged["rows"])
     notes = merged.get("notes") or []
     for title, lines in tables:
         print(f"\n{title}:")
@@ -686,6 +717,9 @@ def main():
     if ep_comm:
         print("\nExpert parallelism: dispatch and combine alone against NCCL's all-to-all of the same bytes:")
         print_table(ep_comm)
+    if ep_overlap:
+        print("\nExpert parallelism: the C++ MoELayer's backward in order and overlapped (gmoe-ep-bench, ms):")
+        print_table(ep_overlap)
     for n in notes:
         print(f"note: {n}")
     skipped = skipped_lines(merged["rows"])
@@ -804,6 +838,18 @@ def main():
                         "GB/s: bytes a rank sends / time (target: gmoe_ep >= 80%). correct: the dispatched rows "
                         "bitwise the composition's, and combine(dispatch(x)) bitwise x.\n\n")
                 write_markdown_table(f, ep_comm, labels=2)
+            if ep_overlap:
+                f.write("\n## Expert parallelism: backward overlap (C++)\n\ngmoe-ep-bench, one process per GPU: the C++ "
+                        "MoELayer with an EP group; the largest of the ranks' medians (each row's note has the "
+                        "smallest, the barrier, the host enqueue time, host-late steps and pool growth). fwd: the "
+                        "eager forward; seq: backward then the experts' backward_dw on one stream; ovl: backward "
+                        "with MoEBackwardOverlap (exchanges on a second stream, backward_dw during the combine); "
+                        "saved = seq - ovl; exch: backward's dispatch + combine alone, against the two timed alone "
+                        "(disp+comb); wgrad: backward_dw alone. pool: gmoe's memory pool keeping freed memory "
+                        "(cached), or trimmed after every step (--trim-pool-each-step: what a pool that releases "
+                        "at every sync costs). correct: the overlapped backward's dx, dlogits and weight gradients "
+                        "bitwise the sequential one's on every rank.\n\n")
+                write_markdown_table(f, ep_overlap, labels=2)
             for n in notes:
                 f.write(f"\nNote: {n}\n")
             if skipped:

@@ -43,6 +43,7 @@
 #ifndef GMOE_WITH_CUDA
 namespace gmoe::bench {
 bool cuda_available(std::string*) { return false; }
+void release_cached_memory_cuda() {}
 std::vector<ResultRow> run_gemm_case_cuda(const BenchCase&, const BenchOptions&) {
   GMOE_FAIL("gmoe-bench was built without CUDA");
 }
@@ -235,6 +236,7 @@ int main(int argc, char** argv) {
     }
     for (const BenchCase& full : suite.cases) {
       if (!filter.empty() && full.name.find(filter) == std::string::npos) continue;
+      if (use_cuda) release_cached_memory_cuda();
       if (mode == "offload") {
         if (full.kind != "mlp") continue;
         const std::vector<ResultRow> m = run_offload_mode(full, o, use_cuda, cpu_mlp_gflop, dtype);

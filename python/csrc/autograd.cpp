@@ -1,7 +1,7 @@
 // python/csrc/autograd.cpp — the autograd formulas of gmoe's differentiable ops (the expert ops
 // grouped_gemm_fprop, grouped_bias_add, grouped_activation_forward, grouped_gemm_fprop_of_activation;
-// the routing ops router_topk,
-// router_aux_loss, router_z_loss, permute, combine), registered at the Autograd dispatch key in C++.
+// the routing ops router_topk, router_aux_loss, router_z_loss, permute, combine; the expert-parallel
+// exchanges ep_dispatch and ep_combine), registered at the Autograd dispatch key in C++.
 //
 // Why C++: an autograd formula registered from Python (torch.library.register_autograd) runs Python
 // on every call of the op, with or without gradients (the dispatcher boxes the arguments into
@@ -582,6 +582,73 @@ at::Tensor combine_autograd(const at::Tensor& expert_out, const at::Tensor& row_
   return CombineFunction::apply(expert_out, row_of, src_token, probs);
 }
 
+// ep_dispatch / ep_combine(group, counts_all, local_counts, rows, scalars) -> (rows, scalars): each
+// one's backward is the other with the same plan (the same ranks exchange the same rows back).
+using EpExchange = std::tuple<at::Tensor, at::Tensor>(int64_t, const at::Tensor&, const at::Tensor&,
+                                                      const at::Tensor&, const std::optional<at::Tensor>&);
+
+c10::TypedOperatorHandle<EpExchange> ep_exchange_op(bool dispatch) {
+  static const auto dispatch_op = op_handle<EpExchange>("gmoe::ep_dispatch");
+  static const auto combine_op = op_handle<EpExchange>("gmoe::ep_combine");
+  return dispatch ? dispatch_op : combine_op;
+}
+
+template <bool kDispatch>
+struct EpExchangeFunction : torch::autograd::Function<EpExchangeFunction<kDispatch>> {
+  static variable_list forward(AutogradContext* ctx, int64_t group, const at::Tensor& counts_all,
+                               const at::Tensor& local_counts, const at::Tensor& rows,
+                               const std::optional<at::Tensor>& scalars) {
+    at::Tensor out, out_scalars;
+    {
+      at::AutoDispatchBelowADInplaceOrView below;
+      std::tie(out, out_scalars) = ep_exchange_op(kDispatch).call(group, counts_all, local_counts, rows, scalars);
+    }
+    ctx->set_materialize_grads(false);
+    ctx->save_for_backward({counts_all, local_counts});
+    ctx->saved_data["group"] = group;
+    ctx->saved_data["rows_dtype"] = rows.scalar_type();
+    ctx->saved_data["out_rows"] = out.sym_size(0);  // for a missing gradient's zeros
+    ctx->saved_data["cols"] = out.sym_size(1);
+    ctx->saved_data["has_scalars"] = scalars.has_value();
+    ctx->saved_data["need_dscalars"] = requires_grad(scalars);
+    if (!scalars.has_value()) ctx->mark_non_differentiable({out_scalars});  // the empty [0] placeholder
+    return {out, out_scalars};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    const at::ScalarType rows_dtype = ctx->saved_data["rows_dtype"].toScalarType();
+    // The reverse exchange is collective: every rank runs it with the same arguments, so a missing
+    // gradient (an output this rank did not use) is zeros, never a skipped exchange.
+    at::Tensor drows = grads[0].defined()
+                           ? grads[0].to(rows_dtype).contiguous()
+                           : at::zeros_symint({ctx->saved_data["out_rows"].toSymInt(), ctx->saved_data["cols"].toSymInt()},
+                                              saved[0].options().dtype(rows_dtype));
+    std::optional<at::Tensor> dscalars;
+    if (ctx->saved_data["has_scalars"].toBool()) {
+      dscalars = grads[1].defined() ? grads[1].to(at::kFloat).contiguous()
+                                    : at::zeros_symint({drows.sym_size(0)}, saved[0].options().dtype(at::kFloat));
+    }
+    auto [drows_in, dscalars_in] =
+        ep_exchange_op(!kDispatch).call(ctx->saved_data["group"].toInt(), saved[0], saved[1], drows, dscalars);
+    // Positions: group, counts_all, local_counts, rows, scalars.
+    return {at::Tensor(), at::Tensor(), at::Tensor(), drows_in,
+            ctx->saved_data["need_dscalars"].toBool() ? dscalars_in : at::Tensor()};
+  }
+};
+
+template <bool kDispatch>
+std::tuple<at::Tensor, at::Tensor> ep_exchange_autograd(int64_t group, const at::Tensor& counts_all,
+                                                        const at::Tensor& local_counts, const at::Tensor& rows,
+                                                        const std::optional<at::Tensor>& scalars) {
+  if (!recording(rows, scalars)) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    return ep_exchange_op(kDispatch).call(group, counts_all, local_counts, rows, scalars);
+  }
+  const variable_list r = EpExchangeFunction<kDispatch>::apply(group, counts_all, local_counts, rows, scalars);
+  return {r[0], r[1]};
+}
+
 }  // namespace
 }  // namespace gmoe_torch
 
@@ -595,4 +662,6 @@ TORCH_LIBRARY_IMPL(gmoe, Autograd, m) {
   m.impl("router_z_loss", &gmoe_torch::router_z_loss_autograd);
   m.impl("permute", &gmoe_torch::permute_autograd);
   m.impl("combine", &gmoe_torch::combine_autograd);
+  m.impl("ep_dispatch", &gmoe_torch::ep_exchange_autograd<true>);
+  m.impl("ep_combine", &gmoe_torch::ep_exchange_autograd<false>);
 }

@@ -25,7 +25,7 @@ if not _os.path.exists(_LIBRARY):
 _torch.ops.load_library(_LIBRARY)
 
 from . import _meta  # noqa: E402,F401  (fake kernels)
-from . import _autograd  # noqa: E402,F401  (the exchanges' autograd formulas)
+from . import _autograd  # noqa: E402,F401  (the overlapped dispatch's autograd, for MoELayer)
 from .ops import (  # noqa: E402
     ACTIVATIONS,
     MASKED_OFF_WGRAD,

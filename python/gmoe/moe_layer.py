@@ -29,6 +29,15 @@ and the combine as above; backward runs the same exchanges in reverse with the s
 rank calls forward and backward at the same points (the exchanges are collective). A group of size
 1 is the single-GPU path, bitwise.
 
+With ``experts_wgrad_during_combine`` (and ``delay_wgrad_compute``) backward computes the experts'
+delayed weight gradients itself, while the reverse of the dispatch (the combine of the experts'
+input gradients back to the tokens' ranks) is in flight on a communication stream: Megatron's
+``overlap_dispatch_backward_with_experts_wgrad``, gmoe::MoEBackwardOverlap's
+``experts_wgrad_during_combine``. Only the streams differ: the gradients are bitwise those of the
+plain backward. The dispatch's backward is the one exchange that can overlap them: the experts'
+backward needs every row that the combine's backward (a dispatch) brings, and the weight gradients
+need the experts' backward.
+
 Every shape is host-known and the counts never leave the device, so a training step with the
 layer never synchronises and can be captured in a CUDA graph once and replayed under any routing.
 Autograd gives gradients to x, the router weight (through the probabilities and the losses), the
@@ -42,7 +51,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .expert_parallel import EpGroup, ep_combine, ep_dispatch, ep_plan
+from ._autograd import EpDispatchWorkDuringCombine, WorkAfterBackward
+from .expert_parallel import EpGroup, EpRows, ep_combine, ep_dispatch, ep_plan
 from .modules import GroupedLinear, GroupedMLP
 from .routing import SCORE_FUNCS, combine, permute, router_aux_loss, router_topk, router_z_loss
 
@@ -81,6 +91,15 @@ class MoELayer(nn.Module):
             permuted rows of a forward (``gmoe.permuted_rows(T, top_k, E, pad_multiple,
             capacity_factor)``; fewer are padded with zero rows). ``experts`` then holds the
             group's ``local_experts`` experts (``expert_mask`` is over them).
+        experts_wgrad_during_combine: with ``delay_wgrad_compute`` (required), backward computes
+            the experts' delayed weight gradients (GroupedMLP.backward_dw, their wgrad hooks
+            included) on the current stream while the dispatch's reverse exchange runs on
+            ``ep_comm_stream`` (CUDA; on the CPU backend: after it); without an EP group of size
+            > 1, right after the experts' backward. :meth:`backward_dw` then computes only what
+            is left (the shared experts'). Settable.
+
+    ``ep_comm_stream`` (settable): the CUDA stream of that exchange (None: a stream of the layer's
+    own, made on first use).
 
     ``expert_mask`` (settable; None or an int32 tensor [E] on the layer's device) selects which
     routed experts' weight gradients go to ``main_grad`` (see :class:`GroupedLinear`); the router
@@ -104,8 +123,8 @@ class MoELayer(nn.Module):
                  capacity_factor: float = 0.0, aux_loss_coeff: float = 0.0, z_loss_coeff: float = 0.0,
                  shared_expert_ffn_hidden_size: int = 0, recipe: Optional[str] = None,
                  weight_layout: str = "stacked", masked_off_wgrad: str = "skip", recompute_activation: bool = False,
-                 ep_group: Optional[EpGroup] = None, device: Optional[Union[str, torch.device]] = None,
-                 dtype: Optional[torch.dtype] = None):
+                 ep_group: Optional[EpGroup] = None, experts_wgrad_during_combine: bool = False,
+                 device: Optional[Union[str, torch.device]] = None, dtype: Optional[torch.dtype] = None):
         super().__init__()
         if num_experts < 1:
             raise ValueError(f"num_experts: expected at least 1, got {num_experts}")
@@ -131,6 +150,8 @@ class MoELayer(nn.Module):
         self.num_experts, self.hidden_size, self.ffn_hidden_size, self.top_k = \
             num_experts, hidden_size, ffn_hidden_size, top_k
         self.ep_group = ep_group
+        self.experts_wgrad_during_combine = bool(experts_wgrad_during_combine)
+        self.ep_comm_stream = None
         local_experts = ep_group.local_experts if ep_group is not None else num_experts
         self.score_func, self.normalize_topk = score_func, bool(normalize_topk)
         self.n_group, self.topk_group, self.scaling_factor = n_group, topk_group, float(scaling_factor)
@@ -156,8 +177,9 @@ class MoELayer(nn.Module):
     def __getstate__(self):
         # The last forward's outputs belong to its autograd graph: a copy or a pickle of the
         # layer starts without them (deepcopy refuses non-leaf tensors).
+        # The communication stream is this process's: a copy makes its own on first use.
         state = super().__getstate__()
-        return {**state, **{name: None for name in self._PER_FORWARD}}
+        return {**state, **{name: None for name in self._PER_FORWARD}, "ep_comm_stream": None}
 
     def extra_repr(self) -> str:
         ep = f", ep_size={self.ep_group.size}, ep_rank={self.ep_group.rank}" if self.ep_group is not None else ""
@@ -208,7 +230,13 @@ class MoELayer(nn.Module):
         """The routed experts on permuted rows grouped by global expert: here, or with an EP group of
         size > 1 on the ranks that hold them (dispatch -> experts -> combine)."""
         g = self.ep_group
+        overlap = self.experts_wgrad_during_combine and torch.is_grad_enabled()
+        if overlap and not (self.experts.fc1.delay_wgrad_compute or self.experts.fc2.delay_wgrad_compute):
+            raise ValueError("experts_wgrad_during_combine: the experts' weight gradients are not delayed "
+                             "(set delay_wgrad_compute = True)")
         if g is None or g.size == 1:
+            if overlap:
+                rows = WorkAfterBackward.apply(rows, self.experts.backward_dw)
             return self.experts(rows, counts, probs)
         n = rows.shape[0]
         if n > g.max_rows:
@@ -220,9 +248,23 @@ class MoELayer(nn.Module):
             rows = F.pad(rows, (0, 0, 0, g.max_rows - n))
             probs = F.pad(probs, (0, g.max_rows - n)) if probs is not None else None
         plan = ep_plan(g, counts)
-        recv = ep_dispatch(g, plan, rows, probs)
+        if overlap:
+            out, out_scalars = EpDispatchWorkDuringCombine.apply(
+                g.handle, plan.counts_all, plan.local_counts, rows, probs, self.experts.backward_dw,
+                self._comm_stream(rows.device))
+            recv = EpRows(out, out_scalars if probs is not None else None)
+        else:
+            recv = ep_dispatch(g, plan, rows, probs)
         y = self.experts(recv.rows, plan.local_counts, recv.scalars)
         return ep_combine(g, plan, y).rows[:n]
+
+    def _comm_stream(self, device: torch.device) -> Optional["torch.cuda.Stream"]:
+        """The stream of the exchange that overlaps the experts' weight gradients (None on the CPU)."""
+        if device.type != "cuda":
+            return None
+        if self.ep_comm_stream is None:
+            self.ep_comm_stream = torch.cuda.Stream(device=device)
+        return self.ep_comm_stream
 
     @property
     def probs_in_experts(self) -> bool:
@@ -292,7 +334,8 @@ class MoELayer(nn.Module):
 
     def backward_dw(self) -> None:
         """The delayed weight gradients of the experts, then of the shared experts (see
-        GroupedMLP.backward_dw)."""
+        GroupedMLP.backward_dw). With ``experts_wgrad_during_combine`` backward has computed the
+        experts' already, and this computes what is left."""
         self.experts.backward_dw()
         if self.shared_experts is not None:
             self.shared_experts.backward_dw()

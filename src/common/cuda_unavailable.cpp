@@ -2,6 +2,7 @@
 // Compiled only when GMOE_WITH_CUDA is off; the public ops check compiled() first, so reaching
 // any of the other functions is a bug, reported as such.
 #include "common/backend.h"
+#include "common/memory_pool_backend.h"
 #include "gmoe/error.h"
 
 namespace gmoe::cuda_backend {
@@ -11,6 +12,9 @@ bool compiled() { return false; }
 [[noreturn]] static void unavailable() { GMOE_FAIL("gmoe was built without CUDA"); }
 
 Allocator& allocator() { unavailable(); }
+MemoryPoolStats memory_pool_stats(int) { unavailable(); }
+void reset_memory_pool_peaks(int) { unavailable(); }
+void trim_memory_pool(int, std::size_t) { unavailable(); }
 void check_device_errors(Stream) {}
 void grouped_gemm_fprop(const TensorView&, const ExpertWeights&, const TensorView&,
                         const TensorView&, Stream, Allocator&, const ExpertBias&) { unavailable(); }

@@ -459,6 +459,27 @@ class Report(unittest.TestCase):
         self.assertNotIn("ep_a", md.split("## Expert parallelism")[0])
         self.assertIn("Expert parallelism", stdout)
 
+    def test_ep_overlap_table(self):
+        def ep(impl, pass_name, ms, **extra):
+            return ms_row("ep_a/uniform", pass_name, impl, ms, kind="ep", **extra)
+
+        passes = {"forward_eager": 10.0, "backward_sequential": 30.0, "backward_overlap": 27.5, "exchanges": 3.0,
+                  "exchanges_dispatch": 1.25, "exchanges_combine": 1.5, "wgrad": 8.0}
+        rows = [ep("gmoe_ep", p, ms, correct=True if p == "backward_overlap" else None) for p, ms in passes.items()]
+        rows += [ep("gmoe_ep_trimmed", p, 2 * ms, correct=False if p == "backward_overlap" else None)
+                 for p, ms in passes.items()]
+        # torch_ep_baseline.py's gmoe_ep rows of the same case stay in the other EP tables only
+        rows += [ep("gmoe_ep", "forward", 4.0, correct=True), ep("torch_ep", "forward", 6.0)]
+        stdout, merged, md = self.report(self.write("ep.json", rows))
+        block = md.split("## Expert parallelism: backward overlap (C++)")[1]
+        # saved = 30 - 27.5; dispatch + combine alone = 1.25 + 1.5
+        self.assertIn("| ep_a/uniform | cached | 10.000 | 30.000 | 27.500 | 2.500 | 3.000 | 2.750 | 8.000 | yes |", block)
+        self.assertIn("| ep_a/uniform | trimmed each step | 20.000 | 60.000 | 55.000 | 5.000 | 6.000 | 5.500 | 16.000 "
+                      "| NO |", block)
+        self.assertNotIn("4.000", block)
+        self.assertIn("| ep_a/uniform | - | 4.000 | 6.000 | 1.50x |", md.split("## Expert parallelism")[1])
+        self.assertIn("backward in order and overlapped", stdout)
+
     def test_unreadable_inputs(self):
         good = self.write("gmoe.json", [gemm_row("a/uniform", "fprop", "gmoe", 800.0)])
         stdout, merged, _ = self.report(os.path.join(self.dir.name, "missing.json"), good)

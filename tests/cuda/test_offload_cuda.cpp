@@ -1,7 +1,7 @@
 // tests/cuda/test_offload_cuda.cpp — activation offloading (gmoe/offload.h) on the GPU, with a compute
 // and a copy stream: stacks of GroupedMLP layers over every recipe bitwise equal with and without
 // offloading (scheduler; everything offloaded, delayed weight gradients included); device memory
-// released (the allocator's bytes and the memory pool's used bytes after forward); freed memory
+// released (the allocator's bytes and gmoe's memory pool's bytes in use after forward); freed memory
 // scribbled over between forward and backward (a copy not ordered before its free would bring the
 // scribble back); the pool stops growing after the first step; a step with offloading captured in
 // a CUDA graph (global mode: any host sync fails the capture) and replayed bitwise. Run under
@@ -18,6 +18,7 @@
 #include "cuda_test_util.h"
 #include "gmoe/copy.h"
 #include "gmoe/grouped_mlp.h"
+#include "gmoe/memory_pool.h"
 #include "gmoe/offload.h"
 
 namespace gmoe::test {
@@ -56,13 +57,8 @@ struct CudaIO {
   }
 };
 
-std::size_t pool_used_bytes() {
-  cudaMemPool_t pool = nullptr;
-  test_cuda_check(cudaDeviceGetDefaultMemPool(&pool, 0), "cudaDeviceGetDefaultMemPool");
-  std::uint64_t used = 0;
-  test_cuda_check(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemCurrent, &used), "cudaMemPoolGetAttribute");
-  return static_cast<std::size_t>(used);
-}
+// Bytes in use in gmoe's pool on device 0 (what cuda_allocator() hands out).
+std::size_t pool_used_bytes() { return memory_pool_stats(Device::cuda(0)).in_use; }
 
 class OffloadCudaStack : public ::testing::TestWithParam<StackSpec> {};
 

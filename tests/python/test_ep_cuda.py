@@ -8,6 +8,9 @@ or an extension without the NCCL backend. Written for any number of GPUs (all of
 * MoELayer with an EP group against the single-GPU layer (EP = 1) on the same global batch: out, dx,
   the experts' and the router's gradients (the tolerance rule of bf16; the bitwise equality of out
   and dx is reported), uniform and skewed.
+* experts_wgrad_during_combine (the dispatch's backward on a communication stream beside the
+  experts' delayed weight gradients): every gradient bitwise the plain backward's, the experts'
+  weight gradients done by backward, no host sync; uniform and skewed; and in the graph test.
 * no host sync in forward + backward (torch.cuda.set_sync_debug_mode("error")), and the layer's
   forward + backward captured once in a CUDA graph and replayed under changing routing, equal to
   eager calls bitwise.
@@ -200,9 +203,46 @@ def test_the_ep_layer_is_the_single_gpu_layer(skewed):
     spawn(_layer_worker, skewed)
 
 
-def _graph_worker(rank, world):
+def _overlap_worker(rank, world, skewed):
+    E, H, F, k, T = 8 * world, 256, 128, 4, 200
+    _, plain, group, x, dout = _layers(rank, world, E, H, F, k, T, skewed)
+    ovl = gmoe.MoELayer(E, H, F, k, ep_group=group, normalize_topk=True, device="cuda", dtype=torch.bfloat16,
+                        experts_wgrad_during_combine=True)
+    ovl.load_state_dict(plain.state_dict())  # this rank's El experts: loaded as they are
+    mine = slice(rank * T, (rank + 1) * T)
+    res = []
+    for m in (plain, ovl):
+        m.delay_wgrad_compute = True
+        xi = x[mine].clone().requires_grad_()
+        torch.cuda.set_sync_debug_mode("error" if m is ovl else "default")
+        m(xi).backward(dout[mine])
+        torch.cuda.set_sync_debug_mode("default")
+        in_backward = m.experts.fc1.weight.grad is not None and m.experts.fc2.weight.grad is not None
+        m.backward_dw()
+        torch.cuda.synchronize()
+        res.append((xi.grad, {n: p.grad for n, p in m.named_parameters()}, in_backward))
+    gmoe.check_device_errors()
+    assert torch.equal(res[1][0], res[0][0]), "dx"
+    assert res[1][1].keys() == res[0][1].keys()
+    for name, g in res[0][1].items():
+        assert torch.equal(res[1][1][name], g), name
+    assert (res[0][2], res[1][2]) == (False, True), "which backward computed the experts' weight gradients"
+    assert ovl.ep_comm_stream is not None
+    torch.cuda.synchronize()
+    group.close()
+
+
+@pytest.mark.parametrize("skewed", [False, True])
+def test_experts_wgrad_during_combine_is_the_plain_backward(skewed):
+    spawn(_overlap_worker, skewed)
+
+
+def _graph_worker(rank, world, overlap):
     E, H, F, k, T = 8 * world, 256, 128, 4, 128
     _, m, group, x, dout = _layers(rank, world, E, H, F, k, T, False)
+    if overlap:  # the comm stream forks from and joins the captured stream inside backward
+        m.delay_wgrad_compute = True
+        m.experts_wgrad_during_combine = True
     params = list(m.parameters())
     xs = [torch.randn(T, H, device="cuda", generator=torch.Generator(device="cuda").manual_seed(7 * i + rank))
           .bfloat16() for i in range(3)]
@@ -259,5 +299,6 @@ def _graph_worker(rank, world):
     group.close()
 
 
-def test_no_host_sync_and_graph_replay_under_changing_routing():
-    spawn(_graph_worker)
+@pytest.mark.parametrize("overlap", [False, True])
+def test_no_host_sync_and_graph_replay_under_changing_routing(overlap):
+    spawn(_graph_worker, overlap)

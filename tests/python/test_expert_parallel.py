@@ -135,12 +135,19 @@ def test_the_gradients_are_the_reverse_exchange():
         g = groups[r]
         plan = gmoe.ep_plan(g, torch.tensor(counts[r], dtype=torch.int32))
         recv = gmoe.ep_dispatch(g, plan, x[r], p[r])
+        # the formulas are C++ autograd kernels (python/csrc/autograd.cpp), not Python ones
+        assert "EpExchangeFunction<true>" in recv.rows.grad_fn.name()
         ((recv.rows * w[r]).sum() + (recv.scalars * v[r]).sum()).backward()
         # combine's gradient: dispatch of the gradient
         y = torch.randn(size * max_rows, H, requires_grad=True)
         back = gmoe.ep_combine(g, plan, y)
+        assert "EpExchangeFunction<false>" in back.rows.grad_fn.name()
         u = torch.randn(max_rows, H)
         (back.rows * u).sum().backward()
+        # an output without a gradient: the reverse exchange still runs (collective), with zeros
+        ps = torch.randn(max_rows, requires_grad=True)
+        gmoe.ep_dispatch(g, plan, x[r].detach(), ps).rows.sum().backward()
+        assert ps.grad is not None and not ps.grad.any()
         return y, u
 
     ys = run_ranks(rank, size)
@@ -220,6 +227,91 @@ def test_the_ep_layer_is_the_single_rank_layer_on_the_global_batch(size, routing
     torch.testing.assert_close(dr, ref.router.weight.grad, rtol=1e-5, atol=1e-6)
     for g in groups:
         g.close()
+
+
+def _twin_layers(size, E, H, F, k, max_rows, routing, **kw):
+    """Two sets of EP layers with the same weights, both with delay_wgrad_compute: the second with
+    experts_wgrad_during_combine."""
+    sets = []
+    for overlap in (False, True):
+        torch.manual_seed(100 + size)
+        _, layers, groups = make_layers(size, E, H, F, k, max_rows, normalize_topk=True, **kw)
+        for m in layers:
+            m.delay_wgrad_compute = True
+            m.experts_wgrad_during_combine = overlap
+            if routing == "rank0_gets_all":
+                with torch.no_grad():
+                    m.router.weight[E // size:, 0] = -100.0  # only rank 0's experts are chosen
+        sets.append((layers, groups))
+    return sets
+
+
+def _backward_then_dw(m, x, dout):
+    """x's gradient, every parameter's gradient after backward_dw, and which experts' weight
+    gradients backward had already computed."""
+    xi = x.clone().requires_grad_()
+    m(xi).backward(dout)
+    in_backward = [getattr(m.experts, fc).weight.grad is not None for fc in ("fc1", "fc2")]
+    m.backward_dw()
+    grads = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+    return xi.grad, grads, in_backward
+
+
+@pytest.mark.parametrize("size,routing,kw", [
+    (2, "uniform", {}),
+    (4, "rank0_gets_all", {}),  # three ranks' experts receive no row: empty weight gradients
+    (2, "uniform", {"bias": True}),  # FC2's bias: the weighted combine, no scalars move
+    (2, "uniform", {"shared_expert_ffn_hidden_size": 8}),  # left to backward_dw
+])
+def test_experts_wgrad_during_combine_is_the_plain_backward_bitwise(size, routing, kw):
+    E, H, F, k, T = 4 * size, 16, 8, 2, 9
+    (plain, groups_a), (ovl, groups_b) = _twin_layers(size, E, H, F, k, T * k, routing, **kw)
+    torch.manual_seed(size)
+    x, dout = torch.randn(size * T, H), torch.randn(size * T, H)
+    if routing == "rank0_gets_all":
+        x[:, 0] = 1.0
+
+    def run(layers):
+        return run_ranks(lambda r: _backward_then_dw(layers[r], x[r * T:(r + 1) * T], dout[r * T:(r + 1) * T]), size)
+
+    want, got = run(plain), run(ovl)
+    for r in range(size):
+        assert torch.equal(got[r][0], want[r][0]), f"rank {r}: dx"
+        assert got[r][1].keys() == want[r][1].keys()
+        for name, g in want[r][1].items():
+            assert torch.equal(got[r][1][name], g), f"rank {r}: {name}"
+        assert want[r][2] == [False, False], "the plain backward computed delayed weight gradients"
+        assert got[r][2] == [True, True], f"rank {r}: the experts' weight gradients were left to backward_dw"
+        if "shared_expert_ffn_hidden_size" in kw:
+            assert "shared_experts.fc1.weight" in got[r][1]
+    if routing == "rank0_gets_all":
+        assert not torch.cat([m.experts.fc1.weight.grad for m in ovl[1:]]).any()
+    for g in groups_a + groups_b:
+        g.close()
+
+
+def test_experts_wgrad_during_combine_without_ep_and_without_delay():
+    torch.manual_seed(11)
+    E, H, F, k, T = 6, 16, 8, 2, 7
+    layers = []
+    for overlap in (False, True):
+        torch.manual_seed(12)
+        m = gmoe.MoELayer(E, H, F, k, dtype=torch.float32, experts_wgrad_during_combine=overlap)
+        m.delay_wgrad_compute = True
+        layers.append(m)
+    x, dout = torch.randn(T, H), torch.randn(T, H)
+    want, got = _backward_then_dw(layers[0], x, dout), _backward_then_dw(layers[1], x, dout)
+    assert torch.equal(got[0], want[0])
+    assert got[1].keys() == want[1].keys()
+    for name, g in want[1].items():
+        assert torch.equal(got[1][name], g), name
+    assert (want[2], got[2]) == ([False, False], [True, True])
+
+    m = gmoe.MoELayer(E, H, F, k, dtype=torch.float32, experts_wgrad_during_combine=True)
+    with pytest.raises(ValueError, match="experts_wgrad_during_combine: the experts' weight gradients are not delayed"):
+        m(torch.randn(T, H))
+    with torch.no_grad():  # nothing to overlap without a backward
+        assert m(torch.randn(T, H)).shape == (T, H)
 
 
 def test_an_ep_group_of_one_is_the_single_rank_path_bitwise():

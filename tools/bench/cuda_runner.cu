@@ -10,6 +10,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <functional>
 #include <vector>
 
@@ -18,6 +19,7 @@
 #include "bench/runner.h"
 #include "gmoe/error.h"
 #include "gmoe/grouped_gemm.h"
+#include "gmoe/memory_pool.h"
 
 #define BENCH_CUBLAS(call)                                                                     \
   do {                                                                                         \
@@ -68,6 +70,16 @@ bool cuda_available(std::string* name) {
   if (cudaGetDeviceProperties(&prop, 0) != cudaSuccess) return false;
   if (name) *name = prop.name;
   return prop.major == 9;  // the kernels are sm_90a
+}
+
+void release_cached_memory_cuda() {
+  int dev = 0;
+  const cudaError_t err = cudaGetDevice(&dev) == cudaSuccess ? cudaDeviceSynchronize() : cudaGetLastError();
+  if (err != cudaSuccess) {
+    std::printf("  gmoe-bench: cannot release gmoe's cached memory: %s\n", cudaGetErrorString(err));
+    return;
+  }
+  trim_memory_pool(Device::cuda(dev));
 }
 
 std::vector<ResultRow> run_gemm_case_cuda(const BenchCase& c, const BenchOptions& o) {

@@ -182,8 +182,10 @@ std::vector<ResultRow> run_moe_case_cuda(const BenchCase& c, const BenchOptions&
   // beside what the eager calls hold in the stream-ordered pool: the replays are timed only where
   // 2 graphs per input set and the eager calls fit in the free memory (not with E = 256 experts'
   // fresh weight gradients of a DeepSeek-V3 layer on one GPU).
+  // The graphs' memory comes from the device, not from gmoe's pool, which keeps what the eager calls
+  // freed: that goes back to the device first (the eager calls take it again when they run).
   size_t free_bytes = 0, total_bytes = 0;
-  BENCH_CUDA(cudaDeviceSynchronize());
+  release_cached_memory_cuda();
   BENCH_CUDA(cudaMemGetInfo(&free_bytes, &total_bytes));
   const double graph_need = 1.1 * (2.0 * b.sets + 1) * t.peak_bytes;
   std::vector<std::unique_ptr<Graph>> fwd_graphs, fb_graphs;

@@ -1,8 +1,8 @@
 // tools/bench/offload_runner.cu — offload mode on CUDA (offload_common.h). A compute and a copy
 // stream, both non-blocking. Per case:
 //   step        the stack's step without offloading and with each of kOffloadSchedules, timed
-//               interleaved (CUDA events, median), each with the default memory pool's peak above
-//               what it held before
+//               interleaved (CUDA events, median), each with gmoe's memory pool's peak in use
+//               above what it held before
 //   copy        the offloader's copies of the saved tensors of every layer but the last alone (no
 //               compute beside them), device to host and back, against one plain cudaMemcpyAsync of
 //               the same bytes between device memory and pinned host memory: the bandwidth ratio
@@ -18,29 +18,28 @@
 #include "bench/cuda_util.h"
 #include "bench/mlp_common.h"
 #include "bench/offload_common.h"
+#include "gmoe/memory_pool.h"
 
 namespace gmoe::bench {
 namespace {
 
-cudaMemPool_t default_pool() {
+// The current CUDA device: gmoe's pool there is the one cuda_allocator() draws from.
+Device current_cuda_device() {
   int dev = 0;
   BENCH_CUDA(cudaGetDevice(&dev));
-  cudaMemPool_t pool = nullptr;
-  BENCH_CUDA(cudaDeviceGetDefaultMemPool(&pool, dev));
-  return pool;
+  return Device::cuda(dev);
 }
 
-// The pool's peak of used bytes during `work` above what was used before it.
+// The pool's peak of bytes in use during `work` above what was in use before it.
 std::size_t pool_peak_during(const std::function<void()>& work, cudaStream_t stream) {
-  cudaMemPool_t pool = default_pool();
+  const Device dev = current_cuda_device();
   BENCH_CUDA(cudaStreamSynchronize(stream));
-  std::uint64_t before = 0, zero = 0, high = 0;
-  BENCH_CUDA(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemCurrent, &before));
-  BENCH_CUDA(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &zero));
+  const std::size_t before = memory_pool_stats(dev).in_use;
+  reset_memory_pool_peaks(dev);
   work();
   BENCH_CUDA(cudaDeviceSynchronize());
-  BENCH_CUDA(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &high));
-  return static_cast<std::size_t>(high > before ? high - before : 0);
+  const std::size_t high = memory_pool_stats(dev).peak_in_use;
+  return high > before ? high - before : 0;
 }
 
 // Milliseconds between two events recorded on `stream` around `work`, after a device sync.
@@ -129,9 +128,7 @@ std::vector<ResultRow> run_offload_case_cuda(const BenchCase& c, const BenchOpti
     const auto held = [&](std::size_t* out) {
       return [out] {
         BENCH_CUDA(cudaDeviceSynchronize());
-        std::uint64_t used = 0;
-        BENCH_CUDA(cudaMemPoolGetAttribute(default_pool(), cudaMemPoolAttrUsedMemCurrent, &used));
-        *out = static_cast<std::size_t>(used);
+        *out = memory_pool_stats(current_cuda_device()).in_use;
       };
     };
     std::size_t before = 0;

@@ -54,6 +54,11 @@ std::vector<ResultRow> run_gemm_case_cpu(const BenchCase& c, const BenchOptions&
 
 /// True when a CUDA device is usable; `name` gets its name.
 bool cuda_available(std::string* name);
+/// Between cases: waits for the current CUDA device, then gives the memory that gmoe's pool keeps
+/// cached (gmoe/memory_pool.h) back to it, so that a case's own allocations (cudaMalloc'd inputs,
+/// cuBLAS workspaces, CUDA graphs' memory) do not find the previous case's scratch still held.
+/// Prints, and leaves the error to the next CUDA call, where the sync fails.
+void release_cached_memory_cuda();
 /// CUDA backend with CUDA-event timing, and in the same run the cuBLAS baselines.
 std::vector<ResultRow> run_gemm_case_cuda(const BenchCase& c, const BenchOptions& o);
 
