@@ -130,21 +130,35 @@ std::vector<ResultRow> run_moe_case_cuda(const BenchCase& c, const BenchOptions&
   MoELayer keep_layer = make_bench_moe(c, experts, alloc, false);
   MoeTimes t;
 
-  // Correctness first, and the memory: one eager forward + backward on set 0.
-  MoeCheck chk;
-  {
+  // One eager forward + backward of `l` on set 0, and its memory: the peak, and the bytes kept for
+  // backward (what forward leaves live but its output, plus x and the logits, kept by reference).
+  struct Measured {
+    MoEForward f;
+    MoEBackward b;
+  };
+  auto measured = [&](MoELayer& l, double* peak, double* kept_bytes, std::string* detail) {
     BENCH_CUDA(cudaStreamSynchronize(stream));
     const size_t before = alloc.live();
     alloc.reset_peak();
     MoELayerContext ctx;
-    MoEForward f = layer.forward(b.x(0), b.l(0), ctx, stream);
-    const size_t kept = alloc.live() - before - (f.out.owns_memory() ? size_t(T * H) * es : 0);
-    MoEBackward back = layer.backward(ctx, b.dout(0), stream);
+    Measured m;
+    m.f = l.forward(b.x(0), b.l(0), ctx, stream);
+    const size_t kept = alloc.live() - before - (m.f.out.owns_memory() ? size_t(T * H) * es : 0);
+    m.b = l.backward(ctx, b.dout(0), stream);
     BENCH_CUDA(cudaStreamSynchronize(stream));
     check_device_errors(stream);
-    t.peak_bytes = double(alloc.peak() - before);
-    t.kept_bytes = double(kept + size_t(T * (H + E)) * es);
-    t.kept_detail = std::to_string(kept / std::max<int64_t>(T, 1)) + " B/token owned + x and logits by reference";
+    *peak = double(alloc.peak() - before);
+    *kept_bytes = double(kept + size_t(T * (H + E)) * es);
+    *detail = std::to_string(kept / std::max<int64_t>(T, 1)) + " B/token owned + x and logits by reference";
+    return m;
+  };
+
+  // Correctness first, and the memory.
+  MoeCheck chk;
+  {
+    const Measured run = measured(layer, &t.peak_bytes, &t.kept_bytes, &t.kept_detail);
+    const MoEForward& f = run.f;
+    const MoEBackward& back = run.b;
 
     const std::vector<int32_t> ids = to_host<int32_t>(f.ids.view().data, T * k);
     const std::vector<uint16_t> hx = to_host<uint16_t>(b.xs[0]->ptr, T * H), hd = to_host<uint16_t>(b.douts[0]->ptr, T * H);
@@ -170,18 +184,8 @@ std::vector<ResultRow> run_moe_case_cuda(const BenchCase& c, const BenchOptions&
     chk = check_moe(s, got);
 
     // The layer that keeps its permuted rows: its memory, and its results against gmoe's bits.
-    const size_t keep_before = alloc.live();
-    alloc.reset_peak();
-    MoELayerContext keep_ctx;
-    MoEForward kf = keep_layer.forward(b.x(0), b.l(0), keep_ctx, stream);
-    const size_t keep_kept = alloc.live() - keep_before - (kf.out.owns_memory() ? size_t(T * H) * es : 0);
-    MoEBackward kb = keep_layer.backward(keep_ctx, b.dout(0), stream);
-    BENCH_CUDA(cudaStreamSynchronize(stream));
-    check_device_errors(stream);
-    t.keep_peak_bytes = double(alloc.peak() - keep_before);
-    t.keep_kept_bytes = double(keep_kept + size_t(T * (H + E)) * es);
-    t.keep_kept_detail = std::to_string(keep_kept / std::max<int64_t>(T, 1)) + " B/token owned + x and logits by reference";
-    t.keep_mismatch = moe_bitwise_mismatch(back, kb, [](const void* p, size_t n) { return to_host<uint8_t>(p, n); });
+    const Measured kept = measured(keep_layer, &t.keep_peak_bytes, &t.keep_kept_bytes, &t.keep_kept_detail);
+    t.keep_mismatch = moe_bitwise_mismatch(back, kept.b, [](const void* p, size_t n) { return to_host<uint8_t>(p, n); });
   }
 
   auto eager_forward = [&](int i) {
