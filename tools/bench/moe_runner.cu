@@ -133,6 +133,7 @@ std::vector<ResultRow> run_moe_case_cuda(const BenchCase& c, const BenchOptions&
   // One eager forward + backward of `l` on set 0, and its memory: the peak, and the bytes kept for
   // backward (what forward leaves live but its output, plus x and the logits, kept by reference).
   struct Measured {
+    MoELayerContext ctx;  // kept: f's ids, probs and counts are views of what it holds
     MoEForward f;
     MoEBackward b;
   };
@@ -140,11 +141,10 @@ std::vector<ResultRow> run_moe_case_cuda(const BenchCase& c, const BenchOptions&
     BENCH_CUDA(cudaStreamSynchronize(stream));
     const size_t before = alloc.live();
     alloc.reset_peak();
-    MoELayerContext ctx;
     Measured m;
-    m.f = l.forward(b.x(0), b.l(0), ctx, stream);
+    m.f = l.forward(b.x(0), b.l(0), m.ctx, stream);
     const size_t kept = alloc.live() - before - (m.f.out.owns_memory() ? size_t(T * H) * es : 0);
-    m.b = l.backward(ctx, b.dout(0), stream);
+    m.b = l.backward(m.ctx, b.dout(0), stream);
     BENCH_CUDA(cudaStreamSynchronize(stream));
     check_device_errors(stream);
     *peak = double(alloc.peak() - before);
