@@ -746,6 +746,24 @@ def test_cuda_moe_layer_matches_cpu(case):
 
 
 @cuda_only
+@pytest.mark.parametrize("case", ["qwen_shared_losses", "capacity_padding"])
+def test_cuda_moe_layer_regather_expert_input_same_bits(case):
+    # A shared expert keeps x in both layers (the router keeps a float32 copy of the bf16 x, not x):
+    # the bytes differ by the permuted rows alone.
+    m, keep = _regather_pair(case, E=8, H=256, F=128, recompute_activation=True, shared_expert_ffn_hidden_size=64)
+    m, keep = m.to(torch.bfloat16).cuda(), keep.to(torch.bfloat16).cuda()
+    x = torch.randn(200, 256, dtype=torch.bfloat16, device="cuda")
+    dy = torch.randn(200, 256, dtype=torch.bfloat16, device="cuda")
+    got = _step_bits(m, x.clone().requires_grad_(), dy)
+    want = _step_bits(keep, x.clone().requires_grad_(), dy)
+    assert torch.equal(got[0], want[0])
+    for g, w in zip(got[2], want[2]):
+        assert (g is None and w is None) or torch.equal(g, w)
+    rows = gmoe.permuted_rows(200, m.top_k, m.num_experts, m.pad_multiple, m.capacity_factor)
+    assert want[1] - got[1] == rows * 256 * 2
+
+
+@cuda_only
 def test_cuda_moe_training_step_graph_replays_bitwise_under_changing_routing():
     m = _moe_cuda()
     state = copy.deepcopy(m.state_dict())
