@@ -230,8 +230,12 @@ def moe_table(rows):
     pass replayed), gmoe_torch (the PyTorch module), the PyTorch composition eager and compiled; the
     compiled composition's time over gmoe's and gmoe_torch's (the targets: >= 1.5x, >= 1.8x on
     fine-grained cases); bytes kept for backward per token and gmoe's over the compiled composition's
-    (target <= 0.6x); peak memory of each."""
-    impls = ["gmoe", "gmoe_graph", "gmoe_torch", "torch", "torch_compile"]
+    (target <= 0.6x); peak memory of each. gmoe and gmoe_torch run with the layer's defaults
+    (regather_expert_input: the permuted rows gathered again in backward instead of kept);
+    gmoe_keep_input and gmoe_torch_keep_input are the same layers keeping them."""
+    impls = ["gmoe", "gmoe_graph", "gmoe_keep_input", "gmoe_torch", "gmoe_torch_keep_input", "torch",
+             "torch_compile"]
+    mem_impls = ["gmoe", "gmoe_keep_input", "gmoe_torch", "gmoe_torch_keep_input", "torch", "torch_compile"]
     cells = {}
     for r in rows:
         if is_moe(r) and r["pass"] == "forward_backward" and r["impl"] in impls:
@@ -250,8 +254,8 @@ def moe_table(rows):
         return None if a is None or b is None or b <= 0 else a / b
 
     head = (["case"] + [f"{i} ms" for i in impls] + ["compiled/gmoe", "compiled/gmoe_torch"]
-            + [f"kept B/token {i}" for i in ("gmoe", "gmoe_torch", "torch", "torch_compile")]
-            + ["kept gmoe/compiled"] + [f"peak MiB {i}" for i in ("gmoe", "gmoe_torch", "torch", "torch_compile")]
+            + [f"kept B/token {i}" for i in mem_impls]
+            + ["kept gmoe/compiled"] + [f"peak MiB {i}" for i in mem_impls]
             + ["correct"])
     lines, logs = [head], {"compiled/gmoe": [], "compiled/gmoe_torch": [], "kept": []}
     for case, c in cells.items():
@@ -261,17 +265,57 @@ def moe_table(rows):
         for key, v in (("compiled/gmoe", speed), ("compiled/gmoe_torch", speed_t), ("kept", kept)):
             if v:
                 logs[key].append(math.log(v))
-        checked = [c[i].get("correct") for i in ("gmoe", "gmoe_torch") if i in c and c[i].get("correct") is not None]
+        checked = [c[i].get("correct") for i in ("gmoe", "gmoe_keep_input", "gmoe_torch", "gmoe_torch_keep_input")
+                   if i in c and c[i].get("correct") is not None]
         lines.append([case] + [num(get(c, i, "ms"), 3) if i in c and not c[i].get("skipped") else
                                ("skipped" if i in c else "-") for i in impls]
                      + [num(speed, 2) + ("x" if speed else ""), num(speed_t, 2) + ("x" if speed_t else "")]
-                     + [num(get(c, i, "kept_bytes_per_token"), 0) for i in ("gmoe", "gmoe_torch", "torch", "torch_compile")]
+                     + [num(get(c, i, "kept_bytes_per_token"), 0) for i in mem_impls]
                      + [num(kept, 2) + ("x" if kept else "")]
-                     + [num(get(c, i, "peak_mib"), 1) for i in ("gmoe", "gmoe_torch", "torch", "torch_compile")]
+                     + [num(get(c, i, "peak_mib"), 1) for i in mem_impls]
                      + ["-" if not checked else ("yes" if all(checked) else "NO")])
     geo = lambda v: f"{math.exp(sum(v) / len(v)):.2f}x" if v else "-"  # noqa: E731
     lines.append(["geomean"] + [""] * len(impls) + [geo(logs["compiled/gmoe"]), geo(logs["compiled/gmoe_torch"])]
-                 + [""] * 4 + [geo(logs["kept"])] + [""] * 5)
+                 + [""] * len(mem_impls) + [geo(logs["kept"])] + [""] * (len(mem_impls) + 1))
+    return lines
+
+
+MOE_PHASES = ("gmoe_router", "gmoe_permute", "gmoe_experts", "gmoe_combine")
+
+
+def moe_breakdown_table(rows):
+    """What limits the MoE block's speed-up, per case: the block (gmoe, forward + backward) and its
+    phases alone from the same run (gmoe-bench --mode moe: router, permute, the experts' GroupedMLP
+    on the block's rows: the GEMM floor, combine; each forward + backward), the rest (block less
+    the phases: allocation, the regather, what runs between them), the experts' share of the block,
+    and against the compiled composition: the speed-up reached (compiled / block) and its ceiling
+    (compiled / experts alone: the speed-up if everything but the expert GEMMs took no time)."""
+    cells = {}
+    for r in rows:
+        if is_moe(r) and r["pass"] == "forward_backward" and not r.get("skipped") and r.get("ms") is not None:
+            cells.setdefault(r["case"], {})[r["impl"]] = r["ms"]
+    cells = {case: c for case, c in cells.items() if "gmoe" in c and all(p in c for p in MOE_PHASES)}
+    if not cells:
+        return []
+    fmt = lambda v, p=3: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
+    times = lambda v: "-" if v is None else f"{v:.2f}x"  # noqa: E731
+    lines = [["case", "block ms", "keep_input ms", "router", "permute", "experts", "combine", "phases sum", "rest",
+              "experts share", "compiled ms", "compiled/block", "ceiling compiled/experts"]]
+    logs = {"reached": [], "ceiling": []}
+    for case, c in cells.items():
+        block, experts, phases = c["gmoe"], c["gmoe_experts"], sum(c[p] for p in MOE_PHASES)
+        compiled = c.get("torch_compile")
+        reached = compiled / block if compiled and block > 0 else None
+        ceiling = compiled / experts if compiled and experts > 0 else None
+        for key, v in (("reached", reached), ("ceiling", ceiling)):
+            if v:
+                logs[key].append(math.log(v))
+        lines.append([case, fmt(block), fmt(c.get("gmoe_keep_input")), fmt(c["gmoe_router"]), fmt(c["gmoe_permute"]),
+                      fmt(experts), fmt(c["gmoe_combine"]), fmt(phases), fmt(block - phases),
+                      f"{100 * experts / block:.0f}%" if block > 0 else "-", fmt(compiled), times(reached),
+                      times(ceiling)])
+    geo = lambda v: f"{math.exp(sum(v) / len(v)):.2f}x" if v else "-"  # noqa: E731
+    lines.append(["geomean"] + [""] * 10 + [geo(logs["reached"]), geo(logs["ceiling"])])
     return lines
 
 
@@ -661,6 +705,7 @@ def main():
     moe_passes = table([r for r in merged["rows"] if is_moe(r)], ["gmoe", "gmoe_graph", "gmoe_torch"],
                        ["torch", "torch_compile"], passes={"forward", "backward", "forward_backward"})
     moe_copy = moe_copy_table(merged["rows"])
+    moe_breakdown = moe_breakdown_table(merged["rows"])
     offload_step, offload_copy = offload_tables(merged["rows"])
     module_times, module_ops = module_tables(merged["rows"])
     train, findings = train_table(merged["rows"]), train_findings(merged["rows"])
@@ -688,6 +733,10 @@ def main():
     if moe:
         print("\nMoE block forward+backward (router, permute, experts, combine), same run:")
         print_table(moe)
+    if moe_breakdown:
+        print("\nMoE block forward+backward and its phases alone (ms), the speed-up over the compiled "
+              "composition and its ceiling (compiled / experts alone):")
+        print_table(moe_breakdown)
     if moe_passes:
         print("\nMoE block per pass (TFLOP/s of the expert GEMMs):")
         print_table(moe_passes)
@@ -773,6 +822,14 @@ def main():
                         "Bytes kept for backward per token (target: gmoe <= 0.6x the compiled composition's) and "
                         "peak memory of one forward + backward beyond inputs and weights (docs/benchmarks.md).\n\n")
                 write_markdown_table(f, moe, labels=1)
+            if moe_breakdown:
+                f.write("\nWhat limits the speed-up: the block's forward + backward (gmoe) beside its phases timed "
+                        "alone in the same run (router top-k; permute; the experts' GroupedMLP on the block's rows, "
+                        "the GEMM floor; combine; each forward + backward), in ms; rest = block less the phases; "
+                        "ceiling = the compiled composition's time over the experts' alone, the speed-up if "
+                        "everything but the expert GEMMs took no time. keep_input: the layer keeping its permuted "
+                        "rows (regather_expert_input off).\n\n")
+                write_markdown_table(f, moe_breakdown, labels=1)
             if moe_passes:
                 f.write("\nMoE block per pass, TFLOP/s of the expert GEMMs.\n\n")
                 write_markdown_table(f, moe_passes)

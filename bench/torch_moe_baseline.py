@@ -21,6 +21,10 @@ impls:
                  storage) when the gmoe package is importable and has MoELayer; else the summary says
                  it is absent. Its output is checked against the eager block's with a float32 router,
                  as the module computes its logits (relative Frobenius error below 2e-2: "correct").
+                 It runs with the module's defaults: regather_expert_input (the permuted rows are
+                 not kept for backward but gathered again there), as gmoe-bench's impl gmoe.
+  gmoe_torch_keep_input  the same module with regather_expert_input = False (keeps the permuted
+                 rows, as gmoe-bench's gmoe_keep_input), when the package has the option.
 
 The routing of a case: logits = logit_std · N(0, 1) + logit_bias[e], as gmoe-bench draws them; here
 through the router itself: x's first feature is the constant 1, W_r's first column logit_bias, the
@@ -246,6 +250,14 @@ def case_rows(case, args, dev, errors, notes):
         else:
             params = [p for p in m.parameters() if p.requires_grad]
             impls.append(("gmoe_torch", lambda: m(x), params))
+            if hasattr(m, "regather_expert_input"):
+                def keep_input(m=m):
+                    m.regather_expert_input = False  # read by forward only: backward uses what it saved
+                    try:
+                        return m(x)
+                    finally:
+                        m.regather_expert_input = True
+                impls.append(("gmoe_torch_keep_input", keep_input, params))
             if why:
                 notes.add(f"gmoe_torch: {why}")
             else:
@@ -284,7 +296,7 @@ def case_rows(case, args, dev, errors, notes):
                      "kept_bytes_per_token": (kept if kept is not None else saved) / T}
                 if peak is not None and pass_name == "forward_backward":
                     r["peak_mib"] = peak
-                if impl == "gmoe_torch" and module_check:
+                if impl.startswith("gmoe_torch") and module_check:
                     r["correct"], r["note"] = module_check
                 out.append(r)
         except Exception as e:  # a failing implementation is recorded, the run goes on

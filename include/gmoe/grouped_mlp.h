@@ -173,6 +173,13 @@ class GroupedMLP {
   /// an event; calls their hooks and releases what was saved. Capturable in a CUDA graph.
   GroupedMLPGrads backward_dw(GroupedMLPContext& ctx, Stream stream = nullptr);
 
+  /// For layers built on GroupedMLP that rebuild its input instead of keeping it (MoELayer with
+  /// regather_expert_input gathers its permuted rows again): with fc1.save_original_input,
+  /// replaces the x that forward kept by reference with `x` (same shape and dtype, the same
+  /// values) before FC1's weight gradient reads it (backward, or backward_dw when FC1's is
+  /// delayed). The aliasing contract of save_original_input holds for the new `x`.
+  void set_saved_input(GroupedMLPContext& ctx, const TensorView& x) const;
+
  private:
   Allocator& allocator() const;
   /// forward once the arguments are checked and the counts are on the layer's device.

@@ -8,8 +8,26 @@
 //             out[t]             = Σ_j yp[row(t, j)]                    combine with weights 1
 //             aux_loss, z_loss   (when their coefficients are not 0)
 //   backward  dyp = combine_backward(dout)  (a gather of dout: needs no yp)
+//             xp  = combine_backward(x)     regather_expert_input: FC1's input gathered again
 //             dxp, dpp = experts.backward(dyp);  dx, dprobs = permute_backward(dxp, dpp)
 //             dlogits = router_topk_backward(dprobs) (+ the losses')
+//
+// Memory that does not grow with top-k (options.regather_expert_input, on by default): the
+// permuted rows xp ([rows, H], k copies of each token) are FC1's input, which its weight gradient
+// dW1_e = dh_eᵀ·xp_e reads. Forward frees them once the experts have run, and backward gathers
+// them again from x (kept by reference anyway) through the map the layer keeps: combine_backward
+// of x with weights 1 writes x[t] to the row each (t, j) owns and zeros to every other row, which
+// is exactly what permute wrote, so the gradients are bitwise those of a layer that kept xp. Cost:
+// one more gather pass (permute's bytes) in backward, for rows·H·es bytes less between forward
+// and backward. It applies where FC1 reads its input by reference (the experts'
+// fc1.save_original_input; with an FP8 recipe FC1 then quantizes the regathered rows columnwise
+// in backward, and keeps no FP8 copy either). Where FC1 keeps its own copy of its input (without
+// save_original_input: a copy, or with fp8_wgrad the FP8 columnwise copy) that copy is what
+// backward reads, so the layer frees xp after forward either way and has nothing to gather. With
+// an EP group the experts' input is the rows other ranks sent, which this rank cannot gather from
+// its own x: the layer then keeps what the experts need, as without the option (another exchange
+// in backward would cost more than the memory it saves). regathers_expert_input() says whether a
+// layer gathers.
 //
 // The probabilities are applied inside the experts' activation (as Megatron and Transformer Engine
 // do) rather than in the combine, so that yp need not be kept for the combine's d(probs) =
@@ -95,6 +113,10 @@ struct MoELayerOptions {
   /// max_rows) are dropped by the dispatch and recorded in the device error word: their tokens
   /// get no expert output there.
   EpGroup* ep = nullptr;
+  /// Do not keep the permuted rows (FC1's input) for backward: backward gathers them again from x
+  /// for FC1's weight gradient, bitwise the same (see the top of this file: where it applies, and
+  /// why not with an EP group). rows·H·es bytes less kept per forward, one more gather in backward.
+  bool regather_expert_input = true;
 };
 
 /// How MoELayer::backward overlaps its exchanges with compute (see the top of this file for the
@@ -134,10 +156,13 @@ struct MoEBackward {
 };
 
 /// What forward keeps for backward. One per forward in flight. Offloadable (gmoe/offload.h): the
-/// router's ids, probs and counts, the permuted input and counts, the permutation map, the
-/// experts' context, and either the per-row probabilities (probs_in_experts: the experts keep
+/// router's ids, probs and counts, the permuted counts, the permutation map, the permuted input
+/// only where the experts read it by reference and the layer does not gather it again
+/// (regathers_expert_input()), the experts' context, and either the per-row probabilities (probs_in_experts: the experts keep
 /// them by reference) or the experts' output (the weighted combine's dprobs reads it); after
-/// backward the experts' output gradient, which a delayed FC2 weight gradient reads. With EP also
+/// backward the experts' output gradient, which a delayed FC2 weight gradient reads, and the
+/// regathered input, which a delayed FC1 weight gradient reads (both released at the end of
+/// backward when nothing of the experts' is delayed). With EP also
 /// the exchange's plan (backward's exchanges reuse it; the experts keep its local counts by
 /// reference), and in the receive layout the per-row probabilities and, where the experts keep
 /// their input by reference (fc1.save_original_input), their input; not the source-layout rows,
@@ -181,6 +206,10 @@ class MoELayer {
   /// combine has weights 1 (the experts' FC2 has no bias; see the top of this file), false when
   /// the combine weights the experts' output.
   bool probs_in_experts() const { return !experts_->fc2().bias().defined(); }
+  /// True when forward frees the permuted rows and backward gathers them again for FC1's weight
+  /// gradient: options().regather_expert_input, the experts' fc1.save_original_input, and no EP
+  /// group of size > 1 (see the top of this file).
+  bool regathers_expert_input() const;
 
   /// x: [T, H] of the experts' dtype; logits: [T, E] f32/bf16/f16 on x's device (E =
   /// num_experts(), all experts of the EP group). x, logits (and the options' score_bias) are kept

@@ -25,6 +25,7 @@
   parameters ``weight0`` … ``weight{E-1}`` (``"per_expert"``); biases alike (``bias`` [E, out] or
   ``bias0`` …). ``load_state_dict`` accepts either layout's checkpoint.
 """
+import contextlib
 import math
 from typing import Callable, Dict, List, Optional, Tuple, Union
 
@@ -221,6 +222,49 @@ def _input_grads(ctx, x: Tensor, probs: Optional[Tensor], counts: Tensor,
 def _columnwise_only(q: Fp8Rows) -> Fp8Rows:
     """q without its rowwise copy (what the FP8 weight gradient reads)."""
     return Fp8Rows(q.data.new_empty(0), q.scale_inv.new_empty(0), *q[2:])
+
+
+class _Regathered:
+    """What is saved instead of permuted rows under _regather_input: the tokens and the map (each
+    as the hooks outside packed it)."""
+    __slots__ = ("tokens", "row_of", "src_token")
+
+    def __init__(self, tokens, row_of, src_token):
+        self.tokens, self.row_of, self.src_token = tokens, row_of, src_token
+
+
+@contextlib.contextmanager
+def _regather_input(rows: Tensor, tokens: Tensor, row_of: Tensor, src_token: Tensor):
+    """Saved-tensor hooks under which ``rows`` (tokens permuted by the map: permute's output) is not
+    kept for backward: whatever saves it keeps the tokens and the map instead, and backward gathers
+    the rows again with combine's backward at weights 1, which writes each token's row where the map
+    put it and zeros elsewhere: permute's rows, bitwise (gmoe/moe_layer.h, regather_expert_input).
+    Every other saved tensor, and the tokens and the map, go through the saved-tensor hooks active
+    outside (gmoe.offload_activations), if any, as they would without these."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    outer = top(False) if top is not None else None
+    outer_pack, outer_unpack = outer if outer is not None else (None, None)
+    # rows' identity, not rows itself: a reference here would keep it alive.
+    ptr, shape, dtype, device = rows.data_ptr(), rows.shape, rows.dtype, rows.device
+
+    def keep(t):
+        return t if outer_pack is None else outer_pack(t)
+
+    def back(p):
+        return p if outer_unpack is None else outer_unpack(p)
+
+    def pack(t: Tensor):
+        if t.numel() > 0 and t.data_ptr() == ptr and t.shape == shape and t.dtype == dtype and t.device == device:
+            return _Regathered(keep(tokens), keep(row_of), keep(src_token))
+        return keep(t)
+
+    def unpack(p):
+        if isinstance(p, _Regathered):
+            return _ops.combine_backward(back(p.tokens), back(p.row_of), back(p.src_token))[0]
+        return back(p)
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        yield
 
 
 class _GroupedLinearFunction(torch.autograd.Function):
@@ -677,14 +721,22 @@ class GroupedMLP(nn.Module):
         self.fc1 = GroupedLinear(num_experts, hidden_size, fc1_out, **common)
         self.fc2 = GroupedLinear(num_experts, ffn_hidden_size, hidden_size, **common)
 
-    def forward(self, x: Tensor, m_splits, probs: Optional[Tensor] = None) -> Tensor:
+    def forward(self, x: Tensor, m_splits, probs: Optional[Tensor] = None, *,
+                _regather: Optional[Tuple[Tensor, Tensor, Tensor]] = None) -> Tensor:
         """y [capacity, H] for x [capacity, H] split by ``m_splits`` [E]; ``probs`` (optional,
         float32 [capacity], differentiable) scales each row's activation output. Host counts are
-        uploaded once, for both FCs and the activation."""
+        uploaded once, for both FCs and the activation. ``_regather``: MoELayer's
+        regather_expert_input, (tokens, row_of, src_token) such that x is the permutation of tokens
+        by that map: x is then not kept for FC1's weight gradient but gathered again in backward
+        (see _regather_input)."""
         m_splits = _device_counts(m_splits, x.device)
         # Through _modules, not self.fc1: nn.Module's attribute lookup costs about a microsecond.
         fc1, fc2 = self._modules["fc1"], self._modules["fc2"]
-        h = fc1(x, m_splits)
+        if _regather is not None and not torch.compiler.is_compiling():
+            with _regather_input(x, *_regather):
+                h = fc1(x, m_splits)
+        else:
+            h = fc1(x, m_splits)
         if self.recompute_activation:  # the activation runs inside FC2's function, z is not kept
             act = (self.activation, self.alpha, self.limit, self.gelu_tanh, self.glu_block)
             return fc2(h, m_splits, _recompute=act, _probs=probs)

@@ -54,7 +54,7 @@ from torch import Tensor, nn
 from ._autograd import EpDispatchWorkDuringCombine, WorkAfterBackward
 from .expert_parallel import EpGroup, EpRows, ep_combine, ep_dispatch, ep_plan
 from .modules import GroupedLinear, GroupedMLP
-from .routing import SCORE_FUNCS, combine, permute, router_aux_loss, router_topk, router_z_loss
+from .routing import SCORE_FUNCS, RoutingMap, combine, permute, router_aux_loss, router_topk, router_z_loss
 
 
 class MoELayer(nn.Module):
@@ -86,6 +86,14 @@ class MoELayer(nn.Module):
         recompute_activation: the experts' and the shared experts' (:class:`GroupedMLP`): their
             activation output z = act(h)·p is not kept for backward but made again from h there,
             bitwise the same; saves k·F elements per token (and F per token for the shared experts).
+        regather_expert_input: the permuted rows (the experts' input, k copies of each token) are
+            not kept for backward: FC1's weight gradient gathers them again from x through the
+            routing map (one more gather pass in backward), bitwise the same; saves k·H elements
+            per token. Settable. No effect where FC1 keeps no rows: with an FP8 recipe (FC1 keeps
+            its FP8 columnwise copy), with an EP group of size > 1 (the experts' rows are those
+            other ranks sent, which this rank cannot gather from its own tokens) and inside
+            torch.compile (the compiled graph decides what it saves). Inside
+            :func:`gmoe.offload_activations` the tokens and the map it keeps are offloaded instead.
         ep_group: None, or the :class:`gmoe.EpGroup` the experts are spread over: its num_experts
             and hidden are the layer's, its dtype the layer's rows', its max_rows at least the
             permuted rows of a forward (``gmoe.permuted_rows(T, top_k, E, pad_multiple,
@@ -123,7 +131,8 @@ class MoELayer(nn.Module):
                  capacity_factor: float = 0.0, aux_loss_coeff: float = 0.0, z_loss_coeff: float = 0.0,
                  shared_expert_ffn_hidden_size: int = 0, recipe: Optional[str] = None,
                  weight_layout: str = "stacked", masked_off_wgrad: str = "skip", recompute_activation: bool = False,
-                 ep_group: Optional[EpGroup] = None, experts_wgrad_during_combine: bool = False,
+                 regather_expert_input: bool = True, ep_group: Optional[EpGroup] = None,
+                 experts_wgrad_during_combine: bool = False,
                  device: Optional[Union[str, torch.device]] = None, dtype: Optional[torch.dtype] = None):
         super().__init__()
         if num_experts < 1:
@@ -157,6 +166,7 @@ class MoELayer(nn.Module):
         self.n_group, self.topk_group, self.scaling_factor = n_group, topk_group, float(scaling_factor)
         self.pad_multiple, self.capacity_factor = pad_multiple, float(capacity_factor)
         self.aux_loss_coeff, self.z_loss_coeff = float(aux_loss_coeff), float(z_loss_coeff)
+        self.regather_expert_input = bool(regather_expert_input)
 
         self.router = nn.Linear(hidden_size, num_experts, bias=False, device=device, dtype=dtype)
         mlp = dict(activation=activation, glu_layout=glu_layout, bias=bias, weight_layout=weight_layout,
@@ -205,11 +215,11 @@ class MoELayer(nn.Module):
         if self.probs_in_experts:
             perm = permute(tokens, route.ids, self.num_experts, route.probs, pad_multiple=self.pad_multiple,
                            capacity_factor=self.capacity_factor)
-            out = combine(self._experts(perm.rows, perm.counts, perm.probs), perm.map)
+            out = combine(self._experts(perm.rows, perm.counts, perm.probs, tokens, perm.map), perm.map)
         else:  # FC2's bias: see the module's docstring
             perm = permute(tokens, route.ids, self.num_experts, pad_multiple=self.pad_multiple,
                            capacity_factor=self.capacity_factor)
-            out = combine(self._experts(perm.rows, perm.counts), perm.map, route.probs)
+            out = combine(self._experts(perm.rows, perm.counts, None, tokens, perm.map), perm.map, route.probs)
         if self.shared_experts is not None:
             every_token = torch.full((1,), tokens.shape[0], dtype=torch.int32, device=tokens.device)
             out = out + self.shared_experts(tokens, every_token)
@@ -226,9 +236,11 @@ class MoELayer(nn.Module):
         self.last_dropped = perm.dropped
         return out.view(shape)
 
-    def _experts(self, rows: Tensor, counts: Tensor, probs: Optional[Tensor] = None) -> Tensor:
-        """The routed experts on permuted rows grouped by global expert: here, or with an EP group of
-        size > 1 on the ranks that hold them (dispatch -> experts -> combine)."""
+    def _experts(self, rows: Tensor, counts: Tensor, probs: Optional[Tensor], tokens: Tensor,
+                 map: RoutingMap) -> Tensor:
+        """The routed experts on permuted rows (tokens permuted by map) grouped by global expert:
+        here, or with an EP group of size > 1 on the ranks that hold them (dispatch -> experts ->
+        combine)."""
         g = self.ep_group
         overlap = self.experts_wgrad_during_combine and torch.is_grad_enabled()
         if overlap and not (self.experts.fc1.delay_wgrad_compute or self.experts.fc2.delay_wgrad_compute):
@@ -237,7 +249,8 @@ class MoELayer(nn.Module):
         if g is None or g.size == 1:
             if overlap:
                 rows = WorkAfterBackward.apply(rows, self.experts.backward_dw)
-            return self.experts(rows, counts, probs)
+            regather = (tokens, map.row_of, map.src_token) if self.regather_expert_input else None
+            return self.experts(rows, counts, probs, _regather=regather)
         n = rows.shape[0]
         if n > g.max_rows:
             raise ValueError(f"ep_group: max_rows = {g.max_rows}, but this forward has {n} permuted rows")

@@ -310,6 +310,15 @@ GroupedMLPBackward GroupedMLP::backward(GroupedMLPContext& ctx, const TensorView
   return result;
 }
 
+void GroupedMLP::set_saved_input(GroupedMLPContext& ctx, const TensorView& x) const {
+  GroupedMLPContext::State& st = *ctx.state_;
+  GMOE_CHECK(st.active && (!st.backward_done || st.fc1_pending),
+             "ctx: set_saved_input needs a context filled by forward whose FC1 weight gradient is pending");
+  GMOE_CHECK(options_.fc1.save_original_input, "set_saved_input: only with options.fc1.save_original_input (FC1 ",
+             "keeps a reference to its input, not a copy)");
+  fc1_.set_saved_input(st.fc1, x);
+}
+
 GroupedMLPGrads GroupedMLP::backward_dw(GroupedMLPContext& ctx, Stream stream) {
   GroupedMLPContext::State& st = *ctx.state_;
   GMOE_CHECK(st.backward_done, "ctx: backward_dw needs a context after a backward with a delayed weight gradient ",

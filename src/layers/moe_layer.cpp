@@ -16,12 +16,15 @@ struct MoELayerContext::State {
   GroupedMLPContext experts;
   TensorView x, logits;
   Tensor ids, probs, counts;  // the router's
+  // permuted: FC1's input, kept only where the experts read it by reference and it is not
+  // gathered again; with regather, the rows backward gathers (kept for a delayed FC1 wgrad).
   Tensor permuted, permuted_counts, row_of, src_token;
   Tensor permuted_probs;  // probs_in_experts: each row's probability, which the experts keep by reference
   Tensor expert_out;      // weighted combine only: for dprobs, released by backward
   Tensor dexpert_out;  // kept: a delayed FC2 weight gradient reads it in backward_dw
   int64_t rows = 0;    // the permuted (source layout) rows: the map's
   bool probs_in_experts = true;
+  bool regather = false;  // forward freed `permuted`; backward gathers it again from x
   bool backward_done = false;
   // Expert parallelism: the exchange's plan (backward's exchanges reuse it; the experts keep its
   // local counts by reference), and in the receive layout each row's probability (kept by the
@@ -89,6 +92,10 @@ int64_t MoELayer::num_experts() const {
 
 bool MoELayer::expert_parallel() const { return options_.ep != nullptr && options_.ep->size() > 1; }
 
+bool MoELayer::regathers_expert_input() const {
+  return options_.regather_expert_input && !expert_parallel() && experts_->fc1().options().save_original_input;
+}
+
 Allocator& MoELayer::allocator(Device device) const {
   return options_.allocator != nullptr ? *options_.allocator : default_allocator(device);
 }
@@ -143,6 +150,7 @@ MoEForward MoELayer::forward(const TensorView& x, const TensorView& logits, MoEL
   s.row_of = Tensor::empty({T, k}, DType::i32, a, stream);
   s.src_token = Tensor::empty({s.rows}, DType::i32, a, stream);
   s.probs_in_experts = probs_in_experts();
+  s.regather = regathers_expert_input();
   MoEForward f;
   f.out = Tensor::empty({T, H}, x.dtype, a, stream);
   // probs_in_experts: the probabilities scale z inside the experts (0 on padding rows) and the
@@ -167,6 +175,12 @@ MoEForward MoELayer::forward(const TensorView& x, const TensorView& logits, MoEL
     expert_probs = s.expert_probs;
   }
   Tensor yp = experts_->forward(expert_x, expert_counts, expert_probs, s.experts, stream);
+  // Nothing else reads the permuted rows: they stay only where FC1 keeps them by reference and
+  // backward does not gather them again (FC1's context keeps a view of the freed rows until
+  // backward hands it the regathered ones; nothing reads it in between).
+  if (ep == nullptr && (s.regather || !experts_->fc1().options().save_original_input)) {
+    s.permuted.release_on(stream);
+  }
   if (ep != nullptr) {
     EpRows back = ep_combine(*ep, s.plan, yp, {}, &a, stream);
     yp.release_on(stream);
@@ -254,6 +268,12 @@ MoEBackward MoELayer::backward(MoELayerContext& ctx, const TensorView& dout, Str
     if (overlap.during_dispatch) overlap.during_dispatch();
     s.dexpert_out = std::move(dyp);
   }
+  if (s.regather) {
+    // FC1's input again, for its weight gradient: permute's rows exactly (moe_layer.h).
+    s.permuted = Tensor::empty({s.rows, H}, s.x.dtype, a, stream);
+    combine_backward(s.x, s.map(), {}, {}, s.permuted, {}, stream, &a);
+    experts_->set_saved_input(s.experts, s.permuted);
+  }
   GroupedMLPBackward eb = experts_->backward(s.experts, s.dexpert_out, stream);
   TensorView dxp = eb.dx, dpp = eb.dprobs;
   EpRows back;
@@ -269,6 +289,13 @@ MoEBackward MoELayer::backward(MoELayerContext& ctx, const TensorView& dout, Str
     if (experts_->options().fc1.delay_wgrad) b.grads.fc1 = std::move(dw.fc1);
     if (experts_->options().fc2.delay_wgrad) b.grads.fc2 = std::move(dw.fc2);
   }
+  // What only a delayed weight gradient reads goes once that gradient is done.
+  const bool wgrad_done = overlap.experts_wgrad_during_combine;
+  if (wgrad_done || !experts_->options().fc1.delay_wgrad) {
+    s.permuted.release_on(stream);
+    s.expert_in.release_on(stream);
+  }
+  if (wgrad_done || !experts_->options().fc2.delay_wgrad) s.dexpert_out.release_on(stream);
   if (ep != nullptr) {
     join_compute();
     eb.dx.release_on(stream);

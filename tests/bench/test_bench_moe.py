@@ -5,7 +5,9 @@ Runs gmoe-bench on tests/bench/moe_suite.json: two small cases (uniform routing;
 an expert that is never chosen and gpt-oss's clamped SwiGLU), one whose top_k exceeds E (the layer
 refuses it), one of zero tokens. Every runnable case must come back checked and correct with its
 three passes, its memory (peak, bytes kept for backward per token, at least what the layer must
-keep: x, the logits and the permuted rows) and permute / combine rows beside a copy; the refused
+keep: x, the logits and FC1's output h), the layer keeping its permuted rows (gmoe_keep_input:
+checked bitwise against gmoe, keeping exactly those rows' bytes more), the block's phases alone
+(gmoe_router, gmoe_permute, gmoe_experts, gmoe_combine) and permute / combine rows beside a copy; the refused
 case as skipped rows naming top_k, while the run goes on; and bench/report.py must table the file.
 
     python3 tests/bench/test_bench_moe.py PATH/TO/gmoe-bench        (ctest: bench_moe)
@@ -56,12 +58,20 @@ class BenchMoe(unittest.TestCase):
                 self.assertIn("kept_bytes_per_token", r)
             fb = rows[("gmoe", "forward_backward")]
             self.assertIn("dlogits", fb["note"])
+            keep = rows[("gmoe_keep_input", "forward_backward")]
+            self.assertIs(keep["correct"], True, keep)
+            self.assertIn("bitwise", keep["note"])
+            for phase in ("gmoe_router", "gmoe_permute", "gmoe_experts", "gmoe_combine"):
+                self.assertGreater(rows[(phase, "forward_backward")]["ms"], 0, phase)
             if c["tokens"] > 0:
                 self.assertIn("out: max err", fb["note"])
-                # x, the bf16 logits and the permuted rows (top_k copies of each token) at least
-                least = 2 * (c["hidden"] + c["E"] + c["top_k"] * c["hidden"])
+                # x, the bf16 logits and FC1's output h (top_k rows of 2·ffn per token) at least
+                least = 2 * (c["hidden"] + c["E"] + c["top_k"] * 2 * c["ffn"])
                 self.assertGreater(fb["kept_bytes_per_token"], least, fb)
                 self.assertGreater(fb["peak_mib"] * 2 ** 20, c["tokens"] * least, fb)
+                # the permuted rows (top_k bf16 copies of each token) are what gmoe does not keep
+                self.assertAlmostEqual(keep["kept_bytes_per_token"] - fb["kept_bytes_per_token"],
+                                       2 * c["top_k"] * c["hidden"], places=6)
             for op in ("gmoe_permute", "gmoe_combine"):
                 for p in ("forward", "backward"):
                     r = rows[(op, p)]

@@ -265,6 +265,12 @@ class Report(unittest.TestCase):
         ours = [moe_row("moe_q/uniform", "forward_backward", "gmoe", 10.0, correct=True, kept_bytes_per_token=3000.0,
                         peak_mib=900.0),
                 moe_row("moe_q/uniform", "forward_backward", "gmoe_graph", 9.5, correct=True),
+                moe_row("moe_q/uniform", "forward_backward", "gmoe_keep_input", 10.3, correct=True,
+                        kept_bytes_per_token=4000.0, peak_mib=950.0),
+                moe_row("moe_q/uniform", "forward_backward", "gmoe_router", 0.5),
+                moe_row("moe_q/uniform", "forward_backward", "gmoe_permute", 0.5),
+                moe_row("moe_q/uniform", "forward_backward", "gmoe_experts", 8.0),
+                moe_row("moe_q/uniform", "forward_backward", "gmoe_combine", 0.5),
                 moe_row("moe_q/uniform", "forward", "gmoe", 4.0, correct=True),
                 moe_row("moe_q/uniform", "forward", "gmoe_permute", 0.1, gbps=2400.0, copy_gbps=3000.0),
                 moe_row("moe_q/uniform", "copy", "device_copy", 0.1, gbps=3000.0),
@@ -282,8 +288,11 @@ class Report(unittest.TestCase):
         self.assertEqual(len(merged["rows"]), len(ours) + len(torch_rows))
         block = md.split("## MoE block")[1]
         # compiled / gmoe = 16 / 10 = 1.60x; kept 3000 / 6000 = 0.50x; peak memory of each.
-        self.assertIn("| moe_q/uniform | 10.000 | 9.500 | - | 20.000 | 16.000 | 1.60x | - | 3000 | - | 7000 | 6000 | "
-                      "0.50x | 900.0 | - | 2000.0 | 1500.0 | yes |", block)
+        self.assertIn("| moe_q/uniform | 10.000 | 9.500 | 10.300 | - | - | 20.000 | 16.000 | 1.60x | - | 3000 | 4000 | - | "
+                      "- | 7000 | 6000 | 0.50x | 900.0 | 950.0 | - | - | 2000.0 | 1500.0 | yes |", block)
+        # The phases: 9.5 of the block's 10 ms, the experts 80% of it; the ceiling 16 / 8 = 2.00x.
+        self.assertIn("| moe_q/uniform | 10.000 | 10.300 | 0.500 | 0.500 | 8.000 | 0.500 | 9.500 | 0.500 | 80% | "
+                      "16.000 | 1.60x | 2.00x |", block)
         self.assertIn("| moe_q/uniform | gmoe_permute | forward | 0.100 | 2400 | 3000 | 80.0% |", block)
         self.assertNotIn("device_copy", block)
         self.assertIn("Note: gmoe_torch: absent (no MoELayer)", md)

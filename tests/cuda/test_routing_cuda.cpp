@@ -10,6 +10,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <string>
 #include <tuple>
@@ -387,17 +388,26 @@ TEST(RoutingCudaErrors, HostVisibleArguments) {
 
 std::vector<double> host_values(const Tensor& t) { return host_of(t.view()).to_double(); }
 
+// The inputs of a MoELayer test: bf16 weights (SwiGLU experts), x and dout; f32 logits.
+struct MoeInputs {
+  HostTensor w1, w2, x, logits, dout;
+  MoeInputs(Rng& rng, int64_t T, int64_t E, int64_t H, int64_t F)
+      : w1(DType::bf16, {E, 2 * F, H}), w2(DType::bf16, {E, H, F}), x(DType::bf16, {T, H}),
+        logits(DType::f32, {T, E}), dout(DType::bf16, {T, H}) {
+    fill_random(w1, rng, -0.1, 0.1);
+    fill_random(w2, rng, -0.1, 0.1);
+    fill_random(x, rng);
+    fill_random(logits, rng, -2.0, 2.0);
+    fill_random(dout, rng);
+  }
+};
+
 TEST(MoELayerCuda, MatchesCpuLayer) {
   GMOE_SKIP_WITHOUT_GPU();
   Rng rng;
   const int64_t T = 777, E = 16, k = 4, H = 256, F = 128;
-  HostTensor w1(DType::bf16, {E, 2 * F, H}), w2(DType::bf16, {E, H, F}), x(DType::bf16, {T, H}),
-      logits(DType::f32, {T, E}), dout(DType::bf16, {T, H});
-  fill_random(w1, rng, -0.1, 0.1);
-  fill_random(w2, rng, -0.1, 0.1);
-  fill_random(x, rng);
-  fill_random(logits, rng, -2.0, 2.0);
-  fill_random(dout, rng);
+  MoeInputs in(rng, T, E, H, F);
+  HostTensor &w1 = in.w1, &w2 = in.w2, &x = in.x, &logits = in.logits, &dout = in.dout;
   MoELayerOptions o;
   o.router = router_options(k, RouterScore::softmax, true);
   o.permute.pad_multiple = 16;
@@ -429,6 +439,80 @@ TEST(MoELayerCuda, MatchesCpuLayer) {
   }
   EXPECT_TRUE(all_close(host_values(gf.aux_loss), host_values(cf.aux_loss), 1e-9, 1e-4, "aux loss"));
   EXPECT_TRUE(all_close(host_values(gf.z_loss), host_values(cf.z_loss), 1e-9, 1e-4, "z loss"));
+}
+
+// regather_expert_input on the device: the layer that gathers its permuted rows again in backward
+// gives bitwise the results of the layer that keeps them (the gather is a copy), eager and from a
+// CUDA graph of the whole forward + backward replayed under changing logits (global capture mode:
+// the regather syncs nothing).
+TEST(MoELayerCuda, RegatherIsBitwiseEagerAndCaptured) {
+  GMOE_SKIP_WITHOUT_GPU();
+  Rng rng;
+  const int64_t T = 777, E = 16, k = 4, H = 256, F = 128;
+  MoeInputs in(rng, T, E, H, F);
+  HostTensor &w1 = in.w1, &w2 = in.w2, &x = in.x, &logits = in.logits, &dout = in.dout;
+  DeviceTensor dw1(w1), dw2(w2), dx(x), dl(logits), ddout(dout);
+  GroupedMLPOptions mo;
+  mo.fc1.save_original_input = true;  // FC1 reads its input by reference: what the layer may regather
+  mo.recompute_activation = true;
+  GroupedMLP experts(ExpertWeights::from_stacked(dw1.view()), ExpertWeights::from_stacked(dw2.view()), {}, {}, mo);
+  MoELayerOptions o;
+  o.router = router_options(k, RouterScore::softmax, true);
+  o.permute.pad_multiple = 16;
+  o.permute.capacity_factor = 1.25;
+  o.aux_loss_coeff = 0.01f;
+  MoELayer regather(experts, o);
+  o.regather_expert_input = false;
+  MoELayer keep(experts, o);
+  ASSERT_TRUE(regather.regathers_expert_input());
+  ASSERT_FALSE(keep.regathers_expert_input());
+
+  cudaStream_t stream;
+  GMOE_TEST_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  DeviceTensor out(DType::bf16, {T, H}), grad_x(DType::bf16, {T, H}), grad_logits(DType::f32, {T, E}),
+      grad_w1(DType::bf16, {E, 2 * F, H}), grad_w2(DType::bf16, {E, H, F});
+  // One forward + backward, its results copied into fixed buffers (the layer's own are freed at the
+  // end of the pass: in a capture, by the graph).
+  auto pass = [&](MoELayer& layer) {
+    MoELayerContext ctx;
+    const MoEForward f = layer.forward(dx.view(), dl.view(), ctx, stream);
+    const MoEBackward b = layer.backward(ctx, ddout.view(), stream);
+    for (const auto& [from, to] : {std::make_pair(f.out.view(), out.view()), std::make_pair(b.dx.view(), grad_x.view()),
+                                   std::make_pair(b.dlogits.view(), grad_logits.view()),
+                                   std::make_pair(b.grads.fc1.weight.stacked, grad_w1.view()),
+                                   std::make_pair(b.grads.fc2.weight.stacked, grad_w2.view())}) {
+      // A stacked gradient's expert stride may be padded: expert by expert, as rows of a 2-D copy.
+      const size_t es = dtype_size(from.dtype), per = size_t(from.numel() / std::max<int64_t>(from.size(0), 1)) * es;
+      test_cuda_check(cudaMemcpy2DAsync(to.data, per, from.data, size_t(from.stride(0)) * es, per,
+                                        size_t(from.size(0)), cudaMemcpyDeviceToDevice, stream),
+                      "cudaMemcpy2DAsync");
+    }
+  };
+  auto snapshot = [&] {
+    test_cuda_check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+    return std::vector<HostTensor>{out.download(), grad_x.download(), grad_logits.download(), grad_w1.download(),
+                                   grad_w2.download()};
+  };
+  auto expect_bitwise = [](const std::vector<HostTensor>& got, const std::vector<HostTensor>& want,
+                           const std::string& what) {
+    const char* names[] = {"out", "dx", "dlogits", "dW1", "dW2"};
+    for (size_t i = 0; i < want.size(); ++i) EXPECT_TRUE(bitwise_equal(got[i], want[i], what + ": " + names[i]));
+  };
+  pass(keep);
+  const std::vector<HostTensor> kept = snapshot();
+  pass(regather);
+  expect_bitwise(snapshot(), kept, "eager");
+  CapturedGraph graph(stream, [&] { pass(regather); });
+  for (int replay = 0; replay < 2; ++replay) {
+    fill_random(logits, rng, -2.0, 2.0);
+    dl.upload(logits);
+    graph.replay(stream);
+    const std::vector<HostTensor> replayed = snapshot();
+    pass(keep);
+    expect_bitwise(replayed, snapshot(), "replay " + std::to_string(replay));
+  }
+  check_device_errors(stream);
+  GMOE_TEST_CUDA(cudaStreamDestroy(stream));
 }
 
 }  // namespace

@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -241,19 +242,21 @@ INSTANTIATE_TEST_SUITE_P(Cases, MoELayerCpu, ::testing::ValuesIn(layer_cases()),
 
 // The bytes forward leaves for backward (what gmoe-bench --mode moe reports as kept per token):
 // everything forward allocated that is still live, but its output. The experts keep x by reference
-// (fc1.save_original_input, the permuted rows the layer keeps anyway), as the benchmark's do.
+// (fc1.save_original_input), as the benchmark's do, unless `fc1_copy`; the layer keeps the permuted
+// rows for them unless it gathers them again in backward (`regather`).
 struct Kept {
   size_t bytes;
   bool probs_in_experts;
 };
-Kept kept_for_backward(int64_t T, int64_t E, int64_t k, int64_t H, int64_t F, bool fc2_bias, bool recompute) {
+Kept kept_for_backward(int64_t T, int64_t E, int64_t k, int64_t H, int64_t F, bool fc2_bias, bool recompute,
+                       bool regather = false, bool fc1_copy = false) {
   Rng rng;
   HostTensor w1(DType::f32, {E, 2 * F, H}), w2(DType::f32, {E, H, F}), b2(DType::f32, {E, H}),
       x(DType::f32, {T, H}), logits(DType::f32, {T, E}), dout(DType::f32, {T, H});
   for (HostTensor* t : {&w1, &w2, &b2, &x, &logits, &dout}) fill_random(*t, rng);
   CountingAllocator alloc(host_allocator());
   GroupedMLPOptions mo;
-  mo.fc1.save_original_input = true;
+  mo.fc1.save_original_input = !fc1_copy;
   mo.recompute_activation = recompute;
   mo.allocator = &alloc;
   GroupedMLP experts(ExpertWeights::from_stacked(w1.view()), ExpertWeights::from_stacked(w2.view()), {},
@@ -261,6 +264,7 @@ Kept kept_for_backward(int64_t T, int64_t E, int64_t k, int64_t H, int64_t F, bo
   MoELayerOptions o;
   o.router.top_k = k;
   o.allocator = &alloc;
+  o.regather_expert_input = regather;
   MoELayer layer(experts, o);
   MoELayerContext ctx;
   const size_t before = alloc.in_use();
@@ -288,7 +292,175 @@ TEST(MoELayerCpuMemory, ProbsInExpertsKeepNoExpertOutput) {
   EXPECT_EQ(recomputed.bytes, common + size_t(rows) * f32);
   EXPECT_LT(recomputed.bytes, inside.bytes);
   EXPECT_LT(inside.bytes, weighted.bytes);
+  // Gathered again in backward: no permuted rows kept (with the recomputed activation, what is left
+  // per row is FC1's output h, the row's token, probability and nothing of [rows, H]).
+  const Kept regathered = kept_for_backward(T, E, k, H, F, false, true, true);
+  EXPECT_EQ(regathered.bytes, recomputed.bytes - size_t(rows * H) * f32);
+  // FC1 keeping its own copy: the layer keeps no second one (either setting).
+  EXPECT_EQ(kept_for_backward(T, E, k, H, F, false, false, false, true).bytes, inside.bytes);
+  EXPECT_EQ(kept_for_backward(T, E, k, H, F, false, false, true, true).bytes, inside.bytes);
 }
+
+// regather_expert_input: forward frees the permuted rows and backward gathers them again from x
+// for FC1's weight gradient. Every output and gradient must be bitwise those of the layer that
+// keeps the rows, and forward must keep exactly the rows' bytes less.
+struct RegatherCase {
+  std::string name;
+  int64_t T, E, H, F, k;
+  ActivationKind act = ActivationKind::swiglu;
+  PermuteOptions permute = {};
+  bool delay = false;       // fc1 and fc2 delay_wgrad: backward_dw after backward
+  bool overlap = false;     // with delay: the experts' weight gradients inside backward
+  bool recompute = false;   // the experts' recompute_activation
+  bool one_expert = false;  // logits steer every token to expert 0: one expert holds all tokens
+  bool shared = false;      // a shared expert (a one-expert MLP on every token) beside the layer
+  bool fc2_bias = false;    // FC1 and FC2 biases: the weighted combine
+  LinearRecipe recipe = LinearRecipe::native;
+};
+
+// gtest prints the case by its name.
+void PrintTo(const RegatherCase& c, std::ostream* os) { *os << c.name; }
+
+std::vector<RegatherCase> regather_cases() {
+  PermuteOptions padded_capacity;
+  padded_capacity.pad_multiple = 4;
+  padded_capacity.capacity_factor = 0.75;
+  RegatherCase geglu{"geglu_padded_capacity_drops", 16, 4, 8, 4, 2, ActivationKind::geglu, padded_capacity};
+  RegatherCase clamped{"clamped_swiglu_biases", 13, 4, 12, 6, 2, ActivationKind::clamped_swiglu};
+  clamped.fc2_bias = true;
+  RegatherCase relu2{"squared_relu_top3", 11, 8, 8, 4, 3, ActivationKind::squared_relu};
+  RegatherCase delayed{"swiglu_delayed_wgrad", 13, 4, 12, 6, 2};
+  delayed.delay = true;
+  RegatherCase overlap = delayed;
+  overlap.name = "swiglu_wgrad_inside_backward";
+  overlap.overlap = true;
+  RegatherCase recompute{"swiglu_recompute_delayed", 16, 4, 8, 4, 2, ActivationKind::swiglu, padded_capacity};
+  recompute.recompute = true;
+  recompute.delay = true;
+  RegatherCase zero{"zero_tokens_padded", 0, 4, 8, 4, 2, ActivationKind::swiglu, padded_capacity};
+  RegatherCase all{"one_expert_all_tokens", 24, 4, 8, 4, 2};
+  all.one_expert = true;
+  RegatherCase shared{"shared_expert", 13, 8, 8, 4, 2};
+  shared.shared = true;
+  RegatherCase fp8{"fp8_blockwise", 16, 4, 16, 16, 2};
+  fp8.recipe = LinearRecipe::fp8_blockwise;
+  return {{"swiglu_top2", 13, 4, 12, 6, 2}, geglu, clamped, relu2, delayed, overlap, recompute, zero, all, shared,
+          fp8};
+}
+
+struct RegatherRun {
+  std::vector<float> out, dx, dlogits, dw1, dw2, db1, db2;
+  size_t kept = 0;
+  bool regathers = false;
+};
+
+std::vector<float> floats(const TensorView& v) {
+  if (!v.defined()) return {};
+  const float* p = static_cast<const float*>(v.data);
+  return std::vector<float>(p, p + v.numel());
+}
+
+std::vector<float> as_floats(const std::vector<double>& v) { return std::vector<float>(v.begin(), v.end()); }
+
+class MoELayerRegatherCpu : public ::testing::TestWithParam<RegatherCase> {};
+
+TEST_P(MoELayerRegatherCpu, BitwiseTheLayerThatKeepsItsRows) {
+  const RegatherCase& c = GetParam();
+  const int64_t R1 = activation_input_cols(c.act, c.F);
+  Rng rng;
+  HostTensor w1(DType::f32, {c.E, R1, c.H}), w2(DType::f32, {c.E, c.H, c.F}), b1(DType::f32, {c.E, R1}),
+      b2(DType::f32, {c.E, c.H}), x(DType::f32, {c.T, c.H}), logits(DType::f32, {c.T, c.E}),
+      dout(DType::f32, {c.T, c.H}), sw1(DType::f32, {1, R1, c.H}), sw2(DType::f32, {1, c.H, c.F});
+  for (HostTensor* t : {&w1, &w2, &b1, &b2, &sw1, &sw2}) fill_random(*t, rng, -0.5, 0.5);
+  fill_random(x, rng);
+  fill_random(logits, rng, -2.0, 2.0);
+  fill_random(dout, rng);
+  if (c.one_expert) {
+    for (int64_t t = 0; t < c.T; ++t) logits.set(t * c.E, 10.0);
+  }
+  auto run = [&](bool regather) {
+    CountingAllocator alloc(host_allocator());  // freed blocks are poisoned: a use after release shows
+    GroupedMLPOptions mo;
+    mo.activation.kind = c.act;
+    mo.fc1.save_original_input = true;
+    mo.fc1.delay_wgrad = c.delay;
+    mo.fc2.delay_wgrad = c.delay;
+    mo.recompute_activation = c.recompute;
+    mo.recipe = c.recipe;
+    mo.allocator = &alloc;
+    GroupedMLP experts(ExpertWeights::from_stacked(w1.view()), ExpertWeights::from_stacked(w2.view()),
+                       c.fc2_bias ? ExpertBias::from_grouped(b1.view()) : ExpertBias{},
+                       c.fc2_bias ? ExpertBias::from_grouped(b2.view()) : ExpertBias{}, mo);
+    GroupedMLPOptions so;
+    so.activation.kind = c.act;
+    so.fc1.save_original_input = true;  // x by reference, like the routed experts' regathered rows
+    so.allocator = &alloc;
+    GroupedMLP shared(ExpertWeights::from_stacked(sw1.view()), ExpertWeights::from_stacked(sw2.view()), {}, {}, so);
+    const HostTensor every_token = make_counts({c.T});
+    MoELayerOptions o;
+    o.router = router_options(c.k, RouterScore::softmax, true);
+    o.permute = c.permute;
+    o.aux_loss_coeff = 0.01f;
+    o.allocator = &alloc;
+    o.regather_expert_input = regather;
+    MoELayer layer(experts, o);
+    RegatherRun r;
+    r.regathers = layer.regathers_expert_input();
+    MoELayerContext ctx;
+    GroupedMLPContext shared_ctx;
+    const size_t before = alloc.in_use();
+    MoEForward f = layer.forward(x.view(), logits.view(), ctx);
+    r.kept = alloc.in_use() - before - size_t(c.T * c.H) * sizeof(float);
+    Tensor shared_out;
+    if (c.shared) {
+      shared_out = shared.forward(x.view(), every_token.view(), {}, shared_ctx);
+      for (int64_t i = 0; i < c.T * c.H; ++i) {
+        static_cast<float*>(f.out.view().data)[i] += static_cast<const float*>(shared_out.view().data)[i];
+      }
+    }
+    MoEBackwardOverlap overlap;
+    overlap.experts_wgrad_during_combine = c.overlap;
+    MoEBackward b = layer.backward(ctx, dout.view(), nullptr, {}, {}, overlap);
+    if (c.delay && !c.overlap) {
+      GroupedMLPGrads dw = experts.backward_dw(ctx.experts());
+      b.grads.fc1 = std::move(dw.fc1);
+      b.grads.fc2 = std::move(dw.fc2);
+    }
+    if (c.shared) {
+      GroupedMLPBackward sb = shared.backward(shared_ctx, dout.view());
+      for (int64_t i = 0; i < c.T * c.H; ++i) {
+        static_cast<float*>(b.dx.view().data)[i] += static_cast<const float*>(sb.dx.view().data)[i];
+      }
+    }
+    r.out = floats(f.out);
+    r.dx = floats(b.dx);
+    r.dlogits = floats(b.dlogits);
+    r.dw1 = as_floats(stacked_values(b.grads.fc1.weight.stacked));
+    r.dw2 = as_floats(stacked_values(b.grads.fc2.weight.stacked));
+    if (c.fc2_bias) {
+      r.db1 = floats(b.grads.fc1.bias.grouped);
+      r.db2 = floats(b.grads.fc2.bias.grouped);
+    }
+    return r;
+  };
+  const RegatherRun kept = run(false), re = run(true);
+  EXPECT_FALSE(kept.regathers);
+  EXPECT_TRUE(re.regathers);
+  EXPECT_EQ(re.out, kept.out) << "out";
+  EXPECT_EQ(re.dx, kept.dx) << "dx";
+  EXPECT_EQ(re.dlogits, kept.dlogits) << "dlogits";
+  EXPECT_EQ(re.dw1, kept.dw1) << "dW1";
+  EXPECT_EQ(re.dw2, kept.dw2) << "dW2";
+  EXPECT_EQ(re.db1, kept.db1) << "db1";
+  EXPECT_EQ(re.db2, kept.db2) << "db2";
+  EXPECT_FALSE(kept.dw1.empty());
+  // Forward keeps the permuted rows' bytes less (zero-token cases too: the padding rows).
+  const int64_t rows = permuted_rows(c.T, c.k, c.E, c.permute);
+  EXPECT_EQ(kept.kept - re.kept, size_t(rows * c.H) * sizeof(float));
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, MoELayerRegatherCpu, ::testing::ValuesIn(regather_cases()),
+                         [](const auto& info) { return info.param.name; });
 
 TEST(MoELayerCpuErrors, Arguments) {
   HostTensor w1(DType::f32, {4, 8, 6}), w2(DType::f32, {4, 6, 4});

@@ -483,6 +483,73 @@ def test_moe_layer_recompute_activation_keeps_less_same_bits(case):
     assert kept - kept_r == (rows * F + T * shared) * 4
 
 
+def _regather_pair(case, **extra):
+    """The layer (regather_expert_input on: the default) and its copy that keeps the permuted rows."""
+    m = make_moe(case, **extra)
+    assert m.regather_expert_input
+    keep = copy.deepcopy(m)
+    keep.regather_expert_input = False
+    return m, keep
+
+
+def _step_bits(layer, x, dy, backward_dw=False):
+    """y, the bytes saved for backward, and the gradients of x and every parameter (main_grad when set)."""
+    y, kept = ref.saved_bytes(layer, x)
+    loss = (y * dy).sum() + (layer.aux_loss if layer.aux_loss is not None else 0)
+    params = list(layer.parameters())
+    loss.backward()
+    if backward_dw:
+        layer.backward_dw()
+    grads = [x.grad] + [p.main_grad if hasattr(p, "main_grad") else p.grad for p in params]
+    return y.detach(), kept, grads
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("case", list(MOE_CASES))
+def test_moe_layer_regather_expert_input_same_bits_keeps_less(case, recompute):
+    m, keep = _regather_pair(case, recompute_activation=recompute)
+    T, H = 40, 16
+    x = torch.randn(T, H)
+    dy = torch.randn(T, H)
+    got = _step_bits(m, x.clone().requires_grad_(), dy)
+    want = _step_bits(keep, x.clone().requires_grad_(), dy)
+    assert torch.equal(got[0], want[0])
+    for g, w in zip(got[2], want[2]):
+        assert (g is None and w is None) or torch.equal(g, w)
+    # the permuted rows [rows, H] (float32) are not kept: x and the map, which the rest of the
+    # block keeps anyway, gather them again
+    rows = gmoe.permuted_rows(T, m.top_k, m.num_experts, m.pad_multiple, m.capacity_factor)
+    assert want[1] - got[1] == rows * H * 4
+
+
+@pytest.mark.parametrize("shape", ["zero_tokens", "one_expert_all_tokens", "delayed_main_grad"])
+def test_moe_layer_regather_expert_input_edge_cases(shape):
+    m, keep = _regather_pair("capacity_padding", shared_expert_ffn_hidden_size=4)
+    T = 0 if shape == "zero_tokens" else 24
+    x = torch.randn(T, 16)
+    if shape == "one_expert_all_tokens":
+        x[:, 0] = 1.0
+        for layer in (m, keep):
+            with torch.no_grad():
+                layer.router.weight[0, 0] = 100.0  # expert 0 first for every token, past its capacity
+    delayed = shape == "delayed_main_grad"
+    for layer in (m, keep):
+        layer.delay_wgrad_compute = delayed
+        if delayed:
+            for n, p in layer.named_parameters():
+                if "experts" in n:
+                    p.main_grad = torch.zeros(p.shape)
+    dy = torch.randn(T, 16)
+    got = _step_bits(m, x.clone().requires_grad_(), dy, backward_dw=delayed)
+    want = _step_bits(keep, x.clone().requires_grad_(), dy, backward_dw=delayed)
+    if shape == "one_expert_all_tokens":
+        assert m.last_counts[0].item() == T and m.last_dropped.item() > 0
+    assert torch.equal(got[0], want[0])
+    for g, w in zip(got[2], want[2]):
+        assert (g is None and w is None) or torch.equal(g, w)
+    assert got[1] < want[1]
+
+
 def test_moe_layer_bad_input_names_the_argument():
     for kw, name in ((dict(top_k=5), "top_k"), (dict(top_k=0), "top_k"), (dict(score_func="tanh"), "score_func"),
                      (dict(n_group=3), "n_group"), (dict(n_group=2, topk_group=3), "topk_group"),
@@ -676,6 +743,24 @@ def test_cuda_moe_layer_matches_cpu(case):
     for name, g, r in zip(names, got, want):  # bf16 on both backends: relative Frobenius error
         err = (g.cpu().float() - r.float()).norm() / r.float().norm().clamp_min(1e-12)
         assert err < 2e-2, f"{name}: relative error {err:.3g}"
+
+
+@cuda_only
+@pytest.mark.parametrize("case", ["qwen_shared_losses", "capacity_padding"])
+def test_cuda_moe_layer_regather_expert_input_same_bits(case):
+    # A shared expert keeps x in both layers (the router keeps a float32 copy of the bf16 x, not x):
+    # the bytes differ by the permuted rows alone.
+    m, keep = _regather_pair(case, E=8, H=256, F=128, recompute_activation=True, shared_expert_ffn_hidden_size=64)
+    m, keep = m.to(torch.bfloat16).cuda(), keep.to(torch.bfloat16).cuda()
+    x = torch.randn(200, 256, dtype=torch.bfloat16, device="cuda")
+    dy = torch.randn(200, 256, dtype=torch.bfloat16, device="cuda")
+    got = _step_bits(m, x.clone().requires_grad_(), dy)
+    want = _step_bits(keep, x.clone().requires_grad_(), dy)
+    assert torch.equal(got[0], want[0])
+    for g, w in zip(got[2], want[2]):
+        assert (g is None and w is None) or torch.equal(g, w)
+    rows = gmoe.permuted_rows(200, m.top_k, m.num_experts, m.pad_multiple, m.capacity_factor)
+    assert want[1] - got[1] == rows * 256 * 2
 
 
 @cuda_only

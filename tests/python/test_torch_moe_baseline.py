@@ -80,6 +80,12 @@ def test_the_script_runs_on_the_cpu(tmp_path):
             assert r["kept_bytes_per_token"] == r["saved_bytes_per_token"]  # the CPU has no allocator count
     if hasattr(gmoe, "MoELayer"):
         assert all((name, "gmoe_torch", "forward_backward") in rows for name in cases)
+        for name, c in cases.items():
+            # the module's default gathers the permuted rows again from x: top_k bf16 copies of each
+            # token fewer, x itself more (without it only the router's float32 copy of x is saved)
+            re, keep = rows[(name, "gmoe_torch", "forward_backward")], \
+                rows[(name, "gmoe_torch_keep_input", "forward_backward")]
+            assert keep["saved_bytes_per_token"] - re["saved_bytes_per_token"] == 2 * (c["top_k"] - 1) * c["hidden"]
     else:
         assert any("gmoe_torch: absent" in n for n in result["notes"])
         assert "gmoe_torch: absent" in p.stdout

@@ -63,11 +63,66 @@ GroupedMLP make_bench_moe_experts(const BenchCase& c, const TensorView& w1, cons
   return GroupedMLP(ExpertWeights::from_stacked(w1), ExpertWeights::from_stacked(w2), {}, {}, o);
 }
 
-MoELayer make_bench_moe(const BenchCase& c, GroupedMLP& experts, Allocator& alloc) {
+MoELayer make_bench_moe(const BenchCase& c, GroupedMLP& experts, Allocator& alloc, bool regather) {
   MoELayerOptions o;
   o.router = moe_router(c);
   o.allocator = &alloc;
+  o.regather_expert_input = regather;
   return MoELayer(experts, o);
+}
+
+MoePhases::MoePhases(const BenchCase& c, GroupedMLP& experts, const TensorView& x, const TensorView& logits,
+                     const TensorView& dout, Allocator& alloc, Stream stream)
+    : router_(moe_router(c)), experts_(&experts), alloc_(&alloc) {
+  const int64_t T = c.tokens, E = c.E, k = c.top_k, H = c.hidden, rows = permuted_rows(T, k, E, permute_);
+  const DType dt = x.dtype;
+  ids_ = Tensor::empty({T, k}, DType::i32, alloc, stream);
+  probs_ = Tensor::empty({T, k}, DType::f32, alloc, stream);
+  counts_ = Tensor::empty({E}, DType::i32, alloc, stream);
+  dlogits_ = Tensor::empty({T, E}, DType::f32, alloc, stream);
+  route_ids_ = Tensor::empty({T, k}, DType::i32, alloc, stream);
+  route_probs_ = Tensor::empty({T, k}, DType::f32, alloc, stream);
+  route_counts_ = Tensor::empty({E}, DType::i32, alloc, stream);
+  permuted_ = Tensor::empty({rows, H}, dt, alloc, stream);
+  pcounts_ = Tensor::empty({E}, DType::i32, alloc, stream);
+  row_of_ = Tensor::empty({T, k}, DType::i32, alloc, stream);
+  src_token_ = Tensor::empty({rows}, DType::i32, alloc, stream);
+  pprobs_ = Tensor::empty({rows}, DType::f32, alloc, stream);
+  dx_ = Tensor::empty({T, H}, dt, alloc, stream);
+  dprobs_ = Tensor::empty({T, k}, DType::f32, alloc, stream);
+  dpermuted_ = Tensor::empty({rows, H}, dt, alloc, stream);
+  out_ = Tensor::empty({T, H}, dt, alloc, stream);
+  // The routing, the permuted rows and their gradient rows, so that every phase reads finite values
+  // whatever runs first; the router's backward takes its own probabilities as dprobs.
+  router_topk(logits, router_, route_ids_, route_probs_, route_counts_, {}, stream, &alloc);
+  router(logits, stream);
+  permute(x, stream);
+  combine(dout, stream);
+}
+
+void MoePhases::router(const TensorView& logits, Stream stream) {
+  router_topk(logits, router_, ids_, probs_, counts_, {}, stream, alloc_);
+  router_topk_backward(logits, ids_, probs_, router_, dlogits_, false, stream, alloc_);
+}
+
+void MoePhases::permute(const TensorView& x, Stream stream) {
+  gmoe::permute(x, route_ids_, permute_, permuted_, pcounts_, map(), route_probs_, pprobs_, {}, stream, alloc_);
+  // The layer's permute_backward: the rows' gradients summed into tokens, the rows' probabilities'
+  // gradients gathered (pprobs stands in for them).
+  permute_backward(dpermuted_, map(), dx_, pprobs_, dprobs_, stream, alloc_);
+}
+
+void MoePhases::experts(Stream stream) {
+  GroupedMLPContext ctx;
+  Tensor y = experts_->forward(permuted_, pcounts_, pprobs_, ctx, stream);
+  y.release_on(stream);
+  experts_->backward(ctx, dpermuted_, stream);
+}
+
+void MoePhases::combine(const TensorView& dout, Stream stream) {
+  // out = Σ_j rows (weights 1: the probabilities are inside the experts), and its backward.
+  gmoe::combine(permuted_, map(), {}, out_, stream, alloc_);
+  combine_backward(dout, map(), {}, {}, dpermuted_, {}, stream, alloc_);
 }
 
 std::vector<int64_t> moe_sample_tokens(int64_t tokens, int samples, uint64_t seed) {
@@ -261,6 +316,31 @@ void moe_gather(const BenchCase& c, DType dt, int samples, uint64_t seed, const 
   got->nonfinite_dlogits = count_nonfinite(dlogits, DType::f32, T * E);
 }
 
+std::string moe_bitwise_mismatch(const MoEBackward& a, const MoEBackward& b,
+                                 const std::function<std::vector<uint8_t>(const void*, size_t)>& host_bytes) {
+  // Contiguous rows, or a stacked gradient's experts one by one (its expert stride may be padded).
+  auto bytes_of = [&](const TensorView& v) {
+    std::vector<uint8_t> out;
+    if (!v.defined() || v.numel() == 0) return out;
+    const size_t es = dtype_size(v.dtype), per = size_t(v.numel() / v.size(0)) * es;
+    if (size_t(v.stride(0)) * es == per) return host_bytes(v.data, size_t(v.numel()) * es);
+    for (int64_t i = 0; i < v.size(0); ++i) {
+      const std::vector<uint8_t> part = host_bytes(static_cast<const uint8_t*>(v.data) + i * v.stride(0) * es, per);
+      out.insert(out.end(), part.begin(), part.end());
+    }
+    return out;
+  };
+  std::string what;
+  auto compare = [&](const TensorView& x, const TensorView& y, const char* name) {
+    if (bytes_of(x) != bytes_of(y)) what += std::string(what.empty() ? "" : ", ") + name;
+  };
+  compare(a.dx.view(), b.dx.view(), "dx");
+  compare(a.dlogits.view(), b.dlogits.view(), "dlogits");
+  compare(a.grads.fc1.weight.stacked, b.grads.fc1.weight.stacked, "dW1");
+  compare(a.grads.fc2.weight.stacked, b.grads.fc2.weight.stacked, "dW2");
+  return what;
+}
+
 MoeOpBytes moe_op_bytes(const BenchCase& c, DType dt) {
   const double es = double(dtype_size(dt)), T = double(c.tokens), k = double(c.top_k), H = double(c.hidden);
   const double rows = T * k, idx = 4.0 * rows;  // an i32 per (token, slot)
@@ -298,6 +378,29 @@ std::vector<ResultRow> moe_rows(const BenchCase& c, DType dt, const MoeTimes& t,
   layer_row("gmoe", "forward", flops, t.forward_ms, chk.forward, t.forward_nodes);
   layer_row("gmoe", "backward", 2 * flops, t.backward_ms, chk.backward, std::nullopt);
   layer_row("gmoe", "forward_backward", 3 * flops, t.forward_backward_ms, chk.backward, t.forward_backward_nodes);
+  {
+    // The layer that keeps its permuted rows: correct when gmoe is and its results are gmoe's bits.
+    const bool same = t.keep_mismatch.empty();
+    ResultRow r = timed_row(c.name, "forward_backward", "gmoe_keep_input", dtn, t.keep_forward_backward_ms, 3 * flops,
+                            chk.backward.ok && same,
+                            same ? "regather_expert_input = false: dx, dlogits, dW1, dW2 bitwise gmoe's"
+                                 : "regather_expert_input = false: NOT bitwise gmoe's: " + t.keep_mismatch);
+    r.kind = "moe";
+    r.kept_bytes_per_token = c.tokens > 0 ? t.keep_kept_bytes / double(c.tokens) : 0;
+    r.peak_mib = t.keep_peak_bytes / (1024.0 * 1024.0);
+    r.note += "; kept for backward: " + t.keep_kept_detail;
+    rows.push_back(r);
+  }
+  auto phase_row = [&](const char* impl, double ms, double pass_flops, const char* what) {
+    ResultRow r = timed_row(c.name, "forward_backward", impl, dtn, ms, pass_flops, std::nullopt, what);
+    r.kind = "moe";
+    rows.push_back(r);
+  };
+  phase_row("gmoe_router", t.router_fb_ms, 0, "phase alone: router_topk + router_topk_backward");
+  phase_row("gmoe_permute", t.permute_fb_ms, 0, "phase alone: permute (with probs) + permute_backward");
+  phase_row("gmoe_experts", t.experts_fb_ms, 3 * flops,
+            "phase alone: GroupedMLP forward + backward on the block's rows (the GEMM floor)");
+  phase_row("gmoe_combine", t.combine_fb_ms, 0, "phase alone: combine + combine_backward (weights 1)");
   if (t.graph_forward_ms) layer_row("gmoe_graph", "forward", flops, *t.graph_forward_ms, chk.forward, t.forward_nodes);
   if (t.graph_forward_backward_ms) {
     layer_row("gmoe_graph", "forward_backward", 3 * flops, *t.graph_forward_backward_ms, chk.backward,

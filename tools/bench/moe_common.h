@@ -8,10 +8,22 @@
 // renormalised over the k (Mixtral, Qwen3, gpt-oss), no padding, no capacity, no auxiliary
 // losses; the experts a GroupedMLP of the case's activation with stacked bf16 weights FC1 [E, 2·ffn,
 // hidden] and FC2 [E, hidden, ffn], no bias (so the layer applies the router probabilities inside
-// the activation), FC1's input (the permuted rows, which the layer keeps) by reference, the
-// activation recomputed in backward, fresh bf16 weight gradients (as torch's autograd returns them). Passes: forward,
+// the activation), FC1's input (the permuted rows) by reference, the activation recomputed in
+// backward, fresh bf16 weight gradients (as torch's autograd returns them). Two layers on those
+// experts: impl gmoe with the layer's defaults (regather_expert_input: the permuted rows are not
+// kept, backward gathers them again from x), and gmoe_keep_input, which keeps them
+// (regather_expert_input = false), timed interleaved with it (forward_backward only) and checked
+// bitwise against it (dx, dlogits, dW1, dW2: the option must not change a bit). Passes: forward,
 // backward (after an untimed forward), forward_backward. FLOPs are the expert GEMMs' (mlp_flops on
 // rows = tokens · top_k; backward 2×, forward_backward 3×).
+//
+// What limits the block: its phases alone, each forward + backward on the case's routing, timed
+// interleaved with the block (MoePhases): gmoe_router (router_topk + its backward), gmoe_permute
+// (permute with the probabilities + permute_backward), gmoe_experts (the GroupedMLP alone on the
+// block's permuted rows and counts: the GEMM floor; its TFLOP/s are the block's FLOPs), gmoe_combine
+// (combine + its backward, weights 1 as in the layer), all with pass forward_backward. The block's
+// time less their sum is what the layer adds around them (allocation, the regather, the losses).
+// A composition's time over gmoe_experts' is the ceiling on the block's speed-up over it.
 //
 // Memory, through CountingAllocator (every buffer the layer and its experts allocate):
 //   peak_mib              the most bytes live at once during one forward + backward (inputs and
@@ -29,6 +41,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <unordered_map>
@@ -71,8 +84,32 @@ RouterOptions moe_router(const BenchCase& c);
 
 /// The experts of a moe run (see the file comment): w1 [E, 2·ffn, hidden], w2 [E, hidden, ffn].
 GroupedMLP make_bench_moe_experts(const BenchCase& c, const TensorView& w1, const TensorView& w2, Allocator& alloc);
-/// The layer around them.
-MoELayer make_bench_moe(const BenchCase& c, GroupedMLP& experts, Allocator& alloc);
+/// The layer around them; regather: MoELayerOptions::regather_expert_input (impl gmoe: the default,
+/// true; gmoe_keep_input: false).
+MoELayer make_bench_moe(const BenchCase& c, GroupedMLP& experts, Allocator& alloc, bool regather = true);
+
+/// The block's phases alone (see the file comment), on the routing of one set of logits and x, with
+/// buffers from `alloc`. Each call runs one phase's forward and backward on `stream` (logits, x,
+/// dout: any input set of the case's shapes; the permutation stays the constructor's).
+class MoePhases {
+ public:
+  MoePhases(const BenchCase& c, GroupedMLP& experts, const TensorView& x, const TensorView& logits,
+            const TensorView& dout, Allocator& alloc, Stream stream);
+  void router(const TensorView& logits, Stream stream);  ///< router_topk, router_topk_backward
+  void permute(const TensorView& x, Stream stream);      ///< permute (with probs), permute_backward
+  void experts(Stream stream);                           ///< GroupedMLP forward, backward
+  void combine(const TensorView& dout, Stream stream);   ///< combine, combine_backward (weights 1)
+
+ private:
+  RoutingMap map() const { return {row_of_.view(), src_token_.view()}; }
+  RouterOptions router_;
+  PermuteOptions permute_;
+  GroupedMLP* experts_;
+  Allocator* alloc_;
+  Tensor ids_, probs_, counts_, dlogits_;          // the router phase's own outputs
+  Tensor route_ids_, route_probs_, route_counts_;  // the routing the other phases run on
+  Tensor permuted_, pcounts_, row_of_, src_token_, pprobs_, dx_, dprobs_, dpermuted_, out_;
+};
 
 /// What the reference needs, for the sampled tokens only: their x, dout (dtype values as floats),
 /// logits (as floats), the experts the layer chose, and the weights of just those experts.
@@ -115,6 +152,11 @@ void moe_gather(const BenchCase& c, DType dt, int samples, uint64_t seed, const 
                 const void* logits, const int32_t* ids, const void* out, const void* dx, const float* dlogits,
                 MoeSample* s, MoeGot* got);
 
+/// Empty when a's dx, dlogits and experts' weight gradients are bitwise b's, else what differs.
+/// host_bytes(ptr, n): the n bytes at ptr (a device pointer on CUDA) on the host.
+std::string moe_bitwise_mismatch(const MoEBackward& a, const MoEBackward& b,
+                                 const std::function<std::vector<uint8_t>(const void*, size_t)>& host_bytes);
+
 /// Bytes each routing op reads and writes on a case (the unique bytes: x read once per token, not
 /// once per copy), and a plain copy's: the rows of `moe_copy_table`.
 struct MoeOpBytes {
@@ -132,13 +174,20 @@ struct MoeTimes {
   double peak_bytes = 0;           ///< peak_mib's, in bytes
   double kept_bytes = 0;           ///< kept_bytes_per_token's, for all tokens
   std::string kept_detail;         ///< what kept_bytes is made of
+  // gmoe_keep_input (regather_expert_input = false): forward_backward, its memory, and whether its
+  // outputs and gradients are bitwise gmoe's (empty: yes; else what differs).
+  double keep_forward_backward_ms = 0, keep_peak_bytes = 0, keep_kept_bytes = 0;
+  std::string keep_kept_detail, keep_mismatch;
+  // The phases alone (MoePhases), each forward + backward.
+  double router_fb_ms = 0, permute_fb_ms = 0, experts_fb_ms = 0, combine_fb_ms = 0;
   // The routing ops alone, and the copy they are compared with.
   double permute_ms = 0, combine_ms = 0, permute_backward_ms = 0, combine_backward_ms = 0, copy_ms = 0;
 };
 
 /// The rows of a case (kind "moe"): impl gmoe (and gmoe_graph on CUDA) forward, backward,
-/// forward_backward; gmoe_permute and gmoe_combine forward and backward with their bandwidth and
-/// the copy's; device_copy.
+/// forward_backward; gmoe_keep_input forward_backward; the phases gmoe_router, gmoe_permute,
+/// gmoe_experts, gmoe_combine forward_backward; gmoe_permute and gmoe_combine forward and backward
+/// with their bandwidth and the copy's; device_copy.
 std::vector<ResultRow> moe_rows(const BenchCase& c, DType dt, const MoeTimes& t, const MoeCheck& chk);
 
 }  // namespace gmoe::bench

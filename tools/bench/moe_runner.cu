@@ -2,13 +2,15 @@
 //
 // Per moe case: one checked forward + backward (eager, which also loads every kernel module before
 // any capture), during which the counting allocator gives the bytes kept for backward and the peak;
-// the sampled fp64 check; then one forward and one forward + backward captured in CUDA graphs
+// the sampled fp64 check; the same for the layer keeping its permuted rows (gmoe_keep_input), whose
+// results must be gmoe's bits; then one forward and one forward + backward captured in CUDA graphs
 // (global capture mode: it fails on any host sync), whose nodes are what one call launches, and
 // (where the memory allows) instantiated per input set; then the timing, CUDA events: the eager
-// forward, the eager forward + backward and both graphs replayed, interleaved so that drift
-// affects them alike; the backward alone (each after an untimed forward); last, the routing ops
-// alone on the case's routing, interleaved with a device copy of the permuted rows' bytes. x, the
-// logits and dout rotate past L2 (the weights, one copy, are far larger than L2 in every moe case).
+// forward, the eager forward + backward, gmoe_keep_input's, the block's phases alone (MoePhases)
+// and both graphs replayed, interleaved so that drift affects them alike; the backward alone (each
+// after an untimed forward); last, the routing ops alone on the case's routing, interleaved with a
+// device copy of the permuted rows' bytes. x, the logits and dout rotate past L2 (the weights, one
+// copy, are far larger than L2 in every moe case).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -125,23 +127,38 @@ std::vector<ResultRow> run_moe_case_cuda(const BenchCase& c, const BenchOptions&
   CountingAllocator alloc(cuda_allocator());
   GroupedMLP experts = make_bench_moe_experts(c, b.w1v(), b.w2v(), alloc);
   MoELayer layer = make_bench_moe(c, experts, alloc);
+  MoELayer keep_layer = make_bench_moe(c, experts, alloc, false);
   MoeTimes t;
 
-  // Correctness first, and the memory: one eager forward + backward on set 0.
-  MoeCheck chk;
-  {
+  // One eager forward + backward of `l` on set 0, and its memory: the peak, and the bytes kept for
+  // backward (what forward leaves live but its output, plus x and the logits, kept by reference).
+  struct Measured {
+    MoELayerContext ctx;  // kept: f's ids, probs and counts are views of what it holds
+    MoEForward f;
+    MoEBackward b;
+  };
+  auto measured = [&](MoELayer& l, double* peak, double* kept_bytes, std::string* detail) {
     BENCH_CUDA(cudaStreamSynchronize(stream));
     const size_t before = alloc.live();
     alloc.reset_peak();
-    MoELayerContext ctx;
-    MoEForward f = layer.forward(b.x(0), b.l(0), ctx, stream);
-    const size_t kept = alloc.live() - before - (f.out.owns_memory() ? size_t(T * H) * es : 0);
-    MoEBackward back = layer.backward(ctx, b.dout(0), stream);
+    Measured m;
+    m.f = l.forward(b.x(0), b.l(0), m.ctx, stream);
+    const size_t kept = alloc.live() - before - (m.f.out.owns_memory() ? size_t(T * H) * es : 0);
+    m.b = l.backward(m.ctx, b.dout(0), stream);
     BENCH_CUDA(cudaStreamSynchronize(stream));
     check_device_errors(stream);
-    t.peak_bytes = double(alloc.peak() - before);
-    t.kept_bytes = double(kept + size_t(T * (H + E)) * es);
-    t.kept_detail = std::to_string(kept / std::max<int64_t>(T, 1)) + " B/token owned + x and logits by reference";
+    *peak = double(alloc.peak() - before);
+    *kept_bytes = double(kept + size_t(T * (H + E)) * es);
+    *detail = std::to_string(kept / std::max<int64_t>(T, 1)) + " B/token owned + x and logits by reference";
+    return m;
+  };
+
+  // Correctness first, and the memory.
+  MoeCheck chk;
+  {
+    const Measured run = measured(layer, &t.peak_bytes, &t.kept_bytes, &t.kept_detail);
+    const MoEForward& f = run.f;
+    const MoEBackward& back = run.b;
 
     const std::vector<int32_t> ids = to_host<int32_t>(f.ids.view().data, T * k);
     const std::vector<uint16_t> hx = to_host<uint16_t>(b.xs[0]->ptr, T * H), hd = to_host<uint16_t>(b.douts[0]->ptr, T * H);
@@ -165,6 +182,10 @@ std::vector<ResultRow> run_moe_case_cuda(const BenchCase& c, const BenchOptions&
                             cudaMemcpyDeviceToHost));
     }
     chk = check_moe(s, got);
+
+    // The layer that keeps its permuted rows: its memory, and its results against gmoe's bits.
+    const Measured kept = measured(keep_layer, &t.keep_peak_bytes, &t.keep_kept_bytes, &t.keep_kept_detail);
+    t.keep_mismatch = moe_bitwise_mismatch(back, kept.b, [](const void* p, size_t n) { return to_host<uint8_t>(p, n); });
   }
 
   auto eager_forward = [&](int i) {
@@ -176,6 +197,13 @@ std::vector<ResultRow> run_moe_case_cuda(const BenchCase& c, const BenchOptions&
     layer.forward(b.x(i), b.l(i), ctx, stream);
     layer.backward(ctx, b.dout(i), stream);
   };
+  auto keep_forward_backward = [&](int i) {
+    MoELayerContext ctx;
+    keep_layer.forward(b.x(i), b.l(i), ctx, stream);
+    keep_layer.backward(ctx, b.dout(i), stream);
+  };
+  // The phases run on set 0's routing; x, the logits and dout still rotate.
+  MoePhases phases(c, experts, b.x(0), b.l(0), b.dout(0), alloc, stream);
   t.forward_nodes = capture_node_counts([&] { eager_forward(0); }, stream);
   t.forward_backward_nodes = capture_node_counts([&] { eager_forward_backward(0); }, stream);
   // An instantiated graph keeps the physical memory of its allocations (the graph memory pool)
@@ -189,7 +217,15 @@ std::vector<ResultRow> run_moe_case_cuda(const BenchCase& c, const BenchOptions&
   BENCH_CUDA(cudaMemGetInfo(&free_bytes, &total_bytes));
   const double graph_need = 1.1 * (2.0 * b.sets + 1) * t.peak_bytes;
   std::vector<std::unique_ptr<Graph>> fwd_graphs, fb_graphs;
-  std::vector<std::function<void(int)>> runs = {eager_forward, eager_forward_backward};
+  std::vector<std::function<void(int)>> runs = {
+      eager_forward,
+      eager_forward_backward,
+      keep_forward_backward,
+      [&](int i) { phases.router(b.l(i), stream); },
+      [&](int i) { phases.permute(b.x(i), stream); },
+      [&](int) { phases.experts(stream); },
+      [&](int i) { phases.combine(b.dout(i), stream); }};
+  const size_t graph_runs = runs.size();
   if (graph_need < double(free_bytes)) {
     for (int s = 0; s < b.sets; ++s) {
       fwd_graphs.push_back(std::make_unique<Graph>(stream, [&] { eager_forward(s); }));
@@ -206,9 +242,14 @@ std::vector<ResultRow> run_moe_case_cuda(const BenchCase& c, const BenchOptions&
   const std::vector<double> ms = time_interleaved_ms(runs, o.warmup, o.iters, stream, o.warm_ms);
   t.forward_ms = ms[0];
   t.forward_backward_ms = ms[1];
-  if (ms.size() == 4) {
-    t.graph_forward_ms = ms[2];
-    t.graph_forward_backward_ms = ms[3];
+  t.keep_forward_backward_ms = ms[2];
+  t.router_fb_ms = ms[3];
+  t.permute_fb_ms = ms[4];
+  t.experts_fb_ms = ms[5];
+  t.combine_fb_ms = ms[6];
+  if (ms.size() == graph_runs + 2) {
+    t.graph_forward_ms = ms[graph_runs];
+    t.graph_forward_backward_ms = ms[graph_runs + 1];
   }
   t.backward_ms = time_backward_ms(layer, b, o.warmup, o.iters, stream);
   fwd_graphs.clear();

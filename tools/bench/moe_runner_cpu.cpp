@@ -1,5 +1,6 @@
 // tools/bench/moe_runner_cpu.cpp — moe mode on the CPU reference backend (see moe_common.h):
-// MoELayer forward and backward, and the routing ops alone beside a memcpy, wall-clock. A run here
+// MoELayer forward and backward (and the layer keeping its permuted rows, checked bitwise against
+// it), the block's phases alone, and the routing ops alone beside a memcpy, wall-clock. A run here
 // is long, so the forward of a forward+backward is the timed forward itself, and the first
 // iteration is the checked one. No graph rows (there is no graph on the CPU).
 #include <algorithm>
@@ -32,10 +33,11 @@ std::vector<ResultRow> run_moe_case_cpu(const BenchCase& c, const BenchOptions& 
   GroupedMLP experts = make_bench_moe_experts(c, TensorView(w1.data(), dt, cpu, {E, R1, H}),
                                               TensorView(w2.data(), dt, cpu, {E, H, F}), alloc);
   MoELayer layer = make_bench_moe(c, experts, alloc);
+  MoELayer keep_layer = make_bench_moe(c, experts, alloc, false);
 
   MoeTimes t;
   MoeCheck chk;
-  std::vector<double> fwd, bwd, fb;
+  std::vector<double> fwd, bwd, fb, keep_fb;
   for (int i = 0; i < std::max(1, o.iters); ++i) {
     const size_t before = alloc.live();
     alloc.reset_peak();
@@ -47,6 +49,29 @@ std::vector<ResultRow> run_moe_case_cpu(const BenchCase& c, const BenchOptions& 
     MoEBackward b;
     bwd.push_back(wall_ms([&] { b = layer.backward(ctx, dv); }));
     fb.push_back(fwd.back() + bwd.back());
+    {
+      const size_t keep_before = alloc.live();
+      alloc.reset_peak();
+      MoELayerContext keep_ctx;
+      MoEForward kf;
+      MoEBackward kb;
+      keep_fb.push_back(wall_ms([&] {
+        kf = keep_layer.forward(xv, lv, keep_ctx);
+        if (i == 0) {
+          const size_t keep_kept = alloc.live() - keep_before - (kf.out.owns_memory() ? size_t(T * H) * es : 0);
+          t.keep_kept_bytes = double(keep_kept + x.size() + logits.size());
+          t.keep_kept_detail =
+              std::to_string(keep_kept / std::max<int64_t>(T, 1)) + " B/token owned + x and logits by reference";
+        }
+        kb = keep_layer.backward(keep_ctx, dv);
+      }));
+      if (i == 0) {
+        t.keep_peak_bytes = double(alloc.peak() - keep_before);
+        t.keep_mismatch = moe_bitwise_mismatch(b, kb, [](const void* p, size_t n) {
+          return std::vector<uint8_t>(static_cast<const uint8_t*>(p), static_cast<const uint8_t*>(p) + n);
+        });
+      }
+    }
     if (i > 0) continue;
     t.peak_bytes = double(alloc.peak() - before);
     t.kept_bytes = double(kept + x.size() + logits.size());
@@ -65,6 +90,23 @@ std::vector<ResultRow> run_moe_case_cpu(const BenchCase& c, const BenchOptions& 
   t.forward_ms = median(fwd);
   t.backward_ms = median(bwd);
   t.forward_backward_ms = median(fb);
+  t.keep_forward_backward_ms = median(keep_fb);
+
+  // The block's phases alone.
+  {
+    MoePhases ph(c, experts, xv, lv, dv, alloc, nullptr);
+    std::vector<double> rm, pm, em, cm;
+    for (int i = 0; i < std::max(1, o.iters); ++i) {
+      rm.push_back(wall_ms([&] { ph.router(lv, nullptr); }));
+      pm.push_back(wall_ms([&] { ph.permute(xv, nullptr); }));
+      em.push_back(wall_ms([&] { ph.experts(nullptr); }));
+      cm.push_back(wall_ms([&] { ph.combine(dv, nullptr); }));
+    }
+    t.router_fb_ms = median(rm);
+    t.permute_fb_ms = median(pm);
+    t.experts_fb_ms = median(em);
+    t.combine_fb_ms = median(cm);
+  }
 
   // The routing ops alone on the layer's routing, beside a memcpy of the permuted rows.
   const int64_t rows = permuted_rows(T, k, E, {});

@@ -182,14 +182,15 @@ std::vector<std::vector<std::string>> layer_table(const std::vector<ResultRow>& 
 
 std::string opt(const std::optional<double>& v, int prec) { return v ? fmt(*v, prec) : "-"; }
 
-// The MoE layer's rows (impl gmoe: eager calls; gmoe_graph: the captured pass replayed): time,
-// TFLOP/s of the expert GEMMs, peak memory beyond inputs and weights, bytes kept for backward per
-// token, launches per call.
+// The MoE layer's rows (impl gmoe: eager calls; gmoe_graph: the captured pass replayed;
+// gmoe_keep_input: the layer keeping its permuted rows) and its phases alone (gmoe_router,
+// gmoe_permute, gmoe_experts, gmoe_combine, forward_backward): time, TFLOP/s of the expert GEMMs,
+// peak memory beyond inputs and weights, bytes kept for backward per token, launches per call.
 std::vector<std::vector<std::string>> moe_table(const std::vector<ResultRow>& all_rows) {
   std::vector<std::vector<std::string>> out;
   out.push_back({"case", "pass", "impl", "ms", "TFLOP/s", "peak MiB", "kept B/token", "kernels", "correct"});
   for (const ResultRow& r : all_rows) {
-    if (!is_moe_row(r) || r.gbps || (r.impl != "gmoe" && r.impl != "gmoe_graph")) continue;
+    if (!is_moe_row(r) || r.gbps) continue;
     if (r.skipped) {
       out.push_back({r.case_name, r.pass, r.impl, "skipped", "-", "-", "-", "-", "-"});
       continue;

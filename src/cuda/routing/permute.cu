@@ -4,7 +4,9 @@
 // routing, nothing read on the host.
 //   1. tile_histogram: each tile of kTileTokens tokens counts its (token, slot) pairs per expert
 //      (shared-memory integer atomics: exact in any order) -> tile_counts[tile, e]; an id outside
-//      [0, E) is left out and recorded in the device error word.
+//      [0, E) is left out and recorded in the device error word. Its blocks also set every
+//      src_token to -1 and every permuted probability to 0 (grid-stride), which place then
+//      overwrites for the owned rows: the same values two memset launches would write, without them.
 //   2. expert_offsets (one block, a warp per expert at a time): per expert, the exclusive scan of
 //      its tile counts over the tiles (the tile's first position inside the expert), the expert's
 //      total, the kept part under the capacity, its group padded to pad_multiple; then the
@@ -49,8 +51,12 @@ constexpr int kScanThreads = 1024;  // the one-block scan of expert_offsets
 constexpr int kRowWarps = 8;        // warps per block of the row kernels (one row or token per warp)
 
 __global__ void tile_histogram_kernel(const int32_t* ids, int64_t T, int k, int E, int* tile_counts,
-                                      uint32_t* error_word) {
+                                      int32_t* src_token, float* permuted_probs, int64_t rows, uint32_t* error_word) {
   extern __shared__ int hist[];
+  for (int64_t r = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; r < rows; r += int64_t(gridDim.x) * blockDim.x) {
+    src_token[r] = -1;
+    if (permuted_probs != nullptr) permuted_probs[r] = 0.f;
+  }
   for (int e = threadIdx.x; e < E; e += blockDim.x) hist[e] = 0;
   __syncthreads();
   const int64_t i0 = int64_t(blockIdx.x) * kTileTokens * k;
@@ -482,15 +488,17 @@ void permute(const TensorView& x, const TensorView& ids, const PermuteOptions& o
                  stream_);
   int64_t* offsets = static_cast<int64_t*>(scratch.data());
   int* tile_counts = reinterpret_cast<int*>(offsets + E + 1);
-  if (tiles == 0) GMOE_CUDA_CHECK(cudaMemsetAsync(tile_counts, 0, size_t(E) * sizeof(int), stream));
-  if (rows > 0) GMOE_CUDA_CHECK(cudaMemsetAsync(map.src_token.data, 0xff, size_t(rows) * sizeof(int32_t), stream));
-  if (permuted_probs.defined() && rows > 0) {
-    GMOE_CUDA_CHECK(cudaMemsetAsync(permuted_probs.data, 0, size_t(rows) * sizeof(float), stream));
+  float* pp = permuted_probs.defined() ? static_cast<float*>(permuted_probs.data) : nullptr;
+  if (tiles == 0) {
+    // No tokens: no histogram launch to set the map's defaults (padding rows may still exist).
+    GMOE_CUDA_CHECK(cudaMemsetAsync(tile_counts, 0, size_t(E) * sizeof(int), stream));
+    if (rows > 0) GMOE_CUDA_CHECK(cudaMemsetAsync(map.src_token.data, 0xff, size_t(rows) * sizeof(int32_t), stream));
+    if (pp != nullptr && rows > 0) GMOE_CUDA_CHECK(cudaMemsetAsync(pp, 0, size_t(rows) * sizeof(float), stream));
   }
   const int32_t* id = static_cast<const int32_t*>(ids.data);
   if (tiles > 0) {
-    tile_histogram_kernel<<<unsigned(tiles), 256, size_t(E) * sizeof(int), stream>>>(id, T, int(k), int(E), tile_counts,
-                                                                                     device_error_word());
+    tile_histogram_kernel<<<unsigned(tiles), 256, size_t(E) * sizeof(int), stream>>>(
+        id, T, int(k), int(E), tile_counts, static_cast<int32_t*>(map.src_token.data), pp, rows, device_error_word());
     GMOE_CUDA_CHECK(cudaGetLastError());
   }
   expert_offsets_kernel<<<1, kScanThreads, 0, stream>>>(
@@ -509,7 +517,7 @@ void permute(const TensorView& x, const TensorView& ids, const PermuteOptions& o
                 static_cast<int32_t*>(map.row_of.data),
                 static_cast<int32_t*>(map.src_token.data),
                 probs.defined() ? static_cast<const float*>(probs.data) : nullptr,
-                permuted_probs.defined() ? static_cast<float*>(permuted_probs.data) : nullptr};
+                pp};
     place_kernel<<<unsigned(tiles), kPlaceWarps * 32, size_t(kPlaceWarps) * E * sizeof(int), stream>>>(a);
     GMOE_CUDA_CHECK(cudaGetLastError());
   }
