@@ -474,6 +474,10 @@ class GroupedLinear(nn.Module):
             kind, alpha, limit, gelu_tanh, glu_block = recompute
             return _ops.grouped_gemm_fprop_of_activation(x, weights, m_splits, biases, kind, probs, alpha, limit,
                                                          gelu_tanh, glu_block)
+        if recipe is None and self._expert_mask is None:
+            y = self._forward_to_destinations(x, m_splits, weights, biases, recompute, probs)
+            if y is not None:
+                return y
         mask, masked_off = self._mask_for_forward(x, weights)
         state = self._state if special else None
         if recipe is None:
@@ -482,6 +486,57 @@ class GroupedLinear(nn.Module):
         wq = self._fp8_weights(FP8_RECIPES[recipe], weights, x)
         return _Fp8GroupedLinearFunction.apply(x, m_splits, mask, masked_off, state, recompute, probs, len(weights),
                                                FP8_RECIPES[recipe], self.grad_format, wq, *weights, *biases)
+
+    def _forward_to_destinations(self, x: Tensor, counts: Tensor, weights: List[Tensor], biases: List[Tensor],
+                                 recompute: Optional[tuple], probs: Optional[Tensor]) -> Optional[Tensor]:
+        """The main_grad / delayed-wgrad / hooks forward through the op grouped_linear_forward, whose
+        autograd formula (C++) sends the gradients to main_grad and hands autograd the placeholders;
+        None where this layer needs the Python function instead: under torch.compile, with main_grad
+        on some weights (or biases) only, with Megatron's mark on some of them only, or with hooks
+        on weights whose .grad autograd sets (the hooks must run after it)."""
+        if torch.compiler.is_compiling():
+            return None
+        w_main = [w.main_grad for w in weights if hasattr(w, "main_grad")]
+        b_main = [b.main_grad for b in biases if hasattr(b, "main_grad")]
+        if len(w_main) not in (0, len(weights)) or len(b_main) not in (0, len(biases)):
+            return None
+        delay = self.delay_wgrad_compute
+        if not w_main and not delay and self._wgrad_hooks:
+            return None
+        recording = torch.is_grad_enabled() and (x.requires_grad or (probs is not None and probs.requires_grad) or
+                                                 any(p.requires_grad for p in weights) or
+                                                 any(p.requires_grad for p in biases))
+        w_ph: List[Tensor] = []
+        b_ph: List[Tensor] = []
+        if recording:
+            for params, main, out in ((weights, w_main and not delay, w_ph), (biases, b_main, b_ph)):
+                if not main:
+                    continue
+                marked = [hasattr(p, "grad_added_to_main_grad") for p in params]
+                if any(marked) and not all(marked):
+                    return None
+                # Set here, in forward, for the backward that adds into main_grad (the Python
+                # function sets it in backward): Megatron's DDP clears it before each forward.
+                placeholders = [_main_grad_placeholder(p) for p in params]
+                if all(marked):
+                    out.extend(placeholders)
+        kind, alpha, limit, gelu_tanh, glu_block = recompute or (None, 1.702, 7.0, False, 0)
+        y = _ops.grouped_linear_forward(x, weights, counts, biases, w_main, b_main, w_ph, b_ph,
+                                        self.accumulate_main_grad, delay, kind, probs, alpha, limit, gelu_tanh,
+                                        glu_block)
+        if not recording:
+            return y
+        if delay:
+            # dy for backward_dw, taken when backward reaches y (on the backward's stream); under
+            # recompute the GEMM's input z is made again then, as the Python function does.
+            def keep_for_backward_dw(dy: Tensor) -> None:
+                z = x if recompute is None else _activation(x, counts, probs, recompute)
+                self._state.pending.append(_Wgrad(dy.contiguous(), z, counts))
+            y.register_hook(keep_for_backward_dw)
+        elif self._wgrad_hooks:
+            # After the op's backward, which added the weights' gradients into main_grad.
+            y.grad_fn.register_hook(lambda grad_inputs, grad_outputs: self._run_wgrad_hooks())
+        return y
 
     def _mask_for_forward(self, x: Tensor, weights: List[Tensor]):
         """The expert mask and mode this forward's weight gradient uses, checked (no device read)."""
