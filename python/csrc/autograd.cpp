@@ -49,11 +49,12 @@ at::Tensor call_dgrad(const at::Tensor& dy, at::TensorList w, const at::Tensor& 
   return op.call(dy, w, counts, std::nullopt);
 }
 
-at::Tensor call_wgrad(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& counts, at::ScalarType out_dtype) {
+at::Tensor call_wgrad(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& counts, at::ScalarType out_dtype,
+                      const std::optional<at::Tensor>& expert_mask = std::nullopt) {
   static const auto op = op_handle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                               std::optional<at::ScalarType>, const std::optional<at::Tensor>&)>(
       "gmoe::grouped_gemm_wgrad");
-  return op.call(dy, x, counts, out_dtype, std::nullopt);
+  return op.call(dy, x, counts, out_dtype, expert_mask);
 }
 
 at::Tensor call_bias_grad(const at::Tensor& dy, const at::Tensor& counts, at::ScalarType out_dtype) {
@@ -146,12 +147,13 @@ void append_bias_grads(AutogradContext* ctx, variable_list& out, const at::Tenso
 /// wgrad(dy, input()), the GEMM's input made only where a weight needs its gradient.
 template <class GemmInput>
 void append_weight_grads(AutogradContext* ctx, variable_list& out, const at::Tensor& dy, GemmInput&& input,
-                         const at::Tensor& counts, const std::vector<at::Tensor>& w, Span s) {
+                         const at::Tensor& counts, const std::vector<at::Tensor>& w, Span s,
+                         const std::optional<at::Tensor>& expert_mask = std::nullopt) {
   if (!any_needs_grad(ctx, s)) {
     out.resize(out.size() + s.size);
     return;
   }
-  append_in_layout(out, call_wgrad(dy, input(), counts, w[0].scalar_type()),
+  append_in_layout(out, call_wgrad(dy, input(), counts, w[0].scalar_type(), expert_mask),
                    ctx->saved_data["weights_stacked"].toBool(), s.size);
 }
 
@@ -369,7 +371,9 @@ at::Tensor grouped_gemm_fprop_of_activation_autograd(const at::Tensor& h, at::Te
 // it), or nothing. main_grad is written even where autograd asks for no parameter gradient
 // (torch.autograd.grad of the inputs only), as Megatron's modules do. The main_grads and
 // placeholders are kept outside save_for_backward: other backwards add into main_grad between
-// this forward and its backward (gradient accumulation), which is no error here.
+// this forward and its backward (gradient accumulation), which is no error here. expert_mask:
+// the weight gradient's, experts with mask 0 skipped (main_grad untouched; zeros in a new
+// gradient), as grouped_gemm_wgrad(_)'s "skip".
 
 at::Tensor call_linear(const at::Tensor& x, at::TensorList w, const at::Tensor& counts, at::TensorList bias,
                        const std::optional<std::string>& activation, const std::optional<at::Tensor>& probs,
@@ -388,7 +392,7 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
                             at::TensorList w_placeholder, at::TensorList bias_placeholder, bool accumulate,
                             bool delay_wgrad, const std::optional<std::string>& activation,
                             const std::optional<at::Tensor>& probs, double alpha, double limit, bool gelu_tanh,
-                            int64_t glu_block) {
+                            int64_t glu_block, const std::optional<at::Tensor>& expert_mask) {
     const at::Tensor y = call_linear(x, w, counts, bias, activation, probs, alpha, limit, gelu_tanh, glu_block);
     std::vector<at::Tensor> saved{x, counts, probs.value_or(at::Tensor())};
     saved.insert(saved.end(), w.begin(), w.end());
@@ -401,6 +405,9 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
     ctx->saved_data["bias_placeholder"] = list_of(bias_placeholder);
     ctx->saved_data["accumulate"] = accumulate;
     ctx->saved_data["delay_wgrad"] = delay_wgrad;
+    // Read when the weight gradient runs (a captured graph's mask is updated in place between
+    // replays), so kept outside save_for_backward like the main_grads.
+    if (expert_mask.has_value()) ctx->saved_data["expert_mask"] = *expert_mask;
     ctx->saved_data["counts_main_grads"] = static_cast<int64_t>(w_main_grad.size() + bias_main_grad.size() +
                                                                w_placeholder.size() + bias_placeholder.size());
     if (activation.has_value()) {
@@ -441,6 +448,9 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
     const bool accumulate = ctx->saved_data["accumulate"].toBool();
     const bool delay_wgrad = ctx->saved_data["delay_wgrad"].toBool();
     const bool with_activation = ctx->saved_data.count("activation") != 0;
+    const std::optional<at::Tensor> expert_mask =
+        ctx->saved_data.count("expert_mask") != 0 ? std::optional<at::Tensor>(ctx->saved_data["expert_mask"].toTensor())
+                                                   : std::nullopt;
     // Tensor positions (needs_input_grad): x, w..., counts, bias..., the main_grad and placeholder
     // lists, probs.
     const Span weights{1, nw}, biases{nw + 2, nb};
@@ -478,10 +488,10 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
     if (delay_wgrad) {
       out.resize(out.size() + nw);  // backward_dw computes them
     } else if (!w_main_grad.empty()) {
-      wgrad_into.call(dy, gemm_input(), counts, w_main_grad.vec(), accumulate, std::nullopt, kSkip, std::nullopt);
+      wgrad_into.call(dy, gemm_input(), counts, w_main_grad.vec(), accumulate, expert_mask, kSkip, std::nullopt);
       append_placeholders(out, ctx->saved_data["w_placeholder"].toTensorList(), nw);
     } else {
-      append_weight_grads(ctx, out, dy, gemm_input, counts, w, weights);
+      append_weight_grads(ctx, out, dy, gemm_input, counts, w, weights, expert_mask);
     }
     out.emplace_back();  // counts
 
@@ -505,7 +515,7 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
     // limit, gelu_tanh, glu_block.
     out.resize(out.size() + static_cast<size_t>(ctx->saved_data["counts_main_grads"].toInt()) + 3);
     out.push_back(need_dprobs ? dprobs : at::Tensor());
-    out.resize(out.size() + 4);
+    out.resize(out.size() + 5);  // alpha, limit, gelu_tanh, glu_block, expert_mask
     return out;
   }
 };
@@ -516,12 +526,14 @@ at::Tensor grouped_linear_forward_autograd(const at::Tensor& x, at::TensorList w
                                            at::TensorList bias_placeholder, bool accumulate, bool delay_wgrad,
                                            const std::optional<std::string>& activation,
                                            const std::optional<at::Tensor>& probs, double alpha, double limit,
-                                           bool gelu_tanh, int64_t glu_block) {
+                                           bool gelu_tanh, int64_t glu_block,
+                                           const std::optional<at::Tensor>& expert_mask) {
   if (!recording(x, w, bias, probs)) {
     return call_linear(x, w, counts, bias, activation, probs, alpha, limit, gelu_tanh, glu_block);
   }
   return LinearFunction::apply(x, w, counts, bias, w_main_grad, bias_main_grad, w_placeholder, bias_placeholder,
-                               accumulate, delay_wgrad, activation, probs, alpha, limit, gelu_tanh, glu_block);
+                               accumulate, delay_wgrad, activation, probs, alpha, limit, gelu_tanh, glu_block,
+                               expert_mask);
 }
 
 // ---- routing ---------------------------------------------------------------------------------------

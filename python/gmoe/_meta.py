@@ -86,7 +86,8 @@ def _grouped_linear_forward(x: Tensor, w: Sequence[Tensor], counts: Tensor, bias
                             w_placeholder: Sequence[Tensor], bias_placeholder: Sequence[Tensor],
                             accumulate: bool = True, delay_wgrad: bool = False, activation: Optional[str] = None,
                             probs: Optional[Tensor] = None, alpha: float = 1.702, limit: float = 7.0,
-                            gelu_tanh: bool = False, glu_block: int = 0) -> Tensor:
+                            gelu_tanh: bool = False, glu_block: int = 0,
+                            expert_mask: Optional[Tensor] = None) -> Tensor:
     return x.new_empty((x.shape[0], _expert_rows(w)))
 
 

@@ -474,11 +474,11 @@ class GroupedLinear(nn.Module):
             kind, alpha, limit, gelu_tanh, glu_block = recompute
             return _ops.grouped_gemm_fprop_of_activation(x, weights, m_splits, biases, kind, probs, alpha, limit,
                                                          gelu_tanh, glu_block)
-        if recipe is None and self._expert_mask is None:
-            y = self._forward_to_destinations(x, m_splits, weights, biases, recompute, probs)
+        mask, masked_off = self._mask_for_forward(x, weights)
+        if recipe is None and masked_off == "skip":
+            y = self._forward_to_destinations(x, m_splits, weights, biases, recompute, probs, mask)
             if y is not None:
                 return y
-        mask, masked_off = self._mask_for_forward(x, weights)
         state = self._state if special else None
         if recipe is None:
             return _GroupedLinearFunction.apply(x, m_splits, mask, masked_off, state, recompute, probs, len(weights),
@@ -488,12 +488,14 @@ class GroupedLinear(nn.Module):
                                                FP8_RECIPES[recipe], self.grad_format, wq, *weights, *biases)
 
     def _forward_to_destinations(self, x: Tensor, counts: Tensor, weights: List[Tensor], biases: List[Tensor],
-                                 recompute: Optional[tuple], probs: Optional[Tensor]) -> Optional[Tensor]:
-        """The main_grad / delayed-wgrad / hooks forward through the op grouped_linear_forward, whose
-        autograd formula (C++) sends the gradients to main_grad and hands autograd the placeholders;
-        None where this layer needs the Python function instead: under torch.compile, with main_grad
-        on some weights (or biases) only, with Megatron's mark on some of them only, or with hooks
-        on weights whose .grad autograd sets (the hooks must run after it)."""
+                                 recompute: Optional[tuple], probs: Optional[Tensor],
+                                 mask: Optional[Tensor]) -> Optional[Tensor]:
+        """The main_grad / delayed-wgrad / hooks / expert-mask ("skip") forward through the op
+        grouped_linear_forward, whose autograd formula (C++) sends the gradients to main_grad and
+        hands autograd the placeholders; None where this layer needs the Python function instead:
+        under torch.compile, with main_grad on some weights (or biases) only, with Megatron's mark
+        on some of them only, or with hooks on weights whose .grad autograd sets (the hooks must
+        run after it)."""
         if torch.compiler.is_compiling():
             return None
         w_main = [w.main_grad for w in weights if hasattr(w, "main_grad")]
@@ -523,7 +525,7 @@ class GroupedLinear(nn.Module):
         kind, alpha, limit, gelu_tanh, glu_block = recompute or (None, 1.702, 7.0, False, 0)
         y = _ops.grouped_linear_forward(x, weights, counts, biases, w_main, b_main, w_ph, b_ph,
                                         self.accumulate_main_grad, delay, kind, probs, alpha, limit, gelu_tanh,
-                                        glu_block)
+                                        glu_block, mask)
         if not recording:
             return y
         if delay:
@@ -531,7 +533,7 @@ class GroupedLinear(nn.Module):
             # recompute the GEMM's input z is made again then, as the Python function does.
             def keep_for_backward_dw(dy: Tensor) -> None:
                 z = x if recompute is None else _activation(x, counts, probs, recompute)
-                self._state.pending.append(_Wgrad(dy.contiguous(), z, counts))
+                self._state.pending.append(_Wgrad(dy.contiguous(), z, counts, mask))
             y.register_hook(keep_for_backward_dw)
         elif self._wgrad_hooks:
             # After the op's backward, which added the weights' gradients into main_grad.

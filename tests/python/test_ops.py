@@ -251,10 +251,13 @@ def _linear_forward_cases():
         ((x, w_list, counts, b_list, list(torch.zeros(E, N, K).unbind(0)), [], [], []), {"accumulate": False}),
         ((x, [w], counts, [b], [], [torch.zeros(E, N)], [], []), {"delay_wgrad": True}),
         ((h, [w], counts, [], [torch.zeros(E, N, K)], [], [], []), {"activation": "swiglu", "probs": probs}),
+        ((x, [w], counts, [b], [torch.zeros(E, N, K)], [], [], []),
+         {"expert_mask": torch.tensor([1, 0, 1, 0], dtype=torch.int32)}),
+        ((x, w_list, counts, [], [], [], [], []), {"expert_mask": torch.tensor([0, 1, 1, 0], dtype=torch.int32)}),
     ]
 
 
-@pytest.mark.parametrize("case", range(4))
+@pytest.mark.parametrize("case", range(6))
 def test_opcheck_linear_forward(case):
     args, kwargs = _linear_forward_cases()[case]
     torch.library.opcheck(torch.ops.gmoe.grouped_linear_forward, args, kwargs)
