@@ -394,7 +394,10 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
                             const std::optional<at::Tensor>& probs, double alpha, double limit, bool gelu_tanh,
                             int64_t glu_block, const std::optional<at::Tensor>& expert_mask) {
     const at::Tensor y = call_linear(x, w, counts, bias, activation, probs, alpha, limit, gelu_tanh, glu_block);
-    std::vector<at::Tensor> saved{x, counts, probs.value_or(at::Tensor())};
+    // With delay_wgrad the module keeps x for backward_dw itself (through the saved-tensor hooks,
+    // so that an offload moves it once); only the activation's backward reads it here.
+    const bool keep_x = !delay_wgrad || activation.has_value();
+    std::vector<at::Tensor> saved{keep_x ? x : at::Tensor(), counts, probs.value_or(at::Tensor())};
     saved.insert(saved.end(), w.begin(), w.end());
     ctx->save_for_backward(saved);
     ctx->saved_data["weights_stacked"] = w.size() == 1 && w[0].dim() == 3;
@@ -405,6 +408,7 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
     ctx->saved_data["bias_placeholder"] = list_of(bias_placeholder);
     ctx->saved_data["accumulate"] = accumulate;
     ctx->saved_data["delay_wgrad"] = delay_wgrad;
+    ctx->saved_data["x_dtype"] = x.scalar_type();
     // Read when the weight gradient runs (a captured graph's mask is updated in place between
     // replays), so kept outside save_for_backward like the main_grads.
     if (expert_mask.has_value()) ctx->saved_data["expert_mask"] = *expert_mask;
@@ -456,7 +460,7 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
     const Span weights{1, nw}, biases{nw + 2, nb};
     const size_t probs_at = static_cast<size_t>(nw + nb + 2 + ctx->saved_data["counts_main_grads"].toInt());
     const bool need_dprobs = probs.has_value() && ctx->needs_input_grad(probs_at);
-    const at::Tensor dy = grads[0].to(x.scalar_type()).contiguous();
+    const at::Tensor dy = grads[0].to(ctx->saved_data["x_dtype"].toScalarType()).contiguous();
 
     std::string kind;
     double alpha = 0, limit = 0;

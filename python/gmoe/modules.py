@@ -36,6 +36,9 @@ from .fp8 import Fp8Rows, Fp8Weights, fp8_grouped_gemm, fp8_grouped_gemm_dgrad, 
 from .ops import ACTIVATIONS, MASKED_OFF_WGRAD, glu_block_of
 
 _ops = torch.ops.gmoe
+#: The innermost saved-tensor hooks in force, (pack, unpack) or None: torch's own lookup for
+#: SavedVariable, applied to what GroupedLinear keeps for backward_dw outside autograd.
+_saved_tensor_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 _LAYOUTS = ("stacked", "per_expert")
 #: FP8 recipes of the modules (LinearRecipe of gmoe/grouped_linear.h) and their quantization recipe.
 FP8_RECIPES = {"fp8_tensorwise": "tensorwise", "fp8_blockwise": "blockwise", "mxfp8": "mxfp8"}
@@ -494,8 +497,8 @@ class GroupedLinear(nn.Module):
         grouped_linear_forward, whose autograd formula (C++) sends the gradients to main_grad and
         hands autograd the placeholders; None where this layer needs the Python function instead:
         under torch.compile, with main_grad on some weights (or biases) only, with Megatron's mark
-        on some of them only, or with hooks on weights whose .grad autograd sets (the hooks must
-        run after it)."""
+        on some of them only, with hooks on weights whose .grad autograd sets (the hooks must run
+        after it), or with delay_wgrad_compute under recompute (h would be kept twice)."""
         if torch.compiler.is_compiling():
             return None
         w_main = [w.main_grad for w in weights if hasattr(w, "main_grad")]
@@ -503,7 +506,7 @@ class GroupedLinear(nn.Module):
         if len(w_main) not in (0, len(weights)) or len(b_main) not in (0, len(biases)):
             return None
         delay = self.delay_wgrad_compute
-        if not w_main and not delay and self._wgrad_hooks:
+        if (not w_main and not delay and self._wgrad_hooks) or (delay and recompute is not None):
             return None
         recording = torch.is_grad_enabled() and (x.requires_grad or (probs is not None and probs.requires_grad) or
                                                  any(p.requires_grad for p in weights) or
@@ -529,11 +532,15 @@ class GroupedLinear(nn.Module):
         if not recording:
             return y
         if delay:
-            # dy for backward_dw, taken when backward reaches y (on the backward's stream); under
-            # recompute the GEMM's input z is made again then, as the Python function does.
+            # x is kept for backward_dw here (the op does not save it): packed by the saved-tensor
+            # hooks in force, as autograd would pack it (gmoe.offload_activations moves it to the
+            # host and back); dy taken when backward reaches y, on the backward's stream.
+            hooks = _saved_tensor_hooks(False)
+            packed = x if hooks is None else hooks[0](x)
+
             def keep_for_backward_dw(dy: Tensor) -> None:
-                z = x if recompute is None else _activation(x, counts, probs, recompute)
-                self._state.pending.append(_Wgrad(dy.contiguous(), z, counts, mask))
+                kept = packed if hooks is None else hooks[1](packed)
+                self._state.pending.append(_Wgrad(dy.contiguous(), kept, counts, mask))
             y.register_hook(keep_for_backward_dw)
         elif self._wgrad_hooks:
             # After the op's backward, which added the weights' gradients into main_grad.

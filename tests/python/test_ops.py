@@ -246,8 +246,9 @@ def _linear_forward_cases():
     x = torch.randn(CAP, K).requires_grad_()
     h = torch.randn(CAP, 2 * K).requires_grad_()
     return [
-        ((x, [w], counts, [b], [torch.zeros(E, N, K)], [torch.zeros(E, N)], [torch.empty(E, N, K)],
-          [torch.empty(E, N)]), {"accumulate": True}),
+        # placeholders of zeros (zero_out_wgrad): opcheck compares the gradients autograd gets
+        ((x, [w], counts, [b], [torch.zeros(E, N, K)], [torch.zeros(E, N)], [torch.zeros(E, N, K)],
+          [torch.zeros(E, N)]), {"accumulate": True}),
         ((x, w_list, counts, b_list, list(torch.zeros(E, N, K).unbind(0)), [], [], []), {"accumulate": False}),
         ((x, [w], counts, [b], [], [torch.zeros(E, N)], [], []), {"delay_wgrad": True}),
         ((h, [w], counts, [], [torch.zeros(E, N, K)], [], [], []), {"activation": "swiglu", "probs": probs}),
