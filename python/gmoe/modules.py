@@ -534,14 +534,15 @@ class GroupedLinear(nn.Module):
         if delay:
             # x is kept for backward_dw here (the op does not save it): packed by the saved-tensor
             # hooks in force, as autograd would pack it (gmoe.offload_activations moves it to the
-            # host and back); dy taken when backward reaches y, on the backward's stream.
+            # host and back); dy taken when backward reaches the op's node, on the backward's stream.
             hooks = _saved_tensor_hooks(False)
             packed = x if hooks is None else hooks[0](x)
 
-            def keep_for_backward_dw(dy: Tensor) -> None:
+            def keep_for_backward_dw(grad_outputs: Tuple[Tensor, ...]) -> None:
                 kept = packed if hooks is None else hooks[1](packed)
-                self._state.pending.append(_Wgrad(dy.contiguous(), kept, counts, mask))
-            y.register_hook(keep_for_backward_dw)
+                self._state.pending.append(_Wgrad(grad_outputs[0].contiguous(), kept, counts, mask))
+            # On the op's node, not through Tensor.register_hook (its Python wrapper costs more).
+            y.grad_fn.register_prehook(keep_for_backward_dw)
         elif self._wgrad_hooks:
             # After the op's backward, which added the weights' gradients into main_grad.
             y.grad_fn.register_hook(lambda grad_inputs, grad_outputs: self._run_wgrad_hooks())
