@@ -25,6 +25,9 @@ calls is bound by the host path), in µs per call (impl
   op_overhead/grouped_gemm_ag the same with x and w requiring grad (autograd records the op)
   op_overhead/mlp_forward     gmoe.GroupedMLP forward vs the torch composition (swiglu), recorded
   op_overhead/mlp_fwd_bwd     the same, forward then torch.autograd.grad of x and the weights
+  op_overhead/mlp_fwd_bwd_main_grad  Megatron's step: the weight gradients added into main_grad
+                              (DDP's mark set), torch adding its gradients into main_grads too
+  op_overhead/mlp_fwd_bwd_delayed    the same with delay_wgrad_compute and backward_dw()
 Each is the best of --overhead-repeats loops of --overhead-calls calls (gmoe and torch interleaved).
 --overhead runs these rows alone, on the CPU too when there is no GPU (there the CPU backend's and
 torch's CPU kernels are part of the figure: compare the gmoe and torch columns, not the CPU figures
@@ -152,6 +155,28 @@ def op_overhead_rows(device="cuda", calls=2000, repeats=5):
     w2 = mlp.fc2.weight.detach().clone().requires_grad_()
     torch_mlp = tb.MLP_FUNCTIONS["swiglu"]
     ops = torch.ops.gmoe
+    # Megatron's layers: float32 main_grad on every parameter, marked by its DDP
+    # (grad_added_to_main_grad); torch adds its gradients into main_grads of its own.
+    mlp_mg = gmoe.GroupedMLP(E, width, width, activation="swiglu", bias=False, device=device, dtype=dt)
+    mlp_dw = gmoe.GroupedMLP(E, width, width, activation="swiglu", bias=False, delay_wgrad_compute=True,
+                             device=device, dtype=dt)
+    for p in (*mlp_mg.parameters(), *mlp_dw.parameters()):
+        p.main_grad = torch.zeros(p.shape, device=device, dtype=torch.float32)
+        p.grad_added_to_main_grad = False
+    torch_main_grads = [torch.zeros(t.shape, device=device, dtype=torch.float32) for t in (w1, w2)]
+
+    def megatron_step(m, delayed):
+        y = m(xg, counts)
+        dx, = torch.autograd.grad(y, [xg], dy)
+        if delayed:
+            m.backward_dw()
+        return dx
+
+    def torch_main_grad_step():
+        dx, g1, g2 = torch.autograd.grad(torch_mlp(xg, w1, w2, offs), [xg, w1, w2], dy)
+        torch_main_grads[0].add_(g1)
+        torch_main_grads[1].add_(g2)
+        return dx
     cases = [
         ("op_overhead", lambda: ops.grouped_bias_grad(dy, counts, None), lambda: dy.sum(0)),
         ("op_overhead/grouped_gemm", lambda: ops.grouped_gemm_fprop(x, [w], counts, [], None),
@@ -162,6 +187,8 @@ def op_overhead_rows(device="cuda", calls=2000, repeats=5):
         ("op_overhead/mlp_fwd_bwd",
          lambda: torch.autograd.grad(mlp(xg, counts), [xg, mlp.fc1.weight, mlp.fc2.weight], dy),
          lambda: torch.autograd.grad(torch_mlp(xg, w1, w2, offs), [xg, w1, w2], dy)),
+        ("op_overhead/mlp_fwd_bwd_main_grad", lambda: megatron_step(mlp_mg, False), torch_main_grad_step),
+        ("op_overhead/mlp_fwd_bwd_delayed", lambda: megatron_step(mlp_dw, True), torch_main_grad_step),
     ]
 
     def loop_us(fn):

@@ -1,7 +1,8 @@
 // python/csrc/autograd.cpp — the autograd formulas of gmoe's differentiable ops (the expert ops
-// grouped_gemm_fprop, grouped_bias_add, grouped_activation_forward, grouped_gemm_fprop_of_activation;
-// the routing ops router_topk, router_aux_loss, router_z_loss, permute, combine; the expert-parallel
-// exchanges ep_dispatch and ep_combine), registered at the Autograd dispatch key in C++.
+// grouped_gemm_fprop, grouped_bias_add, grouped_activation_forward, grouped_gemm_fprop_of_activation,
+// grouped_linear_forward; the routing ops router_topk, router_aux_loss, router_z_loss, permute,
+// combine; the expert-parallel exchanges ep_dispatch and ep_combine), registered at the Autograd
+// dispatch key in C++.
 //
 // Why C++: an autograd formula registered from Python (torch.library.register_autograd) runs Python
 // on every call of the op, with or without gradients (the dispatcher boxes the arguments into
@@ -48,11 +49,12 @@ at::Tensor call_dgrad(const at::Tensor& dy, at::TensorList w, const at::Tensor& 
   return op.call(dy, w, counts, std::nullopt);
 }
 
-at::Tensor call_wgrad(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& counts, at::ScalarType out_dtype) {
+at::Tensor call_wgrad(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& counts, at::ScalarType out_dtype,
+                      const std::optional<at::Tensor>& expert_mask = std::nullopt) {
   static const auto op = op_handle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                               std::optional<at::ScalarType>, const std::optional<at::Tensor>&)>(
       "gmoe::grouped_gemm_wgrad");
-  return op.call(dy, x, counts, out_dtype, std::nullopt);
+  return op.call(dy, x, counts, out_dtype, expert_mask);
 }
 
 at::Tensor call_bias_grad(const at::Tensor& dy, const at::Tensor& counts, at::ScalarType out_dtype) {
@@ -145,12 +147,13 @@ void append_bias_grads(AutogradContext* ctx, variable_list& out, const at::Tenso
 /// wgrad(dy, input()), the GEMM's input made only where a weight needs its gradient.
 template <class GemmInput>
 void append_weight_grads(AutogradContext* ctx, variable_list& out, const at::Tensor& dy, GemmInput&& input,
-                         const at::Tensor& counts, const std::vector<at::Tensor>& w, Span s) {
+                         const at::Tensor& counts, const std::vector<at::Tensor>& w, Span s,
+                         const std::optional<at::Tensor>& expert_mask = std::nullopt) {
   if (!any_needs_grad(ctx, s)) {
     out.resize(out.size() + s.size);
     return;
   }
-  append_in_layout(out, call_wgrad(dy, input(), counts, w[0].scalar_type()),
+  append_in_layout(out, call_wgrad(dy, input(), counts, w[0].scalar_type(), expert_mask),
                    ctx->saved_data["weights_stacked"].toBool(), s.size);
 }
 
@@ -353,6 +356,188 @@ at::Tensor grouped_gemm_fprop_of_activation_autograd(const at::Tensor& h, at::Te
     return call_fprop_of_activation(h, w, counts, bias, kind, probs, alpha, limit, gelu_tanh, glu_block);
   }
   return FpropOfActivationFunction::apply(h, w, counts, bias, kind, probs, alpha, limit, gelu_tanh, glu_block);
+}
+
+// ---- grouped_linear_forward(x, w, counts, bias, w_main_grad, bias_main_grad, w_placeholder,
+//                             bias_placeholder, accumulate, delay_wgrad, activation, probs, alpha,
+//                             limit, gelu_tanh, glu_block) ----------------------------------------
+// GroupedLinear's forward where its gradients go elsewhere than autograd's .grad (Megatron):
+// y = fprop(x, w, bias), or with `activation` fprop(act(x)·probs, w, bias) with z made again in
+// backward (grouped_gemm_fprop_of_activation's formula). Backward: dx (and dprobs) as those ops';
+// the biases' gradient added into (accumulate) or written over bias_main_grad where given; the
+// weights' gradient into w_main_grad with grouped_gemm_wgrad_ where given, not at all with
+// delay_wgrad (the module takes dy from a hook on y for backward_dw). Where a main_grad took a
+// gradient, autograd gets the placeholder given for the parameter (Megatron's DDP hooks run on
+// it), or nothing. main_grad is written even where autograd asks for no parameter gradient
+// (torch.autograd.grad of the inputs only), as Megatron's modules do. The main_grads and
+// placeholders are kept outside save_for_backward: other backwards add into main_grad between
+// this forward and its backward (gradient accumulation), which is no error here. expert_mask:
+// the weight gradient's, experts with mask 0 skipped (main_grad untouched; zeros in a new
+// gradient), as grouped_gemm_wgrad(_)'s "skip".
+
+at::Tensor call_linear(const at::Tensor& x, at::TensorList w, const at::Tensor& counts, at::TensorList bias,
+                       const std::optional<std::string>& activation, const std::optional<at::Tensor>& probs,
+                       double alpha, double limit, bool gelu_tanh, int64_t glu_block) {
+  if (activation.has_value()) {
+    return call_fprop_of_activation(x, w, counts, bias, *activation, probs, alpha, limit, gelu_tanh, glu_block);
+  }
+  return call_fprop(x, w, counts, bias, std::nullopt);
+}
+
+c10::List<at::Tensor> list_of(at::TensorList ts) { return c10::List<at::Tensor>(ts.vec()); }
+
+struct LinearFunction : torch::autograd::Function<LinearFunction> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, at::TensorList w, const at::Tensor& counts,
+                            at::TensorList bias, at::TensorList w_main_grad, at::TensorList bias_main_grad,
+                            at::TensorList w_placeholder, at::TensorList bias_placeholder, bool accumulate,
+                            bool delay_wgrad, const std::optional<std::string>& activation,
+                            const std::optional<at::Tensor>& probs, double alpha, double limit, bool gelu_tanh,
+                            int64_t glu_block, const std::optional<at::Tensor>& expert_mask) {
+    const at::Tensor y = call_linear(x, w, counts, bias, activation, probs, alpha, limit, gelu_tanh, glu_block);
+    // With delay_wgrad the module keeps x for backward_dw itself (through the saved-tensor hooks,
+    // so that an offload moves it once); only the activation's backward reads it here.
+    const bool keep_x = !delay_wgrad || activation.has_value();
+    std::vector<at::Tensor> saved{keep_x ? x : at::Tensor(), counts, probs.value_or(at::Tensor())};
+    saved.insert(saved.end(), w.begin(), w.end());
+    ctx->save_for_backward(saved);
+    ctx->saved_data["weights_stacked"] = w.size() == 1 && w[0].dim() == 3;
+    save_bias_layout(ctx, bias);
+    ctx->saved_data["w_main_grad"] = list_of(w_main_grad);
+    ctx->saved_data["bias_main_grad"] = list_of(bias_main_grad);
+    ctx->saved_data["w_placeholder"] = list_of(w_placeholder);
+    ctx->saved_data["bias_placeholder"] = list_of(bias_placeholder);
+    ctx->saved_data["accumulate"] = accumulate;
+    ctx->saved_data["delay_wgrad"] = delay_wgrad;
+    ctx->saved_data["x_dtype"] = x.scalar_type();
+    // Read when the weight gradient runs (a captured graph's mask is updated in place between
+    // replays), so kept outside save_for_backward like the main_grads.
+    if (expert_mask.has_value()) ctx->saved_data["expert_mask"] = *expert_mask;
+    ctx->saved_data["counts_main_grads"] = static_cast<int64_t>(w_main_grad.size() + bias_main_grad.size() +
+                                                               w_placeholder.size() + bias_placeholder.size());
+    if (activation.has_value()) {
+      ctx->saved_data["activation"] = *activation;
+      ctx->saved_data["alpha"] = alpha;
+      ctx->saved_data["limit"] = limit;
+      ctx->saved_data["gelu_tanh"] = gelu_tanh;
+      ctx->saved_data["glu_block"] = glu_block;
+    }
+    return y;
+  }
+
+  /// Where a main_grad took the gradients of `n` parameters: their placeholders, or nothing.
+  static void append_placeholders(variable_list& out, const c10::List<at::Tensor>& placeholders, int64_t n) {
+    if (placeholders.empty()) {
+      out.resize(out.size() + n);
+      return;
+    }
+    for (const at::Tensor& p : placeholders) out.push_back(p);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static const auto act_backward = op_handle<ActivationBackward>("gmoe::grouped_activation_backward");
+    static const auto wgrad_into = op_handle<void(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                  at::TensorList, bool, const std::optional<at::Tensor>&,
+                                                  const std::string&, std::optional<at::TensorList>)>(
+        "gmoe::grouped_gemm_wgrad_");
+    const variable_list saved = ctx->get_saved_variables();
+    const at::Tensor& x = saved[0];
+    const at::Tensor& counts = saved[1];
+    const std::optional<at::Tensor> probs = optional_of(saved[2]);
+    const std::vector<at::Tensor> w(saved.begin() + 3, saved.end());
+    const int64_t nw = static_cast<int64_t>(w.size());
+    const int64_t nb = ctx->saved_data["num_biases"].toInt();
+    static const std::string kSkip = "skip";
+    const auto w_main_grad = ctx->saved_data["w_main_grad"].toTensorList();
+    const auto bias_main_grad = ctx->saved_data["bias_main_grad"].toTensorList();
+    const bool accumulate = ctx->saved_data["accumulate"].toBool();
+    const bool delay_wgrad = ctx->saved_data["delay_wgrad"].toBool();
+    const bool with_activation = ctx->saved_data.count("activation") != 0;
+    const std::optional<at::Tensor> expert_mask =
+        ctx->saved_data.count("expert_mask") != 0 ? std::optional<at::Tensor>(ctx->saved_data["expert_mask"].toTensor())
+                                                   : std::nullopt;
+    // Tensor positions (needs_input_grad): x, w..., counts, bias..., the main_grad and placeholder
+    // lists, probs.
+    const Span weights{1, nw}, biases{nw + 2, nb};
+    const size_t probs_at = static_cast<size_t>(nw + nb + 2 + ctx->saved_data["counts_main_grads"].toInt());
+    const bool need_dprobs = probs.has_value() && ctx->needs_input_grad(probs_at);
+    const at::Tensor dy = grads[0].to(ctx->saved_data["x_dtype"].toScalarType()).contiguous();
+
+    std::string kind;
+    double alpha = 0, limit = 0;
+    bool gelu_tanh = false;
+    int64_t glu_block = 0;
+    if (with_activation) {
+      kind = ctx->saved_data["activation"].toStringRef();
+      alpha = ctx->saved_data["alpha"].toDouble();
+      limit = ctx->saved_data["limit"].toDouble();
+      gelu_tanh = ctx->saved_data["gelu_tanh"].toBool();
+      glu_block = ctx->saved_data["glu_block"].toInt();
+    }
+    auto gemm_input = [&] {
+      return with_activation ? call_activation(x, counts, kind, probs, alpha, limit, gelu_tanh, glu_block) : x;
+    };
+
+    variable_list out;
+    out.reserve(static_cast<size_t>(probs_at) + 8);
+    at::Tensor dx, dprobs;
+    if (ctx->needs_input_grad(0) || need_dprobs) {
+      dx = call_dgrad(dy, w, counts);
+      if (with_activation) {
+        std::tie(dx, dprobs) = act_backward.call(x, dx.contiguous(), counts, kind, probs, need_dprobs, alpha, limit,
+                                                 gelu_tanh, glu_block);
+      }
+    }
+    out.push_back(ctx->needs_input_grad(0) ? dx : at::Tensor());
+
+    if (delay_wgrad) {
+      out.resize(out.size() + nw);  // backward_dw computes them
+    } else if (!w_main_grad.empty()) {
+      wgrad_into.call(dy, gemm_input(), counts, w_main_grad.vec(), accumulate, expert_mask, kSkip, std::nullopt);
+      append_placeholders(out, ctx->saved_data["w_placeholder"].toTensorList(), nw);
+    } else {
+      append_weight_grads(ctx, out, dy, gemm_input, counts, w, weights, expert_mask);
+    }
+    out.emplace_back();  // counts
+
+    if (!bias_main_grad.empty()) {
+      const at::Tensor db = call_bias_grad(dy, counts, ctx->saved_data["bias_dtype"].toScalarType());
+      const bool grouped = ctx->saved_data["bias_grouped"].toBool();
+      for (int64_t i = 0; i < nb; ++i) {
+        at::Tensor main_grad = bias_main_grad[static_cast<size_t>(i)];
+        const at::Tensor g = grouped ? db : db.select(0, i);
+        if (accumulate) {
+          main_grad.add_(g);
+        } else {
+          main_grad.copy_(g);
+        }
+      }
+      append_placeholders(out, ctx->saved_data["bias_placeholder"].toTensorList(), nb);
+    } else {
+      append_bias_grads(ctx, out, dy, counts, biases);
+    }
+    // The main_grad and placeholder lists, accumulate, delay_wgrad, activation, then probs, alpha,
+    // limit, gelu_tanh, glu_block.
+    out.resize(out.size() + static_cast<size_t>(ctx->saved_data["counts_main_grads"].toInt()) + 3);
+    out.push_back(need_dprobs ? dprobs : at::Tensor());
+    out.resize(out.size() + 5);  // alpha, limit, gelu_tanh, glu_block, expert_mask
+    return out;
+  }
+};
+
+at::Tensor grouped_linear_forward_autograd(const at::Tensor& x, at::TensorList w, const at::Tensor& counts,
+                                           at::TensorList bias, at::TensorList w_main_grad,
+                                           at::TensorList bias_main_grad, at::TensorList w_placeholder,
+                                           at::TensorList bias_placeholder, bool accumulate, bool delay_wgrad,
+                                           const std::optional<std::string>& activation,
+                                           const std::optional<at::Tensor>& probs, double alpha, double limit,
+                                           bool gelu_tanh, int64_t glu_block,
+                                           const std::optional<at::Tensor>& expert_mask) {
+  if (!recording(x, w, bias, probs)) {
+    return call_linear(x, w, counts, bias, activation, probs, alpha, limit, gelu_tanh, glu_block);
+  }
+  return LinearFunction::apply(x, w, counts, bias, w_main_grad, bias_main_grad, w_placeholder, bias_placeholder,
+                               accumulate, delay_wgrad, activation, probs, alpha, limit, gelu_tanh, glu_block,
+                               expert_mask);
 }
 
 // ---- routing ---------------------------------------------------------------------------------------
@@ -657,6 +842,7 @@ TORCH_LIBRARY_IMPL(gmoe, Autograd, m) {
   m.impl("grouped_bias_add", &gmoe_torch::grouped_bias_add_autograd);
   m.impl("grouped_activation_forward", &gmoe_torch::grouped_activation_forward_autograd);
   m.impl("grouped_gemm_fprop_of_activation", &gmoe_torch::grouped_gemm_fprop_of_activation_autograd);
+  m.impl("grouped_linear_forward", &gmoe_torch::grouped_linear_forward_autograd);
   m.impl("router_topk", &gmoe_torch::router_topk_autograd);
   m.impl("router_aux_loss", &gmoe_torch::router_aux_loss_autograd);
   m.impl("router_z_loss", &gmoe_torch::router_z_loss_autograd);

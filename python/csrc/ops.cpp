@@ -208,6 +208,21 @@ at::Tensor grouped_gemm_fprop_of_activation(const at::Tensor& h, at::TensorList 
   return grouped_gemm_fprop(z, w, counts, bias, std::nullopt);
 }
 
+// GroupedLinear's forward with its gradient destinations (main_grad, placeholders, delay), which
+// only its autograd formula reads (python/csrc/autograd.cpp): the forward is fprop, of the
+// activation where one is given.
+at::Tensor grouped_linear_forward(const at::Tensor& x, at::TensorList w, const at::Tensor& counts, at::TensorList bias,
+                                  at::TensorList, at::TensorList, at::TensorList, at::TensorList, bool, bool,
+                                  const std::optional<std::string>& activation, const std::optional<at::Tensor>& probs,
+                                  double alpha, double limit, bool gelu_tanh, int64_t glu_block,
+                                  const std::optional<at::Tensor>&) {
+  if (activation.has_value()) {
+    return grouped_gemm_fprop_of_activation(x, w, counts, bias, *activation, probs, alpha, limit, gelu_tanh,
+                                            glu_block);
+  }
+  return grouped_gemm_fprop(x, w, counts, bias, std::nullopt);
+}
+
 // ---- GLU layout -------------------------------------------------------------------------------
 
 at::Tensor fc1_glu_convert(const at::Tensor& src, int64_t from_block, int64_t to_block) {
@@ -481,6 +496,7 @@ void register_impls(torch::Library& m) {
   m.impl("grouped_activation_forward", &grouped_activation_forward);
   m.impl("grouped_activation_backward", &grouped_activation_backward);
   m.impl("grouped_gemm_fprop_of_activation", &grouped_gemm_fprop_of_activation);
+  m.impl("grouped_linear_forward", &grouped_linear_forward);
   m.impl("fc1_glu_convert", &fc1_glu_convert);
   m.impl("quantize_grouped", &quantize_grouped);
   m.impl("quantize_weights", &quantize_weights);
@@ -517,6 +533,16 @@ TORCH_LIBRARY(gmoe, m) {
         "-> (Tensor, Tensor)");
   m.def("grouped_gemm_fprop_of_activation(Tensor h, Tensor[] w, Tensor counts, Tensor[] bias, str kind, "
         "Tensor? probs=None, float alpha=1.702, float limit=7.0, bool gelu_tanh=False, int glu_block=0) -> Tensor");
+  // GroupedLinear's forward whose backward sends the parameters' gradients to Megatron's main_grad
+  // (added, or written over without accumulate) and gives autograd the placeholders instead (or
+  // nothing), and with delay_wgrad leaves the weights' to the module's backward_dw. Lists empty:
+  // autograd's gradients as grouped_gemm_fprop's. activation: x is h, the GEMM's input
+  // act(h)·probs (grouped_gemm_fprop_of_activation). expert_mask: the weight gradient's (experts
+  // with mask 0 skipped: main_grad untouched, zeros in a new gradient), read when it runs.
+  m.def("grouped_linear_forward(Tensor x, Tensor[] w, Tensor counts, Tensor[] bias, Tensor[] w_main_grad, "
+        "Tensor[] bias_main_grad, Tensor[] w_placeholder, Tensor[] bias_placeholder, bool accumulate=True, "
+        "bool delay_wgrad=False, str? activation=None, Tensor? probs=None, float alpha=1.702, float limit=7.0, "
+        "bool gelu_tanh=False, int glu_block=0, Tensor? expert_mask=None) -> Tensor");
   m.def("fc1_glu_convert(Tensor src, int from_block, int to_block) -> Tensor");
   m.def("quantize_grouped(Tensor x, Tensor counts, str recipe, str format=\"e4m3\", bool rowwise=True, "
         "bool columnwise=False, bool pow2_scales=False) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");

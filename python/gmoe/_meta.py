@@ -80,6 +80,17 @@ def _grouped_gemm_fprop_of_activation(h: Tensor, w: Sequence[Tensor], counts: Te
     return h.new_empty((h.shape[0], _expert_rows(w)))
 
 
+@torch.library.register_fake(_lib + "grouped_linear_forward")
+def _grouped_linear_forward(x: Tensor, w: Sequence[Tensor], counts: Tensor, bias: Sequence[Tensor],
+                            w_main_grad: Sequence[Tensor], bias_main_grad: Sequence[Tensor],
+                            w_placeholder: Sequence[Tensor], bias_placeholder: Sequence[Tensor],
+                            accumulate: bool = True, delay_wgrad: bool = False, activation: Optional[str] = None,
+                            probs: Optional[Tensor] = None, alpha: float = 1.702, limit: float = 7.0,
+                            gelu_tanh: bool = False, glu_block: int = 0,
+                            expert_mask: Optional[Tensor] = None) -> Tensor:
+    return x.new_empty((x.shape[0], _expert_rows(w)))
+
+
 @torch.library.register_fake(_lib + "fc1_glu_convert")
 def _fc1_glu_convert(src: Tensor, from_block: int, to_block: int) -> Tensor:
     return src.new_empty(src.shape)

@@ -37,6 +37,9 @@ from .fp8 import Fp8Rows, Fp8Weights, fp8_grouped_gemm, fp8_grouped_gemm_dgrad, 
 from .ops import ACTIVATIONS, MASKED_OFF_WGRAD, glu_block_of
 
 _ops = torch.ops.gmoe
+#: The innermost saved-tensor hooks in force, (pack, unpack) or None: torch's own lookup for
+#: SavedVariable, applied to what GroupedLinear keeps for backward_dw outside autograd.
+_saved_tensor_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 _LAYOUTS = ("stacked", "per_expert")
 #: FP8 recipes of the modules (LinearRecipe of gmoe/grouped_linear.h) and their quantization recipe.
 FP8_RECIPES = {"fp8_tensorwise": "tensorwise", "fp8_blockwise": "blockwise", "mxfp8": "mxfp8"}
@@ -519,6 +522,10 @@ class GroupedLinear(nn.Module):
             return _ops.grouped_gemm_fprop_of_activation(x, weights, m_splits, biases, kind, probs, alpha, limit,
                                                          gelu_tanh, glu_block)
         mask, masked_off = self._mask_for_forward(x, weights)
+        if recipe is None and masked_off == "skip":
+            y = self._forward_to_destinations(x, m_splits, weights, biases, recompute, probs, mask)
+            if y is not None:
+                return y
         state = self._state if special else None
         if recipe is None:
             return _GroupedLinearFunction.apply(x, m_splits, mask, masked_off, state, recompute, probs, len(weights),
@@ -526,6 +533,64 @@ class GroupedLinear(nn.Module):
         wq = self._fp8_weights(FP8_RECIPES[recipe], weights, x)
         return _Fp8GroupedLinearFunction.apply(x, m_splits, mask, masked_off, state, recompute, probs, len(weights),
                                                FP8_RECIPES[recipe], self.grad_format, wq, *weights, *biases)
+
+    def _forward_to_destinations(self, x: Tensor, counts: Tensor, weights: List[Tensor], biases: List[Tensor],
+                                 recompute: Optional[tuple], probs: Optional[Tensor],
+                                 mask: Optional[Tensor]) -> Optional[Tensor]:
+        """The main_grad / delayed-wgrad / hooks / expert-mask ("skip") forward through the op
+        grouped_linear_forward, whose autograd formula (C++) sends the gradients to main_grad and
+        hands autograd the placeholders; None where this layer needs the Python function instead:
+        under torch.compile, with main_grad on some weights (or biases) only, with Megatron's mark
+        on some of them only, with hooks on weights whose .grad autograd sets (the hooks must run
+        after it), or with delay_wgrad_compute under recompute (h would be kept twice)."""
+        if torch.compiler.is_compiling():
+            return None
+        w_main = [w.main_grad for w in weights if hasattr(w, "main_grad")]
+        b_main = [b.main_grad for b in biases if hasattr(b, "main_grad")]
+        if len(w_main) not in (0, len(weights)) or len(b_main) not in (0, len(biases)):
+            return None
+        delay = self.delay_wgrad_compute
+        if (not w_main and not delay and self._wgrad_hooks) or (delay and recompute is not None):
+            return None
+        recording = torch.is_grad_enabled() and (x.requires_grad or (probs is not None and probs.requires_grad) or
+                                                 any(p.requires_grad for p in weights) or
+                                                 any(p.requires_grad for p in biases))
+        w_ph: List[Tensor] = []
+        b_ph: List[Tensor] = []
+        if recording:
+            for params, main, out in ((weights, w_main and not delay, w_ph), (biases, b_main, b_ph)):
+                if not main:
+                    continue
+                marked = [hasattr(p, "grad_added_to_main_grad") for p in params]
+                if any(marked) and not all(marked):
+                    return None
+                # Set here, in forward, for the backward that adds into main_grad (the Python
+                # function sets it in backward): Megatron's DDP clears it before each forward.
+                placeholders = [_main_grad_placeholder(p) for p in params]
+                if all(marked):
+                    out.extend(placeholders)
+        kind, alpha, limit, gelu_tanh, glu_block = recompute or (None, 1.702, 7.0, False, 0)
+        y = _ops.grouped_linear_forward(x, weights, counts, biases, w_main, b_main, w_ph, b_ph,
+                                        self.accumulate_main_grad, delay, kind, probs, alpha, limit, gelu_tanh,
+                                        glu_block, mask)
+        if not recording:
+            return y
+        if delay:
+            # x is kept for backward_dw here (the op does not save it): packed by the saved-tensor
+            # hooks in force, as autograd would pack it (gmoe.offload_activations moves it to the
+            # host and back); dy taken when backward reaches the op's node, on the backward's stream.
+            hooks = _saved_tensor_hooks(False)
+            packed = x if hooks is None else hooks[0](x)
+
+            def keep_for_backward_dw(grad_outputs: Tuple[Tensor, ...]) -> None:
+                kept = packed if hooks is None else hooks[1](packed)
+                self._state.pending.append(_Wgrad(grad_outputs[0].contiguous(), kept, counts, mask))
+            # On the op's node, not through Tensor.register_hook (its Python wrapper costs more).
+            y.grad_fn.register_prehook(keep_for_backward_dw)
+        elif self._wgrad_hooks:
+            # After the op's backward, which added the weights' gradients into main_grad.
+            y.grad_fn.register_hook(lambda grad_inputs, grad_outputs: self._run_wgrad_hooks())
+        return y
 
     def _mask_for_forward(self, x: Tensor, weights: List[Tensor]):
         """The expert mask and mode this forward's weight gradient uses, checked (no device read)."""

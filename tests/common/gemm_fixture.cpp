@@ -45,6 +45,48 @@ std::vector<BiasForm> bias_forms(DType rows_dtype) {
           {DType::f32, Layout::kList}};
 }
 
+TensorView BiasGradCase::view() const {
+  return TensorView(const_cast<void*>(storage.data()), storage.dtype(), Device::cpu(), {capacity, cols},
+                    {cols + pad, 1});
+}
+
+std::vector<BiasGradCase> bias_grad_cases(DType dtype, Rng& rng) {
+  auto random_counts = [&](int64_t E, int64_t hi) {
+    std::vector<int64_t> c(static_cast<size_t>(E));
+    for (int64_t& v : c) v = rng.integer(0, hi);
+    return c;
+  };
+  std::vector<int64_t> one(6, 0);
+  one[static_cast<size_t>(rng.integer(0, 5))] = 700;
+  std::vector<int64_t> long_short = random_counts(5, 9);
+  long_short[2] = 3000 + rng.integer(0, 200);
+  std::vector<BiasGradCase> cases = {
+      {"skewed_empty_slack", zipf_counts(8, 300, 1.2, 3, rng), 0, 64, 0},
+      {"one_expert_all_rows", one, 0, 40, 8},
+      {"zero_rows", {0, 0, 0, 0}, 0, 16, 0},
+      {"all_empty_slack_rows", {0, 0, 0}, 0, 24, 0},
+      {"width_1", random_counts(4, 40), 0, 1, 0},
+      {"width_3", random_counts(5, 40), 0, 3, 2},
+      {"width_33", random_counts(7, 60), 0, 33, 0},
+      {"width_129", random_counts(3, 200), 0, 129, 5},
+      {"e300", random_counts(300, 6), 0, 24, 0},
+      {"e1000", random_counts(1000, 3), 0, 8, 0},
+      {"long_beside_short", long_short, 0, 96, 0},
+  };
+  for (BiasGradCase& c : cases) {
+    int64_t total = 0;
+    for (int64_t v : c.counts) total += v;
+    c.capacity = total + (c.name.find("slack") != std::string::npos ? 11 : 0);
+    c.storage = HostTensor(dtype, {c.capacity, c.cols + c.pad});
+    fill_random(c.storage, rng);
+    c.dy = HostTensor(dtype, {c.capacity, c.cols});
+    for (int64_t r = 0; r < c.capacity; ++r) {
+      for (int64_t n = 0; n < c.cols; ++n) c.dy.set(r * c.cols + n, c.storage.get(r * (c.cols + c.pad) + n));
+    }
+  }
+  return cases;
+}
+
 HostExpertTensor::HostExpertTensor(Layout l, DType dtype, int64_t E, int64_t N, int64_t K)
     : layout(l) {
   if (layout == Layout::kStacked) {

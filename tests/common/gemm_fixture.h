@@ -43,6 +43,23 @@ struct BiasForm {
 };
 std::vector<BiasForm> bias_forms(DType rows_dtype);
 
+/// A bias-gradient problem: dy [capacity, cols] with fresh random values (rows past the total too,
+/// which the op must not add), stored with a row stride of cols + pad.
+struct BiasGradCase {
+  std::string name;
+  std::vector<int64_t> counts;
+  int64_t capacity = 0, cols = 0, pad = 0;
+  HostTensor storage;  ///< [capacity, cols + pad]
+  HostTensor dy;       ///< the same rows, contiguous [capacity, cols] (for the exact sums)
+  /// dy as the strided view of storage that the op reads.
+  TensorView view() const;
+};
+/// The named cases of the bias gradient: skewed counts with empty experts and slack rows, every row
+/// in one expert, zero rows, all experts empty over slack rows, odd widths (1, 3, 33, 129), 300 and
+/// 1000 experts (past the list layout's by-value pointer limit of the CUDA kernel), a long expert
+/// beside short ones.
+std::vector<BiasGradCase> bias_grad_cases(DType dtype, Rng& rng);
+
 /// Host storage for a weight-shaped output ([E, N, K], viewable in either layout).
 struct HostExpertTensor {
   HostTensor stacked;              ///< storage when stacked

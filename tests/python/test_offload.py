@@ -5,6 +5,7 @@ output and gradient bitwise equal with and without offloading (every recipe, del
 gradients, under torch.utils.checkpoint), parameters never moved, the last module kept, opt-out."""
 import contextlib
 import copy
+import weakref
 
 import pytest
 import torch
@@ -95,6 +96,26 @@ def test_stack_bitwise_equal_and_counts(kw):
     assert s.tensors_offloaded > 0 and s.bytes_offloaded > 0
     assert s.tensors_reloaded == s.tensors_offloaded, "every offloaded tensor comes back in backward"
     assert s.tensors_kept > 0, "the parameters (and the last layer) stay"
+
+
+@pytest.mark.parametrize("delayed", [False, True])
+def test_fc2_input_released_after_forward(delayed):
+    """FC2's input z (the activation's output, kept for FC2's weight gradient, by the layer itself
+    with delay_wgrad_compute) is offloaded: nothing on the device holds it after forward, and the
+    gradients are bitwise those without offloading."""
+    model, twin, x, dy, probs = _pair(layers=1, delay_wgrad_compute=delayed)
+    kept = []
+    model.layers[0].fc2.register_forward_pre_hook(lambda m, args: kept.append(weakref.ref(args[0])))
+    off = gmoe.offload_activations(model, keep_last=False)
+    xi = x.detach().clone().requires_grad_()
+    with off:
+        y = model(xi, _counts(), probs)
+    assert kept and kept[0]() is None, "FC2's input is still alive after an offloaded forward"
+    y.backward(dy)
+    if delayed:
+        model.layers[0].backward_dw()
+    base = _step(twin, x, _counts(), dy, probs, delayed=delayed)
+    _assert_bitwise(base[:2] + base[3:], [y.detach(), xi.grad] + [q.grad for q in model.parameters()])
 
 
 def test_recompute_activation_offloads_less():

@@ -234,6 +234,36 @@ def test_opcheck(case):
     torch.library.opcheck(op, args, kwargs)
 
 
+def _linear_forward_cases():
+    """grouped_linear_forward with x, the weights, biases and probs requiring grad; main_grads and
+    placeholders plain (each case: args, kwargs)."""
+    counts = routing("skewed_empty")
+    probs = torch.rand(CAP).requires_grad_()
+    w = torch.randn(E, N, K).requires_grad_()
+    b = torch.randn(E, N).requires_grad_()
+    w_list = [t.requires_grad_() for t in torch.randn(E, N, K).unbind(0)]
+    b_list = [t.requires_grad_() for t in torch.randn(E, N).unbind(0)]
+    x = torch.randn(CAP, K).requires_grad_()
+    h = torch.randn(CAP, 2 * K).requires_grad_()
+    return [
+        # placeholders of zeros (zero_out_wgrad): opcheck compares the gradients autograd gets
+        ((x, [w], counts, [b], [torch.zeros(E, N, K)], [torch.zeros(E, N)], [torch.zeros(E, N, K)],
+          [torch.zeros(E, N)]), {"accumulate": True}),
+        ((x, w_list, counts, b_list, list(torch.zeros(E, N, K).unbind(0)), [], [], []), {"accumulate": False}),
+        ((x, [w], counts, [b], [], [torch.zeros(E, N)], [], []), {"delay_wgrad": True}),
+        ((h, [w], counts, [], [torch.zeros(E, N, K)], [], [], []), {"activation": "swiglu", "probs": probs}),
+        ((x, [w], counts, [b], [torch.zeros(E, N, K)], [], [], []),
+         {"expert_mask": torch.tensor([1, 0, 1, 0], dtype=torch.int32)}),
+        ((x, w_list, counts, [], [], [], [], []), {"expert_mask": torch.tensor([0, 1, 1, 0], dtype=torch.int32)}),
+    ]
+
+
+@pytest.mark.parametrize("case", range(6))
+def test_opcheck_linear_forward(case):
+    args, kwargs = _linear_forward_cases()[case]
+    torch.library.opcheck(torch.ops.gmoe.grouped_linear_forward, args, kwargs)
+
+
 @pytest.mark.parametrize("case", [0, 7, 10, 11])
 def test_opcheck_with_grad(case):
     op, args, kwargs = _opcheck_cases()[case]

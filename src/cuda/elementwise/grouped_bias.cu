@@ -4,22 +4,28 @@
 // Both bias ops find each row's expert from offsets computed on the device (launch_group_offsets,
 // clamped like the GEMM's preparation, problems recorded in the device error word).
 //
-// The bias gradient is a deterministic two-stage column reduction, with no atomics: each expert's
-// rows are cut into chunks of kChunkRows counted from the expert's first row (so the cut depends
-// only on that expert's count, never on the batch around it); stage 1 sums each chunk's rows in
-// order into an f32 partial, stage 2 sums an expert's partials in chunk order. A skewed expert with
-// 16k rows is spread over 128 blocks instead of one. Stage 2 also reduces the column sums that the
-// FP8 quantization of dy makes per 128-row tile (grouped_bias.h).
+// The bias gradient is one launch with no scratch and no atomics: block (t, e) sums the rows of
+// expert e in column tile t. It finds its rows itself from the device counts (the prefix sum of the
+// clamped counts before e, as launch_group_offsets would give), its warps take the rows in turn
+// (warp w: rows w, w + W, ...), each lane one column, and the W warp sums are added in warp
+// order, so the same inputs give the same bits. The warp count W comes from the host-known
+// average rows per expert (bias_grad_warps): a skewed expert holding every row gets 32 warps per
+// tile, many small experts get small blocks that do not sit mostly idle. Without the offsets
+// launch, the partial-sum buffer and its final pass, the op costs one launch, like torch's
+// column sum (a list of more than kListByValue experts uploads its pointers first). The final pass (launch_bias_grad_final) remains for the column sums that the FP8
+// quantization of dy makes per 128-row tile (grouped_bias.h).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
 #include "common/backend.h"
 #include "cuda/runtime/alignment.h"
 #include "cuda/runtime/cuda_check.h"
+#include "cuda/runtime/device_errors.h"
 #include "cuda/runtime/device_info.h"
 #include "cuda/runtime/group_offsets.cuh"
 #include "cuda/elementwise/grouped_bias.h"
@@ -30,7 +36,6 @@
 namespace gmoe::cuda_backend {
 namespace {
 
-constexpr int kChunkRows = 128;
 constexpr int kThreads = 256;
 
 __device__ __forceinline__ float load_f(const void* p, DType t, int64_t i) {
@@ -108,21 +113,83 @@ __global__ void bias_add_vec_kernel(T* y, int64_t ld, int64_t N, int64_t capacit
   }
 }
 
-// Stage 1: partial[chunk, n] = Σ rows of the chunk of dy[row, n], in row order.
-__global__ void bias_grad_partial_kernel(const void* dy, DType dt, int64_t ld, int64_t N, const int64_t* offsets,
-                                         const int64_t* chunk_offsets, int E, int64_t max_chunks, float* partial) {
-  const int64_t n = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
-  for (int64_t chunk = blockIdx.y; chunk < max_chunks; chunk += gridDim.y) {
-    if (chunk >= chunk_offsets[E]) return;
-    const int e = find_group(chunk_offsets, E, chunk);
-    const int64_t row0 = offsets[e] + (chunk - chunk_offsets[e]) * kChunkRows;
-    const int64_t row1 = min(row0 + kChunkRows, offsets[e + 1]);
-    if (n >= N) continue;
-    float acc = 0.f;
-#pragma unroll 8
-    for (int64_t r = row0; r < row1; ++r) acc += load_f(dy, dt, r * ld + n);
-    partial[chunk * N + n] = acc;
+constexpr int kGradCols = 32;   // columns per block: a warp's lanes, one column each
+constexpr int kGradMaxWarps = 32;
+constexpr int kListByValue = 256;  // list-layout pointers passed as kernel parameters (2 KB) up to this E
+
+__device__ __forceinline__ int64_t clamped_count(const void* counts, bool is_i64, int e, int64_t capacity) {
+  const int64_t c = is_i64 ? static_cast<const int64_t*>(counts)[e] : int64_t(static_cast<const int32_t*>(counts)[e]);
+  return min(max(c, int64_t{0}), capacity);
+}
+
+// Where the bias gradient goes: grouped [E, N] (base + e * stride), or the list layout's pointers,
+// as parameters (E <= kListByValue) or uploaded to the device (device_list).
+struct DbiasOut {
+  void* base;
+  int64_t expert_stride;  // elements
+  DType dtype;
+  void* const* device_list;
+  void* list[kListByValue];
+  __device__ void* expert(int e) const {
+    if (base) return static_cast<char*>(base) + e * expert_stride * int64_t(dtype == DType::f32 ? 4 : 2);
+    return device_list ? device_list[e] : list[e];
   }
+};
+
+// dbias_e[n] for n in column tile blockIdx.x, e = blockIdx.y; blockDim.x = 32 * W.
+template <typename T>
+__global__ void __launch_bounds__(kGradCols * kGradMaxWarps)
+    bias_grad_kernel(const T* __restrict__ dy, int64_t ld, int64_t N, int64_t capacity, const void* counts,
+                     bool is_i64, DbiasOut out, uint32_t* error_word) {
+  __shared__ int64_t warp_prefix[kGradMaxWarps];
+  __shared__ float warp_sums[kGradMaxWarps][kGradCols + 1];
+  const int e = int(blockIdx.y);
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+
+  // Rows of e: [min(p, capacity), min(p + c_e, capacity)) with p the sum of the clamped counts
+  // before e (each clamped to capacity first, so the sum of at most 65535 of them cannot overflow).
+  int64_t p = 0;
+  for (int j = threadIdx.x; j < e; j += blockDim.x) p += clamped_count(counts, is_i64, j, capacity);
+#pragma unroll
+  for (int d = 16; d >= 1; d /= 2) p += __shfl_xor_sync(0xffffffffu, p, d);
+  if (lane == 0) warp_prefix[warp] = p;
+  __syncthreads();
+  p = 0;
+  for (int w = 0; w < warps; ++w) p += warp_prefix[w];
+  const int64_t c = clamped_count(counts, is_i64, e, capacity);
+  const int64_t row0 = min(p, capacity), row1 = min(p + c, capacity);
+  if (blockIdx.x == 0 && threadIdx.x == 0) {  // one report per expert, like launch_group_offsets
+    const int64_t raw = is_i64 ? static_cast<const int64_t*>(counts)[e]
+                               : int64_t(static_cast<const int32_t*>(counts)[e]);
+    uint32_t errors = 0;
+    if (raw < 0) errors |= kDeviceErrorNegativeCount;
+    if (raw > capacity || p + c > capacity) errors |= kDeviceErrorCountsPastCapacity;
+    if (errors != 0) atomicOr(error_word, errors);
+  }
+
+  const int64_t n = int64_t(blockIdx.x) * kGradCols + lane;
+  float acc = 0.f;
+  if (n < N) {
+    const T* col = dy + n;
+#pragma unroll 8
+    for (int64_t r = row0 + warp; r < row1; r += warps) acc += float(col[r * ld]);
+  }
+  warp_sums[warp][lane] = acc;
+  __syncthreads();
+  if (warp != 0 || n >= N) return;
+  float total = 0.f;
+  for (int w = 0; w < warps; ++w) total += warp_sums[w][lane];
+  store_f(out.expert(e), out.dtype, n, total);
+}
+
+// Warps per block of bias_grad_kernel: about 16 rows per warp for an expert of average size
+// (capacity / E), a power of two in [1, 32]. Fewer rows per warp leave each block too little to do
+// beside finding its rows; a block of 32 warps keeps enough loads in flight for one skewed expert.
+int bias_grad_warps(int64_t capacity, int64_t E) {
+  const int64_t rows_per_expert = capacity / std::max<int64_t>(E, 1);
+  int warps = 1;
+  while (warps < kGradMaxWarps && int64_t(warps) * 16 < rows_per_expert) warps *= 2;
+  return warps;
 }
 
 // Stage 2: db_e[n] = Σ over e's chunks, in chunk order (0 for an expert without rows).
@@ -140,26 +207,12 @@ __global__ void bias_grad_final_kernel(const float* partial, int64_t N, const in
   store_f(db, db_dtype, n, acc);
 }
 
-// Scratch for one op: offsets and chunk offsets.
-struct Scratch {
-  Buffer buffer;
-  int64_t* offsets = nullptr;
-  int64_t* chunk_offsets = nullptr;
-};
-
-Scratch make_scratch(int E, Allocator& alloc, Stream stream) {
-  Scratch s;
-  const size_t n_off = size_t(E) + 1;
-  s.buffer = Buffer(alloc, 2 * n_off * sizeof(int64_t), stream);
-  s.offsets = static_cast<int64_t*>(s.buffer.data());
-  s.chunk_offsets = s.offsets + n_off;
-  return s;
-}
-
-// offsets[E + 1] (clamped to capacity) and chunk_offsets[E + 1] (prefix sums of each expert's
-// number of kChunkRows chunks).
-void launch_offsets(const TensorView& counts, int64_t capacity, const Scratch& s, cudaStream_t stream) {
-  launch_group_offsets(counts, capacity, s.offsets, s.chunk_offsets, kChunkRows, 1, stream);
+// The bias add's group offsets [E + 1] (clamped to capacity), in scratch from the allocator.
+int64_t* launch_offsets(const TensorView& counts, int64_t capacity, Buffer& buffer, Allocator& alloc, Stream stream) {
+  buffer = Buffer(alloc, (size_t(counts.size(0)) + 1) * sizeof(int64_t), stream);
+  int64_t* offsets = static_cast<int64_t*>(buffer.data());
+  launch_group_offsets(counts, capacity, offsets, nullptr, 1, 1, stream);
+  return offsets;
 }
 
 // The list layout's per-expert pointers on the device, in `buffer` (the grouped layout: nullptr).
@@ -196,8 +249,8 @@ void grouped_bias_add(const TensorView& y, const ExpertBias& bias, const TensorV
   check_cuda_args(bias, "bias");
   const int E = int(counts.size(0));
   if (y.size(0) == 0 || y.size(1) == 0) return;
-  Scratch s = make_scratch(E, alloc, stream_);
-  launch_offsets(counts, y.size(0), s, stream);
+  Buffer offsets_buffer;
+  const int64_t* offsets = launch_offsets(counts, y.size(0), offsets_buffer, alloc, stream_);
   Buffer ptrs;
   const BiasRef ref{list_pointers(bias, ptrs, alloc, stream_), bias.is_grouped() ? bias.grouped.data : nullptr,
                     bias.is_grouped() ? bias.grouped.stride(0) : 0, bias.dtype()};
@@ -212,10 +265,10 @@ void grouped_bias_add(const TensorView& y, const ExpertBias& bias, const TensorV
       using T = decltype(t);
       if (f32) {
         bias_add_vec_kernel<T, float><<<blocks, kThreads, 0, stream>>>(static_cast<T*>(y.data), y.stride(0), N,
-                                                                        y.size(0), s.offsets, E, ref);
+                                                                        y.size(0), offsets, E, ref);
       } else {
         bias_add_vec_kernel<T, T><<<blocks, kThreads, 0, stream>>>(static_cast<T*>(y.data), y.stride(0), N, y.size(0),
-                                                                    s.offsets, E, ref);
+                                                                    offsets, E, ref);
       }
     };
     if (y.dtype == DType::bf16) {
@@ -224,7 +277,7 @@ void grouped_bias_add(const TensorView& y, const ExpertBias& bias, const TensorV
       go(__half{});
     }
   } else {
-    bias_add_kernel<<<blocks, kThreads, 0, stream>>>(y.data, y.dtype, y.stride(0), N, y.size(0), s.offsets, E, ref);
+    bias_add_kernel<<<blocks, kThreads, 0, stream>>>(y.data, y.dtype, y.stride(0), N, y.size(0), offsets, E, ref);
   }
   GMOE_CUDA_CHECK(cudaGetLastError());
 }
@@ -235,18 +288,31 @@ void grouped_bias_grad(const TensorView& dy, const TensorView& counts, const Exp
   check_cuda_args(dbias, "dbias");
   const int E = int(counts.size(0));
   const int64_t N = dy.size(1);
-  if (N == 0) return;
-  Scratch s = make_scratch(E, alloc, stream_);
-  launch_offsets(counts, dy.size(0), s, stream);
-  // Host-known bound on the number of chunks: every expert may end in a partial chunk.
-  const int64_t max_chunks = (dy.size(0) + kChunkRows - 1) / kChunkRows + E;
-  Buffer partial(alloc, size_t(max_chunks) * N * sizeof(float), stream_);
-  const dim3 grid1(unsigned((N + kThreads - 1) / kThreads), unsigned(std::min<int64_t>(max_chunks, 65535)));
-  bias_grad_partial_kernel<<<grid1, kThreads, 0, stream>>>(dy.data, dy.dtype, dy.stride(0), N, s.offsets,
-                                                           s.chunk_offsets, E, max_chunks,
-                                                           static_cast<float*>(partial.data()));
+  if (N == 0 || E == 0) return;
+  DbiasOut out{};
+  out.base = dbias.is_grouped() ? dbias.grouped.data : nullptr;
+  out.expert_stride = dbias.is_grouped() ? dbias.grouped.stride(0) : 0;
+  out.dtype = dbias.dtype();
+  Buffer ptrs;  // only for a list of more than kListByValue experts
+  if (!dbias.is_grouped() && E > kListByValue) {
+    out.device_list = list_pointers(dbias, ptrs, alloc, stream_);
+  } else {
+    for (int e = 0; !dbias.is_grouped() && e < E; ++e) out.list[e] = dbias.list[size_t(e)].data;
+  }
+  const dim3 grid(unsigned((N + kGradCols - 1) / kGradCols), unsigned(E));
+  const unsigned threads = unsigned(32 * bias_grad_warps(dy.size(0), E));
+  auto go = [&](auto t) {
+    using T = decltype(t);
+    bias_grad_kernel<T><<<grid, threads, 0, stream>>>(static_cast<const T*>(dy.data), dy.stride(0), N, dy.size(0),
+                                                      counts.data, counts.dtype == DType::i64, out,
+                                                      device_error_word());
+  };
+  switch (dy.dtype) {
+    case DType::bf16: go(__nv_bfloat16{}); break;
+    case DType::f16: go(__half{}); break;
+    default: go(float{});
+  }
   GMOE_CUDA_CHECK(cudaGetLastError());
-  launch_bias_grad_final(static_cast<const float*>(partial.data()), N, s.chunk_offsets, 1, dbias, stream_, alloc);
 }
 
 void launch_bias_grad_final(const float* partial, int64_t N, const int64_t* chunk_offsets, int64_t chunk_unit,
