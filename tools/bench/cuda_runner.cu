@@ -85,8 +85,7 @@ void release_cached_memory_cuda() {
 std::vector<ResultRow> run_gemm_case_cuda(const BenchCase& c, const BenchOptions& o) {
   const DType dt = o.dtype;
   const size_t es = dtype_size(dt);
-  cudaStream_t stream;
-  BENCH_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const BenchStream stream;
 
   const int64_t nx = c.rows * c.K, ndy = c.rows * c.N, nw = c.E * c.N * c.K;
   // Copies of the inputs to rotate through so that no timed run finds them in L2.
@@ -189,7 +188,6 @@ std::vector<ResultRow> run_gemm_case_cuda(const BenchCase& c, const BenchOptions
   }
   cublasDestroy(h);
   BENCH_CUDA(cudaStreamSynchronize(stream));
-  BENCH_CUDA(cudaStreamDestroy(stream));
   return rows;
 }
 

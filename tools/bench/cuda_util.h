@@ -31,6 +31,24 @@ struct DeviceBuffer {
   DeviceBuffer& operator=(const DeviceBuffer&) = delete;
 };
 
+/// A non-blocking stream, synchronised and destroyed on destruction. Declared before everything
+/// that frees memory on it (gmoe's tensors free on their stream when destroyed), so that it is
+/// destroyed after them: a free enqueued on a destroyed stream is undefined.
+class BenchStream {
+ public:
+  BenchStream() { BENCH_CUDA(cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking)); }
+  ~BenchStream() {
+    cudaStreamSynchronize(s_);
+    cudaStreamDestroy(s_);
+  }
+  BenchStream(const BenchStream&) = delete;
+  BenchStream& operator=(const BenchStream&) = delete;
+  operator cudaStream_t() const { return s_; }  // NOLINT: used wherever a stream is
+
+ private:
+  cudaStream_t s_ = nullptr;
+};
+
 /// Fills `n` bf16/f16 elements with uniform values in [-1, 1), reproducibly from (seed, index), on
 /// the legacy default stream.
 void fill_uniform(void* p, DType dt, int64_t n, uint64_t seed);

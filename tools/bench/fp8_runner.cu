@@ -224,8 +224,7 @@ Fp8BenchRecipe fp8_recipe_from_name(const std::string& name) {
 std::vector<ResultRow> run_fp8_gemm_case_cuda(const BenchCase& c, const BenchOptions& o,
                                               const Fp8BenchRecipe& br) {
   const Fp8Recipe recipe = br.recipe;
-  cudaStream_t stream;
-  BENCH_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const BenchStream stream;
   const Device gpu = Device::cuda(0);
   const int64_t nx = c.rows * c.K, ndy = c.rows * c.N, nw = c.E * c.N * c.K;
 
@@ -368,7 +367,6 @@ std::vector<ResultRow> run_fp8_gemm_case_cuda(const BenchCase& c, const BenchOpt
   }
   fp8.clear();  // frees the FP8 operands on `stream`, before it goes
   BENCH_CUDA(cudaStreamSynchronize(stream));
-  BENCH_CUDA(cudaStreamDestroy(stream));
   return rows;
 }
 

@@ -86,8 +86,7 @@ void layer_forward_backward(GroupedLinear& layer, const LayerBuffers& b, int i, 
 std::vector<ResultRow> run_layer_case_cuda(const BenchCase& c, const BenchOptions& o) {
   const DType dt = o.dtype;
   const size_t es = dtype_size(dt);
-  cudaStream_t stream;
-  BENCH_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const BenchStream stream;
   const int64_t nx = c.rows * c.K, ndy = c.rows * c.N, nw = c.E * c.N * c.K, nb = c.E * c.N;
   const LayerBuffers b(c, dt, rotation_sets((nx + ndy + nw) * es), o.seed);
   std::vector<GroupedLinear> layers;
@@ -191,14 +190,12 @@ std::vector<ResultRow> run_layer_case_cuda(const BenchCase& c, const BenchOption
     rows.insert(rows.end(), r.begin(), r.end());
   }
   check_device_errors(stream);
-  BENCH_CUDA(cudaStreamDestroy(stream));
   return rows;
 }
 
 bool check_layer_launches_cuda(const BenchOptions& o) {
   const int64_t rows = 4096, N = 256, K = 256;
-  cudaStream_t stream;
-  BENCH_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const BenchStream stream;
   std::printf("launches per GroupedLinear call (stacked weights, grouped bias, f32 main_grad accumulated; "
               "rows %lld, N %lld, K %lld; CUDA graph capture, global mode):\n",
               (long long)rows, (long long)N, (long long)K);
@@ -232,7 +229,6 @@ bool check_layer_launches_cuda(const BenchOptions& o) {
   }
   std::printf("  the same for E = 8 and E = 256: %s\n", same ? "yes" : "NO (FAILED: launches grow with E)");
   std::fflush(stdout);
-  BENCH_CUDA(cudaStreamDestroy(stream));
   return same;
 }
 

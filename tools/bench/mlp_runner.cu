@@ -104,8 +104,7 @@ void unfused_forward_backward(UnfusedMlp& m, const MlpBuffers& b, int i, cudaStr
 std::vector<ResultRow> run_mlp_case_cuda(const BenchCase& c, const BenchOptions& o) {
   const DType dt = o.dtype;
   const size_t es = dtype_size(dt);
-  cudaStream_t stream;
-  BENCH_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const BenchStream stream;
   const int64_t R1 = mlp_fc1_rows(c);
   const int64_t nx = c.rows * c.hidden, nw1 = c.E * R1 * c.hidden, nw2 = c.E * c.hidden * c.ffn;
   const MlpBuffers b(c, dt, rotation_sets((2 * nx + nw1 + nw2) * es), o.seed);
@@ -225,7 +224,6 @@ std::vector<ResultRow> run_mlp_case_cuda(const BenchCase& c, const BenchOptions&
     fp8.clear();
     check_device_errors(stream);
   }
-  BENCH_CUDA(cudaStreamDestroy(stream));
   for (const auto& [pass, ms] : {std::pair{"forward", act_fwd}, std::pair{"forward_backward", act_fb}}) {
     rows.push_back(timed_row(c.name, pass, "gmoe_activation", dtype_name(dt), ms, 0, std::nullopt,
                              "the activation kernels alone (no FLOPs counted)"));

@@ -121,8 +121,7 @@ std::vector<ResultRow> run_moe_case_cuda(const BenchCase& c, const BenchOptions&
   const DType dt = o.dtype;
   const size_t es = dtype_size(dt);
   const int64_t T = c.tokens, E = c.E, k = c.top_k, H = c.hidden, F = c.ffn;
-  cudaStream_t stream;
-  BENCH_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const BenchStream stream;
   const MoeBuffers b(c, dt, rotation_sets(T * (2 * H + E) * es), o.seed);
   CountingAllocator alloc(cuda_allocator());
   GroupedMLP experts = make_bench_moe_experts(c, b.w1v(), b.w2v(), alloc);
@@ -281,7 +280,6 @@ std::vector<ResultRow> run_moe_case_cuda(const BenchCase& c, const BenchOptions&
   t.combine_backward_ms = op[3];
   t.copy_ms = op[4];
   check_device_errors(stream);
-  BENCH_CUDA(cudaStreamDestroy(stream));
   return moe_rows(c, dt, t, chk);
 }
 
