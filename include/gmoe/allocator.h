@@ -14,7 +14,7 @@ namespace gmoe {
 /// the call; free() releases it after all work enqueued on `stream` before the call. Every scratch
 /// buffer of every op comes from here, so a framework (PyTorch) can plug in its own caching
 /// allocator and keep track of all memory. Implementations must be usable during CUDA graph
-/// capture if ops are to be captured (cudaMallocAsync is).
+/// capture if ops are to be captured (cudaMallocAsync and cudaMallocFromPoolAsync are).
 class Allocator {
  public:
   virtual ~Allocator() = default;
@@ -32,8 +32,10 @@ class Allocator {
 /// Process-wide host allocator (aligned malloc; stream ignored).
 Allocator& host_allocator();
 
-/// Process-wide allocator for the current CUDA device built on cudaMallocAsync/cudaFreeAsync
-/// (graph-capturable). Throws gmoe::Error if gmoe was built without CUDA.
+/// Process-wide allocator for the current CUDA device: cudaMallocFromPoolAsync/cudaFreeAsync on a
+/// pool gmoe owns per device, which keeps freed memory cached across synchronisations
+/// (graph-capturable; its statistics and trim: gmoe/memory_pool.h). Throws gmoe::Error if gmoe was
+/// built without CUDA.
 Allocator& cuda_allocator();
 
 /// The default allocator for a device: host_allocator() for the CPU, cuda_allocator() for CUDA.
