@@ -80,7 +80,8 @@
 // tiles), so the overlapped backward partitions the device as DeepEP's num_sms and Transformer
 // Engine's sm_margin do: the exchanges on comm_stream run within overlap.comm_sms CTAs
 // (ep_dispatch's max_sms), and the weight gradients beside the combine under Tuning::max_sms = all
-// but comm_sms (gmoe/tuning.h). The partition changes no output bit. backward returns with all
+// but comm_sms (gmoe/tuning.h; with overlap.partition_first_wgrad_only FC2's alone, FC1's then on
+// every SM). The partition changes no output bit. backward returns with all
 // of comm_stream's work joined into the compute stream (a capture of the compute stream captures
 // both), and every buffer either stream touched released in stream order. comm_stream needs no
 // ordering from the caller (its first wait orders it after everything enqueued on the compute
@@ -147,6 +148,11 @@ struct MoEBackwardOverlap {
   /// here are 18 that push over the links and 6 that copy the rows a rank keeps (local bandwidth),
   /// and leave an H100's GEMMs 108 of its 132 SMs. Every rank passes the same value (collective).
   int comm_sms = 24;
+  /// With both FCs' weight gradients delayed: only FC2's (the first, which starts with the
+  /// combine) runs on the SMs the exchanges leave, FC1's on every SM. The partition costs the
+  /// GEMMs the exchanges' SMs for as long as it lasts, also after the combine is done; this ends it
+  /// where the combine is likely over (FC2's weight gradient takes longer than the combine).
+  bool partition_first_wgrad_only = false;
 };
 
 /// Result of MoELayer::forward.

@@ -4,6 +4,8 @@
 // the call's stream, so the whole pass is stream-ordered and capturable.
 #include "gmoe/moe_layer.h"
 
+#include <functional>
+#include <optional>
 #include <string>
 
 #include "gmoe/error.h"
@@ -293,8 +295,10 @@ MoEBackward MoELayer::backward(MoELayerContext& ctx, const TensorView& dout, Str
     // delayed FCs' partial gradients (their bias gradients included).
     Tuning beside = current_tuning();
     if (beside.max_sms == 0) beside.max_sms = -comm_sms;
-    ScopedTuning partition(beside);
-    GroupedMLPGrads dw = experts_->backward_dw(s.experts, stream);
+    std::optional<ScopedTuning> partition(std::in_place, beside);
+    std::function<void()> after_fc2;
+    if (overlap.partition_first_wgrad_only) after_fc2 = [&partition] { partition.reset(); };
+    GroupedMLPGrads dw = experts_->backward_dw(s.experts, stream, after_fc2);
     if (experts_->options().fc1.delay_wgrad) b.grads.fc1 = std::move(dw.fc1);
     if (experts_->options().fc2.delay_wgrad) b.grads.fc2 = std::move(dw.fc2);
   }
