@@ -341,9 +341,10 @@ void launch_move_as(MoveArgs a, const Window& win, int sm_count, int max_sms, St
     // A budget of N CTAs (the rest of the device runs other kernels): about a quarter for the rows
     // a rank keeps (it copies them at local bandwidth, the pushers at the slower link's), the rest
     // push. The split depends on N alone, never on this device's SM count: the barriers pair CTA i
-    // of every rank, so every rank (all pass the same N) must launch the same pushers.
+    // of every rank, so every rank (all pass the same N) must launch the same pushers. The local
+    // CTAs pair with nothing: no more than the SMs the pushers leave on this device.
     a.push_ctas = std::min(kPushCtas, max_sms - std::max(1, max_sms / 4));
-    local_ctas = max_sms - a.push_ctas;
+    local_ctas = std::min(max_sms - a.push_ctas, std::max(sm_count - a.push_ctas, 1));
   }
   push_kernel<V><<<a.push_ctas + local_ctas, kThreads, smem, stream>>>(a, win.comm, win.handle);
   GMOE_CUDA_CHECK(cudaGetLastError());
