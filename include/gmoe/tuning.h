@@ -38,16 +38,20 @@ struct Tuning {
   /// multiple of 128) in fprop and dgrad: -1 the heuristic's chunk, 0 no splitting.
   int64_t row_chunk = -1;
   /// The SMs a grouped GEMM's persistent grid may occupy (bf16/f16 and FP8, all passes; nothing
-  /// else reads it): 0 all of the device's, n > 0 at most n, n < 0 all but -n (at least 1), as
-  /// Transformer Engine's sm_margin. For kernels that run beside others on the remaining SMs
+  /// else reads it): 0 all of the device's, n > 0 at most n, n < 0 all but -n, as Transformer
+  /// Engine's sm_margin (a cap below the device's count is rounded: gemm_sms). For kernels that run beside others on the remaining SMs
   /// (MoELayer's overlapped backward runs its weight gradients beside the exchanges: moe_layer.h).
   /// Only the grid shrinks: the tile choice, and so every output bit, stays the uncapped call's.
   int max_sms = 0;
 
-  /// The SMs a grouped GEMM takes on a device of `device_sms` under max_sms, in [1, device_sms].
+  /// The SMs a grouped GEMM takes on a device of `device_sms` under max_sms: the device's, or a
+  /// cap below it rounded down to a multiple of 4 and at least 4 (a clustered persistent grid,
+  /// up to 2x2, must hold whole clusters; CUTLASS sizes it from this count).
   int gemm_sms(int device_sms) const {
     const int cap = max_sms > 0 ? max_sms : device_sms + max_sms;
-    return cap < 1 ? 1 : cap > device_sms ? device_sms : cap;
+    if (max_sms == 0 || cap >= device_sms) return device_sms;
+    const int whole = cap - cap % 4;
+    return whole < 4 ? (device_sms < 4 ? device_sms : 4) : whole;
   }
 
   /// The cluster forced on FP8 fprop/dgrad: fp8_rows_cluster, else cluster (automatic: none).

@@ -135,21 +135,28 @@ TEST(Tuning, Fp8RowsClusterFallsBackToTheCluster) {
   EXPECT_EQ(parse_tuning("cluster=1x1,fp8_rows_cluster=2x2").fp8_rows_cluster_forced(), ClusterShape::c2x2);
 }
 
-// max_sms resolves against the device's SM count: a cap, a margin, never below 1 or above the
-// device's.
+// max_sms resolves against the device's SM count: a cap, a margin; below the device's count a
+// multiple of 4 (whole 2x2 clusters), at least 4; never above the device's.
 TEST(Tuning, MaxSmsResolvesAgainstTheDevice) {
   Tuning t;
   EXPECT_EQ(t.gemm_sms(132), 132) << "0: every SM";
+  EXPECT_EQ(t.gemm_sms(114), 114) << "0: every SM, a multiple of 4 or not";
   t.max_sms = 100;
   EXPECT_EQ(t.gemm_sms(132), 100);
   EXPECT_EQ(t.gemm_sms(78), 78) << "a cap above the device's count is the device's count";
+  t.max_sms = 102;
+  EXPECT_EQ(t.gemm_sms(132), 100) << "rounded down to whole 2x2 clusters";
   t.max_sms = -24;
   EXPECT_EQ(t.gemm_sms(132), 108) << "-24: all but 24";
-  EXPECT_EQ(t.gemm_sms(20), 1) << "a margin past the device leaves one SM, not none";
+  EXPECT_EQ(t.gemm_sms(114), 88) << "all but 24 of 114 is 90: rounded down";
+  EXPECT_EQ(t.gemm_sms(20), 4) << "a margin past the device leaves one cluster's SMs, not none";
+  EXPECT_EQ(t.gemm_sms(3), 3) << "a device smaller than a cluster keeps its own";
   t.max_sms = -132;
-  EXPECT_EQ(t.gemm_sms(132), 1);
+  EXPECT_EQ(t.gemm_sms(132), 4);
   t.max_sms = 1;
-  EXPECT_EQ(t.gemm_sms(132), 1);
+  EXPECT_EQ(t.gemm_sms(132), 4);
+  t.max_sms = 7;
+  EXPECT_EQ(t.gemm_sms(132), 4);
 }
 
 }  // namespace

@@ -251,8 +251,9 @@ void expect_max_sms_keeps_the_bits(Run&& run) {
     want = run();
     EXPECT_EQ(cuda_backend::last_launch_record().sm_count, device_sms()) << "no cap: every SM";
   }
-  // One CTA (every tile in turn), an odd cap, a margin like the overlapped backward's.
-  for (int max_sms : {1, 7, -24}) {
+  // The fewest SMs (one 2x2 cluster's: 4), an odd cap (rounded down to 8), a margin like the
+  // overlapped backward's.
+  for (int max_sms : {1, 9, -24}) {
     Tuning capped = uncapped;
     capped.max_sms = max_sms;
     ScopedTuning scope(capped);

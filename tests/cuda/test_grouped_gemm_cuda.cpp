@@ -384,7 +384,7 @@ TEST(CudaGroupedGemmTiles, BigExpertsChunkedAndClusteredWgrad) {
 }
 
 // Tuning::max_sms shrinks the persistent grid only: fprop, dgrad and wgrad (into bf16 and into
-// f32) give the same bits on 1, 7 and all-but-24 SMs as on all of them, with ~200 tiles a pass so
+// f32) give the same bits on 4, 8 and all-but-24 SMs as on all of them, with ~200 tiles a pass so
 // that every cap gives each CTA several tiles in another order.
 TEST(CudaGroupedGemmTiles, MaxSmsKeepsTheBits) {
   GMOE_SKIP_WITHOUT_GPU();
