@@ -78,10 +78,12 @@
 // overlap only where they find free SMs, and both the exchanges' kernels and the persistent
 // grouped GEMMs would take every SM (a GEMM CTA whose SM is busy starts late and delays all its
 // tiles), so the overlapped backward partitions the device as DeepEP's num_sms and Transformer
-// Engine's sm_margin do: the exchanges on comm_stream run within overlap.comm_sms CTAs
-// (ep_dispatch's max_sms), and the weight gradients beside the combine under Tuning::max_sms = all
-// but comm_sms (gmoe/tuning.h; with overlap.partition_first_wgrad_only FC2's alone, FC1's then on
-// every SM). The partition changes no output bit. backward returns with all
+// Engine's sm_margin do: an exchange on comm_stream with work beside it (the dispatch with
+// overlap.during_dispatch, the combine with experts_wgrad_during_combine) runs within
+// overlap.comm_sms CTAs (ep_dispatch's max_sms), and that work under Tuning::max_sms = all but
+// comm_sms (gmoe/tuning.h: the grouped GEMMs during_dispatch enqueues, and the weight gradients;
+// with overlap.partition_first_wgrad_only FC2's alone, FC1's then on every SM); an exchange with
+// nothing beside it takes every SM. The partition changes no output bit. backward returns with all
 // of comm_stream's work joined into the compute stream (a capture of the compute stream captures
 // both), and every buffer either stream touched released in stream order. comm_stream needs no
 // ordering from the caller (its first wait orders it after everything enqueued on the compute
@@ -141,10 +143,10 @@ struct MoEBackwardOverlap {
   /// stream waits for it: work the caller enqueues on the call's stream here overlaps the dispatch.
   /// It must enqueue no op of this EP group. Called without EP too (at the same point).
   std::function<void()> during_dispatch;
-  /// The SMs the exchanges on comm_stream may use (see the top of this file); the weight gradients
-  /// of experts_wgrad_during_combine run on the others (the caller's own Tuning::max_sms, if set,
-  /// wins). 0: no partition, every kernel spreads over the whole device. Ignored without
-  /// comm_stream. The default follows DeepEP, whose intranode exchanges default to 20 SMs: 24 CTAs
+  /// The SMs an exchange on comm_stream with work beside it may use (see the top of this file);
+  /// that work (during_dispatch's, the weight gradients of experts_wgrad_during_combine) runs on
+  /// the others (the caller's own Tuning::max_sms, if set, wins). 0: no partition, every kernel
+  /// spreads over the whole device. Ignored without comm_stream. The default follows DeepEP, whose intranode exchanges default to 20 SMs: 24 CTAs
   /// here are 18 that push over the links and 6 that copy the rows a rank keeps (local bandwidth),
   /// and leave an H100's GEMMs 108 of its 132 SMs. Every rank passes the same value (collective).
   int comm_sms = 24;

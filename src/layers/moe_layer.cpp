@@ -233,8 +233,14 @@ MoEBackward MoELayer::backward(MoELayerContext& ctx, const TensorView& dout, Str
   // The exchanges' stream, and the event steps between it and the compute stream (moe_layer.h).
   const bool side = ep != nullptr && overlap.comm_stream != nullptr && overlap.comm_stream != stream;
   const Stream comm = side ? overlap.comm_stream : stream;
-  // The exchanges on comm_stream keep to comm_sms SMs; the GEMMs beside them to the rest.
+  // An exchange on comm_stream with work beside it keeps to comm_sms SMs and that work's GEMMs to
+  // the rest; an exchange with nothing beside it (on the critical path) takes every SM.
   const int comm_sms = side ? overlap.comm_sms : 0;
+  const int dispatch_sms = overlap.during_dispatch ? comm_sms : 0;
+  const int combine_sms = overlap.experts_wgrad_during_combine ? comm_sms : 0;
+  // The GEMMs beside an exchange: on the SMs it leaves (a max_sms the caller set wins).
+  Tuning beside = current_tuning();
+  if (beside.max_sms == 0) beside.max_sms = -comm_sms;
   if (side) {
     for (Event* e : {&s.to_comm, &s.to_compute}) {
       if (!e->defined() || e->device() != s.x.device) *e = Event(s.x.device);
@@ -266,8 +272,11 @@ MoEBackward MoELayer::backward(MoELayerContext& ctx, const TensorView& dout, Str
   }
   if (ep != nullptr) {
     join_comm();
-    EpRows sent = ep_dispatch(*ep, s.plan, dyp, {}, &a, comm, comm_sms);
-    if (overlap.during_dispatch) overlap.during_dispatch();
+    EpRows sent = ep_dispatch(*ep, s.plan, dyp, {}, &a, comm, dispatch_sms);
+    if (overlap.during_dispatch) {
+      ScopedTuning partition(beside);
+      overlap.during_dispatch();
+    }
     join_compute();
     dyp.release_on(stream);
     s.dexpert_out = std::move(sent.rows);
@@ -286,15 +295,13 @@ MoEBackward MoELayer::backward(MoELayerContext& ctx, const TensorView& dout, Str
   EpRows back;
   if (ep != nullptr) {
     join_comm();
-    back = ep_combine(*ep, s.plan, eb.dx, eb.dprobs, &a, comm, comm_sms);
+    back = ep_combine(*ep, s.plan, eb.dx, eb.dprobs, &a, comm, combine_sms);
   }
   b.grads = std::move(eb.grads);
   if (overlap.experts_wgrad_during_combine) {
-    // On the compute stream while the combine is in flight, on the SMs the combine leaves (a
-    // max_sms the caller set in its own Tuning wins); what backward_dw computes replaces the
-    // delayed FCs' partial gradients (their bias gradients included).
-    Tuning beside = current_tuning();
-    if (beside.max_sms == 0) beside.max_sms = -comm_sms;
+    // On the compute stream while the combine is in flight, on the SMs the combine leaves; what
+    // backward_dw computes replaces the delayed FCs' partial gradients (their bias gradients
+    // included).
     std::optional<ScopedTuning> partition(std::in_place, beside);
     std::function<void()> after_fc2;
     if (overlap.partition_first_wgrad_only) after_fc2 = [&partition] { partition.reset(); };
