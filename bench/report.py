@@ -628,37 +628,32 @@ def ep_tables(rows):
     return (layer if len(layer) > 2 else []), (comm if len(comm) > 3 else [])
 
 
-EP_OVERLAP_PASSES = ("forward_eager", "backward_sequential", "backward_overlap", "backward_overlap_unpartitioned",
-                     "backward_overlap_first_wgrad", "exchanges", "exchanges_dispatch", "exchanges_combine", "wgrad")
+EP_OVERLAP_PASSES = ("forward_eager", "backward_sequential", "backward_overlap", "exchanges", "exchanges_dispatch",
+                     "exchanges_combine", "wgrad")
 
 
 def ep_overlap_table(rows):
     """tools/gmoe_ep_bench.cpp's rows (kind "ep", impl gmoe_ep, and gmoe_ep_trimmed with
     --trim-pool-each-step): per case and pool mode the C++ MoELayer's backward in order and with its
-    exchanges overlapped with the experts' delayed weight gradients (the SMs partitioned between
-    them; "fc2 part": FC2's weight gradient alone partitioned; "unpart": not partitioned; "-" in
-    results from before the partition), the time saved, the exchanges
+    exchanges overlapped with the experts' delayed weight gradients, the time saved, the exchanges
     against dispatch + combine alone, and whether the overlapped gradients equal the sequential
     ones. [] when there are none."""
     cells = {}
     for r in rows:
         if is_ep(r) and r["impl"] in ("gmoe_ep", "gmoe_ep_trimmed") and r["pass"] in EP_OVERLAP_PASSES:
             cells.setdefault((r["case"], r["impl"]), {})[r["pass"]] = r
-    out = [["case", "pool", "fwd ms", "seq ms", "ovl ms", "saved ms", "ovl fc2 part ms", "ovl unpart ms",
-            "saved unpart ms", "exch ms", "disp+comb ms", "wgrad ms", "correct"]]
+    out = [["case", "pool", "fwd ms", "seq ms", "ovl ms", "saved ms", "exch ms", "disp+comb ms", "wgrad ms",
+            "correct"]]
     for (case, impl), c in cells.items():
         ms = {p: (None if c.get(p) is None or c[p].get("skipped") else c[p].get("ms")) for p in EP_OVERLAP_PASSES}
-        saved, saved_unpart = (None if ms["backward_sequential"] is None or ms[p] is None else
-                               ms["backward_sequential"] - ms[p]
-                               for p in ("backward_overlap", "backward_overlap_unpartitioned"))
+        saved = None if ms["backward_sequential"] is None or ms["backward_overlap"] is None else \
+            ms["backward_sequential"] - ms["backward_overlap"]
         parts = None if ms["exchanges_dispatch"] is None or ms["exchanges_combine"] is None else \
             ms["exchanges_dispatch"] + ms["exchanges_combine"]
         ok = (c.get("backward_overlap") or {}).get("correct")
         out.append([case, "trimmed each step" if impl == "gmoe_ep_trimmed" else "cached",
                     *(fmt(ms[p], 3) for p in ("forward_eager", "backward_sequential", "backward_overlap")),
-                    fmt(saved, 3), fmt(ms["backward_overlap_first_wgrad"], 3),
-                    fmt(ms["backward_overlap_unpartitioned"], 3), fmt(saved_unpart, 3),
-                    fmt(ms["exchanges"], 3), fmt(parts, 3), fmt(ms["wgrad"], 3),
+                    fmt(saved, 3), fmt(ms["exchanges"], 3), fmt(parts, 3), fmt(ms["wgrad"], 3),
                     "-" if ok is None else ("yes" if ok else "NO")])
     return out if len(out) > 1 else []
 

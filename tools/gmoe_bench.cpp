@@ -192,8 +192,7 @@ int main(int argc, char** argv) {
   std::string tuning;
   app.add_option("--tuning", tuning,
                  "kernel heuristic overrides for the whole run, gmoe::parse_tuning's syntax (e.g. "
-                 "tile=coop,cluster=2x1,raster=n,row_chunk=256; keys tile, cluster, fp8_rows_cluster, raster, row_chunk, "
-                 "max_sms)");
+                 "tile=coop,cluster=2x1,raster=n,row_chunk=256; keys tile, cluster, fp8_rows_cluster, raster, row_chunk)");
   app.add_option("--pass", o.only_pass, "gemm mode: only this pass (e.g. to profile one kernel)")
       ->check(CLI::IsMember({"fprop", "dgrad", "wgrad"}));
   CLI11_PARSE(app, argc, argv);

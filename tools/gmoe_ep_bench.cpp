@@ -2,30 +2,21 @@
 // NCCL, in order and with its exchanges overlapped with the experts' delayed weight gradients
 // (MoEBackwardOverlap: comm_stream + experts_wgrad_during_combine), one process per GPU.
 //
-//   gmoe-ep-bench [--ranks R] [--case SUBSTRING] [--warmup N] [--iters N] [--comm-sms N]
-//                 [--trim-pool-each-step] [--json PATH]
+//   gmoe-ep-bench [--ranks R] [--case SUBSTRING] [--warmup N] [--iters N] [--trim-pool-each-step]
+//                 [--json PATH]
 //
 // Per case (uniform routing from random logits, bf16, both FCs' weight gradients delayed) each
 // rank times with CUDA events, after the warm-up, the median of --iters steps of:
 //   forward_eager         the eager forward
 //   backward_sequential   backward, then backward_dw, on one stream
 //   backward_overlap      backward with its exchanges on a second stream and backward_dw on the
-//                         compute stream while the combine of dxr is in flight, the SMs partitioned
-//                         (MoEBackwardOverlap::comm_sms, --comm-sms: the exchanges within that many
-//                         CTAs, the weight gradients on the other SMs)
-//   backward_overlap_unpartitioned   the same with comm_sms = 0: every kernel spreads over the
-//                         whole device (the streams then compete for the SMs)
-//   backward_overlap_first_wgrad     the same with comm_sms, but only FC2's weight gradient (the
-//                         first) on the SMs the exchanges leave, FC1's on all of them
-//                         (MoEBackwardOverlap::partition_first_wgrad_only)
+//                         compute stream while the combine of dxr is in flight
 //   exchanges             ep_dispatch + ep_combine of the same rows alone (backward's two exchanges:
 //                         dyp out, dxr and dpr back)
 //   exchanges_dispatch    the ep_dispatch alone
 //   exchanges_combine     the ep_combine alone (the one exchange that backward_dw can overlap: the
 //                         dispatch of dyp precedes the experts' backward, which needs its rows)
-//   exchanges_combine_partitioned   the ep_combine alone within comm_sms CTAs
 //   wgrad                 the experts' backward_dw alone
-//   wgrad_partitioned     backward_dw alone on all SMs but comm_sms (Tuning::max_sms)
 // Before timing, the overlapped backward is checked against the sequential one: dx, dlogits and
 // every weight gradient bitwise equal (the overlap moves work between streams, not arithmetic).
 //
@@ -74,7 +65,6 @@
 #include "gmoe/memory_pool.h"
 #include "gmoe/moe_layer.h"
 #include "gmoe/routing.h"
-#include "gmoe/tuning.h"
 
 namespace {
 
@@ -90,28 +80,11 @@ constexpr Case kCases[] = {
 };
 constexpr int kNumCases = sizeof(kCases) / sizeof(kCases[0]);
 
-enum Pass {
-  kForward,
-  kSequential,
-  kOverlap,
-  kOverlapWhole,
-  kOverlapFirst,
-  kExchanges,
-  kDispatch,
-  kCombine,
-  kCombinePart,
-  kWgrad,
-  kWgradPart,
-  kNumPasses
-};
+enum Pass { kForward, kSequential, kOverlap, kExchanges, kDispatch, kCombine, kWgrad, kNumPasses };
 // JSON passes: bench/torch_ep_baseline.py's gmoe_ep rows of the same cases already have a
 // "forward", a "dispatch" and a "combine" (which bench/report.py reads), so these are named apart.
-constexpr const char* kPassNames[kNumPasses] = {"forward_eager",      "backward_sequential",
-                                                "backward_overlap",   "backward_overlap_unpartitioned",
-                                                "backward_overlap_first_wgrad",
-                                                "exchanges",          "exchanges_dispatch",
-                                                "exchanges_combine",  "exchanges_combine_partitioned",
-                                                "wgrad",              "wgrad_partitioned"};
+constexpr const char* kPassNames[kNumPasses] = {"forward_eager", "backward_sequential", "backward_overlap", "exchanges",
+                                                "exchanges_dispatch", "exchanges_combine", "wgrad"};
 // How the pool is treated between steps: kept (gmoe's pool caches freed memory), or trimmed after
 // each step (--trim-pool-each-step: what a pool with a release threshold of 0 does at each sync).
 enum Mode { kCached, kTrimmed, kNumModes };
@@ -212,7 +185,7 @@ std::string backward_differences(const gmoe::MoEBackward& a, const gmoe::Grouped
 
 // One case on one rank: fills `rep`'s rows of case `ci`.
 void run_case(int ci, int rank, int ranks, const gmoe::EpUniqueId& id, int warmup, int iters, bool trim_ab,
-              int comm_sms, cudaStream_t s, cudaStream_t comm, Report& rep) {
+              cudaStream_t s, cudaStream_t comm, Report& rep) {
   using namespace gmoe;
   const Case& c = kCases[ci];
   const Device dev = Device::cuda(rank);
@@ -327,13 +300,6 @@ void run_case(int ci, int rank, int ranks, const gmoe::EpUniqueId& id, int warmu
   MoEBackwardOverlap overlap;
   overlap.comm_stream = comm;
   overlap.experts_wgrad_during_combine = true;
-  overlap.comm_sms = comm_sms;
-  MoEBackwardOverlap whole = overlap;
-  whole.comm_sms = 0;
-  MoEBackwardOverlap first = overlap;
-  first.partition_first_wgrad_only = true;
-  Tuning wgrad_beside = current_tuning();  // what the partitioned overlap runs backward_dw under
-  wgrad_beside.max_sms = -comm_sms;
 
   // The overlap moves work between streams, not arithmetic: its gradients equal the sequential ones.
   {
@@ -365,15 +331,8 @@ void run_case(int ci, int rank, int ranks, const gmoe::EpUniqueId& id, int warmu
     ms[kForward] = timed([] {}, forward);
     ms[kSequential] = timed(forward, backward_in_order);
     ms[kOverlap] = timed(forward, [&] { MoEBackward b = layer.backward(ctx, doutv, s, {}, {}, overlap); });
-    ms[kOverlapWhole] = timed(forward, [&] { MoEBackward b = layer.backward(ctx, doutv, s, {}, {}, whole); });
-    ms[kOverlapFirst] = timed(forward, [&] { MoEBackward b = layer.backward(ctx, doutv, s, {}, {}, first); });
     ms[kWgrad] = timed([&] { forward(); MoEBackward b = layer.backward(ctx, doutv, s); },
                        [&] { GroupedMLPGrads dw = experts.backward_dw(ctx.experts(), s); });
-    ms[kWgradPart] = timed([&] { forward(); MoEBackward b = layer.backward(ctx, doutv, s); },
-                           [&] {
-                             ScopedTuning partition(wgrad_beside);
-                             GroupedMLPGrads dw = experts.backward_dw(ctx.experts(), s);
-                           });
     ms[kExchanges] = timed([] {}, [&] {
       EpRows there = ep_dispatch(*group, plan, rows_view, {}, nullptr, s);
       EpRows back = ep_combine(*group, plan, there.rows.view(), scalars_view, nullptr, s);
@@ -382,9 +341,6 @@ void run_case(int ci, int rank, int ranks, const gmoe::EpUniqueId& id, int warmu
     EpRows there;
     ms[kCombine] = timed([&] { there = ep_dispatch(*group, plan, rows_view, {}, nullptr, s); },
                          [&] { EpRows back = ep_combine(*group, plan, there.rows.view(), scalars_view, nullptr, s); });
-    ms[kCombinePart] = timed([&] { there = ep_dispatch(*group, plan, rows_view, {}, nullptr, s); }, [&] {
-      EpRows back = ep_combine(*group, plan, there.rows.view(), scalars_view, nullptr, s, comm_sms);
-    });
     there = {};
   }
   cuda_ok(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
@@ -392,7 +348,7 @@ void run_case(int ci, int rank, int ranks, const gmoe::EpUniqueId& id, int warmu
 }
 
 int child_main(int rank, int ranks, const std::vector<gmoe::EpUniqueId>& ids, int warmup, int iters,
-               bool trim_ab, int comm_sms, const std::string& filter, Report& rep) {
+               bool trim_ab, const std::string& filter, Report& rep) {
   cudaStream_t s = nullptr, comm = nullptr;
   try {
     cuda_ok(cudaSetDevice(rank), "cudaSetDevice");
@@ -404,7 +360,7 @@ int child_main(int rank, int ranks, const std::vector<gmoe::EpUniqueId>& ids, in
     for (int i = 0; i < kNumCases; ++i) {
       if (!filter.empty() && std::string(kCases[i].name).find(filter) == std::string::npos) continue;
       if (kCases[i].experts % ranks != 0) continue;  // every rank skips it alike
-      run_case(i, rank, ranks, ids[static_cast<size_t>(i)], warmup, iters, trim_ab, comm_sms, s, comm, rep);
+      run_case(i, rank, ranks, ids[static_cast<size_t>(i)], warmup, iters, trim_ab, s, comm, rep);
       // The next case's cudaMalloc'd inputs and NCCL window must not find this case's scratch cached.
       cuda_ok(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
       gmoe::trim_memory_pool(gmoe::Device::cuda(rank));
@@ -464,17 +420,13 @@ OverRanks over_ranks(const std::vector<Report>& reports, int ci, int mode, int p
 int main(int argc, char** argv) {
   CLI::App app{"gmoe-ep-bench: MoELayer backward with expert parallelism on NCCL, its exchanges in order and "
                "overlapped with the experts' delayed weight gradients (one process per GPU)"};
-  int ranks = -1, warmup = 3, iters = 20, comm_sms = gmoe::MoEBackwardOverlap{}.comm_sms;
+  int ranks = -1, warmup = 3, iters = 20;
   bool trim_ab = false;
   std::string filter, json;
   app.add_option("--ranks", ranks, "ranks, one per GPU (default: every visible GPU)");
   app.add_option("--case", filter, "run only the cases whose name contains this");
   app.add_option("--warmup", warmup, "untimed steps per pass")->check(CLI::NonNegativeNumber);
   app.add_option("--iters", iters, "timed steps per pass (the median is reported)")->check(CLI::PositiveNumber);
-  app.add_option("--comm-sms", comm_sms,
-                 "SMs of the overlapped backward's exchanges (MoEBackwardOverlap::comm_sms; default: its default); "
-                 "backward_overlap_unpartitioned is the same backward with 0")
-      ->check(CLI::Range(2, 1 << 20));
   app.add_flag("--trim-pool-each-step", trim_ab,
                "time every pass a second time (impl gmoe_ep_trimmed) with gmoe's memory pool trimmed after each "
                "step: the cost of a pool that gives freed memory back at every sync, A/B in the same run");
@@ -500,8 +452,8 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "gmoe-ep-bench: ep_unique_id failed: %s\n", e.what());
     return 1;
   }
-  std::printf("gmoe-ep-bench: %d ranks, warm-up %d, median of %d, overlap comm_sms %d%s\n", ranks, warmup, iters,
-              comm_sms, trim_ab ? ", every pass also with the pool trimmed after each step" : "");
+  std::printf("gmoe-ep-bench: %d ranks, warm-up %d, median of %d%s\n", ranks, warmup, iters,
+              trim_ab ? ", every pass also with the pool trimmed after each step" : "");
   std::fflush(stdout);
 
   // Each child sends its Report through a pipe of its own; a report fits a pipe's buffer, so the
@@ -523,7 +475,7 @@ int main(int argc, char** argv) {
       for (auto& m : c) std::fill(std::begin(m), std::end(m), PassStats{});
     }
     std::fill(std::begin(rep->overlap_equal), std::end(rep->overlap_equal), -1);
-    const int rc = child_main(r, ranks, ids, warmup, iters, trim_ab, comm_sms, filter, *rep);
+    const int rc = child_main(r, ranks, ids, warmup, iters, trim_ab, filter, *rep);
     std::fflush(stdout);
     std::fflush(stderr);
     const int fd = fds[2 * static_cast<size_t>(r) + 1];
@@ -563,19 +515,13 @@ int main(int argc, char** argv) {
                     o[p].steps, o[p].peak_reserved_gib);
       }
       const double saved = o[kSequential].max_ms - o[kOverlap].max_ms;
-      const double saved_whole = o[kSequential].max_ms - o[kOverlapWhole].max_ms;
-      const double saved_first = o[kSequential].max_ms - o[kOverlapFirst].max_ms;
       const double hidden = saved / std::min(o[kExchanges].max_ms, o[kWgrad].max_ms);
       const double hidden_combine = saved / std::min(o[kCombine].max_ms, o[kWgrad].max_ms);
       const double parts = o[kDispatch].max_ms + o[kCombine].max_ms;
-      std::printf("  saved (sequential - overlap, comm_sms %d) %.3f ms: %.0f%% of min(exchanges, wgrad), %.0f%% of "
-                  "min(combine, wgrad); exchanges %.3f ms vs dispatch + combine alone %.3f ms (%+.0f%%)\n",
-                  comm_sms, saved, 100 * hidden, 100 * hidden_combine, o[kExchanges].max_ms, parts,
+      std::printf("  saved (sequential - overlap) %.3f ms: %.0f%% of min(exchanges, wgrad), %.0f%% of min(combine, "
+                  "wgrad); exchanges %.3f ms vs dispatch + combine alone %.3f ms (%+.0f%%)\n",
+                  saved, 100 * hidden, 100 * hidden_combine, o[kExchanges].max_ms, parts,
                   100 * (o[kExchanges].max_ms / parts - 1));
-      std::printf("  saved (sequential - overlap unpartitioned) %.3f ms, (sequential - overlap with FC2's wgrad "
-                  "alone partitioned) %.3f ms; partitioned alone: combine %.3f ms (%+.0f%%), wgrad %.3f ms (%+.0f%%)\n",
-                  saved_whole, saved_first, o[kCombinePart].max_ms, 100 * (o[kCombinePart].max_ms / o[kCombine].max_ms - 1),
-                  o[kWgradPart].max_ms, 100 * (o[kWgradPart].max_ms / o[kWgrad].max_ms - 1));
       const bool equal = std::all_of(reports.begin(), reports.end(), [&](const Report& r) { return r.overlap_equal[i] == 1; });
       if (mode == kCached) {
         overlap_wrong += !equal;
@@ -597,16 +543,9 @@ int main(int argc, char** argv) {
                    std::to_string(o[p].steps) + ", pool grew in " + std::to_string(o[p].pool_grew) + "/" +
                    std::to_string(o[p].steps) + ", pool peak reserved " + fmt(o[p].peak_reserved_gib, 2) + " GiB";
         if (p == kOverlap) {
-          row.note += "; comm_sms " + std::to_string(comm_sms) + "; saved " + fmt(saved, 3) + " ms: " +
-                      fmt(100 * hidden, 0) + "% of min(exchanges, wgrad), " + fmt(100 * hidden_combine, 0) +
-                      "% of min(combine, wgrad)";
+          row.note += "; saved " + fmt(saved, 3) + " ms: " + fmt(100 * hidden, 0) + "% of min(exchanges, wgrad), " +
+                      fmt(100 * hidden_combine, 0) + "% of min(combine, wgrad)";
         }
-        if (p == kOverlapWhole) row.note += "; comm_sms 0; saved " + fmt(saved_whole, 3) + " ms";
-        if (p == kOverlapFirst) {
-          row.note += "; comm_sms " + std::to_string(comm_sms) + " for FC2's wgrad alone; saved " + fmt(saved_first, 3) +
-                      " ms";
-        }
-        if (p == kCombinePart || p == kWgradPart) row.note += "; comm_sms " + std::to_string(comm_sms);
         if (p == kExchanges) row.note += "; dispatch + combine alone " + fmt(parts, 3) + " ms";
         rows.push_back(row);
       }

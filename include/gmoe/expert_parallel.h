@@ -118,22 +118,17 @@ struct EpRows {
 /// Returns [recv_capacity, H] in the receive layout (rows past sum(local_counts): zeros). `scalars`:
 /// absent, or f32 [max_rows] (per-row router probabilities), moved row for row into f32
 /// [recv_capacity] (zeros past the valid rows). `plan` is this rank's ep_plan of this exchange.
-/// Outputs come from `alloc` (nullptr: the device's default), stream-ordered on `stream`.
-/// `max_sms`: the exchange's CTA budget, as DeepEP's num_sms: 0 spreads its kernels over every SM
-/// (the full link bandwidth when it runs alone); n >= 2 keeps every kernel of the exchange within n
-/// CTAs, one per SM, so that kernels running beside it on another stream (the GEMMs of an
-/// overlapped backward, under Tuning::max_sms) keep the other SMs. Part of the collective: every
-/// rank passes the same value. The CPU backend ignores it. Throws gmoe::Error naming the argument
-/// on a bad dtype, shape, device, plan or max_sms.
+/// Outputs come from `alloc` (nullptr: the device's default), stream-ordered on `stream`. Throws
+/// gmoe::Error naming the argument on a bad dtype, shape, device or plan.
 EpRows ep_dispatch(EpGroup& g, const EpPlan& plan, const TensorView& rows, const TensorView& scalars = {},
-                   Allocator* alloc = nullptr, Stream stream = nullptr, int max_sms = 0);
+                   Allocator* alloc = nullptr, Stream stream = nullptr);
 
 /// Collective: the exact reverse of ep_dispatch: `rows` [recv_capacity, H] in the receive layout
 /// (e.g. the experts' outputs) go back to the ranks they came from, into [max_rows, H] in each
 /// source's layout (rows past the source's total, and rows that dispatch dropped: zeros). `scalars`
-/// likewise: absent, or f32 [recv_capacity] -> f32 [max_rows]. Same arguments (max_sms included),
-/// checks and streams as ep_dispatch.
+/// likewise: absent, or f32 [recv_capacity] -> f32 [max_rows]. Same arguments, checks and streams
+/// as ep_dispatch.
 EpRows ep_combine(EpGroup& g, const EpPlan& plan, const TensorView& rows, const TensorView& scalars = {},
-                  Allocator* alloc = nullptr, Stream stream = nullptr, int max_sms = 0);
+                  Allocator* alloc = nullptr, Stream stream = nullptr);
 
 }  // namespace gmoe

@@ -39,7 +39,6 @@
 #pragma once
 
 #include <cstdint>
-#include <functional>
 #include <memory>
 
 #include "gmoe/activation.h"
@@ -172,10 +171,7 @@ class GroupedMLP {
 
   /// The delayed weight gradients (FC2's, then FC1's), on `stream`, ordered after backward through
   /// an event; calls their hooks and releases what was saved. Capturable in a CUDA graph.
-  /// `between`, if given, is called on the host once FC2's is enqueued and before FC1's (both
-  /// delayed): MoELayer ends the SM partition there (moe_layer.h, MoEBackwardOverlap).
-  GroupedMLPGrads backward_dw(GroupedMLPContext& ctx, Stream stream = nullptr,
-                              const std::function<void()>& between = {});
+  GroupedMLPGrads backward_dw(GroupedMLPContext& ctx, Stream stream = nullptr);
 
   /// For layers built on GroupedMLP that rebuild its input instead of keeping it (MoELayer with
   /// regather_expert_input gathers its permuted rows again): with fc1.save_original_input,

@@ -74,16 +74,7 @@
 // overlap.during_dispatch (the previous layer's delayed weight gradients, say) runs while the
 // dispatch of dyp is in flight; with overlap.experts_wgrad_during_combine the experts' delayed
 // weight gradients (GroupedMLP::backward_dw) run on the compute stream while ep_combine of dxr is
-// in flight (Megatron's overlap_dispatch_backward_with_experts_wgrad). Kernels on two streams
-// overlap only where they find free SMs, and both the exchanges' kernels and the persistent
-// grouped GEMMs would take every SM (a GEMM CTA whose SM is busy starts late and delays all its
-// tiles), so the overlapped backward partitions the device as DeepEP's num_sms and Transformer
-// Engine's sm_margin do: an exchange on comm_stream with work beside it (the dispatch with
-// overlap.during_dispatch, the combine with experts_wgrad_during_combine) runs within
-// overlap.comm_sms CTAs (ep_dispatch's max_sms), and that work under Tuning::max_sms = all but
-// comm_sms (gmoe/tuning.h: the grouped GEMMs during_dispatch enqueues, and the weight gradients;
-// with overlap.partition_first_wgrad_only FC2's alone, FC1's then on every SM); an exchange with
-// nothing beside it takes every SM. The partition changes no output bit. backward returns with all
+// in flight (Megatron's overlap_dispatch_backward_with_experts_wgrad). backward returns with all
 // of comm_stream's work joined into the compute stream (a capture of the compute stream captures
 // both), and every buffer either stream touched released in stream order. comm_stream needs no
 // ordering from the caller (its first wait orders it after everything enqueued on the compute
@@ -143,18 +134,6 @@ struct MoEBackwardOverlap {
   /// stream waits for it: work the caller enqueues on the call's stream here overlaps the dispatch.
   /// It must enqueue no op of this EP group. Called without EP too (at the same point).
   std::function<void()> during_dispatch;
-  /// The SMs an exchange on comm_stream with work beside it may use (see the top of this file);
-  /// that work (during_dispatch's, the weight gradients of experts_wgrad_during_combine) runs on
-  /// the others (the caller's own Tuning::max_sms, if set, wins). 0: no partition, every kernel
-  /// spreads over the whole device. Ignored without comm_stream. The default follows DeepEP, whose intranode exchanges default to 20 SMs: 24 CTAs
-  /// here are 18 that push over the links and 6 that copy the rows a rank keeps (local bandwidth),
-  /// and leave an H100's GEMMs 108 of its 132 SMs. Every rank passes the same value (collective).
-  int comm_sms = 24;
-  /// With both FCs' weight gradients delayed: only FC2's (the first, which starts with the
-  /// combine) runs on the SMs the exchanges leave, FC1's on every SM. The partition costs the
-  /// GEMMs the exchanges' SMs for as long as it lasts, also after the combine is done; this ends it
-  /// where the combine is likely over (FC2's weight gradient takes longer than the combine).
-  bool partition_first_wgrad_only = false;
 };
 
 /// Result of MoELayer::forward.

@@ -37,22 +37,6 @@ struct Tuning {
   /// Experts with more rows than this are split into chunks of this many rows (rounded up to a
   /// multiple of 128) in fprop and dgrad: -1 the heuristic's chunk, 0 no splitting.
   int64_t row_chunk = -1;
-  /// The SMs a grouped GEMM's persistent grid may occupy (bf16/f16 and FP8, all passes; nothing
-  /// else reads it): 0 all of the device's, n > 0 at most n, n < 0 all but -n, as Transformer
-  /// Engine's sm_margin (a cap below the device's count is rounded: gemm_sms). For kernels that run beside others on the remaining SMs
-  /// (MoELayer's overlapped backward runs its weight gradients beside the exchanges: moe_layer.h).
-  /// Only the grid shrinks: the tile choice, and so every output bit, stays the uncapped call's.
-  int max_sms = 0;
-
-  /// The SMs a grouped GEMM takes on a device of `device_sms` under max_sms: the device's, or a
-  /// cap below it rounded down to a multiple of 4 and at least 4 (a clustered persistent grid,
-  /// up to 2x2, must hold whole clusters; CUTLASS sizes it from this count).
-  int gemm_sms(int device_sms) const {
-    const int cap = max_sms > 0 ? max_sms : device_sms + max_sms;
-    if (max_sms == 0 || cap >= device_sms) return device_sms;
-    const int whole = cap - cap % 4;
-    return whole < 4 ? (device_sms < 4 ? device_sms : 4) : whole;
-  }
 
   /// The cluster forced on FP8 fprop/dgrad: fp8_rows_cluster, else cluster (automatic: none).
   ClusterShape fp8_rows_cluster_forced() const {
@@ -61,7 +45,7 @@ struct Tuning {
 
   bool operator==(const Tuning& o) const {
     return gemm_tile == o.gemm_tile && cluster == o.cluster && fp8_rows_cluster == o.fp8_rows_cluster &&
-           wgrad_raster == o.wgrad_raster && row_chunk == o.row_chunk && max_sms == o.max_sms;
+           wgrad_raster == o.wgrad_raster && row_chunk == o.row_chunk;
   }
   bool operator!=(const Tuning& o) const { return !(*this == o); }
 };
@@ -95,8 +79,8 @@ WgradRaster parse_wgrad_raster(const char* name, const char* what);
 /// A Tuning from a command-line spec: comma-separated key=value items, each key at most once, in
 /// any order; keys left out keep the heuristic's choice, and "" is the default Tuning. Keys and
 /// values: tile=auto|coop|pingpong, cluster=auto|1x1|2x1|2x2, fp8_rows_cluster=auto|1x1|2x1|2x2,
-/// raster=auto|m|n, row_chunk=auto|<rows> (auto: -1; 0: no splitting), max_sms=auto|<n>|-<n>
-/// (auto: 0, all SMs; -n: all but n), e.g. "tile=coop,cluster=2x1,raster=n,row_chunk=256,max_sms=-24". Throws gmoe::Error naming the bad item, key or
+/// raster=auto|m|n, row_chunk=auto|<rows> (auto: -1; 0: no splitting), e.g.
+/// "tile=coop,cluster=2x1,raster=n,row_chunk=256". Throws gmoe::Error naming the bad item, key or
 /// value.
 Tuning parse_tuning(const std::string& spec);
 

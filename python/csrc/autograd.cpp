@@ -767,11 +767,10 @@ at::Tensor combine_autograd(const at::Tensor& expert_out, const at::Tensor& row_
   return CombineFunction::apply(expert_out, row_of, src_token, probs);
 }
 
-// ep_dispatch / ep_combine(group, counts_all, local_counts, rows, scalars, max_sms) -> (rows,
-// scalars): each one's backward is the other with the same plan (the same ranks exchange the same
-// rows back) and the same CTA budget.
+// ep_dispatch / ep_combine(group, counts_all, local_counts, rows, scalars) -> (rows, scalars): each
+// one's backward is the other with the same plan (the same ranks exchange the same rows back).
 using EpExchange = std::tuple<at::Tensor, at::Tensor>(int64_t, const at::Tensor&, const at::Tensor&,
-                                                      const at::Tensor&, const std::optional<at::Tensor>&, int64_t);
+                                                      const at::Tensor&, const std::optional<at::Tensor>&);
 
 c10::TypedOperatorHandle<EpExchange> ep_exchange_op(bool dispatch) {
   static const auto dispatch_op = op_handle<EpExchange>("gmoe::ep_dispatch");
@@ -783,17 +782,15 @@ template <bool kDispatch>
 struct EpExchangeFunction : torch::autograd::Function<EpExchangeFunction<kDispatch>> {
   static variable_list forward(AutogradContext* ctx, int64_t group, const at::Tensor& counts_all,
                                const at::Tensor& local_counts, const at::Tensor& rows,
-                               const std::optional<at::Tensor>& scalars, int64_t max_sms) {
+                               const std::optional<at::Tensor>& scalars) {
     at::Tensor out, out_scalars;
     {
       at::AutoDispatchBelowADInplaceOrView below;
-      std::tie(out, out_scalars) =
-          ep_exchange_op(kDispatch).call(group, counts_all, local_counts, rows, scalars, max_sms);
+      std::tie(out, out_scalars) = ep_exchange_op(kDispatch).call(group, counts_all, local_counts, rows, scalars);
     }
     ctx->set_materialize_grads(false);
     ctx->save_for_backward({counts_all, local_counts});
     ctx->saved_data["group"] = group;
-    ctx->saved_data["max_sms"] = max_sms;
     ctx->saved_data["rows_dtype"] = rows.scalar_type();
     ctx->saved_data["out_rows"] = out.sym_size(0);  // for a missing gradient's zeros
     ctx->saved_data["cols"] = out.sym_size(1);
@@ -817,24 +814,23 @@ struct EpExchangeFunction : torch::autograd::Function<EpExchangeFunction<kDispat
       dscalars = grads[1].defined() ? grads[1].to(at::kFloat).contiguous()
                                     : at::zeros_symint({drows.sym_size(0)}, saved[0].options().dtype(at::kFloat));
     }
-    auto [drows_in, dscalars_in] = ep_exchange_op(!kDispatch).call(
-        ctx->saved_data["group"].toInt(), saved[0], saved[1], drows, dscalars, ctx->saved_data["max_sms"].toInt());
-    // Positions: group, counts_all, local_counts, rows, scalars, max_sms.
+    auto [drows_in, dscalars_in] =
+        ep_exchange_op(!kDispatch).call(ctx->saved_data["group"].toInt(), saved[0], saved[1], drows, dscalars);
+    // Positions: group, counts_all, local_counts, rows, scalars.
     return {at::Tensor(), at::Tensor(), at::Tensor(), drows_in,
-            ctx->saved_data["need_dscalars"].toBool() ? dscalars_in : at::Tensor(), at::Tensor()};
+            ctx->saved_data["need_dscalars"].toBool() ? dscalars_in : at::Tensor()};
   }
 };
 
 template <bool kDispatch>
 std::tuple<at::Tensor, at::Tensor> ep_exchange_autograd(int64_t group, const at::Tensor& counts_all,
                                                         const at::Tensor& local_counts, const at::Tensor& rows,
-                                                        const std::optional<at::Tensor>& scalars, int64_t max_sms) {
+                                                        const std::optional<at::Tensor>& scalars) {
   if (!recording(rows, scalars)) {
     at::AutoDispatchBelowADInplaceOrView below;
-    return ep_exchange_op(kDispatch).call(group, counts_all, local_counts, rows, scalars, max_sms);
+    return ep_exchange_op(kDispatch).call(group, counts_all, local_counts, rows, scalars);
   }
-  const variable_list r =
-      EpExchangeFunction<kDispatch>::apply(group, counts_all, local_counts, rows, scalars, max_sms);
+  const variable_list r = EpExchangeFunction<kDispatch>::apply(group, counts_all, local_counts, rows, scalars);
   return {r[0], r[1]};
 }
 

@@ -5,8 +5,8 @@
 // ep_group_local make groups, ep_group_info describes one, ep_group_destroy frees it. The collective
 // ops take the handle:
 //   ep_plan(group, counts)                                   -> (counts_all [R, E], local_counts [El])
-//   ep_dispatch(group, counts_all, local_counts, rows, scalars?, max_sms=0)  -> (rows [recv_capacity, H], scalars)
-//   ep_combine(group, counts_all, local_counts, rows, scalars?, max_sms=0)   -> (rows [max_rows, H], scalars)
+//   ep_dispatch(group, counts_all, local_counts, rows, scalars?)  -> (rows [recv_capacity, H], scalars)
+//   ep_combine(group, counts_all, local_counts, rows, scalars?)   -> (rows [max_rows, H], scalars)
 // scalars out: f32 [capacity], or an empty f32 [0] when none were given. The plan is passed as its
 // two tensors, so that autograd and torch.compile see ordinary tensors.
 //
@@ -17,8 +17,6 @@
 // one Python process.
 #include <torch/library.h>
 
-#include <algorithm>
-#include <climits>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -182,19 +180,18 @@ gmoe::EpPlan plan_of(const at::Tensor& counts_all, const at::Tensor& local_count
 }
 
 using EpMove = gmoe::EpRows (*)(gmoe::EpGroup&, const gmoe::EpPlan&, const gmoe::TensorView&, const gmoe::TensorView&,
-                                gmoe::Allocator*, gmoe::Stream, int);
+                                gmoe::Allocator*, gmoe::Stream);
 
 /// ep_dispatch or ep_combine (`op`) on torch tensors.
 template <EpMove op>
 std::tuple<at::Tensor, at::Tensor> ep_move(int64_t handle, const at::Tensor& counts_all, const at::Tensor& local_counts,
-                                           const at::Tensor& rows, const std::optional<at::Tensor>& scalars,
-                                           int64_t max_sms) {
+                                           const at::Tensor& rows, const std::optional<at::Tensor>& scalars) {
   return guarded([&] {
     gmoe::EpGroup& g = group_of(handle);
     OpScope s(rows);
     TensorAllocator alloc(rows.device());
     gmoe::EpRows out = op(g, plan_of(counts_all, local_counts), view_of(rows, "rows"), view_of(scalars, "scalars"),
-                          &alloc, s.stream(), static_cast<int>(std::clamp<int64_t>(max_sms, INT32_MIN, INT32_MAX)));
+                          &alloc, s.stream());
     return std::make_tuple(alloc.as_tensor(out.rows, rows.scalar_type()), alloc.as_tensor(out.scalars, at::kFloat));
   });
 }
@@ -220,11 +217,10 @@ TORCH_LIBRARY_FRAGMENT(gmoe, m) {
   m.def("ep_group_destroy(int group) -> ()", &gmoe_torch::ep_group_destroy);
   m.def("ep_group_info(int group) -> int[]", &gmoe_torch::ep_group_info);
   m.def("ep_plan(int group, Tensor counts) -> (Tensor counts_all, Tensor local_counts)");
-  // max_sms: the exchange's CTA budget (gmoe/expert_parallel.h; 0: every SM; the same on every rank).
-  m.def("ep_dispatch(int group, Tensor counts_all, Tensor local_counts, Tensor rows, Tensor? scalars=None, "
-        "int max_sms=0) -> (Tensor rows, Tensor scalars)");
-  m.def("ep_combine(int group, Tensor counts_all, Tensor local_counts, Tensor rows, Tensor? scalars=None, "
-        "int max_sms=0) -> (Tensor rows, Tensor scalars)");
+  m.def("ep_dispatch(int group, Tensor counts_all, Tensor local_counts, Tensor rows, Tensor? scalars=None) "
+        "-> (Tensor rows, Tensor scalars)");
+  m.def("ep_combine(int group, Tensor counts_all, Tensor local_counts, Tensor rows, Tensor? scalars=None) "
+        "-> (Tensor rows, Tensor scalars)");
 }
 
 TORCH_LIBRARY_IMPL(gmoe, CPU, m) { gmoe_torch::register_ep_impls(m); }

@@ -16,8 +16,6 @@
 //   glu_block       FC1's gate/up layout: 0 concatenated [gate | up], b > 0 interleaved in blocks of b
 #include <torch/library.h>
 
-#include <climits>
-#include <memory>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -28,7 +26,6 @@
 #include "gmoe/grouped_bias.h"
 #include "gmoe/grouped_gemm.h"
 #include "gmoe/grouped_mlp.h"
-#include "gmoe/tuning.h"
 #include "torch_bridge.h"
 
 namespace gmoe_torch {
@@ -513,40 +510,11 @@ void register_impls(torch::Library& m) {
 }
 
 }  // namespace
-
-/// Python's ScopedTuning for Tuning::max_sms (gmoe/tuning.h: the SMs the grouped GEMMs'
-/// persistent grids may take; 0 all, n, or -n all but n): push opens a scope on the calling thread
-/// with the other overrides kept, pop closes the innermost (gmoe.gemm_max_sms, a context manager,
-/// pairs them). Per thread, as ScopedTuning: in backward, the autograd engine's thread.
-std::vector<std::unique_ptr<gmoe::ScopedTuning>>& max_sms_scopes() {
-  static thread_local std::vector<std::unique_ptr<gmoe::ScopedTuning>> scopes;
-  return scopes;
-}
-
-void gemm_max_sms_push(int64_t max_sms) {
-  guarded([&] {
-    GMOE_CHECK(max_sms >= INT32_MIN && max_sms <= INT32_MAX, "max_sms: ", max_sms, " does not fit an int");
-    gmoe::Tuning t = gmoe::current_tuning();
-    t.max_sms = static_cast<int>(max_sms);
-    max_sms_scopes().push_back(std::make_unique<gmoe::ScopedTuning>(t));
-  });
-}
-
-void gemm_max_sms_pop() {
-  guarded([] {
-    GMOE_CHECK(!max_sms_scopes().empty(), "gemm_max_sms_pop: no scope open on this thread");
-    max_sms_scopes().pop_back();
-  });
-}
-
 }  // namespace gmoe_torch
 
 TORCH_LIBRARY(gmoe, m) {
   // The fake kernels live in this Python module: torch.compile imports it when it needs them.
   m.set_python_module("gmoe._meta");
-  // Host-side: the calling thread's Tuning::max_sms scopes (no tensor, one kernel for every backend).
-  m.def("gemm_max_sms_push(int max_sms) -> ()", &gmoe_torch::gemm_max_sms_push);
-  m.def("gemm_max_sms_pop() -> ()", &gmoe_torch::gemm_max_sms_pop);
   m.def("grouped_gemm_fprop(Tensor x, Tensor[] w, Tensor counts, Tensor[] bias, ScalarType? out_dtype=None) -> Tensor");
   m.def("grouped_gemm_dgrad(Tensor dy, Tensor[] w, Tensor counts, ScalarType? out_dtype=None) -> Tensor");
   // The wgrad ops' expert_mask (int32 [E] on the inputs' device): experts with mask 0 are skipped

@@ -6,8 +6,6 @@ from typing import Callable, Optional
 
 import torch
 
-from .ops import gemm_max_sms
-
 _ops = torch.ops.gmoe
 
 
@@ -66,17 +64,13 @@ class EpDispatchWorkDuringCombine(torch.autograd.Function):
     """gmoe::ep_dispatch whose backward, ep_combine of the gradients (collective), runs on the
     stream ``comm`` while ``work()`` (the experts' delayed weight gradients: local, no op of the
     group) runs on the current stream; on the CPU backend (``comm`` None) the combine, then the work.
-    With ``comm_sms`` > 0 (CUDA) the SMs are partitioned, as gmoe::MoEBackwardOverlap::comm_sms:
-    the combine within ``comm_sms`` CTAs, the work's grouped GEMMs on the other SMs
-    (:func:`gmoe.gemm_max_sms`). The gradients are those of the plain dispatch, bitwise: only the
-    streams and the SMs differ."""
+    The gradients are those of the plain dispatch, bitwise: only the streams differ."""
 
     @staticmethod
-    def forward(ctx, group, counts_all, local_counts, rows, scalars, work, comm, comm_sms=0):
+    def forward(ctx, group, counts_all, local_counts, rows, scalars, work, comm):
         out, out_scalars = _ops.ep_dispatch(group, counts_all, local_counts, rows, scalars)
         _ep_setup(ctx, (group, counts_all, local_counts, rows, scalars), (out, out_scalars))
         ctx.work, ctx.comm = work, comm
-        ctx.comm_sms = int(comm_sms) if comm is not None else 0
         if scalars is None:
             ctx.mark_non_differentiable(out_scalars)
         return out, out_scalars
@@ -84,19 +78,10 @@ class EpDispatchWorkDuringCombine(torch.autograd.Function):
     @staticmethod
     def backward(ctx, drows, dscalars):
         counts_all, local_counts, drows, ds = _reverse_grads(ctx, drows, dscalars)
-
-        def work():
-            if ctx.comm_sms == 0:
-                ctx.work()
-                return
-            # The autograd engine's thread issues the work: its GEMMs keep off the combine's SMs.
-            with gemm_max_sms(-ctx.comm_sms):
-                ctx.work()
-
         drows_in, dscalars_in = _run_beside(
-            lambda: _ops.ep_combine(ctx.group, counts_all, local_counts, drows, ds, ctx.comm_sms), work, ctx.comm,
+            lambda: _ops.ep_combine(ctx.group, counts_all, local_counts, drows, ds), ctx.work, ctx.comm,
             (counts_all, local_counts, drows, ds))
-        return None, None, None, drows_in, (dscalars_in if ctx.needs_scalars_grad else None), None, None, None
+        return None, None, None, drows_in, (dscalars_in if ctx.needs_scalars_grad else None), None, None
 
 
 class WorkAfterBackward(torch.autograd.Function):

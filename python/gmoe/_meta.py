@@ -293,12 +293,10 @@ def _ep_moved(rows: Tensor, scalars: Optional[Tensor], capacity: int):
 
 
 @torch.library.register_fake(_lib + "ep_dispatch")
-def _ep_dispatch(group: int, counts_all: Tensor, local_counts: Tensor, rows: Tensor, scalars: Optional[Tensor] = None,
-                 max_sms: int = 0):
+def _ep_dispatch(group: int, counts_all: Tensor, local_counts: Tensor, rows: Tensor, scalars: Optional[Tensor] = None):
     return _ep_moved(rows, scalars, _ep_info(group)[1])
 
 
 @torch.library.register_fake(_lib + "ep_combine")
-def _ep_combine(group: int, counts_all: Tensor, local_counts: Tensor, rows: Tensor, scalars: Optional[Tensor] = None,
-                max_sms: int = 0):
+def _ep_combine(group: int, counts_all: Tensor, local_counts: Tensor, rows: Tensor, scalars: Optional[Tensor] = None):
     return _ep_moved(rows, scalars, _ep_info(group)[0])

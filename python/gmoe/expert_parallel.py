@@ -139,25 +139,19 @@ def ep_plan(group: EpGroup, counts: Tensor) -> EpPlan:
     return EpPlan(counts_all, local_counts)
 
 
-def ep_dispatch(group: EpGroup, plan: EpPlan, rows: Tensor, scalars: Optional[Tensor] = None, *,
-                max_sms: int = 0) -> EpRows:
+def ep_dispatch(group: EpGroup, plan: EpPlan, rows: Tensor, scalars: Optional[Tensor] = None) -> EpRows:
     """Collective: source layout ``rows`` [max_rows, H] -> the receive layout [recv_capacity, H];
     ``scalars`` (None, or float32 [max_rows]: the rows' router probabilities) move with them.
-    Differentiable in rows and scalars (the backward is :func:`ep_combine` of the gradients, with the
-    same ``max_sms``). ``max_sms``: the exchange's CTA budget (0: every SM; n >= 2: its kernels keep
-    within n SMs, for kernels running beside it on another stream; the same on every rank; the CPU
-    backend ignores it)."""
-    out, out_scalars = _ops.ep_dispatch(group.handle, plan.counts_all, plan.local_counts, rows, scalars, max_sms)
+    Differentiable in rows and scalars (the backward is :func:`ep_combine` of the gradients)."""
+    out, out_scalars = _ops.ep_dispatch(group.handle, plan.counts_all, plan.local_counts, rows, scalars)
     return EpRows(out, out_scalars if scalars is not None else None)
 
 
-def ep_combine(group: EpGroup, plan: EpPlan, rows: Tensor, scalars: Optional[Tensor] = None, *,
-               max_sms: int = 0) -> EpRows:
+def ep_combine(group: EpGroup, plan: EpPlan, rows: Tensor, scalars: Optional[Tensor] = None) -> EpRows:
     """Collective: the exact reverse of :func:`ep_dispatch`: receive layout ``rows`` [recv_capacity,
     H] back to the ranks they came from, [max_rows, H] in each source's layout; ``scalars`` (None or
-    float32 [recv_capacity]) likewise. Differentiable (the backward is :func:`ep_dispatch`).
-    ``max_sms`` as for :func:`ep_dispatch`."""
-    out, out_scalars = _ops.ep_combine(group.handle, plan.counts_all, plan.local_counts, rows, scalars, max_sms)
+    float32 [recv_capacity]) likewise. Differentiable (the backward is :func:`ep_dispatch`)."""
+    out, out_scalars = _ops.ep_combine(group.handle, plan.counts_all, plan.local_counts, rows, scalars)
     return EpRows(out, out_scalars if scalars is not None else None)
 
 

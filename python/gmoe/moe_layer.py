@@ -105,11 +105,6 @@ class MoELayer(nn.Module):
             ``ep_comm_stream`` (CUDA; on the CPU backend: after it); without an EP group of size
             > 1, right after the experts' backward. :meth:`backward_dw` then computes only what
             is left (the shared experts'). Settable.
-        ep_comm_sms: with ``experts_wgrad_during_combine`` on CUDA: the SMs that exchange may use,
-            its weight gradients' GEMMs taking the others (:func:`gmoe.gemm_max_sms`), as the C++
-            layer's MoEBackwardOverlap::comm_sms (persistent kernels on two streams overlap only
-            on SMs the other leaves). 0: no partition; else at least 2; the same on every rank.
-            Settable.
 
     ``ep_comm_stream`` (settable): the CUDA stream of that exchange (None: a stream of the layer's
     own, made on first use).
@@ -137,7 +132,7 @@ class MoELayer(nn.Module):
                  shared_expert_ffn_hidden_size: int = 0, recipe: Optional[str] = None,
                  weight_layout: str = "stacked", masked_off_wgrad: str = "skip", recompute_activation: bool = False,
                  regather_expert_input: bool = True, ep_group: Optional[EpGroup] = None,
-                 experts_wgrad_during_combine: bool = False, ep_comm_sms: int = 24,
+                 experts_wgrad_during_combine: bool = False,
                  device: Optional[Union[str, torch.device]] = None, dtype: Optional[torch.dtype] = None):
         super().__init__()
         if num_experts < 1:
@@ -165,7 +160,6 @@ class MoELayer(nn.Module):
             num_experts, hidden_size, ffn_hidden_size, top_k
         self.ep_group = ep_group
         self.experts_wgrad_during_combine = bool(experts_wgrad_during_combine)
-        self.ep_comm_sms = int(ep_comm_sms)
         self.ep_comm_stream = None
         local_experts = ep_group.local_experts if ep_group is not None else num_experts
         self.score_func, self.normalize_topk = score_func, bool(normalize_topk)
@@ -252,8 +246,6 @@ class MoELayer(nn.Module):
         if overlap and not (self.experts.fc1.delay_wgrad_compute or self.experts.fc2.delay_wgrad_compute):
             raise ValueError("experts_wgrad_during_combine: the experts' weight gradients are not delayed "
                              "(set delay_wgrad_compute = True)")
-        if overlap and not (self.ep_comm_sms == 0 or self.ep_comm_sms >= 2):
-            raise ValueError(f"ep_comm_sms: expected 0 (no partition) or at least 2, got {self.ep_comm_sms}")
         if g is None or g.size == 1:
             if overlap:
                 rows = WorkAfterBackward.apply(rows, self.experts.backward_dw)
@@ -272,7 +264,7 @@ class MoELayer(nn.Module):
         if overlap:
             out, out_scalars = EpDispatchWorkDuringCombine.apply(
                 g.handle, plan.counts_all, plan.local_counts, rows, probs, self.experts.backward_dw,
-                self._comm_stream(rows.device), self.ep_comm_sms)
+                self._comm_stream(rows.device))
             recv = EpRows(out, out_scalars if probs is not None else None)
         else:
             recv = ep_dispatch(g, plan, rows, probs)

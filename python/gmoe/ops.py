@@ -12,8 +12,7 @@ CPU tensors run gmoe's CPU reference backend (float32, bfloat16, float16); CUDA 
 backend (bfloat16, float16) on the current stream. Bad arguments raise ValueError with gmoe's
 message, before anything is written.
 """
-from contextlib import contextmanager
-from typing import Iterator, List, Optional, Sequence, Tuple, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -163,17 +162,3 @@ def set_debug_sync(enabled: bool) -> None:
     """gmoe's debug mode: every CUDA op ends with a device-error check (a sync; never under graph
     capture)."""
     torch.ops.gmoe.set_debug_sync(enabled)
-
-
-@contextmanager
-def gemm_max_sms(max_sms: int) -> Iterator[None]:
-    """The grouped GEMMs (bf16/f16 and FP8) the calling thread issues inside run their persistent
-    grids on at most ``max_sms`` SMs (0: all; -n: all but n), the tile choice and so every output
-    bit unchanged: gmoe::Tuning::max_sms under a ScopedTuning (gmoe/tuning.h). For GEMMs that run
-    beside another kernel on the SMs it leaves (MoELayer's experts_wgrad_during_combine). Per
-    thread; nests; the CPU backend ignores it."""
-    torch.ops.gmoe.gemm_max_sms_push(int(max_sms))
-    try:
-        yield
-    finally:
-        torch.ops.gmoe.gemm_max_sms_pop()

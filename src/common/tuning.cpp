@@ -2,7 +2,6 @@
 #include "gmoe/tuning.h"
 
 #include <cerrno>
-#include <climits>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -43,17 +42,6 @@ int64_t parse_row_chunk(const std::string& value) {
   GMOE_CHECK(!value.empty() && *end == '\0' && errno == 0 && v >= -1, "tuning key 'row_chunk': expected auto, ",
              "-1, 0 or a row count, got '", value, "'");
   return v;
-}
-
-// max_sms's value: "auto" (0) or a whole number (negative: all SMs but that many).
-int parse_max_sms(const std::string& value) {
-  if (value == "auto") return 0;
-  char* end = nullptr;
-  errno = 0;
-  const long long v = std::strtoll(value.c_str(), &end, 10);
-  GMOE_CHECK(!value.empty() && *end == '\0' && errno == 0 && v >= INT_MIN && v <= INT_MAX,
-             "tuning key 'max_sms': expected auto, an SM count or -<SMs left free>, got '", value, "'");
-  return static_cast<int>(v);
 }
 
 }  // namespace
@@ -107,11 +95,9 @@ Tuning parse_tuning(const std::string& spec) {
       t.wgrad_raster = parse_wgrad_raster(value.c_str(), "tuning key 'raster'");
     } else if (key == "row_chunk") {
       t.row_chunk = parse_row_chunk(value);
-    } else if (key == "max_sms") {
-      t.max_sms = parse_max_sms(value);
     } else {
       GMOE_FAIL("tuning spec '", spec, "': unknown key '", key,
-                "', expected tile, cluster, fp8_rows_cluster, raster, row_chunk or max_sms");
+                "', expected tile, cluster, fp8_rows_cluster, raster or row_chunk");
     }
   }
   GMOE_CHECK(spec.empty() || spec.back() != ',', "tuning spec '", spec, "': expected key=value after the last ','");
@@ -128,7 +114,6 @@ std::string tuning_spec(const Tuning& t) {
   if (t.fp8_rows_cluster != ClusterShape::automatic) add("fp8_rows_cluster", cluster_shape_name(t.fp8_rows_cluster));
   if (t.wgrad_raster != WgradRaster::automatic) add("raster", wgrad_raster_name(t.wgrad_raster));
   if (t.row_chunk != -1) add("row_chunk", std::to_string(t.row_chunk));
-  if (t.max_sms != 0) add("max_sms", std::to_string(t.max_sms));
   return spec;
 }
 

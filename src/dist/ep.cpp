@@ -104,11 +104,9 @@ void check_moved(const EpGroup& g, const TensorView& rows, const TensorView& sca
 }
 
 EpRows move(EpGroup& g, const EpPlan& plan, const TensorView& rows, const TensorView& scalars, Allocator* alloc,
-            Stream stream, int max_sms, ep::Direction dir) {
+            Stream stream, ep::Direction dir) {
   ep::GroupBackend& b = backend_of(g);
   check_plan(g, plan);
-  GMOE_CHECK(max_sms == 0 || max_sms >= 2, "max_sms: expected 0 (every SM) or at least 2 (a CTA that pushes ",
-             "and one that copies), got ", max_sms);
   const bool dispatch = dir == ep::Direction::dispatch;
   const int64_t in_cap = dispatch ? g.options().max_rows : g.recv_capacity();
   const int64_t out_cap = dispatch ? g.recv_capacity() : g.options().max_rows;
@@ -117,7 +115,7 @@ EpRows move(EpGroup& g, const EpPlan& plan, const TensorView& rows, const Tensor
   EpRows out;
   out.rows = Tensor::empty({out_cap, g.options().hidden}, g.options().dtype, a, stream);
   if (scalars.defined()) out.scalars = Tensor::empty({out_cap}, DType::f32, a, stream);
-  b.move(dir, plan.counts_all, rows, scalars, out.rows, out.scalars, max_sms, stream);
+  b.move(dir, plan.counts_all, rows, scalars, out.rows, out.scalars, stream);
   debug_check(g, stream);
   return out;
 }
@@ -137,13 +135,13 @@ EpPlan ep_plan(EpGroup& g, const TensorView& counts, Allocator* alloc, Stream st
 }
 
 EpRows ep_dispatch(EpGroup& g, const EpPlan& plan, const TensorView& rows, const TensorView& scalars,
-                   Allocator* alloc, Stream stream, int max_sms) {
-  return move(g, plan, rows, scalars, alloc, stream, max_sms, ep::Direction::dispatch);
+                   Allocator* alloc, Stream stream) {
+  return move(g, plan, rows, scalars, alloc, stream, ep::Direction::dispatch);
 }
 
 EpRows ep_combine(EpGroup& g, const EpPlan& plan, const TensorView& rows, const TensorView& scalars,
-                  Allocator* alloc, Stream stream, int max_sms) {
-  return move(g, plan, rows, scalars, alloc, stream, max_sms, ep::Direction::combine);
+                  Allocator* alloc, Stream stream) {
+  return move(g, plan, rows, scalars, alloc, stream, ep::Direction::combine);
 }
 
 }  // namespace gmoe

@@ -22,10 +22,9 @@ class GroupBackend : public EpGroup {
                     Stream stream) = 0;
   /// in_rows [in_cap, H] -> out_rows [out_cap, H] along `dir` (caps: max_rows and recv_capacity, in
   /// the direction's order); scalars absent on both sides or f32 [in_cap] -> f32 [out_cap].
-  /// max_sms: 0 or >= 2, the ops' CTA budget (expert_parallel.h); the CPU backend ignores it.
   virtual void move(Direction dir, const TensorView& counts_all, const TensorView& in_rows,
                     const TensorView& in_scalars, const TensorView& out_rows, const TensorView& out_scalars,
-                    int max_sms, Stream stream) = 0;
+                    Stream stream) = 0;
 };
 
 /// Throws gmoe::Error naming the field when `options` cannot serve a group of `size` ranks.

@@ -128,7 +128,7 @@ class LocalGroup final : public ep::GroupBackend {
   }
 
   void move(ep::Direction dir, const TensorView& counts_all, const TensorView& in_rows, const TensorView& in_scalars,
-            const TensorView& out_rows, const TensorView& out_scalars, int /*max_sms*/, Stream) override {
+            const TensorView& out_rows, const TensorView& out_scalars, Stream) override {
     Shared& sh = *shared_;
     ep::Geometry geo;
     geo.ranks = sh.ranks;

@@ -91,12 +91,12 @@ class NcclGroup final : public ep::GroupBackend {
   }
 
   void move(ep::Direction dir, const TensorView& counts_all, const TensorView& in_rows, const TensorView& in_scalars,
-            const TensorView& out_rows, const TensorView& out_scalars, int max_sms, Stream stream) override {
+            const TensorView& out_rows, const TensorView& out_scalars, Stream stream) override {
     cuda_backend::DeviceGuard guard(device_.index);
     ep::launch_move(dir == ep::Direction::dispatch, counts_all.ptr<const int32_t>(), in_rows.data,
                     in_scalars.defined() ? in_scalars.ptr<const float>() : nullptr, out_rows.data,
                     out_scalars.defined() ? out_scalars.ptr<float>() : nullptr, geometry(), win_,
-                    cuda_backend::device_error_word(), sm_count_, max_sms, stream);
+                    cuda_backend::device_error_word(), sm_count_, stream);
   }
 
  private:

@@ -47,7 +47,6 @@ struct MoveArgs {
   float* out_scalars = nullptr;
   WindowLayout layout;
   uint32_t* error_word = nullptr;
-  int push_ctas = kPushCtas;  ///< CTAs [0, push_ctas) push, each on its LSA barrier (<= kPushCtas)
 };
 
 /// a[0..n) -> exclusive prefix sums in place, a[n] = the total. Every thread of the CTA calls it.
@@ -179,7 +178,7 @@ __device__ int64_t kept_rows(const MoveArgs& a) {
   return kept < cap ? kept : cap;
 }
 
-/// Kernel A. CTAs [0, push_ctas), one LSA barrier each: push this rank's valid rows that belong to
+/// Kernel A. CTAs [0, kPushCtas), one LSA barrier each: push this rank's valid rows that belong to
 /// a peer into that peer's window. The CTAs past them, concurrently and without barriers (nothing
 /// they do depends on the peers): this rank's rows that stay on this rank, straight from the input
 /// into the output (no window round trip), and zeros into the output's rows past its valid ones.
@@ -197,11 +196,10 @@ __global__ void __launch_bounds__(kThreads) push_kernel(MoveArgs a, ncclDevComm 
   const int64_t vecs = row_bytes / static_cast<int64_t>(sizeof(V));
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int64_t valid = min(t.starts[n], local_cap);
-  const int pushers = a.push_ctas;
-  const bool pusher = static_cast<int>(blockIdx.x) < pushers;
+  const bool pusher = blockIdx.x < kPushCtas;
   // Pushers walk the rows over their warps, the local CTAs over theirs.
-  const int64_t first = (pusher ? blockIdx.x : blockIdx.x - pushers) * static_cast<int64_t>(kWarps) + warp;
-  const int64_t stride = (pusher ? pushers : gridDim.x - pushers) * static_cast<int64_t>(kWarps);
+  const int64_t first = (pusher ? blockIdx.x : blockIdx.x - kPushCtas) * static_cast<int64_t>(kWarps) + warp;
+  const int64_t stride = (pusher ? kPushCtas : gridDim.x - kPushCtas) * static_cast<int64_t>(kWarps);
 
   if (pusher) {
     ncclLsaBarrierSession<ncclCoopCta> bar(ncclCoopCta(), comm, ncclTeamTagLsa(), blockIdx.x);
@@ -330,27 +328,14 @@ __global__ void __launch_bounds__(kThreads) plan_kernel(const int32_t* counts, i
 size_t table_bytes(const Geometry& g) { return 3 * static_cast<size_t>(g.experts + 1) * sizeof(int64_t); }
 
 template <typename V>
-void launch_move_as(MoveArgs a, const Window& win, int sm_count, int max_sms, Stream stream) {
+void launch_move_as(const MoveArgs& a, const Window& win, int sm_count, Stream stream) {
   const size_t smem = table_bytes(a.geo);
-  int local_ctas = 0;
-  if (max_sms == 0) {
-    // The local CTAs take the SMs the pushers leave (at least a few, should the device be small).
-    a.push_ctas = kPushCtas;
-    local_ctas = std::max(sm_count - kPushCtas, 4);
-  } else {
-    // A budget of N CTAs (the rest of the device runs other kernels): about a quarter for the rows
-    // a rank keeps (it copies them at local bandwidth, the pushers at the slower link's), the rest
-    // push. The split depends on N alone, never on this device's SM count: the barriers pair CTA i
-    // of every rank, so every rank (all pass the same N) must launch the same pushers. The local
-    // CTAs pair with nothing: no more than the SMs the pushers leave on this device.
-    a.push_ctas = std::min(kPushCtas, max_sms - std::max(1, max_sms / 4));
-    local_ctas = std::min(max_sms - a.push_ctas, std::max(sm_count - a.push_ctas, 1));
-  }
-  push_kernel<V><<<a.push_ctas + local_ctas, kThreads, smem, stream>>>(a, win.comm, win.handle);
+  // The local CTAs take the SMs the pushers leave (at least a few, should the device be small).
+  const int local_ctas = std::max(sm_count - kPushCtas, 4);
+  push_kernel<V><<<kPushCtas + local_ctas, kThreads, smem, stream>>>(a, win.comm, win.handle);
   GMOE_CUDA_CHECK(cudaGetLastError());
   const int64_t out_cap = a.dispatch ? a.geo.recv_cap : a.geo.max_rows;
-  const int copy_ctas = max_sms == 0 ? sm_count : std::min(max_sms, sm_count);
-  const int64_t blocks = std::min<int64_t>((out_cap + kWarps - 1) / kWarps, copy_ctas);
+  const int64_t blocks = std::min<int64_t>((out_cap + kWarps - 1) / kWarps, sm_count);
   copy_out_kernel<V><<<static_cast<unsigned>(std::max<int64_t>(blocks, 1)), kThreads, smem, stream>>>(a, win.handle);
   GMOE_CUDA_CHECK(cudaGetLastError());
 }
@@ -367,7 +352,7 @@ void launch_plan(const int32_t* counts, int32_t* counts_all, int32_t* local_coun
 
 void launch_move(bool dispatch, const int32_t* counts_all, const void* in, const float* in_scalars, void* out,
                  float* out_scalars, const Geometry& geo, const Window& win, uint32_t* error_word, int sm_count,
-                 int max_sms, Stream stream) {
+                 Stream stream) {
   MoveArgs a;
   a.geo = geo;
   a.dispatch = dispatch;
@@ -382,15 +367,15 @@ void launch_move(bool dispatch, const int32_t* counts_all, const void* in, const
   const uintptr_t align = win.layout.row_bytes | reinterpret_cast<uintptr_t>(in) | reinterpret_cast<uintptr_t>(out) |
                           win.layout.rows | reinterpret_cast<uintptr_t>(win.local);
   if (align % 16 == 0) {
-    launch_move_as<uint4>(a, win, sm_count, max_sms, stream);
+    launch_move_as<uint4>(a, win, sm_count, stream);
   } else if (align % 8 == 0) {
-    launch_move_as<uint2>(a, win, sm_count, max_sms, stream);
+    launch_move_as<uint2>(a, win, sm_count, stream);
   } else if (align % 4 == 0) {
-    launch_move_as<uint32_t>(a, win, sm_count, max_sms, stream);
+    launch_move_as<uint32_t>(a, win, sm_count, stream);
   } else if (align % 2 == 0) {
-    launch_move_as<uint16_t>(a, win, sm_count, max_sms, stream);
+    launch_move_as<uint16_t>(a, win, sm_count, stream);
   } else {
-    launch_move_as<uint8_t>(a, win, sm_count, max_sms, stream);
+    launch_move_as<uint8_t>(a, win, sm_count, stream);
   }
 }
 

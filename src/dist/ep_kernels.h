@@ -47,12 +47,9 @@ void launch_plan(const int32_t* counts, int32_t* counts_all, int32_t* local_coun
 
 /// One move: push `in` (in_cap rows; scalars may be null) into the peers' windows along the
 /// direction (dispatch: source table; combine: receive table), then copy this rank's window into
-/// `out` (out_cap rows; scalars may be null), zeros where no row landed. `max_sms`: 0, every
-/// kernel spreads over the device's `sm_count` SMs (kPushCtas pushers); n >= 2, at most n CTAs a
-/// kernel, the pushers' count a function of n alone (the same on every rank, which the barriers
-/// need: every rank must pass the same n).
+/// `out` (out_cap rows; scalars may be null), zeros where no row landed.
 void launch_move(bool dispatch, const int32_t* counts_all, const void* in, const float* in_scalars, void* out,
                  float* out_scalars, const Geometry& geo, const Window& win, uint32_t* error_word, int sm_count,
-                 int max_sms, Stream stream);
+                 Stream stream);
 
 }  // namespace gmoe::ep

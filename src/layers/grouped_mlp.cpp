@@ -319,7 +319,7 @@ void GroupedMLP::set_saved_input(GroupedMLPContext& ctx, const TensorView& x) co
   fc1_.set_saved_input(st.fc1, x);
 }
 
-GroupedMLPGrads GroupedMLP::backward_dw(GroupedMLPContext& ctx, Stream stream, const std::function<void()>& between) {
+GroupedMLPGrads GroupedMLP::backward_dw(GroupedMLPContext& ctx, Stream stream) {
   GroupedMLPContext::State& st = *ctx.state_;
   GMOE_CHECK(st.backward_done, "ctx: backward_dw needs a context after a backward with a delayed weight gradient ",
              "(options.fc1.delay_wgrad or options.fc2.delay_wgrad)");
@@ -330,7 +330,6 @@ GroupedMLPGrads GroupedMLP::backward_dw(GroupedMLPContext& ctx, Stream stream, c
     grads.fc2 = fc2_.backward_dw(st.fc2, stream);
     st.z.release_on(stream);
   }
-  if (st.fc2_pending && st.fc1_pending && between) between();
   if (st.fc1_pending) {
     grads.fc1 = fc1_.backward_dw(st.fc1, stream);
     st.h.release_on(stream);

@@ -4,13 +4,10 @@
 // the call's stream, so the whole pass is stream-ordered and capturable.
 #include "gmoe/moe_layer.h"
 
-#include <functional>
-#include <optional>
 #include <string>
 
 #include "gmoe/error.h"
 #include "gmoe/expert_parallel.h"
-#include "gmoe/tuning.h"
 #include "layers/offload_slots.h"
 
 namespace gmoe {
@@ -221,8 +218,6 @@ MoEBackward MoELayer::backward(MoELayerContext& ctx, const TensorView& dout, Str
                  experts_->options().fc2.delay_wgrad,
              "overlap.experts_wgrad_during_combine: the experts delay no weight gradient (their options' ",
              "fc1.delay_wgrad and fc2.delay_wgrad are both false)");
-  GMOE_CHECK(overlap.comm_sms == 0 || overlap.comm_sms >= 2,
-             "overlap.comm_sms: expected 0 (no partition) or at least 2 SMs, got ", overlap.comm_sms);
   ctx.check_resident("backward");
   MoELayerContext::State& s = *ctx.state_;
   const int64_t T = s.x.size(0), H = s.x.size(1), E = num_experts(), k = options_.router.top_k;
@@ -233,14 +228,6 @@ MoEBackward MoELayer::backward(MoELayerContext& ctx, const TensorView& dout, Str
   // The exchanges' stream, and the event steps between it and the compute stream (moe_layer.h).
   const bool side = ep != nullptr && overlap.comm_stream != nullptr && overlap.comm_stream != stream;
   const Stream comm = side ? overlap.comm_stream : stream;
-  // An exchange on comm_stream with work beside it keeps to comm_sms SMs and that work's GEMMs to
-  // the rest; an exchange with nothing beside it (on the critical path) takes every SM.
-  const int comm_sms = side ? overlap.comm_sms : 0;
-  const int dispatch_sms = overlap.during_dispatch ? comm_sms : 0;
-  const int combine_sms = overlap.experts_wgrad_during_combine ? comm_sms : 0;
-  // The GEMMs beside an exchange: on the SMs it leaves (a max_sms the caller set wins).
-  Tuning beside = current_tuning();
-  if (beside.max_sms == 0) beside.max_sms = -comm_sms;
   if (side) {
     for (Event* e : {&s.to_comm, &s.to_compute}) {
       if (!e->defined() || e->device() != s.x.device) *e = Event(s.x.device);
@@ -272,11 +259,8 @@ MoEBackward MoELayer::backward(MoELayerContext& ctx, const TensorView& dout, Str
   }
   if (ep != nullptr) {
     join_comm();
-    EpRows sent = ep_dispatch(*ep, s.plan, dyp, {}, &a, comm, dispatch_sms);
-    if (overlap.during_dispatch) {
-      ScopedTuning partition(beside);
-      overlap.during_dispatch();
-    }
+    EpRows sent = ep_dispatch(*ep, s.plan, dyp, {}, &a, comm);
+    if (overlap.during_dispatch) overlap.during_dispatch();
     join_compute();
     dyp.release_on(stream);
     s.dexpert_out = std::move(sent.rows);
@@ -295,17 +279,13 @@ MoEBackward MoELayer::backward(MoELayerContext& ctx, const TensorView& dout, Str
   EpRows back;
   if (ep != nullptr) {
     join_comm();
-    back = ep_combine(*ep, s.plan, eb.dx, eb.dprobs, &a, comm, combine_sms);
+    back = ep_combine(*ep, s.plan, eb.dx, eb.dprobs, &a, comm);
   }
   b.grads = std::move(eb.grads);
   if (overlap.experts_wgrad_during_combine) {
-    // On the compute stream while the combine is in flight, on the SMs the combine leaves; what
-    // backward_dw computes replaces the delayed FCs' partial gradients (their bias gradients
-    // included).
-    std::optional<ScopedTuning> partition(std::in_place, beside);
-    std::function<void()> after_fc2;
-    if (overlap.partition_first_wgrad_only) after_fc2 = [&partition] { partition.reset(); };
-    GroupedMLPGrads dw = experts_->backward_dw(s.experts, stream, after_fc2);
+    // On the compute stream while the combine is in flight; what backward_dw computes replaces
+    // the delayed FCs' partial gradients (their bias gradients included).
+    GroupedMLPGrads dw = experts_->backward_dw(s.experts, stream);
     if (experts_->options().fc1.delay_wgrad) b.grads.fc1 = std::move(dw.fc1);
     if (experts_->options().fc2.delay_wgrad) b.grads.fc2 = std::move(dw.fc2);
   }

@@ -20,13 +20,12 @@ TEST(Tuning, EmptySpecIsTheDefault) {
 }
 
 TEST(Tuning, ParsesEveryKey) {
-  const Tuning t = parse_tuning("tile=coop,cluster=2x1,fp8_rows_cluster=2x2,raster=n,row_chunk=256,max_sms=100");
+  const Tuning t = parse_tuning("tile=coop,cluster=2x1,fp8_rows_cluster=2x2,raster=n,row_chunk=256");
   EXPECT_EQ(t.gemm_tile, GemmTile::cooperative);
   EXPECT_EQ(t.cluster, ClusterShape::c2x1);
   EXPECT_EQ(t.fp8_rows_cluster, ClusterShape::c2x2);
   EXPECT_EQ(t.wgrad_raster, WgradRaster::along_n);
   EXPECT_EQ(t.row_chunk, 256);
-  EXPECT_EQ(t.max_sms, 100);
   // Any order; a key left out keeps the heuristic.
   const Tuning u = parse_tuning("row_chunk=0,raster=m,tile=pingpong");
   EXPECT_EQ(u.gemm_tile, GemmTile::pingpong);
@@ -34,12 +33,9 @@ TEST(Tuning, ParsesEveryKey) {
   EXPECT_EQ(u.fp8_rows_cluster, ClusterShape::automatic);
   EXPECT_EQ(u.wgrad_raster, WgradRaster::along_m);
   EXPECT_EQ(u.row_chunk, 0);
-  EXPECT_EQ(u.max_sms, 0);
-  EXPECT_EQ(parse_tuning("max_sms=-24").max_sms, -24) << "all SMs but 24";
   EXPECT_EQ(parse_tuning("cluster=1x1").cluster, ClusterShape::c1x1);
   // "auto" is accepted everywhere and is the default.
-  EXPECT_EQ(parse_tuning("tile=auto,cluster=auto,fp8_rows_cluster=auto,raster=auto,row_chunk=auto,max_sms=auto"), Tuning{});
-  EXPECT_EQ(parse_tuning("max_sms=0"), Tuning{});
+  EXPECT_EQ(parse_tuning("tile=auto,cluster=auto,fp8_rows_cluster=auto,raster=auto,row_chunk=auto"), Tuning{});
   EXPECT_EQ(parse_tuning("row_chunk=-1"), Tuning{});
 }
 
@@ -52,11 +48,7 @@ TEST(Tuning, RefusesNamingTheBadKeyOrValue) {
   GMOE_EXPECT_ERROR(parse_tuning("row_chunk=12x"), "tuning key 'row_chunk'", "'12x'");
   GMOE_EXPECT_ERROR(parse_tuning("row_chunk="), "tuning key 'row_chunk'", "''");
   GMOE_EXPECT_ERROR(parse_tuning("row_chunk=99999999999999999999"), "tuning key 'row_chunk'");
-  GMOE_EXPECT_ERROR(parse_tuning("max_sms=all"), "tuning key 'max_sms'", "'all'");
-  GMOE_EXPECT_ERROR(parse_tuning("max_sms=1.5"), "tuning key 'max_sms'", "'1.5'");
-  GMOE_EXPECT_ERROR(parse_tuning("max_sms="), "tuning key 'max_sms'", "''");
-  GMOE_EXPECT_ERROR(parse_tuning("max_sms=4294967296"), "tuning key 'max_sms'");
-  GMOE_EXPECT_ERROR(parse_tuning("tiles=coop"), "unknown key 'tiles'", "expected tile, cluster", "max_sms");
+  GMOE_EXPECT_ERROR(parse_tuning("tiles=coop"), "unknown key 'tiles'", "expected tile, cluster");
   GMOE_EXPECT_ERROR(parse_tuning("tile"), "expected key=value", "got 'tile'");
   GMOE_EXPECT_ERROR(parse_tuning("=coop"), "expected key=value", "got '=coop'");
   GMOE_EXPECT_ERROR(parse_tuning("tile=coop,,raster=n"), "expected key=value", "got ''");
@@ -75,7 +67,6 @@ TEST(Tuning, SpecRoundTrips) {
     t.fp8_rows_cluster = static_cast<ClusterShape>(rng.integer(0, 3));
     t.wgrad_raster = static_cast<WgradRaster>(rng.integer(0, 2));
     t.row_chunk = rng.integer(0, 3) == 0 ? -1 : rng.integer(0, 1 << 20);
-    t.max_sms = rng.integer(0, 2) == 0 ? 0 : static_cast<int>(rng.integer(-200, 200));
     const std::string spec = tuning_spec(t);
     SCOPED_TRACE(spec);
     EXPECT_EQ(parse_tuning(spec), t);
@@ -133,30 +124,6 @@ TEST(Tuning, Fp8RowsClusterFallsBackToTheCluster) {
   EXPECT_EQ(parse_tuning("cluster=2x1").fp8_rows_cluster_forced(), ClusterShape::c2x1);
   EXPECT_EQ(parse_tuning("fp8_rows_cluster=2x2").fp8_rows_cluster_forced(), ClusterShape::c2x2);
   EXPECT_EQ(parse_tuning("cluster=1x1,fp8_rows_cluster=2x2").fp8_rows_cluster_forced(), ClusterShape::c2x2);
-}
-
-// max_sms resolves against the device's SM count: a cap, a margin; below the device's count a
-// multiple of 4 (whole 2x2 clusters), at least 4; never above the device's.
-TEST(Tuning, MaxSmsResolvesAgainstTheDevice) {
-  Tuning t;
-  EXPECT_EQ(t.gemm_sms(132), 132) << "0: every SM";
-  EXPECT_EQ(t.gemm_sms(114), 114) << "0: every SM, a multiple of 4 or not";
-  t.max_sms = 100;
-  EXPECT_EQ(t.gemm_sms(132), 100);
-  EXPECT_EQ(t.gemm_sms(78), 78) << "a cap above the device's count is the device's count";
-  t.max_sms = 102;
-  EXPECT_EQ(t.gemm_sms(132), 100) << "rounded down to whole 2x2 clusters";
-  t.max_sms = -24;
-  EXPECT_EQ(t.gemm_sms(132), 108) << "-24: all but 24";
-  EXPECT_EQ(t.gemm_sms(114), 88) << "all but 24 of 114 is 90: rounded down";
-  EXPECT_EQ(t.gemm_sms(20), 4) << "a margin past the device leaves one cluster's SMs, not none";
-  EXPECT_EQ(t.gemm_sms(3), 3) << "a device smaller than a cluster keeps its own";
-  t.max_sms = -132;
-  EXPECT_EQ(t.gemm_sms(132), 4);
-  t.max_sms = 1;
-  EXPECT_EQ(t.gemm_sms(132), 4);
-  t.max_sms = 7;
-  EXPECT_EQ(t.gemm_sms(132), 4);
 }
 
 }  // namespace

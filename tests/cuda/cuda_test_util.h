@@ -231,40 +231,6 @@ inline void expect_launch(const std::string& what, bool fp8, int64_t experts, bo
   }
 }
 
-/// The current device's SM count, and the SMs a grouped GEMM launched under `t` was given.
-inline int device_sms() {
-  int sms = 0;
-  test_cuda_check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), "cudaDeviceGetAttribute");
-  return sms;
-}
-
-/// Runs `run` (GEMM calls returning their outputs) without an SM cap, then under several
-/// Tuning::max_sms caps (every other override as the run's --tuning has it): the same bits each
-/// time, and the last launch given the capped SM count (a cap that a kernel ignores fails here).
-template <typename Run>
-void expect_max_sms_keeps_the_bits(Run&& run) {
-  Tuning uncapped = current_tuning();
-  uncapped.max_sms = 0;
-  std::vector<HostTensor> want;
-  {
-    ScopedTuning scope(uncapped);
-    want = run();
-    EXPECT_EQ(cuda_backend::last_launch_record().sm_count, device_sms()) << "no cap: every SM";
-  }
-  // The fewest SMs (one 2x2 cluster's: 4), an odd cap (rounded down to 8), a margin like the
-  // overlapped backward's.
-  for (int max_sms : {1, 9, -24}) {
-    Tuning capped = uncapped;
-    capped.max_sms = max_sms;
-    ScopedTuning scope(capped);
-    SCOPED_TRACE("max_sms=" + std::to_string(max_sms));
-    const std::vector<HostTensor> got = run();
-    EXPECT_EQ(cuda_backend::last_launch_record().sm_count, capped.gemm_sms(device_sms()));
-    ASSERT_EQ(got.size(), want.size());
-    for (size_t i = 0; i < got.size(); ++i) EXPECT_TRUE(bitwise_equal(got[i], want[i], "output " + std::to_string(i)));
-  }
-}
-
 inline HostTensor host_of(const TensorView& v) {
   std::vector<int64_t> shape(v.shape.begin(), v.shape.begin() + v.ndim);
   HostTensor h(v.dtype, shape);

@@ -383,35 +383,6 @@ TEST(CudaGroupedGemmTiles, BigExpertsChunkedAndClusteredWgrad) {
   expect_launch("wgrad accumulating, 17 tiles", false, odd.E, false, 2, 1);
 }
 
-// Tuning::max_sms shrinks the persistent grid only: fprop, dgrad and wgrad (into bf16 and into
-// f32) give the same bits on 4, 8 and all-but-24 SMs as on all of them, with ~200 tiles a pass so
-// that every cap gives each CTA several tiles in another order.
-TEST(CudaGroupedGemmTiles, MaxSmsKeepsTheBits) {
-  GMOE_SKIP_WITHOUT_GPU();
-  Rng rng;
-  const ShapeCase c = fixed_case("max_sms", 512, 384, {2000, 0, 3100, 1517}, 9);
-  const GemmProblem p(c, DType::bf16, rng);
-  DeviceTensor x(p.x), dy(p.dy), counts(p.counts);
-  DeviceExperts w(p.w_stacked, p.w, Layout::kStacked);
-  HostTensor y_h(DType::bf16, {c.capacity, c.N}), dx_h(DType::bf16, {c.capacity, c.K});
-  HostTensor dw_h(DType::bf16, {c.E, c.N, c.K}), dw32_h(DType::f32, {c.E, c.N, c.K});
-  for (HostTensor* t : {&y_h, &dx_h, &dw_h, &dw32_h}) poison(*t);
-  DeviceTensor y(y_h), dx(dx_h), dw(dw_h), dw32(dw32_h);
-  expect_max_sms_keeps_the_bits([&] {
-    y.upload(y_h);
-    dx.upload(dx_h);
-    dw.upload(dw_h);
-    dw32.upload(dw32_h);
-    grouped_gemm_fprop(x.view(), w.view(), counts.view(), y.view());
-    grouped_gemm_dgrad(dy.view(), w.view(), counts.view(), dx.view());
-    grouped_gemm_wgrad(dy.view(), x.view(), counts.view(), ExpertWeights::from_stacked(dw.view()));
-    grouped_gemm_wgrad(dy.view(), x.view(), counts.view(), ExpertWeights::from_stacked(dw32.view()));
-    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    check_device_errors(nullptr);
-    return std::vector<HostTensor>{y.download(), dx.download(), dw.download(), dw32.download()};
-  });
-}
-
 // With the defaults: bf16 fprop/dgrad whose operand rows are off the 128-byte lines (x or dy rows
 // of 360 elements, 720 bytes; dgrad's weights 2800-byte rows) run the cooperative tile in clusters
 // when the average expert has at least 256 rows (rows_tile_rule: 700 here; the experts are 5, 0,

@@ -197,16 +197,12 @@ struct Layer {
         layer(experts, layer_options(group, a)),
         delayed(delay) {}
 
-  // Forward and backward of tokens [t0, t0 + T); `comm`: backward's exchanges there, within
-  // `comm_sms` SMs (-1: MoEBackwardOverlap's default), with the delayed weight gradients during
-  // the combine on the other SMs (nullptr: in order, backward_dw after backward).
-  void run(const DeviceWorld& d, int64_t t0, int64_t T, int64_t E, cudaStream_t s, cudaStream_t comm,
-           int comm_sms = -1, bool first_wgrad_only = false) {
+  // Forward and backward of tokens [t0, t0 + T); `comm`: backward's exchanges there, with the
+  // delayed weight gradients during the combine (nullptr: in order, backward_dw after backward).
+  void run(const DeviceWorld& d, int64_t t0, int64_t T, int64_t E, cudaStream_t s, cudaStream_t comm) {
     f = layer.forward(d.rows(d.x, DType::bf16, kHidden, t0, T), d.rows(d.logits, DType::f32, E, t0, T), ctx, s);
     MoEBackwardOverlap overlap;
     overlap.comm_stream = comm;
-    if (comm_sms >= 0) overlap.comm_sms = comm_sms;
-    overlap.partition_first_wgrad_only = first_wgrad_only;
     overlap.experts_wgrad_during_combine = comm != nullptr && delayed;
     b = layer.backward(ctx, d.rows(d.dout, DType::bf16, kHidden, t0, T), s, {}, {}, overlap);
     if (delayed && comm == nullptr) {
@@ -305,10 +301,9 @@ void run_checks(Checker& c, const EpUniqueId* ids) {
 
   // This rank's EP layer (experts delayed or not) on its tokens of `w`, backward's exchanges on
   // `on` (nullptr: in order).
-  auto ep_outputs = [&](const World& w, const DeviceWorld& d, bool delayed, cudaStream_t on, int comm_sms = -1,
-                        bool first_wgrad_only = false) {
+  auto ep_outputs = [&](const World& w, const DeviceWorld& d, bool delayed, cudaStream_t on) {
     Layer ep(d, c.rank * kLocalExperts, kLocalExperts, group.get(), delayed, nullptr);
-    ep.run(d, w.first[c.rank], w.tokens[c.rank], w.E, c.stream, on, comm_sms, first_wgrad_only);
+    ep.run(d, w.first[c.rank], w.tokens[c.rank], w.E, c.stream, on);
     return ep.outputs(c.stream);
   };
   // Random routing, unequal token counts; then the same backward with its exchanges on `comm` and
@@ -319,22 +314,12 @@ void run_checks(Checker& c, const EpUniqueId* ids) {
     d.upload(w, c.stream);
     const Outputs got = ep_outputs(w, d, false, nullptr);
     c.same_share(w, got, c.reference(d, w), "random routing:");
-    // The default partition of the SMs, none, the smallest (one pushing and one local CTA, the
-    // weight gradients on all SMs but 2), and FC2's weight gradient alone partitioned: the
-    // partition changes no bit.
-    for (const auto& [comm_sms, first_only] : {std::make_pair(-1, false), std::make_pair(0, false),
-                                               std::make_pair(2, false), std::make_pair(2, true)}) {
-      const Outputs o = ep_outputs(w, d, true, comm, comm_sms, first_only);
-      const std::string how = "overlapped backward (comm_sms " +
-                              (comm_sms < 0 ? std::string("default") : std::to_string(comm_sms)) +
-                              (first_only ? ", FC2's wgrad alone" : "") + ") vs in order: ";
-      for (const auto& [a, b, what] :
-           {std::make_tuple(&o.out, &got.out, "out"), std::make_tuple(&o.dx, &got.dx, "dx"),
-            std::make_tuple(&o.dw1, &got.dw1, "dW1"), std::make_tuple(&o.dw2, &got.dw2, "dW2")}) {
-        c.same(*a, *b, 0, how + what);
-      }
-      c.same(o.dlogits, got.dlogits, 0, how + "dlogits");
+    const Outputs o = ep_outputs(w, d, true, comm);
+    for (const auto& [a, b, what] : {std::make_tuple(&o.out, &got.out, "out"), std::make_tuple(&o.dx, &got.dx, "dx"),
+                                     std::make_tuple(&o.dw1, &got.dw1, "dW1"), std::make_tuple(&o.dw2, &got.dw2, "dW2")}) {
+      c.same(*a, *b, 0, std::string("overlapped backward vs in order: ") + what);
     }
+    c.same(o.dlogits, got.dlogits, 0, "overlapped backward vs in order: dlogits");
   }
   // Everything to rank 0's experts, the last rank without tokens: rank 0 receives every row, every
   // other rank none.

@@ -188,12 +188,9 @@ void check_results(Child& c, const World& w, const std::vector<int32_t>& counts_
 }
 
 // One exchange on a fresh group: plan, dispatch, combine of the dispatched rows, combine of fresh
-// rows; with `overflow`, the device error word must report the drop. The dispatch and the second
-// combine run within `max_sms` CTAs (0: every SM), the first combine on every SM: a group whose
-// exchanges alternate between budgets (fewer pushers, so fewer of its barriers) stays in step.
+// rows; with `overflow`, the device error word must report the drop.
 void run_exchange(Child& c, World w, gmoe::DType dt, int64_t max_recv_rows, std::mt19937_64& gen,
-                  const std::string& name_base, bool overflow = false, int max_sms = 0) {
-  const std::string name = name_base + (max_sms != 0 ? " max_sms=" + std::to_string(max_sms) : "");
+                  const std::string& name, bool overflow = false) {
   fill_rows(w, gen);
   std::vector<Layout> fresh;
   for (int r = 0; r < w.ranks; ++r) fresh.push_back(oracle::random_layout(w.recv_cap, w, gen));
@@ -202,12 +199,10 @@ void run_exchange(Child& c, World w, gmoe::DType dt, int64_t max_recv_rows, std:
   Inputs in(w, c.rank, fresh[c.rank], c.stream);
   gmoe::EpPlan plan = gmoe::ep_plan(*g, dview(in.counts, gmoe::DType::i32, {w.experts}, dev), nullptr, c.stream);
   gmoe::EpRows d = gmoe::ep_dispatch(*g, plan, dview(in.rows, dt, {w.max_rows, w.hidden}, dev),
-                                     dview(in.scalars, gmoe::DType::f32, {w.max_rows}, dev), nullptr, c.stream,
-                                     max_sms);
+                                     dview(in.scalars, gmoe::DType::f32, {w.max_rows}, dev), nullptr, c.stream);
   gmoe::EpRows b = gmoe::ep_combine(*g, plan, d.rows, d.scalars, nullptr, c.stream);
   gmoe::EpRows x = gmoe::ep_combine(*g, plan, dview(in.fresh_rows, dt, {w.recv_cap, w.hidden}, dev),
-                                    dview(in.fresh_scalars, gmoe::DType::f32, {w.recv_cap}, dev), nullptr, c.stream,
-                                    max_sms);
+                                    dview(in.fresh_scalars, gmoe::DType::f32, {w.recv_cap}, dev), nullptr, c.stream);
   const Layout combined = download_layout(x, c.stream);
   check_results(c, w, download<int32_t>(plan.counts_all.view(), c.stream),
                 download<int32_t>(plan.local_counts.view(), c.stream), download_layout(d, c.stream),
@@ -236,15 +231,13 @@ void random_cases(Child& c) {
   struct Case {
     gmoe::DType dt;
     int64_t H, El, max_rows;
-    int max_sms;  // the CTA budget (0: every SM): 2 is one pusher and one local CTA
   };
-  // Row bytes 20 (4-byte vectors), 48 (16), 6 (2), 7 (1), and a DeepSeek-V3-like row (16), twice.
-  const Case cases[] = {{gmoe::DType::f32, 5, 3, 37, 0},
-                        {gmoe::DType::bf16, 24, 2, 64, 2},
-                        {gmoe::DType::f16, 3, 1, 19, 0},
-                        {gmoe::DType::e4m3, 7, 4, 50, 5},
-                        {gmoe::DType::bf16, 7168, 16, 512, 0},
-                        {gmoe::DType::bf16, 7168, 16, 512, 24}};
+  // Row bytes 20 (4-byte vectors), 48 (16), 6 (2), 7 (1), and a DeepSeek-V3-like row (16).
+  const Case cases[] = {{gmoe::DType::f32, 5, 3, 37},
+                        {gmoe::DType::bf16, 24, 2, 64},
+                        {gmoe::DType::f16, 3, 1, 19},
+                        {gmoe::DType::e4m3, 7, 4, 50},
+                        {gmoe::DType::bf16, 7168, 16, 512}};
   int id = 0;
   for (const Case& k : cases) {
     std::mt19937_64 gen(c.seed + 1000 * ++id);
@@ -255,8 +248,7 @@ void random_cases(Child& c) {
     for (int s = 0; s < R; ++s) {
       w.counts[s] = oracle::spread_counts(std::uniform_int_distribution<int64_t>(0, k.max_rows)(gen), weight, gen);
     }
-    run_exchange(c, w, k.dt, 0, gen, std::string("random ") + gmoe::dtype_name(k.dt) + " H=" + std::to_string(k.H),
-                 false, k.max_sms);
+    run_exchange(c, w, k.dt, 0, gen, std::string("random ") + gmoe::dtype_name(k.dt) + " H=" + std::to_string(k.H));
   }
 }
 
@@ -293,7 +285,6 @@ void skewed_cases(Child& c) {
     weight[R * El - 1] = weight[R * El - 2] = 1.0;
     for (int s = 0; s < R; ++s) w.counts[s] = oracle::spread_counts(max_rows, weight, gen);
     run_exchange(c, w, gmoe::DType::bf16, w.recv_cap, gen, "receive overflow", /*overflow=*/true);
-    run_exchange(c, w, gmoe::DType::bf16, w.recv_cap, gen, "receive overflow", /*overflow=*/true, /*max_sms=*/3);
   }
 }
 

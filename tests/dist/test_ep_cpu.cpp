@@ -107,9 +107,7 @@ void check_exchange(World w, DType dt, int64_t max_recv_rows, std::mt19937_64& r
     EpPlan plan = ep_plan(g, counts_view(counts));
     counts_all[r] = to_i32(plan.counts_all);
     local[r] = to_i32(plan.local_counts);
-    // A CTA budget (which the CPU backend ignores) on the dispatch, none on the combines.
-    EpRows d = ep_dispatch(g, plan, rows_view(in, w, w.max_rows, dt), scalars_view(in, w.max_rows), nullptr, nullptr,
-                           2);
+    EpRows d = ep_dispatch(g, plan, rows_view(in, w, w.max_rows, dt), scalars_view(in, w.max_rows));
     dispatched[r] = to_layout(d);
     EpRows b = ep_combine(g, plan, d.rows, d.scalars);
     back[r] = to_layout(b);
@@ -353,9 +351,6 @@ TEST(CpuEp, BadArgumentsNameTheArgument) {
                     "rows:", "contiguous");
   GMOE_EXPECT_ERROR(ep_dispatch(g, plan, x, TensorView(scal7.data(), DType::f32, Device::cpu(), {7})), "scalars");
   GMOE_EXPECT_ERROR(ep_dispatch(g, plan, x, TensorView(scal.data(), DType::i32, Device::cpu(), {8})), "scalars");
-  // A CTA budget of one SM leaves no CTA for either the push or the local rows.
-  GMOE_EXPECT_ERROR(ep_dispatch(g, plan, x, {}, nullptr, nullptr, 1), "max_sms:", "at least 2", "got 1");
-  GMOE_EXPECT_ERROR(ep_combine(g, plan, x, {}, nullptr, nullptr, -4), "max_sms:", "got -4");
   // An allocator of another device.
   struct CudaLike final : Allocator {
     void* allocate(std::size_t, Stream) override { return nullptr; }

@@ -14,7 +14,6 @@
 
 #include <cmath>
 #include <cstring>
-#include <functional>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -155,10 +154,7 @@ MlpOutputs run_mlp(const MlpProblem& p, Layout layout, BiasMode bias, bool with_
   if (hooks != nullptr) EXPECT_EQ(hooks->size() - hooks_before, size_t(!d1) + size_t(!d2)) << "hooks in backward";
   GroupedMLPGrads later;
   if (d1 || d2) {
-    // backward_dw's `between` recorded with the hooks: after FC2's weight gradient, before FC1's.
-    std::function<void()> between;
-    if (hooks != nullptr) between = [hooks] { hooks->push_back("between"); };
-    later = mlp.backward_dw(ctx, nullptr, between);
+    later = mlp.backward_dw(ctx);
     EXPECT_FALSE(ctx.active());
   }
   MlpOutputs o;
@@ -333,12 +329,10 @@ TEST_P(CpuGroupedMlpOptions, DelayedRecomputeBitwiseAndHookOrder) {
     std::vector<std::string> hooks;
     const MlpOutputs got = run_mlp(p, layout, BiasMode::kGrouped, true, ro, &hooks);
     EXPECT_TRUE(same_outputs(got, base, "vs immediate, saved z"));
-    // In the order the gradients complete: backward's (FC2's, FC1's), then backward_dw's (same,
-    // with backward_dw's `between` in between when both are delayed).
+    // In the order the gradients complete: backward's (FC2's, FC1's), then backward_dw's (same).
     std::vector<std::string> order;
     for (bool in_dw : {false, true}) {
       if (bool(flags & 2) == in_dw) order.push_back("fc2");
-      if (in_dw && (flags & 3) == 3) order.push_back("between");
       if (bool(flags & 1) == in_dw) order.push_back("fc1");
     }
     EXPECT_EQ(hooks, order);
@@ -409,10 +403,7 @@ TEST_P(CpuGroupedMlpMainGrad, AccumulateOverwriteMaskPassThrough) {
       ro.mlp.fc2 = fc_options(mg2, mask2);
       std::vector<std::string> hooks;
       const MlpOutputs got = run_mlp(p, Layout::kStacked, BiasMode::kList, true, ro, &hooks);
-      // Both delayed: backward_dw's `between` (run_mlp) after FC2's weight gradient, before FC1's.
-      const std::vector<std::string> order =
-          delayed ? std::vector<std::string>{"fc2", "between", "fc1"} : std::vector<std::string>{"fc2", "fc1"};
-      EXPECT_EQ(hooks, order);
+      EXPECT_EQ(hooks, (std::vector<std::string>{"fc2", "fc1"}));
       EXPECT_TRUE(same(mg1.to_double(), ref1.to_double(), "FC1 main_grad vs the composition's"));
       EXPECT_TRUE(same(mg2.to_double(), ref2.to_double(), "FC2 main_grad vs the composition's"));
       EXPECT_TRUE(same(got.dw1, mg1.to_double(), "returned dW1 views main_grad"));

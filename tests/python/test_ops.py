@@ -88,24 +88,6 @@ def test_grouped_gemm_dgrad():
     torch.testing.assert_close(dx, want, rtol=1e-5, atol=1e-5)
 
 
-def test_gemm_max_sms_scopes_nest_and_close():
-    # The SM cap changes no bit (on the CPU it is ignored; tests/cuda checks the CUDA grids).
-    counts = routing("uniform")
-    dy, w = torch.randn(CAP, N), torch.randn(E, N, K)
-    want = gmoe.grouped_gemm_dgrad(dy, w, counts)
-    with gmoe.gemm_max_sms(-24):
-        with gmoe.gemm_max_sms(7):
-            assert torch.equal(gmoe.grouped_gemm_dgrad(dy, w, counts), want)
-        with pytest.raises(RuntimeError, match="inside"):  # an exception closes the scope on its way out
-            with gmoe.gemm_max_sms(3):
-                raise RuntimeError("inside")
-    with pytest.raises(ValueError, match="no scope open"):  # every scope above was closed, once
-        torch.ops.gmoe.gemm_max_sms_pop()
-    with pytest.raises(ValueError, match="max_sms"):
-        with gmoe.gemm_max_sms(1 << 40):
-            pass
-
-
 @pytest.mark.parametrize("route", list(ref.ROUTINGS))
 def test_grouped_bias_add_and_grad(route):
     counts = routing(route)

@@ -188,7 +188,7 @@ void execute(Fp8Plan& plan, Stream stream, Allocator& alloc) {
   plan.block_scales = plan.kernel.scaling == Fp8Scaling::blockwise;
   plan.alpha = !plan.block_scales;
   PreparedCall call =
-      prepare_call(plan, plan.run_gemm ? kernel->workspace_bytes(gemm_sm_count(current_device())) : 0, stream, alloc);
+      prepare_call(plan, plan.run_gemm ? kernel->workspace_bytes(sm_count(current_device())) : 0, stream, alloc);
   LaunchRecord& record = last_launch_record();
   record.fp8 = true;
   record.cluster_m = fp8_cluster_m(plan.kernel.tile);

@@ -146,7 +146,7 @@ void execute(const Plan& plan, Stream stream, Allocator& alloc) {
   GMOE_CHECK(plan.beta == 0.0f || kernel.has_source,
              "grouped GEMM: accumulate needs the f32 weight-gradient kernels");
   PreparedCall call =
-      prepare_call(plan, plan.run_gemm ? kernel.workspace_bytes(gemm_sm_count(current_device())) : 0, stream, alloc);
+      prepare_call(plan, plan.run_gemm ? kernel.workspace_bytes(sm_count(current_device())) : 0, stream, alloc);
   const bool pairs_m = kernel.tile == TileConfig::coop_128x256_2x1 || kernel.tile == TileConfig::coop_128x256_2x2;
   last_launch_record().cluster_m = pairs_m ? 2 : 1;
   last_launch_record().cluster_n = kernel.tile == TileConfig::coop_128x256_2x2 ? 2 : 1;

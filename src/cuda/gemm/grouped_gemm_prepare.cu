@@ -15,7 +15,6 @@
 #include "cuda/runtime/cuda_check.h"
 #include "cuda/runtime/device_info.h"
 #include "gmoe/error.h"
-#include "gmoe/tuning.h"
 
 namespace gmoe::cuda_backend {
 namespace {
@@ -533,20 +532,17 @@ void set_wgrad_mask(CallPlan& plan, const WgradOptions& options) {
   }
 }
 
-int gemm_sm_count(int device) { return current_tuning().gemm_sms(sm_count(device)); }
-
 PreparedCall prepare_call(const CallPlan& plan, std::size_t cutlass_bytes, cudaStream_t stream, Allocator& alloc) {
   // An empty reduction runs no GEMM, so a fused bias would never be added: the dispatchers send
   // such calls to the bias's second pass (y = 0 + bias).
   GMOE_CHECK(!plan.zero_all_rows || plan.bias == nullptr,
              "grouped GEMM: a fused bias with an empty reduction (K = 0)");
   const int device = current_device();
-  const int sms = gemm_sm_count(device);
+  const int sms = sm_count(device);
   const PrepareParams prep = plan_groups(plan);
   LaunchRecord& record = last_launch_record();
   record = LaunchRecord{};
   record.ran = plan.run_gemm;
-  record.sm_count = sms;
   record.num_groups = prep.num_groups;
   record.row_chunk = prep.row_chunk;
 

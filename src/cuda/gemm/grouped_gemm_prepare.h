@@ -191,12 +191,6 @@ struct PreparedCall {
   GroupedGemmLaunch launch;
 };
 
-/// The SMs a grouped GEMM call on `device` spreads over: its persistent grid (CUTLASS's hw_info
-/// sm_count, which sizes the grid and the workspace) and the zeros' kernels. The device's SM count
-/// under the calling thread's Tuning::max_sms (gmoe/tuning.h); both GEMM dispatchers and nothing
-/// else read it, and it never changes the tile choice, so the output bits do not depend on it.
-int gemm_sm_count(int device);
-
 /// Takes one workspace from `alloc` for the arrays and `cutlass_bytes` of CUTLASS workspace, then
 /// enqueues on `stream`: the preparation kernel, a list's pointers (experts and bias), the zeros.
 PreparedCall prepare_call(const CallPlan& plan, std::size_t cutlass_bytes, cudaStream_t stream, Allocator& alloc);
@@ -212,7 +206,6 @@ struct LaunchRecord {
   int32_t row_chunk = 0;   ///< fprop/dgrad: most rows of an expert per group (0: one group each)
   int32_t cluster_m = 1, cluster_n = 1;  ///< the cluster of the instantiation that ran
   int32_t tile_n = 128;                  ///< FP8 launches: the CTA tile's N extent (tensorwise rows: 128 or 256)
-  int32_t sm_count = 0;                  ///< the SMs the persistent grid was given (gemm_sm_count)
 };
 /// This thread's record (see LaunchRecord).
 LaunchRecord& last_launch_record();
