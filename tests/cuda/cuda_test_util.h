@@ -9,6 +9,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <functional>
+#include <initializer_list>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -214,6 +215,18 @@ class DeviceTensor {
 /// row_chunk_rows() where `chunked` (more groups than the `experts`), and, unless the run's
 /// --tuning (main.cpp) forces a tile or a cluster (gpu_check's forced runs), in a cluster_m x
 /// cluster_n cluster: a silent fallback to another instantiation or to unsplit experts fails here.
+/// Expects the device error word to be set (check_device_errors throws, which also clears it) with
+/// a message that contains every one of `words`.
+inline void expect_device_error(std::initializer_list<const char*> words) {
+  try {
+    check_device_errors(nullptr);
+    ADD_FAILURE() << "expected the device error word to be set";
+  } catch (const Error& e) {
+    const std::string what = e.what();
+    for (const char* w : words) EXPECT_NE(what.find(w), std::string::npos) << what;
+  }
+}
+
 inline void expect_launch(const std::string& what, bool fp8, int64_t experts, bool chunked, int cluster_m,
                           int cluster_n) {
   const cuda_backend::LaunchRecord& l = cuda_backend::last_launch_record();
