@@ -244,8 +244,7 @@ def _regather_input(rows: Tensor, tokens: Tensor, row_of: Tensor, src_token: Ten
     put it and zeros elsewhere: permute's rows, bitwise (gmoe/moe_layer.h, regather_expert_input).
     Every other saved tensor, and the tokens and the map, go through the saved-tensor hooks active
     outside (gmoe.offload_activations), if any, as they would without these."""
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    outer = top(False) if top is not None else None
+    outer = _saved_tensor_hooks(False)
     outer_pack, outer_unpack = outer if outer is not None else (None, None)
     # rows' identity, not rows itself: a reference here would keep it alive.
     ptr, shape, dtype, device = rows.data_ptr(), rows.shape, rows.dtype, rows.device

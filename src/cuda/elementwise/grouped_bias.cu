@@ -118,8 +118,7 @@ constexpr int kGradMaxWarps = 32;
 constexpr int kListByValue = 256;  // list-layout pointers passed as kernel parameters (2 KB) up to this E
 
 __device__ __forceinline__ int64_t clamped_count(const void* counts, bool is_i64, int e, int64_t capacity) {
-  const int64_t c = is_i64 ? static_cast<const int64_t*>(counts)[e] : int64_t(static_cast<const int32_t*>(counts)[e]);
-  return min(max(c, int64_t{0}), capacity);
+  return min(max(read_count(counts, is_i64, e), int64_t{0}), capacity);
 }
 
 // Where the bias gradient goes: grouped [E, N] (base + e * stride), or the list layout's pointers,
@@ -159,8 +158,7 @@ __global__ void __launch_bounds__(kGradCols * kGradMaxWarps)
   const int64_t c = clamped_count(counts, is_i64, e, capacity);
   const int64_t row0 = min(p, capacity), row1 = min(p + c, capacity);
   if (blockIdx.x == 0 && threadIdx.x == 0) {  // one report per expert, like launch_group_offsets
-    const int64_t raw = is_i64 ? static_cast<const int64_t*>(counts)[e]
-                               : int64_t(static_cast<const int32_t*>(counts)[e]);
+    const int64_t raw = read_count(counts, is_i64, e);
     uint32_t errors = 0;
     if (raw < 0) errors |= kDeviceErrorNegativeCount;
     if (raw > capacity || p + c > capacity) errors |= kDeviceErrorCountsPastCapacity;

@@ -14,6 +14,7 @@
 #include "common/backend.h"
 #include "cuda/runtime/cuda_check.h"
 #include "cuda/runtime/device_info.h"
+#include "cuda/runtime/group_offsets.cuh"
 #include "gmoe/error.h"
 
 namespace gmoe::cuda_backend {
@@ -24,10 +25,6 @@ __device__ uint32_t g_device_error_word = 0;
 
 constexpr int kPrepareThreads = 1024;
 
-__device__ __forceinline__ int64_t read_count(const void* counts, bool is_i64, int64_t e) {
-  return is_i64 ? static_cast<const int64_t*>(counts)[e]
-                : static_cast<int64_t>(static_cast<const int32_t*>(counts)[e]);
-}
 
 __device__ __forceinline__ const void* offset_ptr(const void* base, int64_t elems, int32_t bytes) {
   return static_cast<const char*>(base) + elems * static_cast<int64_t>(bytes);

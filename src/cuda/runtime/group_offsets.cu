@@ -9,10 +9,6 @@
 namespace gmoe::cuda_backend {
 namespace {
 
-__device__ __forceinline__ int64_t read_count(const void* counts, bool is_i64, int e) {
-  return is_i64 ? static_cast<const int64_t*>(counts)[e]
-                : static_cast<int64_t>(static_cast<const int32_t*>(counts)[e]);
-}
 
 __device__ __forceinline__ int64_t warp_exclusive_sum(int64_t v) {
   const int lane = threadIdx.x & 31;

@@ -24,6 +24,12 @@ void launch_group_offsets(const TensorView& counts, int64_t capacity, int64_t* o
                           int64_t* chunk_offsets, int64_t chunk_rows, int64_t chunk_unit,
                           cudaStream_t stream);
 
+/// counts[e] of an i32 or i64 counts array on the device, as int64.
+__device__ __forceinline__ int64_t read_count(const void* counts, bool is_i64, int64_t e) {
+  return is_i64 ? static_cast<const int64_t*>(counts)[e]
+                : static_cast<int64_t>(static_cast<const int32_t*>(counts)[e]);
+}
+
 /// The group owning `row` (offsets[g] <= row < offsets[g + 1]) for offsets[G+1] non-decreasing;
 /// G if row >= offsets[G]. Empty groups are never returned for rows they do not own.
 __device__ __forceinline__ int find_group(const int64_t* offsets, int G, int64_t row) {
