@@ -614,6 +614,15 @@ TEST(MoELayerEpCpuErrors, Arguments) {
   MoELayer layer(experts, layer_options(groups[0].get()));
   EXPECT_EQ(layer.num_experts(), 4);
   EXPECT_TRUE(layer.expert_parallel());
+  {
+    // regather_expert_input (on by default) falls back under EP: the experts' rows are other
+    // ranks', so they are kept; the same experts without a group gather theirs again.
+    GroupedMLPOptions by_reference;
+    by_reference.fc1.save_original_input = true;
+    GroupedMLP referencing = make_experts(p, p.w1, p.w2, 0, c.El, by_reference);
+    EXPECT_FALSE(MoELayer(referencing, layer_options(groups[0].get())).regathers_expert_input());
+    EXPECT_TRUE(MoELayer(referencing, layer_options(nullptr)).regathers_expert_input());
+  }
   MoELayerContext ctx;
   {
     // logits over the local experts only: E is every rank's.
