@@ -168,7 +168,12 @@ std::vector<PermuteCase> permute_cases() {
           {"ragged_packs_h1032_pad16_capacity", 1000, 64, 6, 1032, popts(16, 0.8)},
           {"dsv3_e256_k8_h7168", 300, 256, 8, 7168, popts(1, 0)},
           // more than 32 slots a token: the row kernels take the slots 32 at a time.
-          {"k40_e64", 200, 64, 40, 24, popts(1, 0)}};
+          {"k40_e64", 200, 64, 40, 24, popts(1, 0)},
+          // slot counts that leave a batch of the combine kernels (2, 4 or 8 slots) part empty: 3
+          // slots in a batch of 4, 12 in one of 8 and a half-empty one, 33: one slot past 32.
+          {"k3_e7_f16", 401, 7, 3, 72, popts(1, 0), DType::f16},
+          {"k12_e20_pad16_capacity", 777, 20, 12, 200, popts(16, 1.0)},
+          {"k33_e48_f32", 150, 48, 33, 36, popts(1, 0), DType::f32}};
 }
 
 class PermuteCuda : public ::testing::TestWithParam<PermuteCase> {};

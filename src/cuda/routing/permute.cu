@@ -21,9 +21,9 @@
 //      row of the output written once, x read from memory once (a row-major gather re-reads each
 //      token's row k times, from memory whenever x does not fit in L2).
 // Combine (and permute's backward, a combine with weights 1) is one warp per token summing its k
-// rows in slot order in f32. Its backward is one pass over the tokens too: for each slot, the
-// gradient row it owns and its dprobs as a warp-reduced dot product, dout read once per token;
-// then zeros on the rows no slot owns.
+// rows in slot order in f32, the loads of a batch of slots' rows issued together. Its backward is
+// one pass over the tokens too: for each slot, the gradient row it owns and its dprobs as a
+// warp-reduced dot product, dout read once per token; then zeros on the rows no slot owns.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -41,6 +41,7 @@ namespace gmoe::cuda_backend {
 namespace {
 
 using routing::from_f;
+using routing::LoadedPack;
 using routing::Pack;
 using routing::to_f;
 using routing::warp_sum;
@@ -211,9 +212,7 @@ __global__ void __launch_bounds__(kPlaceWarps * 32) place_kernel(PlaceArgs a) {
 // packs in flight instead of one per lane. The slots of a token are taken 32 at a time: lane l
 // holds slot j0 + l's row (and weight), and the warp walks them in slot order through shuffles.
 
-constexpr int kCopyPacks = 8;     // packs per lane per step in permute's scatter (a plain copy)
-constexpr int kCombinePacks = 4;  // in combine (two rows and U·V f32 sums per lane) and its backward
-                                  // (two rows): 8 would pass 128 registers and spill
+constexpr int kCopyPacks = 8;  // packs per lane per step in permute's scatter (a plain copy)
 
 template <typename P, int U>
 __device__ __forceinline__ void load_packs(P (&p)[U], const P* __restrict__ row, int64_t c0, int64_t packs) {
@@ -314,19 +313,53 @@ __global__ void __launch_bounds__(kRowWarps * 32)
   zero_unowned_rows<T, V>(out, ld_out, rows, H, row_of, src_token, k, T_, false, error_word);
 }
 
+// The combine kernels take a token's slots S at a time (a batch) and, per batch and step, issue
+// the U-pack loads of all S rows before summing any: S·U independent 16-byte loads per lane in
+// flight, one memory round trip per step for the whole batch instead of one per slot or pair. The
+// sums still run in slot order, so the result does not depend on S or U. S comes from k on the host
+// (a batch wider than k leaves loads unused). U and the blocks per SM (the register bound) are the
+// largest that ptxas fits without spilling: combine holds S·U packs and U·V f32 sums per lane, its
+// backward S·U + U packs, S dot products and S rows of each of its three maps, so it takes at most
+// 4 slots a batch.
+template <int S>
+struct CombineShape {
+  static constexpr int kPacks = S == 2 ? 4 : 2;
+  static constexpr int kBlocks = S == 4 ? 3 : 2;
+};
+template <int S>
+struct CombineBackwardShape {
+  static_assert(S <= 4, "combine's backward takes at most 4 slots a batch");
+  static constexpr int kPacks = 8 / S;
+  static constexpr int kBlocks = 2;
+};
+
+// The slots of token t in lanes, 32 at a time (slot j0 + lane): its row (-1 past k) and weight.
+// `bad` records a row outside [-1, rows).
+__device__ __forceinline__ void lane_slot(const int32_t* __restrict__ row_of, const float* __restrict__ w, int64_t t,
+                                          int k, int j0, int64_t rows, int32_t& r, float& p, bool& bad) {
+  const int j = j0 + (threadIdx.x & 31);
+  r = j < k ? row_of[t * k + j] : -1;
+  p = (j < k && w != nullptr) ? w[t * k + j] : 1.f;
+  bad = bad || r >= rows || r < -1;
+}
+
 // out[t] = Σ_j w[t, j] · y[row_of[t, j]] over the kept slots, in slot order, f32, rounded once
 // (w: probs, or 1 when nullptr). A row outside [-1, rows) counts as dropped and is recorded.
-template <typename T, int V>
-__global__ void __launch_bounds__(kRowWarps * 32, 2)  // <= 128 registers: two blocks (16 warps) per SM
+template <typename T, int V, int S>
+__global__ void __launch_bounds__(kRowWarps * 32, CombineShape<S>::kBlocks)
     combine_kernel(const T* __restrict__ y, int64_t ld_y, int64_t rows, const int32_t* __restrict__ row_of,
                    const float* __restrict__ w, int k, T* __restrict__ out, int64_t ld_out, int64_t T_, int64_t H,
                    uint32_t* error_word) {
   using P = Pack<T, V>;
-  constexpr int U = kCombinePacks;
+  using L = LoadedPack<T, V>;
+  constexpr int U = CombineShape<S>::kPacks;
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
   const int64_t packs = H / V;
   for (int64_t t = blockIdx.x * int64_t(kRowWarps) + warp; t < T_; t += int64_t(gridDim.x) * kRowWarps) {
     bool bad = false;
+    int32_t r = -1;
+    float p = 1.f;
+    if (k <= 32) lane_slot(row_of, w, t, k, 0, rows, r, p, bad);  // every step reuses them
     for (int64_t base = 0; base < packs; base += 32 * U) {
       float acc[U][V];
 #pragma unroll
@@ -335,33 +368,31 @@ __global__ void __launch_bounds__(kRowWarps * 32, 2)  // <= 128 registers: two b
         for (int v = 0; v < V; ++v) acc[u][v] = 0.f;
       }
       for (int j0 = 0; j0 < k; j0 += 32) {
-        const int j = j0 + lane;
-        const int32_t r = j < k ? row_of[t * k + j] : -1;
-        const float p = (j < k && w != nullptr) ? w[t * k + j] : 1.f;
-        bad = bad || r >= rows || r < -1;
-        // Two kept slots at a time: both rows' loads are issued before either is summed.
-        unsigned m = __ballot_sync(0xffffffffu, r >= 0 && r < rows);
-        while (m != 0u) {
-          const int la = __ffs(m) - 1;
-          m &= m - 1u;
-          const bool two = m != 0u;
-          const int lb = two ? __ffs(m) - 1 : la;
-          if (two) m &= m - 1u;
-          const int32_t ra = __shfl_sync(0xffffffffu, r, la), rb = __shfl_sync(0xffffffffu, r, lb);
-          const float pa = __shfl_sync(0xffffffffu, p, la), pb = __shfl_sync(0xffffffffu, p, lb);
-          P ia[U], ib[U];
-          load_packs(ia, reinterpret_cast<const P*>(y + ra * ld_y), base + lane, packs);
-          if (two) load_packs(ib, reinterpret_cast<const P*>(y + rb * ld_y), base + lane, packs);
+        if (k > 32) lane_slot(row_of, w, t, k, j0, rows, r, p, bad);
+        const int n = min(32, k - j0);
+        for (int jb = 0; jb < n; jb += S) {  // jb + s < 32: S divides 32
+          int32_t rs[S];
+          float ps[S];
 #pragma unroll
-          for (int u = 0; u < U; ++u) {
-#pragma unroll
-            for (int v = 0; v < V; ++v) acc[u][v] += pa * to_f(ia[u].v[v]);
+          for (int s = 0; s < S; ++s) {
+            rs[s] = __shfl_sync(0xffffffffu, r, jb + s);
+            ps[s] = __shfl_sync(0xffffffffu, p, jb + s);
           }
-          if (two) {
+          L in[S][U];
 #pragma unroll
-            for (int u = 0; u < U; ++u) {
+          for (int s = 0; s < S; ++s) {
+            if (rs[s] >= 0 && rs[s] < rows) {
+              load_packs(in[s], reinterpret_cast<const L*>(y + rs[s] * ld_y), base + lane, packs);
+            }
+          }
 #pragma unroll
-              for (int v = 0; v < V; ++v) acc[u][v] += pb * to_f(ib[u].v[v]);
+          for (int s = 0; s < S; ++s) {
+            if (rs[s] >= 0 && rs[s] < rows) {
+#pragma unroll
+              for (int u = 0; u < U; ++u) {
+#pragma unroll
+                for (int v = 0; v < V; ++v) acc[u][v] += ps[s] * in[s][u].at(v);
+              }
             }
           }
         }
@@ -378,66 +409,85 @@ __global__ void __launch_bounds__(kRowWarps * 32, 2)  // <= 128 registers: two b
   }
 }
 
-// combine's backward in one pass over the tokens. For each slot (t, j), in slot order:
+// combine's backward in one pass over the tokens. For each slot (t, j):
 //   dy[r] = w[t, j] · dout[t] when (t, j) owns its row r (see owned_row);
-//   dprobs[t, j] = Σ_h dout[t, h] · y[r, h] in f32 when r is in [0, rows), else 0: lanes over the
-//   packs in order, then the warp butterfly.
-// dout[t] is read from memory once (its re-reads, one per slot, hit the caches), each expert row
-// once, each gradient row written once. Then zeros on every row no slot owns.
-template <typename T, int V>
-__global__ void __launch_bounds__(kRowWarps * 32, 2)  // <= 128 registers: two blocks (16 warps) per SM
+//   dprobs[t, j] = Σ_h dout[t, h] · y[r, h] in f32 when r is in [0, rows), else 0: each lane over
+//   its packs in order, then the warp butterfly.
+// A batch of S slots walks the row once: each step loads dout's packs once and the S expert rows'
+// packs together (as in combine), then writes the S gradient rows. dout[t] is read from memory
+// once (its re-reads, one per batch, hit the caches), each expert row once, each gradient row
+// written once. Then zeros on every row no slot owns.
+template <typename T, int V, int S>
+__global__ void __launch_bounds__(kRowWarps * 32, CombineBackwardShape<S>::kBlocks)
     combine_backward_kernel(const T* __restrict__ dout, int64_t ld_dout, int64_t T_, const int32_t* __restrict__ row_of,
                             const int32_t* __restrict__ src_token, const float* __restrict__ w, int k,
                             const T* __restrict__ y, int64_t ld_y, T* __restrict__ dy, int64_t ld_dy, int64_t rows,
                             int64_t H, float* __restrict__ dprobs, uint32_t* error_word) {
   using P = Pack<T, V>;
-  constexpr int U = kCombinePacks;
+  using L = LoadedPack<T, V>;
+  constexpr int U = CombineBackwardShape<S>::kPacks;
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
   const int64_t packs = H / V;
   for (int64_t t = blockIdx.x * int64_t(kRowWarps) + warp; t < T_; t += int64_t(gridDim.x) * kRowWarps) {
-    const P* g = reinterpret_cast<const P*>(dout + t * ld_dout);
+    const L* g = reinterpret_cast<const L*>(dout + t * ld_dout);
     for (int j0 = 0; j0 < k; j0 += 32) {
-      const int j = j0 + lane;
       const int32_t mine = owned_row(row_of, src_token, t, k, j0, rows, true);
-      const int32_t r = j < k ? row_of[t * k + j] : -1;
-      const float p = (j < k && w != nullptr) ? w[t * k + j] : 1.f;
+      int32_t r;
+      float p;
+      bool unused = false;
+      lane_slot(row_of, w, t, k, j0, rows, r, p, unused);
       const int n = min(32, k - j0);
-      for (int s = 0; s < n; ++s) {
-        const int32_t own = __shfl_sync(0xffffffffu, mine, s);
-        const int32_t rs = __shfl_sync(0xffffffffu, r, s);
-        const float ps = __shfl_sync(0xffffffffu, p, s);
-        const bool dot_row = dprobs != nullptr && rs >= 0 && rs < rows;
-        float dot = 0.f;
-        if (own >= 0 || dot_row) {
-          const P* yr = reinterpret_cast<const P*>(y + (dot_row ? rs : 0) * ld_y);
-          P* dst = reinterpret_cast<P*>(dy + (own >= 0 ? own : 0) * ld_dy);
-          for (int64_t base = 0; base < packs; base += 32 * U) {
-            P a[U], b[U];
-            load_packs(a, g, base + lane, packs);
-            if (dot_row) {
-              load_packs(b, yr, base + lane, packs);
+      for (int jb = 0; jb < n; jb += S) {  // jb + s < 32: S divides 32
+        int32_t own[S], rs[S];
+        float ps[S], dot[S];
+        bool any = false;
+#pragma unroll
+        for (int s = 0; s < S; ++s) {
+          own[s] = __shfl_sync(0xffffffffu, mine, jb + s);
+          rs[s] = __shfl_sync(0xffffffffu, r, jb + s);
+          ps[s] = __shfl_sync(0xffffffffu, p, jb + s);
+          if (dprobs == nullptr || rs[s] >= rows) rs[s] = -1;  // -1: no dot product for the slot
+          dot[s] = 0.f;
+          any = any || own[s] >= 0 || rs[s] >= 0;
+        }
+        for (int64_t base = 0; any && base < packs; base += 32 * U) {
+          L a[U], b[S][U];
+          load_packs(a, g, base + lane, packs);
+#pragma unroll
+          for (int s = 0; s < S; ++s) {
+            if (rs[s] >= 0) load_packs(b[s], reinterpret_cast<const L*>(y + rs[s] * ld_y), base + lane, packs);
+          }
+#pragma unroll
+          for (int s = 0; s < S; ++s) {
+            if (rs[s] >= 0) {
 #pragma unroll
               for (int u = 0; u < U; ++u) {
                 if (base + lane + 32 * u < packs) {
 #pragma unroll
-                  for (int v = 0; v < V; ++v) dot += to_f(a[u].v[v]) * to_f(b[u].v[v]);
+                  for (int v = 0; v < V; ++v) dot[s] += a[u].at(v) * b[s][u].at(v);
                 }
               }
             }
-            if (own >= 0) {
+          }
+#pragma unroll
+          for (int s = 0; s < S; ++s) {
+            if (own[s] >= 0) {
               P o[U];
 #pragma unroll
               for (int u = 0; u < U; ++u) {
 #pragma unroll
-                for (int v = 0; v < V; ++v) o[u].v[v] = from_f<T>(ps * to_f(a[u].v[v]));
+                for (int v = 0; v < V; ++v) o[u].v[v] = from_f<T>(ps[s] * a[u].at(v));
               }
-              store_packs(dst, o, base + lane, packs);
+              store_packs(reinterpret_cast<P*>(dy + own[s] * ld_dy), o, base + lane, packs);
             }
           }
         }
         if (dprobs != nullptr) {
-          dot = warp_sum(dot);
-          if (lane == 0) dprobs[t * k + j0 + s] = dot;
+#pragma unroll
+          for (int s = 0; s < S; ++s) {
+            const float d = warp_sum(dot[s]);
+            if (lane == 0 && jb + s < n) dprobs[t * k + j0 + jb + s] = d;
+          }
         }
       }
     }
@@ -458,16 +508,32 @@ void check_cuda_experts(int64_t E) {
              " experts on CUDA, got ", E);
 }
 
+// Calls f(std::integral_constant<int, S>{}) with the combine kernels' slot batch for k slots: the
+// smallest of 2, 4, 8 that holds them, at most kMax.
+template <int kMax, typename F>
+void with_slot_batch(int64_t k, F&& f) {
+  if (k <= 2 || kMax == 2) {
+    f(std::integral_constant<int, 2>{});
+  } else if (k <= 4 || kMax == 4) {
+    f(std::integral_constant<int, 4>{});
+  } else {
+    f(std::integral_constant<int, (kMax >= 8 ? 8 : 4)>{});
+  }
+}
+
 void launch_combine(const TensorView& y, const TensorView& row_of, const float* w, const TensorView& out,
                     cudaStream_t stream) {
   const int64_t T = out.size(0), H = out.size(1);
   if (T == 0 || H == 0) return;
+  const int64_t k = row_of.size(1);
   routing::with_row_type(y.dtype, H, {y, out}, [&](auto t, auto v) {
-    using T_ = decltype(t);
-    constexpr int V = decltype(v)::value;
-    combine_kernel<T_, V><<<routing::grid_for(T, kRowWarps), kRowWarps * 32, 0, stream>>>(
-        static_cast<const T_*>(y.data), y.stride(0), y.size(0), static_cast<const int32_t*>(row_of.data), w,
-        int(row_of.size(1)), static_cast<T_*>(out.data), out.stride(0), T, H, device_error_word());
+    with_slot_batch<8>(k, [&](auto s) {
+      using T_ = decltype(t);
+      constexpr int V = decltype(v)::value, S = decltype(s)::value;
+      combine_kernel<T_, V, S><<<routing::grid_for(T, kRowWarps), kRowWarps * 32, 0, stream>>>(
+          static_cast<const T_*>(y.data), y.stride(0), y.size(0), static_cast<const int32_t*>(row_of.data), w, int(k),
+          static_cast<T_*>(out.data), out.stride(0), T, H, device_error_word());
+    });
   });
   GMOE_CUDA_CHECK(cudaGetLastError());
 }
@@ -563,18 +629,19 @@ void combine_backward(const TensorView& dout, const RoutingMap& map, const Tenso
   // One launch writes every row of dexpert_out (rows > 0) and every dprobs (T > 0); the dtype and
   // pack width are chosen over all three row tensors.
   if (!((rows > 0 && H > 0) || (dp != nullptr && T > 0))) return;
-  routing::with_row_type(dout.dtype, H, {dout, dexpert_out, dp != nullptr ? expert_out : TensorView{}},
-                         [&](auto t, auto v) {
-                           using T_ = decltype(t);
-                           constexpr int V = decltype(v)::value;
-                           combine_backward_kernel<T_, V>
-                               <<<routing::grid_for(std::max(T, (rows + 31) / 32), kRowWarps), kRowWarps * 32, 0,
-                                  stream>>>(static_cast<const T_*>(dout.data), dout.stride(0), T, row_of,
-                                            static_cast<const int32_t*>(map.src_token.data), w, int(k),
-                                            static_cast<const T_*>(expert_out.data),
-                                            dp != nullptr ? expert_out.stride(0) : 0, static_cast<T_*>(dexpert_out.data),
-                                            dexpert_out.stride(0), rows, H, dp, device_error_word());
-                         });
+  routing::with_row_type(
+      dout.dtype, H, {dout, dexpert_out, dp != nullptr ? expert_out : TensorView{}}, [&](auto t, auto v) {
+        with_slot_batch<4>(k, [&](auto s) {
+          using T_ = decltype(t);
+          constexpr int V = decltype(v)::value, S = decltype(s)::value;
+          combine_backward_kernel<T_, V, S>
+              <<<routing::grid_for(std::max(T, (rows + 31) / 32), kRowWarps), kRowWarps * 32, 0, stream>>>(
+                  static_cast<const T_*>(dout.data), dout.stride(0), T, row_of,
+                  static_cast<const int32_t*>(map.src_token.data), w, int(k), static_cast<const T_*>(expert_out.data),
+                  dp != nullptr ? expert_out.stride(0) : 0, static_cast<T_*>(dexpert_out.data), dexpert_out.stride(0),
+                  rows, H, dp, device_error_word());
+        });
+      });
   GMOE_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -46,6 +46,29 @@ struct alignas(sizeof(T) * V) Pack {
   T v[V];
 };
 
+/// A pack loaded to be read as f32: held as the 32-bit words it arrives in and widened one element
+/// at a time where it is used. Loaded as Pack, a 16-bit element takes a register of its own, split
+/// out right after the load: the split waits for the load, so a batch of loads is no longer in
+/// flight together, and the pack takes twice the registers.
+template <typename T, int V, bool = (sizeof(T) * V) % 4 == 0>
+struct LoadedPack {
+  Pack<T, V> p;
+  __device__ __forceinline__ float at(int v) const { return to_f(p.v[v]); }
+};
+template <typename T, int V>
+struct alignas(sizeof(T) * V) LoadedPack<T, V, true> {
+  uint32_t w[sizeof(T) * V / 4];
+  __device__ __forceinline__ float at(int v) const {
+    if constexpr (sizeof(T) == 4) {
+      return __uint_as_float(w[v]);
+    } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {  // bf16 -> f32: the bits, shifted up
+      return __uint_as_float(v % 2 == 0 ? w[v / 2] << 16 : w[v / 2] & 0xffff0000u);
+    } else {
+      return __half2float(__ushort_as_half(static_cast<unsigned short>(v % 2 == 0 ? w[v / 2] : w[v / 2] >> 16)));
+    }
+  }
+};
+
 /// Calls f(T{}, std::integral_constant<int, V>{}) for the dtype (bf16/f16/f32) and the widest
 /// pack every row of every view allows (16 bytes, else 1 element).
 template <typename F>
