@@ -173,7 +173,12 @@ std::vector<PermuteCase> permute_cases() {
           // slots in a batch of 4, 12 in one of 8 and a half-empty one, 33: one slot past 32.
           {"k3_e7_f16", 401, 7, 3, 72, popts(1, 0), DType::f16},
           {"k12_e20_pad16_capacity", 777, 20, 12, 200, popts(16, 1.0)},
-          {"k33_e48_f32", 150, 48, 33, 36, popts(1, 0), DType::f32}};
+          {"k33_e48_f32", 150, 48, 33, 36, popts(1, 0), DType::f32},
+          // permute ranks a pair among its sub-tile's (about 256 pairs, 256 / k tokens): one token
+          // a sub-tile (k = E = 256), one token in all, and E at the CUDA bound.
+          {"k256_e256_one_token_sub_tiles", 40, 256, 256, 16, popts(1, 0)},
+          {"one_token_pad16_capacity", 1, 16, 8, 64, popts(16, 1.0)},
+          {"e1024_k8_pad16", 900, 1024, 8, 64, popts(16, 0)}};
 }
 
 class PermuteCuda : public ::testing::TestWithParam<PermuteCase> {};
@@ -265,6 +270,35 @@ TEST_P(PermuteCuda, MatchesCpu) {
 
 INSTANTIATE_TEST_SUITE_P(Cases, PermuteCuda, ::testing::ValuesIn(permute_cases()),
                          [](const auto& info) { return info.param.name; });
+
+// An expert named twice in one token's slots (k > E): each (token, slot) still gets its own row,
+// in (token, slot) order, the same map and rows as the CPU.
+TEST(PermuteCudaRepeats, ExpertRepeatedInATokensSlots) {
+  GMOE_SKIP_WITHOUT_GPU();
+  Rng rng;
+  const int64_t T = 1100, E = 5, k = 12, H = 48;
+  PermuteOptions o = popts(16, 1.0);
+  const int64_t rows = permuted_rows(T, k, E, o);
+  HostTensor x(DType::bf16, {T, H}), ids(DType::i32, {T, k}), probs(DType::f32, {T, k});
+  fill_random(x, rng);
+  fill_random(probs, rng, 0.0, 1.0);
+  for (int64_t i = 0; i < T * k; ++i) ids.set(i, double(rng.integer(0, E - 1)));
+  HostTensor perm(DType::bf16, {rows, H}), counts(DType::i32, {E}), row_of(DType::i32, {T, k}),
+      src(DType::i32, {rows}), pprobs(DType::f32, {rows}), dropped(DType::i32, {1});
+  permute(x.view(), ids.view(), o, perm.view(), counts.view(), {row_of.view(), src.view()}, probs.view(), pprobs.view(),
+          dropped.view());
+  DeviceTensor dx(x), dids(ids), dprobs(probs), dperm(DType::bf16, {rows, H}), dcounts(DType::i32, {E}),
+      drow(DType::i32, {T, k}), dsrc(DType::i32, {rows}), dpp(DType::f32, {rows}), ddrop(DType::i32, {1});
+  permute(dx.view(), dids.view(), o, dperm.view(), dcounts.view(), {drow.view(), dsrc.view()}, dprobs.view(),
+          dpp.view(), ddrop.view());
+  sync_and_check();
+  EXPECT_EQ(int32_values(dcounts.download()), int32_values(counts));
+  EXPECT_EQ(int32_values(drow.download()), int32_values(row_of));
+  EXPECT_EQ(int32_values(dsrc.download()), int32_values(src));
+  EXPECT_EQ(ddrop.download().get(0), dropped.get(0));
+  EXPECT_TRUE(bitwise_equal(dperm.download(), perm, "permuted rows"));
+  EXPECT_TRUE(bitwise_equal(dpp.download(), pprobs, "permuted probs"));
+}
 
 // ---------------------------------------------------------------------------------------------
 

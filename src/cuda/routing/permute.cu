@@ -1,25 +1,29 @@
 // src/cuda/routing/permute.cu — permute, combine and their backwards on the device (gmoe/routing.h).
 //
-// Permute is a counting sort, not a comparison sort: a fixed number of launches whatever the
-// routing, nothing read on the host.
-//   1. tile_histogram: each tile of kTileTokens tokens counts its (token, slot) pairs per expert
-//      (shared-memory integer atomics: exact in any order) -> tile_counts[tile, e]; an id outside
-//      [0, E) is left out and recorded in the device error word. Its blocks also set every
-//      src_token to -1 and every permuted probability to 0 (grid-stride), which place then
-//      overwrites for the owned rows: the same values two memset launches would write, without them.
+// Permute is a counting sort, not a comparison sort: three launches whatever the routing, nothing
+// read on the host, no memset.
+//   1. tile_histogram: a tile is kSubTiles sub-tiles of sub_tile_tokens(k) tokens (about
+//      kSubTilePairs (token, slot) pairs each); a warp counts its sub-tile's pairs per expert
+//      (shared-memory integer atomics: exact in any order), then per expert the sub-tiles' exclusive
+//      scan -> sub_first[tile, sub, e] (the sub-tile's first position inside the tile) and the
+//      tile's total -> tile_counts[tile, e]. An id outside [0, E) is left out and recorded in the
+//      device error word.
 //   2. expert_offsets (one block, a warp per expert at a time): per expert, the exclusive scan of
 //      its tile counts over the tiles (the tile's first position inside the expert), the expert's
 //      total, the kept part under the capacity, its group padded to pad_multiple; then the
-//      exclusive scan of the padded groups over the experts -> offsets, counts, dropped.
-//   3. place: each tile again; its warps take contiguous runs of the tile's pairs, count them per
-//      expert, scan over the warps, then walk their run in 32-pair steps in (token, slot) order:
-//      __match_any_sync groups the lanes holding one expert, a lane's rank among them plus the
-//      warp's running count gives the pair's position in the expert. Stable, so deterministic.
-//      Writes row_of, src_token (memset to -1 before) and the permuted probabilities.
-//   4. scatter_rows: one warp per token reads x[t] once and writes it to each of its kept rows,
-//      then the rows no (token, slot) owns (padding, past the total) are written as zeros: every
-//      row of the output written once, x read from memory once (a row-major gather re-reads each
-//      token's row k times, from memory whenever x does not fit in L2).
+//      exclusive scan of the padded groups over the experts -> offsets, counts, kept, dropped.
+//   3. permute_rows: one warp per token places its pairs and copies its row. A pair's position in
+//      its expert is the tile's first position + the sub-tile's + the number of the sub-tile's
+//      earlier pairs (those of earlier tokens and earlier slots) with the same expert, counted
+//      with ballots over at most kSubTilePairs ids: (token, slot) order inside an expert, stable
+//      and deterministic. The warp writes row_of, src_token and the permuted probability of each
+//      kept pair, then x[t] to each kept row. Then the rows no pair owns (each expert's padding
+//      past its kept pairs, the rows past the padded total) are written as zeros with src_token
+//      -1 and probability 0, found from offsets and kept alone. Every row of the output written
+//      once, x read from memory once (a row-major gather re-reads each token's row k times, from
+//      memory whenever x does not fit in L2). Placing inside the copy's warps keeps the
+//      placement off the launch chain: as a launch of its own it has a block per tile, too few
+//      to fill the device, between the scan and the copy.
 // Combine (and permute's backward, a combine with weights 1) is one warp per token summing its k
 // rows in slot order in f32, the loads of a batch of slots' rows issued together. Its backward is
 // one pass over the tokens too: for each slot, the gradient row it owns and its dprobs as a
@@ -46,34 +50,56 @@ using routing::Pack;
 using routing::to_f;
 using routing::warp_sum;
 
-constexpr int kTileTokens = 256;    // tokens per tile of the counting sort
-constexpr int kPlaceWarps = 8;      // warps per tile in the placement
-constexpr int kScanThreads = 1024;  // the one-block scan of expert_offsets
-constexpr int kRowWarps = 8;        // warps per block of the row kernels (one row or token per warp)
+constexpr int kSubTiles = 8;         // sub-tiles per tile, one warp each in the histogram
+constexpr int kSubTilePairs = 256;   // (token, slot) pairs a sub-tile holds, about: what a pair's
+                                     // rank inside its sub-tile costs (ids read, ballots per slot)
+constexpr int kScanThreads = 1024;   // the one-block scan of expert_offsets
+constexpr int kRowWarps = 8;         // warps per block of the row kernels (one row or token per warp)
 
-__global__ void tile_histogram_kernel(const int32_t* ids, int64_t T, int k, int E, int* tile_counts,
-                                      int32_t* src_token, float* permuted_probs, int64_t rows, uint32_t* error_word) {
-  extern __shared__ int hist[];
-  for (int64_t r = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; r < rows; r += int64_t(gridDim.x) * blockDim.x) {
-    src_token[r] = -1;
-    if (permuted_probs != nullptr) permuted_probs[r] = 0.f;
-  }
-  for (int e = threadIdx.x; e < E; e += blockDim.x) hist[e] = 0;
+// Tokens per sub-tile: kSubTilePairs / k, at least 1.
+__host__ __device__ __forceinline__ int64_t sub_tile_tokens(int64_t k) {
+  return k >= kSubTilePairs ? 1 : kSubTilePairs / k;
+}
+
+__global__ void __launch_bounds__(kSubTiles * 32)
+    tile_histogram_kernel(const int32_t* __restrict__ ids, int64_t T, int k, int E, int* __restrict__ tile_counts,
+                          int* __restrict__ sub_first, uint32_t* error_word) {
+  extern __shared__ int run[];  // [kSubTiles][E]: each sub-tile's counts
+  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+  for (int i = threadIdx.x; i < kSubTiles * E; i += blockDim.x) run[i] = 0;
   __syncthreads();
-  const int64_t i0 = int64_t(blockIdx.x) * kTileTokens * k;
-  const int64_t i1 = min(i0 + int64_t(kTileTokens) * k, T * k);
+  const int64_t st = sub_tile_tokens(k);
+  const int64_t t0 = (int64_t(blockIdx.x) * kSubTiles + warp) * st;
+  const int64_t i0 = min(t0, T) * k, i1 = min(t0 + st, T) * k;
   bool bad = false;
-  for (int64_t i = i0 + threadIdx.x; i < i1; i += blockDim.x) {
-    const int32_t e = ids[i];
-    if (e >= 0 && e < E) {
-      atomicAdd(&hist[e], 1);
-    } else {
-      bad = true;
+  int* mine = run + warp * E;
+  // A sub-tile's ids are loaded at once (kSubTilePairs / 32 a lane; more steps only past
+  // kSubTilePairs slots a token): one memory round trip, not one per 32 ids.
+  constexpr int kIds = kSubTilePairs / 32;
+  for (int64_t i = i0 + lane; i < i1; i += 32 * kIds) {
+    int32_t e[kIds];
+#pragma unroll
+    for (int q = 0; q < kIds; ++q) e[q] = i + 32 * q < i1 ? ids[i + 32 * q] : 0;
+#pragma unroll
+    for (int q = 0; q < kIds; ++q) {
+      if (i + 32 * q >= i1) continue;
+      if (e[q] >= 0 && e[q] < E) {
+        atomicAdd(&mine[e[q]], 1);
+      } else {
+        bad = true;
+      }
     }
   }
   if (bad) atomicOr(error_word, kDeviceErrorRoutingIndexOutOfRange);
   __syncthreads();
-  for (int e = threadIdx.x; e < E; e += blockDim.x) tile_counts[int64_t(blockIdx.x) * E + e] = hist[e];
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {  // exclusive scan over the sub-tiles, per expert
+    int pos = 0;
+    for (int w = 0; w < kSubTiles; ++w) {
+      sub_first[(int64_t(blockIdx.x) * kSubTiles + w) * E + e] = pos;
+      pos += run[w * E + e];
+    }
+    tile_counts[int64_t(blockIdx.x) * E + e] = pos;
+  }
 }
 
 __device__ __forceinline__ int64_t warp_inclusive_sum(int64_t v) {
@@ -93,8 +119,8 @@ __device__ __forceinline__ int64_t warp_inclusive_sum(int64_t v) {
 // memory; warp 0 then scans the padded groups over the experts (32 contiguous experts per lane).
 __global__ void __launch_bounds__(kScanThreads)
     expert_offsets_kernel(int* tile_counts /* in: counts; out: first positions */, int64_t tiles, int E,
-                          int64_t capacity, int64_t pad, int64_t* offsets, void* counts, bool counts_i64, void* dropped,
-                          bool dropped_i64) {
+                          int64_t capacity, int64_t pad, int64_t* offsets, int64_t* kept_out, void* counts,
+                          bool counts_i64, void* dropped, bool dropped_i64) {
   __shared__ int64_t group[routing::kMaxRoutingExperts];
   __shared__ unsigned long long n_dropped;
   const int warps = kScanThreads / 32, warp = threadIdx.x / 32, lane = threadIdx.x & 31;
@@ -116,6 +142,7 @@ __global__ void __launch_bounds__(kScanThreads)
     if (lane == 0) {
       const int64_t kept = min(total, capacity);
       if (total != kept) atomicAdd(&n_dropped, static_cast<unsigned long long>(total - kept));
+      kept_out[e] = kept;
       group[e] = (kept + pad - 1) / pad * pad;
     }
   }
@@ -145,66 +172,6 @@ __global__ void __launch_bounds__(kScanThreads)
   }
 }
 
-struct PlaceArgs {
-  const int32_t* ids;
-  int64_t T;
-  int k, E;
-  const int* first_pos;  // [tiles, E]: the tile's first position inside each expert
-  const int64_t* offsets;
-  int64_t capacity;
-  int32_t* row_of;
-  int32_t* src_token;
-  const float* probs;  // or nullptr
-  float* permuted_probs;
-};
-
-__global__ void __launch_bounds__(kPlaceWarps * 32) place_kernel(PlaceArgs a) {
-  extern __shared__ int run[];  // [kPlaceWarps][E]: counts, then each warp's running position
-  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
-  for (int i = threadIdx.x; i < kPlaceWarps * a.E; i += blockDim.x) run[i] = 0;
-  __syncthreads();
-  const int64_t i0 = int64_t(blockIdx.x) * kTileTokens * a.k;
-  const int64_t n = min(int64_t(kTileTokens) * a.k, a.T * a.k - i0);
-  const int64_t per = (n + kPlaceWarps - 1) / kPlaceWarps;
-  const int64_t w0 = i0 + min(per * warp, n), w1 = i0 + min(per * (warp + 1), n);
-  int* mine = run + warp * a.E;
-  for (int64_t i = w0 + lane; i < w1; i += 32) {
-    const int32_t e = a.ids[i];
-    if (e >= 0 && e < a.E) atomicAdd(&mine[e], 1);
-  }
-  __syncthreads();
-  for (int e = threadIdx.x; e < a.E; e += blockDim.x) {  // exclusive scan over the warps, per expert
-    int pos = a.first_pos[int64_t(blockIdx.x) * a.E + e];
-    for (int w = 0; w < kPlaceWarps; ++w) {
-      const int c = run[w * a.E + e];
-      run[w * a.E + e] = pos;
-      pos += c;
-    }
-  }
-  __syncthreads();
-  const unsigned below = (1u << lane) - 1u;
-  for (int64_t b = w0; b < w1; b += 32) {
-    const int64_t i = b + lane;
-    const bool valid = i < w1;
-    const int32_t raw = valid ? a.ids[i] : -1;
-    const int32_t e = (raw >= 0 && raw < a.E) ? raw : -1;
-    const unsigned peers = __match_any_sync(0xffffffffu, e);
-    int pos = 0;
-    if (e >= 0) pos = mine[e] + __popc(peers & below);
-    __syncwarp();
-    if (e >= 0 && (peers >> lane) == 1u) mine[e] += __popc(peers);  // the group's highest lane
-    __syncwarp();
-    if (!valid) continue;
-    int32_t row = -1;
-    if (e >= 0 && pos < a.capacity) {
-      row = static_cast<int32_t>(a.offsets[e] + pos);
-      a.src_token[row] = static_cast<int32_t>(i / a.k);
-      if (a.probs != nullptr) a.permuted_probs[row] = a.probs[i];
-    }
-    a.row_of[i] = row;
-  }
-}
-
 // ---- the row kernels: token-major, so a token's row is read (or written) once from memory ----
 //
 // Every row kernel gives a warp one token at a time. Its lanes move a row in 16-byte packs (V
@@ -230,32 +197,27 @@ __device__ __forceinline__ void store_packs(P* __restrict__ row, const P (&p)[U]
   }
 }
 
-// Slot j0 + lane of token t: the row it writes, or -1. A row is written by the one (token, slot)
-// that owns it: the row is in [0, rows) and, with `check_owner`, src_token[row] is t and no
-// earlier slot of t names the row (the (t, slot) that the row's src_token leads to). permute's own
-// map always satisfies that, so permute skips the check.
+// Slot j0 + lane of token t: the gradient row it writes, or -1. A row is written by the one
+// (token, slot) that owns it: the row is in [0, rows), src_token[row] is t and no earlier slot of
+// t names the row (the (t, slot) that the row's src_token leads to).
 __device__ __forceinline__ int32_t owned_row(const int32_t* __restrict__ row_of, const int32_t* __restrict__ src_token,
-                                             int64_t t, int k, int j0, int64_t rows, bool check_owner) {
+                                             int64_t t, int k, int j0, int64_t rows) {
   const int lane = threadIdx.x & 31;
   const int j = j0 + lane;
   const int32_t r = j < k ? row_of[t * k + j] : -1;
-  bool own = r >= 0 && r < rows;
-  if (check_owner) {
-    own = own && src_token[r] == t;
-    const unsigned peers = __match_any_sync(0xffffffffu, r);
-    own = own && (peers & ((1u << lane) - 1u)) == 0u;
-    for (int e = 0; e < j0 && own; ++e) own = row_of[t * k + e] != r;
-  }
+  bool own = r >= 0 && r < rows && src_token[r] == t;
+  const unsigned peers = __match_any_sync(0xffffffffu, r);
+  own = own && (peers & ((1u << lane) - 1u)) == 0u;
+  for (int e = 0; e < j0 && own; ++e) own = row_of[t * k + e] != r;
   return own ? r : -1;
 }
 
-// The second phase of the kernels that write expert rows: every row that no (token, slot) owns
-// (padding, rows past the total, a src_token out of range) is written as zeros. A thread checks a
-// row; the warp then zeros the rows its lanes found, one at a time. A src_token >= T is recorded.
+// The second phase of combine's backward: every gradient row that no (token, slot) owns (padding,
+// rows past the total, a src_token out of range) is written as zeros. A thread checks a row; the
+// warp then zeros the rows its lanes found, one at a time. A src_token >= T is recorded.
 template <typename T, int V>
 __device__ void zero_unowned_rows(T* out, int64_t ld_out, int64_t rows, int64_t H, const int32_t* __restrict__ row_of,
-                                  const int32_t* __restrict__ src_token, int k, int64_t T_, bool check_owner,
-                                  uint32_t* error_word) {
+                                  const int32_t* __restrict__ src_token, int k, int64_t T_, uint32_t* error_word) {
   using P = Pack<T, V>;
   const int lane = threadIdx.x & 31;
   const int64_t packs = H / V;
@@ -267,7 +229,7 @@ __device__ void zero_unowned_rows(T* out, int64_t ld_out, int64_t rows, int64_t 
       const int32_t t = src_token[r];
       owned = t >= 0 && t < T_;
       if (t >= T_) atomicOr(error_word, kDeviceErrorRoutingIndexOutOfRange);
-      if (owned && check_owner) {
+      if (owned) {
         bool found = false;
         for (int j = 0; j < k; ++j) found = found || row_of[int64_t(t) * k + j] == r;
         owned = found;
@@ -283,34 +245,117 @@ __device__ void zero_unowned_rows(T* out, int64_t ld_out, int64_t rows, int64_t 
   }
 }
 
-// permuted[row_of[t, j]] = x[t] for every kept (t, j): x[t] is read once and written k times; then
-// zeros on every other row (padding, past the total).
+struct PermuteRowsArgs {
+  const int32_t* ids;
+  int64_t T;
+  int k, E;
+  const int* first_pos;    // [tiles, E]: the tile's first position inside each expert
+  const int* sub_first;    // [tiles, kSubTiles, E]: the sub-tile's first position inside its tile
+  const int64_t* offsets;  // [E + 1]: each expert's first row; offsets[E], the padded total
+  const int64_t* kept;     // [E]: each expert's pairs under the capacity
+  int64_t capacity;
+  const float* probs;     // or nullptr (then permuted_probs is too)
+  float* permuted_probs;  // or nullptr
+  int32_t* row_of;
+  int32_t* src_token;
+  const void* x;
+  int64_t ld_x;
+  void* out;
+  int64_t ld_out, rows, H;
+};
+
+constexpr int kRankLoads = 4;  // ids a lane loads at once when ranking a pair in its sub-tile
+
+// Permute's placement and copy, one warp per token (see the top of the file): each kept (t, j)
+// gets its row, row_of / src_token / permuted_probs, and permuted[row] = x[t], x[t] read once and
+// written k times; then zeros on every other row (padding, past the total).
 template <typename T, int V>
-__global__ void __launch_bounds__(kRowWarps * 32)
-    scatter_rows_kernel(const T* __restrict__ x, int64_t ld_x, int64_t T_, const int32_t* __restrict__ row_of,
-                        const int32_t* __restrict__ src_token, int k, T* __restrict__ out, int64_t ld_out,
-                        int64_t rows, int64_t H, uint32_t* error_word) {
+__global__ void __launch_bounds__(kRowWarps * 32, 4)  // <= 64 registers: 4 blocks (32 warps) per SM
+    permute_rows_kernel(PermuteRowsArgs a) {
   using P = Pack<T, V>;
   constexpr int U = kCopyPacks;
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
-  const int64_t packs = H / V;
-  for (int64_t t = blockIdx.x * int64_t(kRowWarps) + warp; t < T_; t += int64_t(gridDim.x) * kRowWarps) {
-    const P* src = reinterpret_cast<const P*>(x + t * ld_x);
+  const unsigned below = (1u << lane) - 1u;
+  const int64_t packs = a.H / V;
+  const int k = a.k;
+  // Token and pair indices in 32 bits: T·k < 2^31 (checked on the host), and 64-bit division and
+  // compares cost instructions and registers the copy needs.
+  const unsigned st = static_cast<unsigned>(sub_tile_tokens(k)), tile_tokens = st * kSubTiles;
+  T* out = static_cast<T*>(a.out);
+  for (int64_t t = blockIdx.x * int64_t(kRowWarps) + warp; t < a.T; t += int64_t(gridDim.x) * kRowWarps) {
+    const P* src = reinterpret_cast<const P*>(static_cast<const T*>(a.x) + t * a.ld_x);
+    const unsigned tile = static_cast<unsigned>(t) / tile_tokens, sub = static_cast<unsigned>(t) % tile_tokens / st;
+    const unsigned p0 = (tile * tile_tokens + sub * st) * k;  // the sub-tile's first pair
+    const int* first = a.first_pos + int64_t(tile) * a.E;
+    const int* sub_first = a.sub_first + (int64_t(tile) * kSubTiles + sub) * a.E;
     for (int j0 = 0; j0 < k; j0 += 32) {
-      const int32_t mine = owned_row(row_of, src_token, t, k, j0, rows, false);
-      const unsigned live = __ballot_sync(0xffffffffu, mine >= 0);
-      if (live == 0u) continue;
-      for (int64_t base = 0; base < packs; base += 32 * U) {
+      const int j = j0 + lane;
+      const unsigned i = static_cast<unsigned>(t) * k + j;
+      const int32_t raw = j < k ? a.ids[i] : -1;
+      const int32_t e = raw >= 0 && raw < a.E ? raw : -1;
+      int pos = 0;
+      int64_t off = 0;
+      if (e >= 0) {
+        pos = first[e] + sub_first[e];
+        off = a.offsets[e];
+      }
+      const float prob = (a.probs != nullptr && j < k) ? a.probs[i] : 0.f;
+      // The sub-tile's pairs before (t, j0) with the expert of slot j0 + s, by ballots over the ids,
+      // then the chunk's own earlier slots.
+      const int n = min(32, k - j0);
+      const unsigned p1 = static_cast<unsigned>(t) * k + j0;
+      int before = 0;
+      for (unsigned c = p0; c < p1; c += 32 * kRankLoads) {
+        int32_t id[kRankLoads];
+#pragma unroll
+        for (int q = 0; q < kRankLoads; ++q) id[q] = c + 32 * q + lane < p1 ? a.ids[c + 32 * q + lane] : -1;
+        for (int s = 0; s < n; ++s) {
+          const int32_t es = __shfl_sync(0xffffffffu, e, s);
+          if (es < 0) continue;  // the same for every lane
+          int same = 0;
+#pragma unroll
+          for (int q = 0; q < kRankLoads; ++q) same += __popc(__ballot_sync(0xffffffffu, id[q] == es));
+          if (lane == s) before += same;
+        }
+      }
+      before += __popc(__match_any_sync(0xffffffffu, e) & below);
+      pos += before;
+      const int32_t row = (e >= 0 && pos < a.capacity) ? static_cast<int32_t>(off + pos) : -1;
+      if (j < k) a.row_of[i] = row;
+      if (row >= 0) {
+        a.src_token[row] = static_cast<int32_t>(t);
+        if (a.permuted_probs != nullptr) a.permuted_probs[row] = prob;
+      }
+      const unsigned live = __ballot_sync(0xffffffffu, row >= 0);
+      for (int64_t base = 0; live != 0u && base < packs; base += 32 * U) {
         P p[U];
         load_packs(p, src, base + lane, packs);
         for (unsigned m = live; m != 0u; m &= m - 1u) {
-          const int32_t r = __shfl_sync(0xffffffffu, mine, __ffs(m) - 1);
-          store_packs(reinterpret_cast<P*>(out + r * ld_out), p, base + lane, packs);
+          const int32_t r = __shfl_sync(0xffffffffu, row, __ffs(m) - 1);
+          store_packs(reinterpret_cast<P*>(out + r * a.ld_out), p, base + lane, packs);
         }
       }
     }
   }
-  zero_unowned_rows<T, V>(out, ld_out, rows, H, row_of, src_token, k, T_, false, error_word);
+  // The rows no pair owns: expert e's [offsets[e] + kept[e], offsets[e + 1]) (unit e), then the
+  // rows past the padded total in runs of 32 (one unit each); a warp per unit.
+  const int64_t total = min(a.offsets[a.E], a.rows);
+  const int64_t units = a.E + (a.rows - total + 31) / 32;
+  P zero;
+#pragma unroll
+  for (int v = 0; v < V; ++v) zero.v[v] = from_f<T>(0.f);
+  for (int64_t u = blockIdx.x * int64_t(kRowWarps) + warp; u < units; u += int64_t(gridDim.x) * kRowWarps) {
+    const int64_t r0 = u < a.E ? a.offsets[u] + a.kept[u] : total + (u - a.E) * 32;
+    const int64_t r1 = min(u < a.E ? a.offsets[u + 1] : r0 + 32, a.rows);
+    for (int64_t r = r0 + lane; r < r1; r += 32) {
+      a.src_token[r] = -1;
+      if (a.permuted_probs != nullptr) a.permuted_probs[r] = 0.f;
+    }
+    for (int64_t r = r0; r < r1; ++r) {
+      P* dst = reinterpret_cast<P*>(out + r * a.ld_out);
+      for (int64_t c = lane; c < packs; c += 32) dst[c] = zero;
+    }
+  }
 }
 
 // The combine kernels take a token's slots S at a time (a batch) and, per batch and step, issue
@@ -431,7 +476,7 @@ __global__ void __launch_bounds__(kRowWarps * 32, CombineBackwardShape<S>::kBloc
   for (int64_t t = blockIdx.x * int64_t(kRowWarps) + warp; t < T_; t += int64_t(gridDim.x) * kRowWarps) {
     const L* g = reinterpret_cast<const L*>(dout + t * ld_dout);
     for (int j0 = 0; j0 < k; j0 += 32) {
-      const int32_t mine = owned_row(row_of, src_token, t, k, j0, rows, true);
+      const int32_t mine = owned_row(row_of, src_token, t, k, j0, rows);
       int32_t r;
       float p;
       bool unused = false;
@@ -492,7 +537,7 @@ __global__ void __launch_bounds__(kRowWarps * 32, CombineBackwardShape<S>::kBloc
       }
     }
   }
-  zero_unowned_rows<T, V>(dy, ld_dy, rows, H, row_of, src_token, k, T_, true, error_word);
+  zero_unowned_rows<T, V>(dy, ld_dy, rows, H, row_of, src_token, k, T_, error_word);
 }
 
 // dprobs[t, j] = dpermuted_probs[row_of[t, j]], 0 where dropped.
@@ -548,54 +593,53 @@ void permute(const TensorView& x, const TensorView& ids, const PermuteOptions& o
   check_cuda_experts(E);
   const int64_t cap_opt = expert_capacity(T, k, E, options);
   const int64_t capacity = cap_opt < 0 ? std::numeric_limits<int64_t>::max() : cap_opt;
-  const int64_t tiles = (T + kTileTokens - 1) / kTileTokens;
-  // Scratch: tile counts (then first positions) [max(tiles, 1), E] and offsets [E + 1].
-  Buffer scratch(alloc, size_t(std::max<int64_t>(tiles, 1)) * E * sizeof(int) + size_t(E + 1) * sizeof(int64_t) + 16,
+  const int64_t tile_tokens = sub_tile_tokens(k) * kSubTiles;
+  const int64_t tiles = (T + tile_tokens - 1) / tile_tokens;
+  // Scratch: offsets [E + 1] and kept [E] (i64); tile counts (then first positions) [tiles, E] and
+  // the sub-tiles' first positions [tiles, kSubTiles, E] (int).
+  Buffer scratch(alloc, size_t(2 * E + 1) * sizeof(int64_t) + size_t(tiles) * (1 + kSubTiles) * E * sizeof(int) + 16,
                  stream_);
   int64_t* offsets = static_cast<int64_t*>(scratch.data());
-  int* tile_counts = reinterpret_cast<int*>(offsets + E + 1);
-  float* pp = permuted_probs.defined() ? static_cast<float*>(permuted_probs.data) : nullptr;
-  if (tiles == 0) {
-    // No tokens: no histogram launch to set the map's defaults (padding rows may still exist).
-    GMOE_CUDA_CHECK(cudaMemsetAsync(tile_counts, 0, size_t(E) * sizeof(int), stream));
-    if (rows > 0) GMOE_CUDA_CHECK(cudaMemsetAsync(map.src_token.data, 0xff, size_t(rows) * sizeof(int32_t), stream));
-    if (pp != nullptr && rows > 0) GMOE_CUDA_CHECK(cudaMemsetAsync(pp, 0, size_t(rows) * sizeof(float), stream));
-  }
+  int64_t* kept = offsets + E + 1;
+  int* tile_counts = reinterpret_cast<int*>(kept + E);
+  int* sub_first = tile_counts + tiles * E;
   const int32_t* id = static_cast<const int32_t*>(ids.data);
   if (tiles > 0) {
-    tile_histogram_kernel<<<unsigned(tiles), 256, size_t(E) * sizeof(int), stream>>>(
-        id, T, int(k), int(E), tile_counts, static_cast<int32_t*>(map.src_token.data), pp, rows, device_error_word());
+    tile_histogram_kernel<<<unsigned(tiles), kSubTiles * 32, size_t(kSubTiles) * E * sizeof(int), stream>>>(
+        id, T, int(k), int(E), tile_counts, sub_first, device_error_word());
     GMOE_CUDA_CHECK(cudaGetLastError());
   }
-  expert_offsets_kernel<<<1, kScanThreads, 0, stream>>>(
-      tile_counts, std::max<int64_t>(tiles, 1), int(E), capacity, options.pad_multiple, offsets, counts.data,
-      counts.dtype == DType::i64, dropped.defined() ? dropped.data : nullptr,
-      dropped.defined() && dropped.dtype == DType::i64);
+  // With no tokens (no tiles) every expert's total is 0: the scan reads no tile.
+  expert_offsets_kernel<<<1, kScanThreads, 0, stream>>>(tile_counts, tiles, int(E), capacity, options.pad_multiple,
+                                                        offsets, kept, counts.data, counts.dtype == DType::i64,
+                                                        dropped.defined() ? dropped.data : nullptr,
+                                                        dropped.defined() && dropped.dtype == DType::i64);
   GMOE_CUDA_CHECK(cudaGetLastError());
-  if (tiles > 0) {
-    PlaceArgs a{id,
-                T,
-                int(k),
-                int(E),
-                tile_counts,
-                offsets,
-                capacity,
-                static_cast<int32_t*>(map.row_of.data),
-                static_cast<int32_t*>(map.src_token.data),
-                probs.defined() ? static_cast<const float*>(probs.data) : nullptr,
-                pp};
-    place_kernel<<<unsigned(tiles), kPlaceWarps * 32, size_t(kPlaceWarps) * E * sizeof(int), stream>>>(a);
-    GMOE_CUDA_CHECK(cudaGetLastError());
-  }
-  if (rows == 0 || H == 0) return;
+  if (T == 0 && rows == 0) return;
+  PermuteRowsArgs a{id,
+                    T,
+                    int(k),
+                    int(E),
+                    tile_counts,
+                    sub_first,
+                    offsets,
+                    kept,
+                    capacity,
+                    probs.defined() ? static_cast<const float*>(probs.data) : nullptr,
+                    permuted_probs.defined() ? static_cast<float*>(permuted_probs.data) : nullptr,
+                    static_cast<int32_t*>(map.row_of.data),
+                    static_cast<int32_t*>(map.src_token.data),
+                    x.data,
+                    x.stride(0),
+                    permuted.data,
+                    permuted.stride(0),
+                    rows,
+                    H};
   routing::with_row_type(x.dtype, H, {x, permuted}, [&](auto t, auto v) {
     using T_ = decltype(t);
     constexpr int V = decltype(v)::value;
-    scatter_rows_kernel<T_, V><<<routing::grid_for(std::max(T, (rows + 31) / 32), kRowWarps), kRowWarps * 32, 0,
-                                 stream>>>(
-        static_cast<const T_*>(x.data), x.stride(0), T, static_cast<const int32_t*>(map.row_of.data),
-        static_cast<const int32_t*>(map.src_token.data), int(k), static_cast<T_*>(permuted.data), permuted.stride(0), rows,
-        H, device_error_word());
+    permute_rows_kernel<T_, V>
+        <<<routing::grid_for(std::max(T, (rows + 31) / 32), kRowWarps), kRowWarps * 32, 0, stream>>>(a);
   });
   GMOE_CUDA_CHECK(cudaGetLastError());
 }
