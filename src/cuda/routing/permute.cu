@@ -229,9 +229,9 @@ __device__ void zero_unowned_rows(T* out, int64_t ld_out, int64_t rows, int64_t 
       const int32_t t = src_token[r];
       owned = t >= 0 && t < T_;
       if (t >= T_) atomicOr(error_word, kDeviceErrorRoutingIndexOutOfRange);
-      if (owned) {
+      if (owned) {  // no short circuit: the k loads go out together, not one after another
         bool found = false;
-        for (int j = 0; j < k; ++j) found = found || row_of[int64_t(t) * k + j] == r;
+        for (int j = 0; j < k; ++j) found |= row_of[int64_t(t) * k + j] == r;
         owned = found;
       }
     }
