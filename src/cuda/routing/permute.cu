@@ -179,7 +179,7 @@ __global__ void __launch_bounds__(kScanThreads)
 // packs in flight instead of one per lane. The slots of a token are taken 32 at a time: lane l
 // holds slot j0 + l's row (and weight), and the warp walks them in slot order through shuffles.
 
-constexpr int kCopyPacks = 8;  // packs per lane per step in permute's scatter (a plain copy)
+constexpr int kCopyPacks = 8;  // packs per lane per step in permute's row copy
 
 template <typename P, int U>
 __device__ __forceinline__ void load_packs(P (&p)[U], const P* __restrict__ row, int64_t c0, int64_t packs) {
