@@ -393,23 +393,31 @@ TEST(CudaGroupedGemmTiles, RowsOffTheLinesTakeClusters) {
   GMOE_SKIP_WITHOUT_GPU();
   Rng rng;
   const std::vector<int64_t> counts = {600, 0, 1500, 700};
-  const ShapeCase fprop_odd = fixed_case("rows_off_lines_fprop", 1400, 360, counts, 20);
-  check_fprop(fprop_odd, DType::bf16, Layout::kStacked, rng);
-  expect_launch("fprop, 720-byte rows", false, fprop_odd.E, false, 2, 1);
-  check_fprop_bias(fprop_odd, DType::bf16, Layout::kList, rng, true);
-  expect_launch("fprop with the fused bias, 720-byte rows", false, fprop_odd.E, false, 2, 1);
-  const ShapeCase dgrad_odd = fixed_case("rows_off_lines_dgrad", 360, 1400, counts, 20);
-  check_dgrad(dgrad_odd, DType::bf16, Layout::kList, rng);
-  expect_launch("dgrad, 720-byte dy rows and 2800-byte weight rows", false, dgrad_odd.E, false, 2, 2);
-  const ShapeCase dgrad_w_odd = fixed_case("weights_off_lines_dgrad", 384, 1400, counts, 20);
-  check_dgrad(dgrad_w_odd, DType::bf16, Layout::kStacked, rng);
-  expect_launch("dgrad, 768-byte dy rows and 2800-byte weight rows", false, dgrad_w_odd.E, false, 2, 1);
-  const ShapeCase fprop_on = fixed_case("rows_on_lines_fprop", 1400, 384, counts, 20);
-  check_fprop(fprop_on, DType::bf16, Layout::kList, rng);
-  expect_launch("fprop, 768-byte rows", false, fprop_on.E, false, 1, 1);
-  const ShapeCase dgrad_on = fixed_case("rows_on_lines_dgrad", 384, 1408, counts, 20);
-  check_dgrad(dgrad_on, DType::bf16, Layout::kStacked, rng);
-  expect_launch("dgrad, 768-byte rows", false, dgrad_on.E, false, 1, 1);
+  enum class Pass { fprop, fprop_bias, dgrad };
+  struct Case {
+    const char* what;
+    Pass pass;
+    int64_t n, k;  // fixed_case's N and K
+    Layout layout;
+    int cluster_m, cluster_n;
+  };
+  const Case cases[] = {
+      {"fprop, 720-byte rows", Pass::fprop, 1400, 360, Layout::kStacked, 2, 1},
+      {"fprop with the fused bias, 720-byte rows", Pass::fprop_bias, 1400, 360, Layout::kList, 2, 1},
+      {"dgrad, 720-byte dy rows and 2800-byte weight rows", Pass::dgrad, 360, 1400, Layout::kList, 2, 2},
+      {"dgrad, 768-byte dy rows and 2800-byte weight rows", Pass::dgrad, 384, 1400, Layout::kStacked, 2, 1},
+      {"fprop, 768-byte rows", Pass::fprop, 1400, 384, Layout::kList, 1, 1},
+      {"dgrad, 768-byte rows", Pass::dgrad, 384, 1408, Layout::kStacked, 1, 1}};
+  for (const Case& t : cases) {
+    SCOPED_TRACE(t.what);
+    const ShapeCase c = fixed_case(t.what, t.n, t.k, counts, 20);
+    switch (t.pass) {
+      case Pass::fprop: check_fprop(c, DType::bf16, t.layout, rng); break;
+      case Pass::fprop_bias: check_fprop_bias(c, DType::bf16, t.layout, rng, true); break;
+      case Pass::dgrad: check_dgrad(c, DType::bf16, t.layout, rng); break;
+    }
+    expect_launch(t.what, false, c.E, false, t.cluster_m, t.cluster_n);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
