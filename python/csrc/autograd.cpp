@@ -82,6 +82,46 @@ std::optional<at::Tensor> optional_of(const at::Tensor& t) {
   return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
 }
 
+/// The activation's parameters as the ops take them, kept in a context's saved_data.
+struct ActivationParams {
+  std::string kind;
+  double alpha = 0, limit = 0;
+  bool gelu_tanh = false;
+  int64_t glu_block = 0;
+
+  void save(AutogradContext* ctx) const {
+    ctx->saved_data["kind"] = kind;
+    ctx->saved_data["alpha"] = alpha;
+    ctx->saved_data["limit"] = limit;
+    ctx->saved_data["gelu_tanh"] = gelu_tanh;
+    ctx->saved_data["glu_block"] = glu_block;
+  }
+  static bool saved(AutogradContext* ctx) { return ctx->saved_data.count("kind") != 0; }
+  static ActivationParams load(AutogradContext* ctx) {
+    return {ctx->saved_data["kind"].toStringRef(), ctx->saved_data["alpha"].toDouble(),
+            ctx->saved_data["limit"].toDouble(), ctx->saved_data["gelu_tanh"].toBool(),
+            ctx->saved_data["glu_block"].toInt()};
+  }
+};
+
+/// What the expert-layer Functions with probabilities save for backward: their input (undefined
+/// where it is not kept), the counts, the probabilities (undefined: absent), then the weights.
+void save_operands(AutogradContext* ctx, const at::Tensor& input, const at::Tensor& counts,
+                   const std::optional<at::Tensor>& probs, at::TensorList w) {
+  std::vector<at::Tensor> saved{input, counts, probs.value_or(at::Tensor())};
+  saved.insert(saved.end(), w.begin(), w.end());
+  ctx->save_for_backward(saved);
+}
+struct SavedOperands {
+  at::Tensor input, counts;
+  std::optional<at::Tensor> probs;
+  std::vector<at::Tensor> w;
+  static SavedOperands load(AutogradContext* ctx) {
+    const variable_list saved = ctx->get_saved_variables();
+    return {saved[0], saved[1], optional_of(saved[2]), std::vector<at::Tensor>(saved.begin() + 3, saved.end())};
+  }
+};
+
 bool requires_grad(const at::Tensor& t) { return t.defined() && t.requires_grad(); }
 bool requires_grad(const std::optional<at::Tensor>& t) { return t.has_value() && requires_grad(*t); }
 bool requires_grad(at::TensorList ts) {
@@ -236,17 +276,18 @@ at::Tensor call_activation(const at::Tensor& h, const at::Tensor& counts, const 
   return op.call(h, counts, kind, probs, alpha, limit, gelu_tanh, glu_block);
 }
 
+at::Tensor call_activation(const at::Tensor& h, const at::Tensor& counts, const ActivationParams& a,
+                           const std::optional<at::Tensor>& probs) {
+  return call_activation(h, counts, a.kind, probs, a.alpha, a.limit, a.gelu_tanh, a.glu_block);
+}
+
 struct ActivationFunction : torch::autograd::Function<ActivationFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& h, const at::Tensor& counts,
                             const std::string& kind, const std::optional<at::Tensor>& probs, double alpha,
                             double limit, bool gelu_tanh, int64_t glu_block) {
     const at::Tensor z = call_activation(h, counts, kind, probs, alpha, limit, gelu_tanh, glu_block);
     ctx->save_for_backward({h, counts, probs.value_or(at::Tensor())});
-    ctx->saved_data["kind"] = kind;
-    ctx->saved_data["alpha"] = alpha;
-    ctx->saved_data["limit"] = limit;
-    ctx->saved_data["gelu_tanh"] = gelu_tanh;
-    ctx->saved_data["glu_block"] = glu_block;
+    ActivationParams{kind, alpha, limit, gelu_tanh, glu_block}.save(ctx);
     ctx->saved_data["need_dprobs"] = probs.has_value() && probs->defined() && probs->requires_grad();
     return z;
   }
@@ -255,11 +296,9 @@ struct ActivationFunction : torch::autograd::Function<ActivationFunction> {
     static const auto op = op_handle<ActivationBackward>("gmoe::grouped_activation_backward");
     const variable_list saved = ctx->get_saved_variables();
     const bool need_dprobs = ctx->saved_data["need_dprobs"].toBool();
-    const std::optional<at::Tensor> probs = saved[2].defined() ? std::optional<at::Tensor>(saved[2]) : std::nullopt;
-    auto [dh, dprobs] = op.call(saved[0], grads[0].contiguous(), saved[1], ctx->saved_data["kind"].toStringRef(),
-                                probs, need_dprobs, ctx->saved_data["alpha"].toDouble(),
-                                ctx->saved_data["limit"].toDouble(), ctx->saved_data["gelu_tanh"].toBool(),
-                                ctx->saved_data["glu_block"].toInt());
+    const ActivationParams act = ActivationParams::load(ctx);
+    auto [dh, dprobs] = op.call(saved[0], grads[0].contiguous(), saved[1], act.kind, optional_of(saved[2]),
+                                need_dprobs, act.alpha, act.limit, act.gelu_tanh, act.glu_block);
     // Positions: h, counts, kind, probs, alpha, limit, gelu_tanh, glu_block.
     return {dh, at::Tensor(), at::Tensor(), need_dprobs ? dprobs : at::Tensor(), at::Tensor(), at::Tensor(),
             at::Tensor(), at::Tensor()};
@@ -297,32 +336,23 @@ struct FpropOfActivationFunction : torch::autograd::Function<FpropOfActivationFu
                             at::TensorList bias, const std::string& kind, const std::optional<at::Tensor>& probs,
                             double alpha, double limit, bool gelu_tanh, int64_t glu_block) {
     const at::Tensor y = call_fprop_of_activation(h, w, counts, bias, kind, probs, alpha, limit, gelu_tanh, glu_block);
-    std::vector<at::Tensor> saved{h, counts, probs.value_or(at::Tensor())};
-    saved.insert(saved.end(), w.begin(), w.end());
-    ctx->save_for_backward(saved);
+    save_operands(ctx, h, counts, probs, w);
     ctx->saved_data["weights_stacked"] = w.size() == 1 && w[0].dim() == 3;
     save_bias_layout(ctx, bias);
-    ctx->saved_data["kind"] = kind;
-    ctx->saved_data["alpha"] = alpha;
-    ctx->saved_data["limit"] = limit;
-    ctx->saved_data["gelu_tanh"] = gelu_tanh;
-    ctx->saved_data["glu_block"] = glu_block;
+    ActivationParams{kind, alpha, limit, gelu_tanh, glu_block}.save(ctx);
     return y;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     static const auto act_backward = op_handle<ActivationBackward>("gmoe::grouped_activation_backward");
-    const variable_list saved = ctx->get_saved_variables();
-    const at::Tensor& h = saved[0];
-    const at::Tensor& counts = saved[1];
-    const std::optional<at::Tensor> probs = optional_of(saved[2]);
-    const std::vector<at::Tensor> w(saved.begin() + 3, saved.end());
+    const SavedOperands saved = SavedOperands::load(ctx);
+    const at::Tensor& h = saved.input;
+    const at::Tensor& counts = saved.counts;
+    const std::optional<at::Tensor>& probs = saved.probs;
+    const std::vector<at::Tensor>& w = saved.w;
     const int64_t nw = static_cast<int64_t>(w.size());
     const int64_t nb = ctx->saved_data["num_biases"].toInt();
-    const std::string& kind = ctx->saved_data["kind"].toStringRef();
-    const double alpha = ctx->saved_data["alpha"].toDouble(), limit = ctx->saved_data["limit"].toDouble();
-    const bool gelu_tanh = ctx->saved_data["gelu_tanh"].toBool();
-    const int64_t glu_block = ctx->saved_data["glu_block"].toInt();
+    const ActivationParams act = ActivationParams::load(ctx);
     // Positions among the inputs: h, w..., counts, bias..., kind, probs (when given), alpha, limit,
     // gelu_tanh, glu_block; needs_input_grad counts the tensors only: h, w..., counts, bias..., probs.
     const Span weights{1, nw}, biases{nw + 2, nb};
@@ -332,13 +362,11 @@ struct FpropOfActivationFunction : torch::autograd::Function<FpropOfActivationFu
     out.reserve(nw + nb + 8);
     at::Tensor dh, dprobs;
     if (ctx->needs_input_grad(0) || need_dprobs) {
-      std::tie(dh, dprobs) = act_backward.call(h, call_dgrad(dy, w, counts).contiguous(), counts, kind, probs,
-                                               need_dprobs, alpha, limit, gelu_tanh, glu_block);
+      std::tie(dh, dprobs) = act_backward.call(h, call_dgrad(dy, w, counts).contiguous(), counts, act.kind, probs,
+                                               need_dprobs, act.alpha, act.limit, act.gelu_tanh, act.glu_block);
     }
     out.push_back(ctx->needs_input_grad(0) ? dh : at::Tensor());
-    append_weight_grads(
-        ctx, out, dy, [&] { return call_activation(h, counts, kind, probs, alpha, limit, gelu_tanh, glu_block); },
-        counts, w, weights);
+    append_weight_grads(ctx, out, dy, [&] { return call_activation(h, counts, act, probs); }, counts, w, weights);
     out.emplace_back();  // counts
     append_bias_grads(ctx, out, dy, counts, biases);
     out.emplace_back();  // kind
@@ -397,9 +425,7 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
     // With delay_wgrad the module keeps x for backward_dw itself (through the saved-tensor hooks,
     // so that an offload moves it once); only the activation's backward reads it here.
     const bool keep_x = !delay_wgrad || activation.has_value();
-    std::vector<at::Tensor> saved{keep_x ? x : at::Tensor(), counts, probs.value_or(at::Tensor())};
-    saved.insert(saved.end(), w.begin(), w.end());
-    ctx->save_for_backward(saved);
+    save_operands(ctx, keep_x ? x : at::Tensor(), counts, probs, w);
     ctx->saved_data["weights_stacked"] = w.size() == 1 && w[0].dim() == 3;
     save_bias_layout(ctx, bias);
     ctx->saved_data["w_main_grad"] = list_of(w_main_grad);
@@ -414,13 +440,7 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
     if (expert_mask.has_value()) ctx->saved_data["expert_mask"] = *expert_mask;
     ctx->saved_data["counts_main_grads"] = static_cast<int64_t>(w_main_grad.size() + bias_main_grad.size() +
                                                                w_placeholder.size() + bias_placeholder.size());
-    if (activation.has_value()) {
-      ctx->saved_data["activation"] = *activation;
-      ctx->saved_data["alpha"] = alpha;
-      ctx->saved_data["limit"] = limit;
-      ctx->saved_data["gelu_tanh"] = gelu_tanh;
-      ctx->saved_data["glu_block"] = glu_block;
-    }
+    if (activation.has_value()) ActivationParams{*activation, alpha, limit, gelu_tanh, glu_block}.save(ctx);
     return y;
   }
 
@@ -439,11 +459,11 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
                                                   at::TensorList, bool, const std::optional<at::Tensor>&,
                                                   const std::string&, std::optional<at::TensorList>)>(
         "gmoe::grouped_gemm_wgrad_");
-    const variable_list saved = ctx->get_saved_variables();
-    const at::Tensor& x = saved[0];
-    const at::Tensor& counts = saved[1];
-    const std::optional<at::Tensor> probs = optional_of(saved[2]);
-    const std::vector<at::Tensor> w(saved.begin() + 3, saved.end());
+    const SavedOperands saved = SavedOperands::load(ctx);
+    const at::Tensor& x = saved.input;
+    const at::Tensor& counts = saved.counts;
+    const std::optional<at::Tensor>& probs = saved.probs;
+    const std::vector<at::Tensor>& w = saved.w;
     const int64_t nw = static_cast<int64_t>(w.size());
     const int64_t nb = ctx->saved_data["num_biases"].toInt();
     static const std::string kSkip = "skip";
@@ -451,7 +471,7 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
     const auto bias_main_grad = ctx->saved_data["bias_main_grad"].toTensorList();
     const bool accumulate = ctx->saved_data["accumulate"].toBool();
     const bool delay_wgrad = ctx->saved_data["delay_wgrad"].toBool();
-    const bool with_activation = ctx->saved_data.count("activation") != 0;
+    const bool with_activation = ActivationParams::saved(ctx);
     const std::optional<at::Tensor> expert_mask =
         ctx->saved_data.count("expert_mask") != 0 ? std::optional<at::Tensor>(ctx->saved_data["expert_mask"].toTensor())
                                                    : std::nullopt;
@@ -462,19 +482,9 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
     const bool need_dprobs = probs.has_value() && ctx->needs_input_grad(probs_at);
     const at::Tensor dy = grads[0].to(ctx->saved_data["x_dtype"].toScalarType()).contiguous();
 
-    std::string kind;
-    double alpha = 0, limit = 0;
-    bool gelu_tanh = false;
-    int64_t glu_block = 0;
-    if (with_activation) {
-      kind = ctx->saved_data["activation"].toStringRef();
-      alpha = ctx->saved_data["alpha"].toDouble();
-      limit = ctx->saved_data["limit"].toDouble();
-      gelu_tanh = ctx->saved_data["gelu_tanh"].toBool();
-      glu_block = ctx->saved_data["glu_block"].toInt();
-    }
+    const ActivationParams act = with_activation ? ActivationParams::load(ctx) : ActivationParams{};
     auto gemm_input = [&] {
-      return with_activation ? call_activation(x, counts, kind, probs, alpha, limit, gelu_tanh, glu_block) : x;
+      return with_activation ? call_activation(x, counts, act, probs) : x;
     };
 
     variable_list out;
@@ -483,8 +493,8 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
     if (ctx->needs_input_grad(0) || need_dprobs) {
       dx = call_dgrad(dy, w, counts);
       if (with_activation) {
-        std::tie(dx, dprobs) = act_backward.call(x, dx.contiguous(), counts, kind, probs, need_dprobs, alpha, limit,
-                                                 gelu_tanh, glu_block);
+        std::tie(dx, dprobs) = act_backward.call(x, dx.contiguous(), counts, act.kind, probs, need_dprobs, act.alpha,
+                                                 act.limit, act.gelu_tanh, act.glu_block);
       }
     }
     out.push_back(ctx->needs_input_grad(0) ? dx : at::Tensor());
