@@ -178,7 +178,12 @@ std::vector<PermuteCase> permute_cases() {
           // a sub-tile (k = E = 256), one token in all, and E at the CUDA bound.
           {"k256_e256_one_token_sub_tiles", 40, 256, 256, 16, popts(1, 0)},
           {"one_token_pad16_capacity", 1, 16, 8, 64, popts(16, 1.0)},
-          {"e1024_k8_pad16", 900, 1024, 8, 64, popts(16, 0)}};
+          {"e1024_k8_pad16", 900, 1024, 8, 64, popts(16, 0)},
+          // The scan of the tile counts gives each thread a run of one expert's tiles, loaded a
+          // batch of 8 at a time: runs of several batches and a part one (167 tiles in runs of 17
+          // over 96 experts, threads past the runs; 18 tiles in one run an expert at E = 1024).
+          {"e96_k2_many_tiles_pad16_capacity", 170000, 96, 2, 16, popts(16, 1.0)},
+          {"e1024_k8_many_tiles_capacity", 4500, 1024, 8, 16, popts(1, 1.0)}};
 }
 
 class PermuteCuda : public ::testing::TestWithParam<PermuteCase> {};

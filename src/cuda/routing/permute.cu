@@ -8,10 +8,11 @@
 //      scan -> sub_first[tile, sub, e] (the sub-tile's first position inside the tile) and the
 //      tile's total -> tile_counts[tile, e]. An id outside [0, E) is left out and recorded in the
 //      device error word.
-//   2. expert_offsets (one block, a warp per expert at a time): per expert, the exclusive scan of
-//      its tile counts over the tiles (the tile's first position inside the expert), the expert's
-//      total, the kept part under the capacity, its group padded to pad_multiple; then the
-//      exclusive scan of the padded groups over the experts -> offsets, counts, kept, dropped.
+//   2. expert_offsets (one block, a thread per expert and run of tiles, the whole tile-count matrix
+//      loaded at once): per expert, the exclusive scan of its tile counts over the tiles (the
+//      tile's first position inside the expert), the expert's total, the kept part under the
+//      capacity, its group padded to pad_multiple; then the exclusive scan of the padded groups
+//      over the experts -> offsets, counts, kept, dropped.
 //   3. permute_rows: one warp per token places its pairs and copies its row. A pair's position in
 //      its expert is the tile's first position + the sub-tile's + the number of the sub-tile's
 //      earlier pairs (those of earlier tokens and earlier slots) with the same expert, counted
@@ -54,6 +55,7 @@ constexpr int kSubTiles = 8;         // sub-tiles per tile, one warp each in the
 constexpr int kSubTilePairs = 256;   // (token, slot) pairs a sub-tile holds, about: what a pair's
                                      // rank inside its sub-tile costs (ids read, ballots per slot)
 constexpr int kScanThreads = 1024;   // the one-block scan of expert_offsets
+constexpr int kScanLoads = 8;        // tile counts a scan thread loads at once
 constexpr int kRowWarps = 8;         // warps per block of the row kernels (one row or token per warp)
 
 // Tokens per sub-tile: kSubTilePairs / k, at least 1.
@@ -112,62 +114,101 @@ __device__ __forceinline__ int64_t warp_inclusive_sum(int64_t v) {
   return v;
 }
 
-// One block of kScanThreads. Warp w scans the experts w, w + warps, ...: its lanes take contiguous
-// runs of the tiles (independent loads, so a long tile column costs a few round trips, not one per
-// tile), a warp scan gives each run its start, and each tile count becomes the tile's first
-// position inside the expert. The expert's total, cut at the capacity and padded, goes to shared
-// memory; warp 0 then scans the padded groups over the experts (32 contiguous experts per lane).
+// Counts c0 .. c0 + kScanLoads - 1 of a scan thread's run col[0], col[E], ..., col[(n - 1) · E]
+// (0 past n), the loads issued together.
+__device__ __forceinline__ void load_run(int (&v)[kScanLoads], const int* col, int c0, int n, int E) {
+#pragma unroll
+  for (int q = 0; q < kScanLoads; ++q) v[q] = c0 + q < n ? col[(c0 + q) * E] : 0;
+}
+
+// One block of kScanThreads, laid out as runs x cols threads: thread i takes expert e = i % cols
+// (cols: E rounded up to whole warps, so a warp reads 32 adjacent counts of a tile, one 128-byte
+// line) and the g = i / cols-th of runs = kScanThreads / cols contiguous runs of the tiles. The
+// whole count matrix is loaded at once, kScanLoads counts a thread at a time: one memory round trip
+// while a run is at most kScanLoads tiles (tiles <= kScanLoads · runs), not a round trip or two per
+// expert in turn, as a warp per expert takes. A thread's loads are strided by E, each a 64-bit
+// address: 8 at a time keep it at about 40 registers (16 take all 64 a thread of the block may have).
+//   1. Each thread sums its run -> part[g][e] (shared).
+//   2. A run starts at the sum of its expert's earlier runs; the thread reloads its counts (from L1
+//      or L2) and rewrites them as the tiles' first positions. The threads of run 0 take an expert
+//      each: its total, the kept part under the capacity, the group padded to pad_multiple; a warp
+//      scan of the groups over 32 experts.
+//   3. Each warp scan plus the earlier warps' totals -> offsets; counts, kept, dropped.
 __global__ void __launch_bounds__(kScanThreads)
     expert_offsets_kernel(int* tile_counts /* in: counts; out: first positions */, int64_t tiles, int E,
                           int64_t capacity, int64_t pad, int64_t* offsets, int64_t* kept_out, void* counts,
                           bool counts_i64, void* dropped, bool dropped_i64) {
-  __shared__ int64_t group[routing::kMaxRoutingExperts];
+  __shared__ int part[kScanThreads];  // [runs][cols]: each run's sum (0 past E and past the runs)
+  __shared__ int64_t warp_total[kScanThreads / 32];
   __shared__ unsigned long long n_dropped;
-  const int warps = kScanThreads / 32, warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+  const int cols = (E + 31) / 32 * 32, runs = kScanThreads / cols;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+  const int e = threadIdx.x % cols, g = threadIdx.x / cols;
+  // Sums of counts fit an int: an expert holds at most T·k < 2^31 pairs (checked on the host). A
+  // thread's counts are col[0], col[E], ..., col[(n - 1) · E]; the offsets fit an int too, a tile
+  // holding more than 1024 pairs (sub_tile_tokens(k) · k > 128), so tiles · E < 2^31.
+  const int64_t per = (tiles + runs - 1) / runs;
+  const int64_t t0 = e < E ? min(per * g, tiles) : 0;
+  const int n = static_cast<int>(e < E ? min(t0 + per, tiles) - t0 : 0);
+  int* const col = tile_counts + t0 * E + e;
+  int sum = 0;
+  for (int c0 = 0; c0 < n; c0 += kScanLoads) {
+    int v[kScanLoads];
+    load_run(v, col, c0, n, E);
+#pragma unroll
+    for (int q = 0; q < kScanLoads; ++q) sum += v[q];
+  }
+  part[threadIdx.x] = sum;
   if (threadIdx.x == 0) n_dropped = 0;
   __syncthreads();
-  const int64_t per = (tiles + 31) / 32;
-  const int64_t t0 = min(per * lane, tiles), t1 = min(t0 + per, tiles);
-  for (int e = warp; e < E; e += warps) {
-    int64_t local = 0;
-    for (int64_t t = t0; t < t1; ++t) local += tile_counts[t * E + e];
-    const int64_t inclusive = warp_inclusive_sum(local);
-    int64_t run = inclusive - local;
-    for (int64_t t = t0; t < t1; ++t) {
-      const int c = tile_counts[t * E + e];
-      tile_counts[t * E + e] = static_cast<int>(run);
-      run += c;
+
+  int run = 0;  // the run's first position inside its expert
+  for (int r = 0; r < g; ++r) run += part[r * cols + e];
+  for (int c0 = 0; c0 < n; c0 += kScanLoads) {
+    int v[kScanLoads];
+    load_run(v, col, c0, n, E);
+#pragma unroll
+    for (int q = 0; q < kScanLoads; ++q) {
+      if (c0 + q < n) {
+        col[(c0 + q) * E] = run;
+        run += v[q];
+      }
     }
-    const int64_t total = __shfl_sync(0xffffffffu, inclusive, 31);
-    if (lane == 0) {
-      const int64_t kept = min(total, capacity);
+  }
+  const bool expert_thread = threadIdx.x < cols;  // whole warps: cols is a multiple of 32
+  int64_t group = 0, inclusive = 0;
+  if (expert_thread) {
+    if (e < E) {
+      int total = 0;
+      for (int r = 0; r < runs; ++r) total += part[r * cols + e];
+      const int64_t kept = min(int64_t(total), capacity);
       if (total != kept) atomicAdd(&n_dropped, static_cast<unsigned long long>(total - kept));
       kept_out[e] = kept;
-      group[e] = (kept + pad - 1) / pad * pad;
+      group = (kept + pad - 1) / pad * pad;
     }
+    inclusive = warp_inclusive_sum(group);
+    if (lane == 31) warp_total[warp] = inclusive;
   }
   __syncthreads();
-  if (warp != 0) return;
-  const int per_lane = (E + 31) / 32;
-  const int first = min(lane * per_lane, E), last = min(first + per_lane, E);
-  int64_t local = 0;
-  for (int e = first; e < last; ++e) local += group[e];
-  int64_t at = warp_inclusive_sum(local) - local;
-  if (lane == 0) offsets[0] = 0;
-  for (int e = first; e < last; ++e) {
-    at += group[e];
+  if (!expert_thread) return;
+  int64_t at = inclusive;
+  for (int w = 0; w < warp; ++w) at += warp_total[w];
+  if (e < E) {
     offsets[e + 1] = at;
     if (counts_i64) {
-      static_cast<int64_t*>(counts)[e] = group[e];
+      static_cast<int64_t*>(counts)[e] = group;
     } else {
-      static_cast<int32_t*>(counts)[e] = static_cast<int32_t>(group[e]);
+      static_cast<int32_t*>(counts)[e] = static_cast<int32_t>(group);
     }
   }
-  if (lane == 0 && dropped != nullptr) {
-    if (dropped_i64) {
-      *static_cast<int64_t*>(dropped) = static_cast<int64_t>(n_dropped);
-    } else {
-      *static_cast<int32_t*>(dropped) = static_cast<int32_t>(n_dropped);
+  if (threadIdx.x == 0) {
+    offsets[0] = 0;
+    if (dropped != nullptr) {
+      if (dropped_i64) {
+        *static_cast<int64_t*>(dropped) = static_cast<int64_t>(n_dropped);
+      } else {
+        *static_cast<int32_t*>(dropped) = static_cast<int32_t>(n_dropped);
+      }
     }
   }
 }
