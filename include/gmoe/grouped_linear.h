@@ -209,7 +209,9 @@ class GroupedLinear {
   /// is [capacity, K] and receives dx. `dy_amax` (optional, f32 [E] on the layer's device; used by
   /// fp8_tensorwise, ignored by the other recipes): each expert's largest finite |dy| over its rows,
   /// as grouped_activation_backward's amax_out gives it, so that the quantization of dy reads dy
-  /// once (Fp8QuantizeOptions::amax, with its contract: a wrong amax is not detected).
+  /// once (Fp8QuantizeOptions::amax, with its contract: a wrong amax is not detected). Native
+  /// recipe, not delayed: dW before dx, and an input that ctx owns (forward's copy of x, or one
+  /// handed over by set_saved_input) freed between them, so backward never holds both.
   GroupedLinearBackward backward(GroupedLinearContext& ctx, const TensorView& dy, Stream stream = nullptr,
                                  const TensorView& dgrad_out = {}, const TensorView& dy_amax = {});
 
@@ -260,6 +262,9 @@ class GroupedLinear {
   /// gradient is computed (backward, or backward_dw when delayed). The same aliasing contract holds
   /// for the new `x`.
   void set_saved_input(GroupedLinearContext& ctx, const TensorView& x) const;
+  /// The same, and ctx takes `x` over: it is freed once the weight gradient has read it (in
+  /// backward before dx's memory is taken, or after backward_dw when delayed).
+  void set_saved_input(GroupedLinearContext& ctx, Tensor&& x) const;
 
   /// FP8 recipes: the weights are quantized once (rowwise for fprop, transposed for dgrad) into a
   /// cache that the layer allocates when it is built, and reused by every forward and backward
@@ -296,6 +301,8 @@ class GroupedLinear {
   // The shared tails: x kept (by reference or as a copy), the FP8 dgrad, and everything after dx.
   void save_input(GroupedLinearContext& ctx, const TensorView& x, Stream stream) const;
   void fp8_dgrad(GroupedLinearContext& ctx, GroupedLinearFp8Operand dyq, const TensorView& dx, Stream stream) const;
+  GroupedLinearGrads begin_grads(GroupedLinearContext& ctx, const TensorView& dy, Stream stream,
+                                 const TensorView& db) const;
   GroupedLinearBackward finish_backward(GroupedLinearContext& ctx, const TensorView& dy, Tensor dx, Stream stream,
                                         const TensorView& db);
   GroupedLinearGrads allocate_grads(Stream stream) const;

@@ -34,13 +34,18 @@ struct GroupedLinearContext::State {
     t = Fp8GroupedTensor();
   }
 
+  // Releases the saved input (what the weight gradient alone reads), ordered on the stream of the
+  // last work that read it.
+  void release_input(Stream stream) {
+    x_copy.release_on(stream);
+    release_fp8(x_cols, stream);
+    x = TensorView();
+  }
   // Releases what forward saved, ordered on the stream of the last work that read it.
   void release_saved(Stream stream) {
-    x_copy.release_on(stream);
+    release_input(stream);
     counts_upload.release_on(stream);
-    release_fp8(x_cols, stream);
     release_fp8(dy_cols, stream);
-    x = TensorView();
     dy = TensorView();
     active = false;
     wgrad_pending = false;
@@ -475,8 +480,26 @@ GroupedLinearBackward GroupedLinear::backward_impl(GroupedLinearContext& ctx, co
     grouped_gemm_dgrad_activation_backward(dy, weight_, st.counts, act->h, act->dh, act->options, stream, &alloc);
     return finish_backward(ctx, dy, Tensor(), stream, {});
   }
-  Tensor dx = dgrad_out.defined() ? Tensor::wrap(dgrad_out)
-                                  : Tensor::empty({st.x.size(0), in_features()}, dy.dtype, alloc, stream);
+  auto make_dx = [&] {
+    return dgrad_out.defined() ? Tensor::wrap(dgrad_out)
+                               : Tensor::empty({dy.size(0), in_features()}, dy.dtype, alloc, stream);
+  };
+  if (!fp8() && !options_.delay_wgrad) {
+    // The weight gradient before dgrad: an input that the context owns (its copy of x, or one
+    // handed over by set_saved_input) is freed before dx's memory is taken, so that backward never
+    // holds both. The counts stay until dgrad has read them.
+    GroupedLinearBackward result;
+    GroupedLinearGrads grads = begin_grads(ctx, dy, stream, {});
+    compute_wgrad(ctx, grads, stream);
+    st.release_input(stream);
+    result.dx = make_dx();
+    grouped_gemm_dgrad(dy, weight_, st.counts, result.dx, stream, &alloc);
+    st.release_saved(stream);
+    if (options_.wgrad_hook) options_.wgrad_hook(grads, stream);
+    result.grads = std::move(grads);
+    return result;
+  }
+  Tensor dx = make_dx();
   Tensor db;  // FP8 with a bias: the bias gradient, from the quantization's pass over dy
   if (fp8()) {
     GMOE_CHECK(dy.dtype == weight_.dtype(), "dy: expected dtype ", dtype_name(weight_.dtype()), " (the weight's), got ",
@@ -531,13 +554,11 @@ void GroupedLinear::fp8_dgrad(GroupedLinearContext& ctx, GroupedLinearFp8Operand
   }
 }
 
-// The bias gradient (`db` when already made, [E, N], else from dy), then the weight gradient now
-// or, delayed, dy kept for backward_dw.
-GroupedLinearBackward GroupedLinear::finish_backward(GroupedLinearContext& ctx, const TensorView& dy, Tensor dx,
-                                                     Stream stream, const TensorView& db) {
+// The gradients' memory, the bias gradient (`db` when already made, [E, N], else from dy), and dy
+// kept for the weight gradient.
+GroupedLinearGrads GroupedLinear::begin_grads(GroupedLinearContext& ctx, const TensorView& dy, Stream stream,
+                                              const TensorView& db) const {
   GroupedLinearContext::State& st = *ctx.state_;
-  GroupedLinearBackward result;
-  result.dx = std::move(dx);
   GroupedLinearGrads grads = allocate_grads(stream);
   if (bias_.defined() && db.defined()) {
     // allocate_grads lays out either bias layout as one [E, N] block.
@@ -546,6 +567,16 @@ GroupedLinearBackward GroupedLinear::finish_backward(GroupedLinearContext& ctx, 
     grouped_bias_grad(dy, st.counts, grads.bias, stream, &allocator());
   }
   st.dy = dy;
+  return grads;
+}
+
+// After dx: the bias gradient, then the weight gradient now or, delayed, dy kept for backward_dw.
+GroupedLinearBackward GroupedLinear::finish_backward(GroupedLinearContext& ctx, const TensorView& dy, Tensor dx,
+                                                     Stream stream, const TensorView& db) {
+  GroupedLinearContext::State& st = *ctx.state_;
+  GroupedLinearBackward result;
+  result.dx = std::move(dx);
+  GroupedLinearGrads grads = begin_grads(ctx, dy, stream, db);
   if (options_.delay_wgrad) {
     st.grads = grads;
     st.wgrad_pending = true;
@@ -574,6 +605,11 @@ void GroupedLinear::set_saved_input(GroupedLinearContext& ctx, const TensorView&
              "x: expected ", dtype_name(st.x.dtype), "[", st.x.size(0), ", ", st.x.size(1), "] on ",
              st.x.device.str(), " (the input saved by forward), got ", x.str());
   st.x = x;
+}
+
+void GroupedLinear::set_saved_input(GroupedLinearContext& ctx, Tensor&& x) const {
+  set_saved_input(ctx, x.view());
+  ctx.state_->x_copy = std::move(x);
 }
 
 GroupedLinearGrads GroupedLinear::backward_dw(GroupedLinearContext& ctx, Stream stream) {

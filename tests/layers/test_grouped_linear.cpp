@@ -13,6 +13,8 @@
 #include "common/expect_error.h"
 #include "common/gemm_fixture.h"
 #include "common/harness.h"
+#include "common/offload_fixture.h"
+#include "gmoe/copy.h"
 #include "gmoe/grouped_linear.h"
 
 namespace gmoe::test {
@@ -351,6 +353,52 @@ TEST(CpuGroupedLinearApi, CopiedInputIsIndependentOfTheCaller) {
   };
   EXPECT_EQ(dw_for(false, false), dw_for(false, true)) << "the saved copy must not alias the caller's x";
   EXPECT_NE(dw_for(true, false), dw_for(true, true)) << "save_original_input must keep a reference";
+}
+
+// An input that the context owns (forward's copy of x, or one handed over by set_saved_input) is
+// freed once the weight gradient has read it: backward then holds the gradients and dx, not the
+// input too, unless the weight gradient is delayed. The results are those of the input by reference.
+TEST(CpuGroupedLinearApi, OwnedInputFreedBeforeDx) {
+  Rng rng;
+  const ShapeCase c = fixed_case("owned_input", 32, 64, {7, 0, 19, 6}, 3);  // 4 KiB of dW per expert
+  const GemmProblem p(c, DType::f32, rng);
+  const size_t grads = size_t(c.E * c.N * c.K) * sizeof(float), dx = size_t(c.capacity * c.K) * sizeof(float);
+  enum class Input { reference, copy, handed_over };
+  struct Run {
+    size_t peak;  // backward's most beyond what forward left live
+    std::vector<double> dw, dx;
+  };
+  auto run = [&](Input input, bool delay) {
+    CountingAllocator alloc(host_allocator());  // freed blocks are poisoned: a use after release shows
+    GroupedLinearOptions opt;
+    opt.allocator = &alloc;
+    opt.save_original_input = input != Input::copy;
+    opt.delay_wgrad = delay;
+    GroupedLinear layer(p.weights(Layout::kStacked), {}, opt);
+    GroupedLinearContext ctx;
+    layer.forward(p.x.view(), p.counts.view(), ctx);
+    if (input == Input::handed_over) {
+      Tensor x = Tensor::empty({c.capacity, c.K}, DType::f32, alloc, nullptr);
+      copy_rows(x, p.x.view());
+      layer.set_saved_input(ctx, std::move(x));
+    }
+    const size_t live = alloc.in_use();
+    alloc.reset_peak();
+    GroupedLinearBackward b = layer.backward(ctx, p.dy.view());
+    GroupedLinearGrads g = delay ? layer.backward_dw(ctx) : std::move(b.grads);
+    return Run{alloc.peak() - live, expert_values(g.weight), to_host(b.dx.view()).to_double()};
+  };
+  const Run ref = run(Input::reference, false);
+  EXPECT_EQ(ref.peak, grads + dx);
+  for (Input input : {Input::copy, Input::handed_over}) {
+    const char* name = input == Input::copy ? "copy" : "handed over";
+    const Run now = run(input, false), delayed = run(input, true);
+    EXPECT_EQ(now.peak, grads) << name << ": dx takes the input's memory";
+    EXPECT_EQ(delayed.peak, grads + dx) << name << ": delayed, the input stays until backward_dw";
+    EXPECT_EQ(now.dw, ref.dw) << name;
+    EXPECT_EQ(now.dx, ref.dx) << name;
+    EXPECT_EQ(delayed.dw, ref.dw) << name;
+  }
 }
 
 TEST(CpuGroupedLinearApi, Errors) {
