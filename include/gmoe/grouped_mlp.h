@@ -168,6 +168,11 @@ class GroupedMLP {
   /// so that every output can live in caller-owned buffers (a replayed CUDA graph's, a framework's).
   GroupedMLPBackward backward(GroupedMLPContext& ctx, const TensorView& dy, Stream stream = nullptr,
                               const TensorView& dgrad_out = {}, const TensorView& dprobs_out = {});
+  /// The same, and ctx takes `dy` over: it is freed once FC2's weight gradient has read it (before
+  /// FC1's backward takes memory, or in backward_dw when FC2's is delayed), so that the pass does
+  /// not hold dy and FC1's gradients at once.
+  GroupedMLPBackward backward(GroupedMLPContext& ctx, Tensor&& dy, Stream stream = nullptr,
+                              const TensorView& dgrad_out = {}, const TensorView& dprobs_out = {});
 
   /// The delayed weight gradients (FC2's, then FC1's), on `stream`, ordered after backward through
   /// an event; calls their hooks and releases what was saved. Capturable in a CUDA graph.
@@ -179,9 +184,13 @@ class GroupedMLP {
   /// values) before FC1's weight gradient reads it (backward, or backward_dw when FC1's is
   /// delayed). The aliasing contract of save_original_input holds for the new `x`.
   void set_saved_input(GroupedMLPContext& ctx, const TensorView& x) const;
+  /// The same, and ctx takes `x` over: it is freed once FC1's weight gradient has read it (before
+  /// FC1's dx takes memory unless delayed; GroupedLinear::set_saved_input).
+  void set_saved_input(GroupedMLPContext& ctx, Tensor&& x) const;
 
  private:
   Allocator& allocator() const;
+  void check_set_saved_input(const GroupedMLPContext& ctx) const;
   /// forward once the arguments are checked and the counts are on the layer's device.
   Tensor forward_device_counts(const TensorView& x, const TensorView& counts, const TensorView& probs,
                                GroupedMLPContext& ctx, Stream stream, const TensorView& out);

@@ -29,6 +29,13 @@
 // in backward would cost more than the memory it saves). regathers_expert_input() says whether a
 // layer gathers.
 //
+// Backward's peak is FC1's backward, holding both weight gradients; it holds one [rows, H] buffer
+// there, not three: the layer hands the experts their output gradient dyp and FC1's input xp
+// (gathered again, or kept) with ownership (GroupedMLP::backward and set_saved_input taking a
+// Tensor), so dyp is freed once FC2's weight gradient has read it, and xp once FC1's has, before
+// FC1's dx takes memory (GroupedLinear::backward computes dW before dx). dx of the tokens is
+// allocated after the experts' backward.
+//
 // The probabilities are applied inside the experts' activation (as Megatron and Transformer Engine
 // do) rather than in the combine, so that yp need not be kept for the combine's d(probs) =
 // <dout[t], yp[row]>: GroupedMLP forms d(pp) from the values its backward has anyway. Exact

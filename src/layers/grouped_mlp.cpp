@@ -32,6 +32,10 @@ struct GroupedMLPContext::State {
   bool backward_done = false;  // backward ran; backward_dw still has delayed weight gradients to compute
   bool fc1_pending = false, fc2_pending = false;
   Event event;                 // recorded at the end of a backward that left work to backward_dw
+  Tensor dy;                   // handed over to backward: freed once FC2's weight gradient has read it
+  Stream dy_stream = nullptr;  // backward's: dy may come from another stream, and is freed on this one
+
+  ~State() { dy.release_on(dy_stream); }
 
   // Forgets the caller's tensors once every gradient is done, on `stream`, the stream of the last
   // work (what else this layer owns is released by then, each on the stream of its last use).
@@ -289,7 +293,10 @@ GroupedMLPBackward GroupedMLP::backward(GroupedMLPContext& ctx, const TensorView
     if (!fc2_delayed) b2.grads = fc2_.backward_dw(st.fc2, stream);
   }
   result.grads.fc2 = std::move(b2.grads);
-  if (!fc2_delayed) st.z.release_on(stream);
+  if (!fc2_delayed) {
+    st.z.release_on(stream);
+    st.dy.release_on(stream);
+  }
   // FC1: dx = dh·W1_e, db1; dW1 now unless delayed (dh stays in st.h until then).
   GroupedLinearBackward b1 = fc1_.backward(st.fc1, h, stream, dgrad_out, dh_amax.view());
   dh_amax.release_on(stream);
@@ -310,13 +317,33 @@ GroupedMLPBackward GroupedMLP::backward(GroupedMLPContext& ctx, const TensorView
   return result;
 }
 
-void GroupedMLP::set_saved_input(GroupedMLPContext& ctx, const TensorView& x) const {
+GroupedMLPBackward GroupedMLP::backward(GroupedMLPContext& ctx, Tensor&& dy, Stream stream,
+                                        const TensorView& dgrad_out, const TensorView& dprobs_out) {
   GroupedMLPContext::State& st = *ctx.state_;
+  const TensorView v = dy.view();
+  if (st.active && !st.backward_done) {  // else the backward below throws, and dy stays the caller's
+    st.dy = std::move(dy);
+    st.dy_stream = stream;
+  }
+  return backward(ctx, v, stream, dgrad_out, dprobs_out);
+}
+
+void GroupedMLP::check_set_saved_input(const GroupedMLPContext& ctx) const {
+  const GroupedMLPContext::State& st = *ctx.state_;
   GMOE_CHECK(st.active && (!st.backward_done || st.fc1_pending),
              "ctx: set_saved_input needs a context filled by forward whose FC1 weight gradient is pending");
   GMOE_CHECK(options_.fc1.save_original_input, "set_saved_input: only with options.fc1.save_original_input (FC1 ",
              "keeps a reference to its input, not a copy)");
-  fc1_.set_saved_input(st.fc1, x);
+}
+
+void GroupedMLP::set_saved_input(GroupedMLPContext& ctx, const TensorView& x) const {
+  check_set_saved_input(ctx);
+  fc1_.set_saved_input(ctx.state_->fc1, x);
+}
+
+void GroupedMLP::set_saved_input(GroupedMLPContext& ctx, Tensor&& x) const {
+  check_set_saved_input(ctx);
+  fc1_.set_saved_input(ctx.state_->fc1, std::move(x));
 }
 
 GroupedMLPGrads GroupedMLP::backward_dw(GroupedMLPContext& ctx, Stream stream) {
@@ -329,6 +356,7 @@ GroupedMLPGrads GroupedMLP::backward_dw(GroupedMLPContext& ctx, Stream stream) {
   if (st.fc2_pending) {
     grads.fc2 = fc2_.backward_dw(st.fc2, stream);
     st.z.release_on(stream);
+    st.dy.release_on(stream);
   }
   if (st.fc1_pending) {
     grads.fc1 = fc1_.backward_dw(st.fc1, stream);

@@ -17,12 +17,12 @@ struct MoELayerContext::State {
   TensorView x, logits;
   Tensor ids, probs, counts;  // the router's
   // permuted: FC1's input, kept only where the experts read it by reference and it is not
-  // gathered again; with regather, the rows backward gathers (kept for a delayed FC1 wgrad).
+  // gathered again; backward hands it (or the rows it gathers again) over to the experts, whose
+  // context frees it once FC1's weight gradient has read it.
   Tensor permuted, permuted_counts, row_of, src_token;
   Tensor permuted_probs;  // probs_in_experts: each row's probability, which the experts keep by reference
   Tensor expert_out;      // weighted combine only: for dprobs, released by backward
-  Tensor dexpert_out;  // kept: a delayed FC2 weight gradient reads it in backward_dw
-  int64_t rows = 0;    // the permuted (source layout) rows: the map's
+  int64_t rows = 0;       // the permuted (source layout) rows: the map's
   bool probs_in_experts = true;
   bool regather = false;  // forward freed `permuted`; backward gathers it again from x
   bool backward_done = false;
@@ -31,12 +31,8 @@ struct MoELayerContext::State {
   // experts by reference) and, only where the experts keep it by reference, their input.
   EpPlan plan;
   Tensor expert_in, expert_probs;
-  // backward's stream: dexpert_out may come from the comm stream's exchange, and is freed on the
-  // stream that last used it.
-  Stream backward_stream = nullptr;
   Event to_comm, to_compute;  // backward with a comm stream: made once per context, reused
   RoutingMap map() const { return {row_of.view(), src_token.view()}; }
-  ~State() { dexpert_out.release_on(backward_stream); }
 };
 
 MoELayerContext::MoELayerContext() = default;
@@ -49,7 +45,7 @@ void MoELayerContext::collect(OffloadSlots& slots) {
   State& s = *state_;
   slots.child(s.experts);
   for (Tensor* t : {&s.ids, &s.probs, &s.counts, &s.permuted, &s.permuted_counts, &s.row_of, &s.src_token,
-                    &s.permuted_probs, &s.expert_out, &s.dexpert_out, &s.plan.counts_all, &s.plan.local_counts,
+                    &s.permuted_probs, &s.expert_out, &s.plan.counts_all, &s.plan.local_counts,
                     &s.expert_in, &s.expert_probs}) {
     slots.tensor(*t);
   }
@@ -244,11 +240,9 @@ MoEBackward MoELayer::backward(MoELayerContext& ctx, const TensorView& dout, Str
     s.to_compute.wait(stream);
   };
 
-  s.backward_stream = stream;
   Tensor dyp = Tensor::empty({s.rows, H}, s.x.dtype, a, stream);
   Tensor dprobs = Tensor::empty({T, k}, DType::f32, a, stream);
   MoEBackward b;
-  b.dx = Tensor::empty({T, H}, s.x.dtype, a, stream);
   if (s.probs_in_experts) {
     // Weights 1: dyp is dout gathered into rows; dprobs comes from the experts per row and is
     // gathered back to [T, k] by permute_backward (padding and dropped slots never reach it).
@@ -263,18 +257,23 @@ MoEBackward MoELayer::backward(MoELayerContext& ctx, const TensorView& dout, Str
     if (overlap.during_dispatch) overlap.during_dispatch();
     join_compute();
     dyp.release_on(stream);
-    s.dexpert_out = std::move(sent.rows);
-  } else {
-    if (overlap.during_dispatch) overlap.during_dispatch();
-    s.dexpert_out = std::move(dyp);
+    dyp = std::move(sent.rows);
+  } else if (overlap.during_dispatch) {
+    overlap.during_dispatch();
   }
+  // FC1's input, where FC1 reads it by reference, goes over to the experts' context with the
+  // output gradient: each is freed as soon as its last reader is done (the input after FC1's
+  // weight gradient, before FC1's dx takes memory; the gradient after FC2's), not with this
+  // context.
   if (s.regather) {
     // FC1's input again, for its weight gradient: permute's rows exactly (moe_layer.h).
-    s.permuted = Tensor::empty({s.rows, H}, s.x.dtype, a, stream);
-    combine_backward(s.x, s.map(), {}, {}, s.permuted, {}, stream, &a);
-    experts_->set_saved_input(s.experts, s.permuted);
+    Tensor xp = Tensor::empty({s.rows, H}, s.x.dtype, a, stream);
+    combine_backward(s.x, s.map(), {}, {}, xp, {}, stream, &a);
+    experts_->set_saved_input(s.experts, std::move(xp));
+  } else if (experts_->fc1().options().save_original_input) {
+    experts_->set_saved_input(s.experts, std::move(ep != nullptr ? s.expert_in : s.permuted));
   }
-  GroupedMLPBackward eb = experts_->backward(s.experts, s.dexpert_out, stream);
+  GroupedMLPBackward eb = experts_->backward(s.experts, std::move(dyp), stream);
   TensorView dxp = eb.dx, dpp = eb.dprobs;
   EpRows back;
   if (ep != nullptr) {
@@ -289,13 +288,6 @@ MoEBackward MoELayer::backward(MoELayerContext& ctx, const TensorView& dout, Str
     if (experts_->options().fc1.delay_wgrad) b.grads.fc1 = std::move(dw.fc1);
     if (experts_->options().fc2.delay_wgrad) b.grads.fc2 = std::move(dw.fc2);
   }
-  // What only a delayed weight gradient reads goes once that gradient is done.
-  const bool wgrad_done = overlap.experts_wgrad_during_combine;
-  if (wgrad_done || !experts_->options().fc1.delay_wgrad) {
-    s.permuted.release_on(stream);
-    s.expert_in.release_on(stream);
-  }
-  if (wgrad_done || !experts_->options().fc2.delay_wgrad) s.dexpert_out.release_on(stream);
   if (ep != nullptr) {
     join_compute();
     eb.dx.release_on(stream);
@@ -303,6 +295,7 @@ MoEBackward MoELayer::backward(MoELayerContext& ctx, const TensorView& dout, Str
     dxp = back.rows;
     dpp = back.scalars;
   }
+  b.dx = Tensor::empty({T, H}, s.x.dtype, a, stream);  // here, not before the experts: off their peak
   permute_backward(dxp, s.map(), b.dx, dpp, s.probs_in_experts ? dprobs.view() : TensorView{}, stream, &a);
   back.rows.release_on(stream);
   back.scalars.release_on(stream);

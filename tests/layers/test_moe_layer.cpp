@@ -247,6 +247,7 @@ INSTANTIATE_TEST_SUITE_P(Cases, MoELayerCpu, ::testing::ValuesIn(layer_cases()),
 struct Kept {
   size_t bytes;
   bool probs_in_experts;
+  size_t backward_peak;  // the most backward holds beyond what forward left live (its output included)
 };
 Kept kept_for_backward(int64_t T, int64_t E, int64_t k, int64_t H, int64_t F, bool fc2_bias, bool recompute,
                        bool regather = false, bool fc1_copy = false) {
@@ -270,8 +271,10 @@ Kept kept_for_backward(int64_t T, int64_t E, int64_t k, int64_t H, int64_t F, bo
   const size_t before = alloc.in_use();
   MoEForward f = layer.forward(x.view(), logits.view(), ctx);
   const size_t kept = alloc.in_use() - before - size_t(T * H) * sizeof(float);
+  const size_t after_forward = alloc.in_use();
+  alloc.reset_peak();
   layer.backward(ctx, dout.view());  // the context is complete: backward runs on it
-  return {kept, layer.probs_in_experts()};
+  return {kept, layer.probs_in_experts(), alloc.peak() - after_forward};
 }
 
 TEST(MoELayerCpuMemory, ProbsInExpertsKeepNoExpertOutput) {
@@ -299,6 +302,25 @@ TEST(MoELayerCpuMemory, ProbsInExpertsKeepNoExpertOutput) {
   // FC1 keeping its own copy: the layer keeps no second one (either setting).
   EXPECT_EQ(kept_for_backward(T, E, k, H, F, false, false, false, true).bytes, inside.bytes);
   EXPECT_EQ(kept_for_backward(T, E, k, H, F, false, false, true, true).bytes, inside.bytes);
+}
+
+// Backward's peak is in FC1's backward, where it holds both weight gradients and one [rows, H]
+// buffer: FC1's input until its weight gradient has read it, then dx of the permuted rows. The
+// output gradient of the experts is gone by then (freed after FC2's weight gradient), and so is
+// FC1's input before FC1's dx takes memory, whichever way FC1 got it: gathered again, kept by the
+// layer, or copied by FC1. The rest is the router's gradient of the probabilities and the
+// experts' per-row one.
+TEST(MoELayerCpuMemory, BackwardPeakHoldsOneRowsBuffer) {
+  const int64_t T = 16, E = 8, k = 2, H = 32, F = 16, rows = T * k;
+  const size_t f32 = sizeof(float);
+  // Both weight gradients (each expert's block is a multiple of 256 bytes here, so unpadded).
+  const size_t grads = size_t(E * 2 * F * H) * f32 + size_t(E * H * F) * f32;
+  const size_t rows_buffer = size_t(rows * H) * f32, dprobs = size_t(T * k) * f32 + size_t(rows) * f32;
+  EXPECT_EQ(kept_for_backward(T, E, k, H, F, false, true, true).backward_peak, grads + rows_buffer + dprobs)
+      << "gathered again";
+  // Kept from forward, the rows buffer is in what forward left live, not in backward's peak above it.
+  EXPECT_EQ(kept_for_backward(T, E, k, H, F, false, true, false).backward_peak, grads + dprobs) << "kept by the layer";
+  EXPECT_EQ(kept_for_backward(T, E, k, H, F, false, true, false, true).backward_peak, grads + dprobs) << "FC1's copy";
 }
 
 // regather_expert_input: forward frees the permuted rows and backward gathers them again from x
