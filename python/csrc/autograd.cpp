@@ -212,8 +212,8 @@ struct FpropFunction : torch::autograd::Function<FpropFunction> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const variable_list saved = ctx->get_saved_variables();
-    const at::Tensor& x = saved[0];
+    variable_list saved = ctx->get_saved_variables();
+    at::Tensor x = std::move(saved[0]);
     const at::Tensor& counts = saved[1];
     const std::vector<at::Tensor> w(saved.begin() + 2, saved.end());
     const int64_t nw = static_cast<int64_t>(w.size());
@@ -221,10 +221,16 @@ struct FpropFunction : torch::autograd::Function<FpropFunction> {
     // Positions among the inputs: x, w..., counts, bias..., out_dtype.
     const Span weights{1, nw}, biases{nw + 2, nb};
     const at::Tensor dy = grads[0].to(x.scalar_type()).contiguous();
+    // The weight gradient before dgrad: an x that only this backward holds (gathered again by the
+    // saved-tensor hooks of MoELayer's regather_expert_input, or brought back by an offload) is
+    // freed before dx's memory is taken (GroupedLinear::backward does the same).
+    variable_list dw;
+    append_weight_grads(ctx, dw, dy, [&] { return x; }, counts, w, weights);
+    x.reset();
     variable_list out;
     out.reserve(nw + nb + 3);
     out.push_back(ctx->needs_input_grad(0) ? call_dgrad(dy, w, counts) : at::Tensor());
-    append_weight_grads(ctx, out, dy, [&] { return x; }, counts, w, weights);
+    out.insert(out.end(), dw.begin(), dw.end());
     out.emplace_back();  // counts
     append_bias_grads(ctx, out, dy, counts, biases);
     out.emplace_back();  // out_dtype
