@@ -465,7 +465,7 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
                                                   at::TensorList, bool, const std::optional<at::Tensor>&,
                                                   const std::string&, std::optional<at::TensorList>)>(
         "gmoe::grouped_gemm_wgrad_");
-    const SavedOperands saved = SavedOperands::load(ctx);
+    SavedOperands saved = SavedOperands::load(ctx);
     const at::Tensor& x = saved.input;
     const at::Tensor& counts = saved.counts;
     const std::optional<at::Tensor>& probs = saved.probs;
@@ -493,6 +493,23 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
       return with_activation ? call_activation(x, counts, act, probs) : x;
     };
 
+    variable_list dw;  // the weights' gradients (or their placeholders, or nothing when delayed)
+    auto weight_grads = [&] {
+      if (delay_wgrad) {
+        dw.resize(static_cast<size_t>(nw));  // backward_dw computes them
+      } else if (!w_main_grad.empty()) {
+        wgrad_into.call(dy, gemm_input(), counts, w_main_grad.vec(), accumulate, expert_mask, kSkip, std::nullopt);
+        append_placeholders(dw, ctx->saved_data["w_placeholder"].toTensorList(), nw);
+      } else {
+        append_weight_grads(ctx, dw, dy, gemm_input, counts, w, weights, expert_mask);
+      }
+    };
+    // Without an activation (x is the GEMM's input and dgrad does not read it) the weight gradient
+    // comes first and x is dropped before dgrad, as in grouped_gemm_fprop's backward.
+    if (!with_activation) {
+      weight_grads();
+      saved.input.reset();
+    }
     variable_list out;
     out.reserve(static_cast<size_t>(probs_at) + 8);
     at::Tensor dx, dprobs;
@@ -504,15 +521,8 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
       }
     }
     out.push_back(ctx->needs_input_grad(0) ? dx : at::Tensor());
-
-    if (delay_wgrad) {
-      out.resize(out.size() + nw);  // backward_dw computes them
-    } else if (!w_main_grad.empty()) {
-      wgrad_into.call(dy, gemm_input(), counts, w_main_grad.vec(), accumulate, expert_mask, kSkip, std::nullopt);
-      append_placeholders(out, ctx->saved_data["w_placeholder"].toTensorList(), nw);
-    } else {
-      append_weight_grads(ctx, out, dy, gemm_input, counts, w, weights, expert_mask);
-    }
+    if (with_activation) weight_grads();
+    out.insert(out.end(), dw.begin(), dw.end());
     out.emplace_back();  // counts
 
     if (!bias_main_grad.empty()) {
