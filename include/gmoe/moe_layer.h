@@ -166,10 +166,10 @@ struct MoEBackward {
 /// router's ids, probs and counts, the permuted counts, the permutation map, the permuted input
 /// only where the experts read it by reference and the layer does not gather it again
 /// (regathers_expert_input()), the experts' context, and either the per-row probabilities (probs_in_experts: the experts keep
-/// them by reference) or the experts' output (the weighted combine's dprobs reads it); after
-/// backward the experts' output gradient, which a delayed FC2 weight gradient reads, and the
-/// regathered input, which a delayed FC1 weight gradient reads (both released at the end of
-/// backward when nothing of the experts' is delayed). With EP also
+/// them by reference) or the experts' output (the weighted combine's dprobs reads it). Backward
+/// hands the experts' context their output gradient and their input (kept or gathered again): it
+/// frees each after the weight gradient that reads it, in backward, or in backward_dw when that
+/// gradient is delayed. With EP also
 /// the exchange's plan (backward's exchanges reuse it; the experts keep its local counts by
 /// reference), and in the receive layout the per-row probabilities and, where the experts keep
 /// their input by reference (fc1.save_original_input), their input; not the source-layout rows,
