@@ -296,27 +296,15 @@ class _GroupedLinearFunction(torch.autograd.Function):
     def backward(ctx, dy: Tensor):
         x, probs, counts, mask, *weights = ctx.saved_tensors
         dy = dy.contiguous()
-        state = ctx.state
-
-        def weight_grads() -> List[Optional[Tensor]]:
-            if not any(ctx.needs_input_grad[8:8 + ctx.num_weights]):
-                return [None] * ctx.num_weights
-            dw = _ops.grouped_gemm_wgrad(dy, _gemm_input(ctx, x, probs, counts), counts, weights[0].dtype, mask)
-            return [dw] if ctx.num_weights == 1 and weights[0].dim() == 3 else list(dw.unbind(0))
-
-        # Where autograd takes the weight gradient now and dgrad does not read x (no activation),
-        # the weight gradient comes first and x is dropped, so that a regathered x goes before dx
-        # is made (as in the ops' own backward, python/csrc/autograd.cpp).
-        dweights = None
-        if state is None and ctx.recompute is None:
-            dweights = weight_grads()
-            x = None
         dx, dprobs = _input_grads(ctx, x, probs, counts, lambda: _ops.grouped_gemm_dgrad(dy, weights, counts, None))
         dbiases = bias_grads(ctx, dy, counts)
         no_grads = (None,) * 5  # counts, mask, masked_off, state, recompute
+        state = ctx.state
         if state is None:
-            if dweights is None:
-                dweights = weight_grads()
+            dweights: List[Optional[Tensor]] = [None] * ctx.num_weights
+            if any(ctx.needs_input_grad[8:8 + ctx.num_weights]):
+                dw = _ops.grouped_gemm_wgrad(dy, _gemm_input(ctx, x, probs, counts), counts, weights[0].dtype, mask)
+                dweights = [dw] if ctx.num_weights == 1 and weights[0].dim() == 3 else list(dw.unbind(0))
             return (dx, *no_grads, dprobs, None, *dweights, *dbiases)
         wg = _Wgrad(dy, _gemm_input(ctx, x, probs, counts), counts, mask, ctx.masked_off)
         dweights, dbiases = state.module._finish_backward(wg, dbiases)
