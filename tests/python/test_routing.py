@@ -8,6 +8,7 @@ import copy
 
 import pytest
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 import gmoe
 import reference as ref
@@ -520,6 +521,46 @@ def test_moe_layer_regather_expert_input_same_bits_keeps_less(case, recompute):
     # block keeps anyway, gather them again
     rows = gmoe.permuted_rows(T, m.top_k, m.num_experts, m.pad_multiple, m.capacity_factor)
     assert want[1] - got[1] == rows * H * 4
+
+
+class _DgradSeesRows(torch.utils._python_dispatch.TorchDispatchMode):
+    """At each grouped_gemm_dgrad, whether the rows of the latest combine_backward are still alive."""
+
+    def __init__(self):
+        super().__init__()
+        self.rows = None  # a weak reference to the latest combine_backward's rows
+        self.alive_at_dgrad = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0]
+        if func.namespace == "gmoe" and name == "grouped_gemm_dgrad":
+            self.alive_at_dgrad.append(self.rows is not None and not self.rows.expired())
+        out = func(*args, **(kwargs or {}))
+        if func.namespace == "gmoe" and name == "combine_backward":
+            self.rows = StorageWeakRef(out[0].untyped_storage())
+        return out
+
+
+@pytest.mark.parametrize("path", ["ops", "main_grad"])
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("case", ["mixtral", "gptoss_bias_interleaved"])
+def test_moe_layer_regathered_rows_freed_before_fc1_dgrad(case, recompute, path):
+    # FC1's backward takes its weight gradient from the rows gathered again, then frees them before
+    # dgrad makes dx of the same size: backward holds one of the two. Both of its backwards (in
+    # python/csrc/autograd.cpp): the ops' own (grouped_gemm_fprop) and grouped_linear_forward's
+    # (main_grad).
+    # FC1's dgrad is the last; the latest combine_backward before it is the regather.
+    m = make_moe(case, recompute_activation=recompute)
+    if path == "main_grad":
+        for p in m.experts.parameters():
+            p.main_grad = torch.zeros(p.shape)
+    x = torch.randn(40, 16, requires_grad=True)
+    y = m(x)
+    seen = _DgradSeesRows()
+    with seen:
+        y.sum().backward()
+    assert len(seen.alive_at_dgrad) == 2, seen.alive_at_dgrad  # FC2's, then FC1's
+    assert not seen.alive_at_dgrad[-1]
 
 
 @pytest.mark.parametrize("shape", ["zero_tokens", "one_expert_all_tokens", "delayed_main_grad"])
