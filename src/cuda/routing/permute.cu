@@ -55,6 +55,7 @@ constexpr int kSubTiles = 8;         // sub-tiles per tile, one warp each in the
 constexpr int kSubTilePairs = 256;   // (token, slot) pairs a sub-tile holds, about: what a pair's
                                      // rank inside its sub-tile costs (ids read, ballots per slot)
 constexpr int kScanThreads = 1024;   // the one-block scan of expert_offsets
+static_assert(routing::kMaxRoutingExperts <= kScanThreads, "the scan takes a thread per expert (at least one run)");
 constexpr int kScanLoads = 8;        // tile counts a scan thread loads at once
 constexpr int kRowWarps = 8;         // warps per block of the row kernels (one row or token per warp)
 
