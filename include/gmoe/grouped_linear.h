@@ -305,6 +305,8 @@ class GroupedLinear {
                                  const TensorView& db) const;
   GroupedLinearBackward finish_backward(GroupedLinearContext& ctx, const TensorView& dy, Tensor dx, Stream stream,
                                         const TensorView& db);
+  GroupedLinearBackward end_backward(GroupedLinearContext& ctx, Tensor dx, GroupedLinearGrads grads,
+                                     Stream stream) const;
   GroupedLinearGrads allocate_grads(Stream stream) const;
   void compute_wgrad(GroupedLinearContext& ctx, GroupedLinearGrads& grads, Stream stream) const;
   Allocator& allocator() const;

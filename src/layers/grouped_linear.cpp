@@ -488,16 +488,12 @@ GroupedLinearBackward GroupedLinear::backward_impl(GroupedLinearContext& ctx, co
     // The weight gradient before dgrad: an input that the context owns (its copy of x, or one
     // handed over by set_saved_input) is freed before dx's memory is taken, so that backward never
     // holds both. The counts stay until dgrad has read them.
-    GroupedLinearBackward result;
     GroupedLinearGrads grads = begin_grads(ctx, dy, stream, {});
     compute_wgrad(ctx, grads, stream);
     st.release_input(stream);
-    result.dx = make_dx();
-    grouped_gemm_dgrad(dy, weight_, st.counts, result.dx, stream, &alloc);
-    st.release_saved(stream);
-    if (options_.wgrad_hook) options_.wgrad_hook(grads, stream);
-    result.grads = std::move(grads);
-    return result;
+    Tensor dx = make_dx();
+    grouped_gemm_dgrad(dy, weight_, st.counts, dx, stream, &alloc);
+    return end_backward(ctx, std::move(dx), std::move(grads), stream);
   }
   Tensor dx = make_dx();
   Tensor db;  // FP8 with a bias: the bias gradient, from the quantization's pass over dy
@@ -587,8 +583,16 @@ GroupedLinearBackward GroupedLinear::finish_backward(GroupedLinearContext& ctx, 
     return result;
   }
   compute_wgrad(ctx, grads, stream);
-  st.release_saved(stream);
+  return end_backward(ctx, std::move(result.dx), std::move(grads), stream);
+}
+
+// The weight gradient done: what forward saved released, the hook, the result.
+GroupedLinearBackward GroupedLinear::end_backward(GroupedLinearContext& ctx, Tensor dx, GroupedLinearGrads grads,
+                                                  Stream stream) const {
+  ctx.state_->release_saved(stream);
   if (options_.wgrad_hook) options_.wgrad_hook(grads, stream);
+  GroupedLinearBackward result;
+  result.dx = std::move(dx);
   result.grads = std::move(grads);
   return result;
 }
